@@ -1,0 +1,20 @@
+"""Payload dtypes: names of the contract mapped to NumPy dtypes (bfloat16 from ml_dtypes)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+PAYLOAD_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def payload_dtype(dtype) -> np.dtype:
+    """Resolve ``dtype`` (a name or a NumPy dtype) to one of the supported payload dtypes."""
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", str(dtype))
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(name, name)
+    if name not in PAYLOAD_DTYPES:
+        raise TypeError(f"dtype={dtype!r} is not supported: use one of {sorted(PAYLOAD_DTYPES)}")
+    return PAYLOAD_DTYPES[name]

@@ -1,0 +1,56 @@
+"""Results of a dispatch and of a combine, and the handle that replays a routing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+Array = Any  # numpy.ndarray on the mpi backend, cupy.ndarray on the nvshmem backend
+Count = Union[int, Array]  # a host int when cpu_sync, else a 0-d device array
+
+
+@dataclass
+class EPHandle:
+    """Everything needed to replay a routing (cached dispatch) and to combine its outputs.
+
+    Fields follow DeepEP V2. ``N`` = rows of the compact receive layout, ``M`` = rows of the
+    expand layout, ``L`` = local experts; with ``cpu_sync=False`` ``N``/``M`` are worst cases.
+    """
+
+    psum_num_recv_tokens_per_rank: Array  # [R] int32, inclusive prefix sum of rows per source rank
+    psum_num_recv_tokens_per_expert: Array  # [L] int32 (expand: align(psum[i-1]) + count[i])
+    num_recv_tokens_per_expert: Any  # [L] aligned counts: a host list when cpu_sync, else a device array
+    num_unaligned_recv_tokens_per_expert: Array  # [L] int32
+    recv_src_metadata: Array  # [N, 2+K] int32: col 0 src_rank*max_tokens+src_token, col 1 symmetric-buffer row, cols 2.. expanded row or -1
+    dst_buffer_slot_idx: Array  # [T, K] int32: src_rank*max_tokens+slot in the destination buffer, on the first entry per rank
+    num_recv_tokens: Count  # compact rows received
+    num_expanded_tokens: Count  # expanded rows, padding included
+    # the dispatch arguments
+    num_tokens: int
+    topk_idx: Array  # [T, K] int64, as given (validated)
+    topk_weights: Optional[Array]  # [T, K] float32 or None
+    is_token_in_rank: Array  # [T, R] bool, source side
+    expand: bool
+    expert_alignment: int
+    zero_padding: bool
+    deterministic: bool
+    cpu_sync: bool
+    num_out_rows: int  # rows of recv_x (M when expand, else N)
+
+
+@dataclass
+class DispatchOutput:
+    """``recv_x [rows, H]``; ``recv_topk_idx``/``recv_topk_weights`` are ``[N, K]`` (compact,
+    local expert ids or -1) or ``[M]`` (expand: the row's local expert, -1 for padding)."""
+
+    recv_x: Array
+    recv_topk_idx: Array
+    recv_topk_weights: Optional[Array]
+    handle: EPHandle
+
+
+@dataclass
+class CombineOutput:
+    """``x [T, H]`` in the payload dtype; ``topk_weights [T, K]`` float32 gathered back, or None."""
+
+    x: Array
+    topk_weights: Optional[Array]

@@ -1,0 +1,123 @@
+"""Argument checks run before anything is sent: each error names the argument, the value and the rule.
+
+The functions take the array module ``xp`` (numpy or cupy) so that both backends share them;
+value checks on device arrays cost one small reduction each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The fixed shape of a Buffer."""
+
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    num_topk: int
+    max_tokens: int
+    dtype: np.dtype
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+
+def check_geometry(num_ranks: int, num_experts: int, hidden: int, num_topk: int, max_tokens: int) -> None:
+    """Rules of the Buffer's constructor arguments."""
+    for name, value in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk),
+                        ("num_max_tokens_per_rank", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks ({num_ranks})")
+    if num_topk > num_experts:
+        raise ValueError(f"num_topk={num_topk} must not exceed num_experts={num_experts}")
+
+
+def _shape(arr: Any, name: str) -> tuple:
+    shape = getattr(arr, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name} must be an array, got {type(arr).__name__}")
+    return tuple(shape)
+
+
+def check_topk_idx(xp, topk_idx: Any, geo: Geometry) -> None:
+    """``topk_idx``: integer ``[T, K]``, ``T <= max_tokens``, entries ``< num_experts``, no expert twice per token."""
+    shape = _shape(topk_idx, "topk_idx")
+    if not np.issubdtype(np.dtype(topk_idx.dtype), np.integer):
+        raise TypeError(f"topk_idx has dtype {topk_idx.dtype}: expert ids must be integers")
+    if len(shape) != 2 or shape[1] != geo.num_topk:
+        raise ValueError(f"topk_idx has shape {shape}: must be [num_tokens, num_topk={geo.num_topk}]")
+    if shape[0] > geo.max_tokens:
+        raise ValueError(f"topk_idx has {shape[0]} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
+    if shape[0] == 0:
+        return
+    idx = topk_idx.astype(xp.int64)
+    top = int(idx.max())
+    if top >= geo.num_experts:
+        raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} (negative = none)")
+    if geo.num_topk > 1:
+        ordered = xp.sort(idx, axis=1)
+        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(repeated.any()):
+            token = int(xp.nonzero(repeated.any(axis=1))[0][0])
+            raise ValueError(f"topk_idx row {token} names the same expert twice: each token picks distinct experts")
+
+
+def check_payload(x: Any, name: str, rows: int, geo: Geometry, row_name: str) -> None:
+    """``x``: ``[rows, hidden]`` of the buffer's dtype."""
+    shape = _shape(x, name)
+    if np.dtype(x.dtype) != geo.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype}: the buffer moves {geo.dtype.name}")
+    if len(shape) != 2 or shape[1] != geo.hidden:
+        raise ValueError(f"{name} has shape {shape}: must be [{row_name}, hidden={geo.hidden}]")
+    if shape[0] != rows:
+        raise ValueError(f"{name} has {shape[0]} rows: must equal {row_name} ({rows})")
+
+
+def check_weights(weights: Optional[Any], name: str, shape: tuple) -> None:
+    """Floating-point weights of exactly ``shape`` (or None)."""
+    if weights is None:
+        return
+    got = _shape(weights, name)
+    if not np.issubdtype(np.dtype(weights.dtype), np.floating):
+        raise TypeError(f"{name} has dtype {weights.dtype}: weights must be floating point")
+    if got != tuple(shape):
+        raise ValueError(f"{name} has shape {got}: must be {list(shape)}")
+
+
+def check_alignment(expert_alignment: Any) -> None:
+    if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, (int, np.integer)) or expert_alignment < 1:
+        raise ValueError(f"expert_alignment={expert_alignment!r}: must be an integer >= 1")
+
+
+def check_stats(stats: Optional[Any], geo: Geometry) -> None:
+    """``stats``: an integer array ``[E/R]`` that dispatch adds the received counts to."""
+    if stats is None:
+        return
+    shape = _shape(stats, "stats")
+    if not np.issubdtype(np.dtype(stats.dtype), np.integer):
+        raise TypeError(f"stats has dtype {stats.dtype}: must be an integer array")
+    if shape != (geo.experts_per_rank,):
+        raise ValueError(f"stats has shape {shape}: must be [num_local_experts={geo.experts_per_rank}]")
+
+
+def check_bias(bias: Any, num_tokens: int, geo: Geometry) -> tuple:
+    """``bias``: None, one ``[T, H]`` array or a pair of them; returns a tuple of arrays."""
+    if bias is None:
+        return ()
+    terms = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    if len(terms) > 2:
+        raise ValueError(f"bias has {len(terms)} terms: give one array or a pair")
+    for i, term in enumerate(terms):
+        shape = _shape(term, f"bias[{i}]")
+        if shape != (num_tokens, geo.hidden):
+            raise ValueError(f"bias[{i}] has shape {shape}: must be [num_tokens={num_tokens}, hidden={geo.hidden}]")
+        if not np.issubdtype(np.dtype(term.dtype), np.floating) and np.dtype(term.dtype) != geo.dtype:
+            raise TypeError(f"bias[{i}] has dtype {term.dtype}: must be floating point")
+    return terms
