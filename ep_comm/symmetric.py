@@ -1,0 +1,74 @@
+"""Byte layout of the symmetric buffer every rank allocates once, at worst-case capacity.
+
+Both transports (MPI one-sided windows, NVSHMEM symmetric heap) allocate the same layout so
+that a peer's region is addressed by the same offsets everywhere:
+
+* ``signal[R]`` int64: the sequence number of the last operation source rank ``s`` finished
+  writing into this rank (monotone; a waiter wants ``signal[s] >= seq``);
+* ``counts[2][R]`` int64: rows source ``s`` wrote in the operation of that parity;
+* ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
+* ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
+  (as raw bits).
+
+Operations alternate between two parities (``seq % 2``): a peer is at most one operation ahead
+(it cannot finish operation ``n+1`` before this rank has sent its own signal for ``n+1``, which
+it does only after it has read operation ``n``), so double buffering needs no extra handshake.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_ALIGN = 128
+
+
+def _up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class SymmetricLayout:
+    num_ranks: int
+    max_tokens: int
+    hidden: int
+    num_topk: int
+    itemsize: int
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-self.hidden * self.itemsize // 16) * 16
+
+    @property
+    def meta_words(self) -> int:
+        return 1 + 2 * self.num_topk
+
+    @property
+    def signal_offset(self) -> int:
+        return 0
+
+    @property
+    def counts_offset(self) -> int:
+        return _up(8 * self.num_ranks)
+
+    @property
+    def rows_offset(self) -> int:
+        return self.counts_offset + _up(2 * 8 * self.num_ranks)
+
+    @property
+    def meta_offset(self) -> int:
+        return self.rows_offset + _up(2 * self.num_ranks * self.max_tokens * self.row_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.meta_offset + _up(2 * self.num_ranks * self.max_tokens * self.meta_words * 4)
+
+    def signal_at(self, src: int) -> int:
+        return self.signal_offset + 8 * src
+
+    def count_at(self, parity: int, src: int) -> int:
+        return self.counts_offset + 8 * (parity * self.num_ranks + src)
+
+    def row_at(self, parity: int, src: int, slot: int = 0) -> int:
+        return self.rows_offset + ((parity * self.num_ranks + src) * self.max_tokens + slot) * self.row_bytes
+
+    def meta_at(self, parity: int, src: int, slot: int = 0) -> int:
+        return self.meta_offset + ((parity * self.num_ranks + src) * self.max_tokens + slot) * self.meta_words * 4
