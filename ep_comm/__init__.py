@@ -1,0 +1,13 @@
+"""ep_comm: expert-parallel Mixture-of-Experts dispatch and combine.
+
+``Buffer`` is the public API (see README.md); ``backend="mpi"`` runs on CPU over MPI one-sided
+windows, ``backend="nvshmem"`` on GPUs over NVSHMEM symmetric memory.
+"""
+from .buffer import Buffer
+from .errors import BufferUnusableError, TimeoutError
+from .handle import CombineOutput, DispatchOutput, EPHandle
+from .layout import DispatchLayout
+
+__all__ = ["Buffer", "BufferUnusableError", "CombineOutput", "DispatchLayout", "DispatchOutput", "EPHandle",
+           "TimeoutError"]
+__version__ = "0.1.0"

@@ -1,0 +1,34 @@
+"""Backends run the protocol: ``mpi`` (CPU, NumPy over MPI windows) and ``nvshmem`` (GPU)."""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from ..validate import Geometry
+
+BACKENDS = ("auto", "mpi", "nvshmem")
+
+
+def gpu_available() -> bool:
+    """True when CuPy sees a CUDA device and nvshmem4py imports."""
+    try:
+        import cupy
+        import nvshmem.core  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # any import or driver failure means: no usable GPU stack here
+        return False
+
+
+def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
+    """Instantiate backend ``name``; ``auto`` picks ``nvshmem`` where a GPU stack is present."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")
+    if name == "auto":
+        name = "nvshmem" if gpu_available() else "mpi"
+    if name == "mpi":
+        from .mpi import MpiBackend
+
+        return MpiBackend(comm, geo, deterministic, timeout_s)
+    from .nvshmem import NvshmemBackend
+
+    return NvshmemBackend(comm, geo, deterministic, timeout_s)

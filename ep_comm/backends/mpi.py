@@ -1,0 +1,278 @@
+"""The ``mpi`` backend: the whole dispatch/combine protocol on CPU, NumPy arithmetic over MPI windows.
+
+It runs the phases of the GPU path (count, prefix sums, count exchange, rank scatter, expert
+scatter, combine) with ``ep_comm.layout`` and ``ep_comm.reduce`` doing the math, so it is both
+the default where there is no GPU and the executable reference the GPU backend is checked against.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import layout as lay
+from ..errors import BufferUnusableError, TimeoutError
+from ..handle import CombineOutput, DispatchOutput, EPHandle
+from ..reduce import combine_rows, expand_partials
+from ..symmetric import SymmetricLayout
+from ..transport.mpi_window import MpiWindow
+from ..validate import Geometry
+
+
+class MpiBackend:
+    """CPU backend. Arrays in and out are NumPy arrays."""
+
+    name = "mpi"
+    xp = np
+
+    def __init__(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
+        self.comm = comm.Dup()
+        self.rank = self.comm.rank
+        self.geo = geo
+        self.deterministic = deterministic
+        self.timeout_s = timeout_s
+        self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
+        self.window = MpiWindow(self.comm, self.sym)
+        self.seq = 0
+        self.unusable: Optional[str] = None
+
+    # ------------------------------------------------------------------ inputs
+    def as_array(self, obj, name: str) -> np.ndarray:
+        """Accept NumPy arrays and anything NumPy can view without copying semantics surprises."""
+        if isinstance(obj, np.ndarray):
+            return obj
+        if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
+            return np.asarray(obj)
+        if hasattr(obj, "__cuda_array_interface__"):
+            raise TypeError(f"{name} is a GPU array: the mpi backend takes host (NumPy) arrays")
+        raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
+
+    def dispatch_layout(self, topk_idx: np.ndarray) -> lay.DispatchLayout:
+        return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
+
+    # ---------------------------------------------------------------- protocol
+    def _begin(self, what: str) -> tuple:
+        if self.unusable:
+            raise BufferUnusableError(f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
+        self.seq += 1
+        return self.seq, self.seq % 2
+
+    def _wait_all(self, what: str, seq: int) -> None:
+        missing = self.window.wait(range(self.geo.num_ranks), seq, time.monotonic() + self.timeout_s)
+        if missing:
+            self.unusable = f"{what} #{seq} timed out waiting for ranks {missing}"
+            raise TimeoutError(
+                f"rank {self.rank}: {what} #{seq} timed out after {self.timeout_s:g} s waiting for ranks "
+                f"{missing} (every rank must call {what} collectively)", missing)
+
+    def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
+        raw = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
+        if raw.shape[1] == self.sym.row_bytes:
+            return raw
+        padded = np.zeros((len(rows), self.sym.row_bytes), dtype=np.uint8)
+        padded[:, : raw.shape[1]] = raw
+        return padded
+
+    def _pack_meta(self, tokens: np.ndarray, local_ids: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
+        """``[n, 1+2K]`` int32 meta rows: source token, K local expert ids, K float32 weights as bits."""
+        k = self.geo.num_topk
+        meta = np.zeros((len(tokens), self.sym.meta_words), dtype=np.int32)
+        meta[:, 0] = tokens
+        meta[:, 1 : 1 + k] = local_ids
+        if weights is not None:
+            meta[:, 1 + k :] = np.ascontiguousarray(weights, dtype=np.float32).view(np.int32)
+        return meta
+
+    def _put_block(self, dst: int, parity: int, rows: np.ndarray, meta: np.ndarray) -> None:
+        self.window.put(self._pack_rows(rows), dst, self.sym.row_at(parity, self.rank))
+        self.window.put(meta, dst, self.sym.meta_at(parity, self.rank))
+
+    def _read_block(self, parity: int, src: int, count: int) -> tuple:
+        """Rows ``[count, H]`` (payload dtype) and meta ``[count, 1+2K]`` int32 that ``src`` wrote here."""
+        nbytes = self.geo.hidden * self.geo.dtype.itemsize
+        raw = self.window.local(self.sym.row_at(parity, src), count * self.sym.row_bytes)
+        rows = np.ascontiguousarray(raw.reshape(count, self.sym.row_bytes)[:, :nbytes]).view(self.geo.dtype)
+        meta = self.window.local(self.sym.meta_at(parity, src), count * self.sym.meta_words * 4)
+        return rows.reshape(count, self.geo.hidden), meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
+                 zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
+        geo = self.geo
+        seq, parity = self._begin("dispatch")
+        if handle is None:
+            in_rank = lay.is_token_in_rank(topk_idx, geo.num_experts, geo.num_ranks)
+            slots = lay.stable_rank_slots(in_rank) if self.deterministic else lay.atomic_rank_slots(in_rank, seed=seq)
+            slot_idx = lay.dst_buffer_slot_idx(topk_idx, slots, self.rank, geo.experts_per_rank, geo.max_tokens)
+        else:
+            topk_idx, in_rank, slot_idx = handle.topk_idx, handle.is_token_in_rank, handle.dst_buffer_slot_idx
+            slots = self._slots_from_handle(handle)
+        # rank scatter: each destination's rows in slot order, one put per destination
+        for dst in range(geo.num_ranks):
+            tokens = np.nonzero(in_rank[:, dst])[0]
+            tokens = tokens[np.argsort(slots[tokens, dst], kind="stable")]
+            local_ids = lay.local_topk(topk_idx[tokens], dst, geo.experts_per_rank)
+            self._put_block(dst, parity, x[tokens], self._pack_meta(tokens, local_ids, None if topk_weights is None else topk_weights[tokens]))
+            if handle is None:  # count exchange
+                self.window.put(np.array([len(tokens)], dtype=np.int64), dst, self.sym.count_at(parity, self.rank))
+        self.window.signal(range(geo.num_ranks), seq)
+        self._wait_all("dispatch", seq)
+        if handle is None:
+            counts = [int(self.window.local(self.sym.count_at(parity, s), 8).view(np.int64)[0]) for s in range(geo.num_ranks)]
+        else:
+            counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0).tolist()
+        blocks = [self._read_block(parity, s, c) for s, c in enumerate(counts)]
+        rows = np.concatenate([b[0] for b in blocks]) if blocks else np.zeros((0, geo.hidden), geo.dtype)
+        meta = np.concatenate([b[1] for b in blocks])
+        return self._assemble(rows, meta, counts, handle, topk_idx, topk_weights, in_rank, slot_idx,
+                              expand, alignment, zero_padding, cpu_sync, stats)
+
+    def _slots_from_handle(self, handle: EPHandle) -> np.ndarray:
+        """``[T, R]`` slots recorded in a handle's ``dst_buffer_slot_idx``."""
+        geo = self.geo
+        slots = np.full((handle.num_tokens, geo.num_ranks), -1, dtype=np.int64)
+        ranks = lay.entry_ranks(handle.topk_idx, geo.experts_per_rank)
+        t, k = np.nonzero(handle.dst_buffer_slot_idx >= 0)
+        slots[t, ranks[t, k]] = handle.dst_buffer_slot_idx[t, k] - self.rank * geo.max_tokens
+        return slots
+
+    def _assemble(self, rows, meta, counts, handle, topk_idx, topk_weights, in_rank, slot_idx,
+                  expand, alignment, zero_padding, cpu_sync, stats) -> DispatchOutput:
+        """Receiver side: compact rows grouped by source -> outputs, metadata and the handle."""
+        geo = self.geo
+        k, num_local = geo.num_topk, geo.experts_per_rank
+        n = len(rows)
+        local_ids = meta[:, 1 : 1 + k].astype(np.int64)
+        weights = meta[:, 1 + k :].view(np.float32) if topk_weights is not None else None
+        src_rank = np.repeat(np.arange(geo.num_ranks), counts)
+        slot = np.arange(n) - np.repeat(lay.exclusive_psum(counts)[:-1], counts)
+        if handle is None:
+            recv = lay.receive_layout(local_ids, num_local, alignment, expand)
+            expanded_row = recv.expanded_row if expand else np.full((n, k), -1, dtype=np.int32)
+            unaligned, aligned, psum_e, num_expanded = (
+                recv.num_unaligned_per_expert, recv.num_aligned_per_expert, recv.psum_per_expert, recv.num_expanded_tokens)
+        else:
+            expanded_row = np.asarray(handle.recv_src_metadata)[:n, 2:]
+            unaligned = np.asarray(handle.num_unaligned_recv_tokens_per_expert)
+            aligned = np.asarray(handle.num_recv_tokens_per_expert, dtype=np.int32)
+            psum_e, num_expanded = np.asarray(handle.psum_num_recv_tokens_per_expert), int(handle.num_expanded_tokens)
+        if stats is not None:
+            stats += unaligned.astype(stats.dtype)
+        out_rows = self._out_rows(n, num_expanded, expand, alignment, cpu_sync)
+        metadata = np.full((self._out_rows(n, 0, False, 1, cpu_sync), 2 + k), -1, dtype=np.int32)
+        metadata[:n, 0] = src_rank * geo.max_tokens + meta[:, 0]
+        metadata[:n, 1] = src_rank * geo.max_tokens + slot
+        metadata[:n, 2:] = expanded_row
+        if expand:
+            recv_x, recv_idx, recv_w = self._expand(rows, local_ids, weights, expanded_row, out_rows)
+        else:
+            recv_x = np.zeros((out_rows, geo.hidden), dtype=geo.dtype)
+            recv_x[:n] = rows
+            recv_idx = np.full((out_rows, k), -1, dtype=np.int64)
+            recv_idx[:n] = local_ids
+            recv_w = None
+            if weights is not None:
+                recv_w = np.zeros((out_rows, k), dtype=np.float32)
+                recv_w[:n] = np.where(local_ids >= 0, weights, 0)
+        new_handle = EPHandle(
+            psum_num_recv_tokens_per_rank=lay.inclusive_psum(counts),
+            psum_num_recv_tokens_per_expert=psum_e,
+            num_recv_tokens_per_expert=[int(c) for c in aligned] if cpu_sync else aligned,
+            num_unaligned_recv_tokens_per_expert=unaligned,
+            recv_src_metadata=metadata,
+            dst_buffer_slot_idx=slot_idx,
+            num_recv_tokens=n if cpu_sync else np.array(n, dtype=np.int64),
+            num_expanded_tokens=num_expanded if cpu_sync else np.array(num_expanded, dtype=np.int64),
+            num_tokens=len(topk_idx), topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=in_rank,
+            expand=expand, expert_alignment=alignment, zero_padding=zero_padding,
+            deterministic=self.deterministic, cpu_sync=cpu_sync, num_out_rows=out_rows,
+        )
+        return DispatchOutput(recv_x, recv_idx, recv_w, new_handle)
+
+    def _out_rows(self, n: int, num_expanded: int, expand: bool, alignment: int, cpu_sync: bool) -> int:
+        """Rows of ``recv_x``: exact when ``cpu_sync``, else the worst case of the contract."""
+        geo = self.geo
+        if cpu_sync:
+            return num_expanded if expand else n
+        if expand:
+            return lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, geo.num_topk, geo.experts_per_rank, alignment)
+        return lay.worst_case_recv_rows(geo.num_ranks, geo.max_tokens)
+
+    def _expand(self, rows, local_ids, weights, expanded_row, out_rows) -> tuple:
+        """Expert scatter: one output row per (row, local expert); padding rows stay zero."""
+        recv_x = np.zeros((out_rows, self.geo.hidden), dtype=self.geo.dtype)
+        recv_idx = np.full(out_rows, -1, dtype=np.int64)
+        recv_w = np.zeros(out_rows, dtype=np.float32) if weights is not None else None
+        r, k = np.nonzero(expanded_row >= 0)
+        dest = expanded_row[r, k]
+        recv_x[dest] = rows[r]
+        recv_idx[dest] = local_ids[r, k]
+        if recv_w is not None:
+            recv_w[dest] = weights[r, k]
+        return recv_x, recv_idx, recv_w
+
+    # ----------------------------------------------------------------- combine
+    def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence[np.ndarray]) -> CombineOutput:
+        geo = self.geo
+        seq, parity = self._begin("combine")
+        counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0)
+        n = int(counts.sum())
+        meta = np.asarray(handle.recv_src_metadata)[:n]
+        if handle.expand:
+            partial = expand_partials(y, meta[:, 2:], topk_weights, geo.dtype)
+            back_w = None if topk_weights is None else np.where(meta[:, 2:] >= 0, topk_weights[np.maximum(meta[:, 2:], 0)], 0)
+        else:
+            partial, back_w = y[:n], None if topk_weights is None else topk_weights[:n]
+        starts = lay.exclusive_psum(counts)
+        for src in range(geo.num_ranks):
+            block = slice(starts[src], starts[src + 1])
+            w = None if back_w is None else back_w[block]
+            self._put_block(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
+        self.window.signal(range(geo.num_ranks), seq)
+        self._wait_all("combine", seq)
+        return self._reduce_at_source(handle, parity, topk_weights is not None, bias_terms)
+
+    def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
+        """Source side: gather each token's row from every rank it reached, sum in rank order."""
+        geo = self.geo
+        slots = self._slots_from_handle(handle) if handle.num_tokens else np.zeros((0, geo.num_ranks), np.int64)
+        counts = handle.is_token_in_rank.sum(axis=0)
+        rows_from_rank, weights_from_rank = [], []
+        for r in range(geo.num_ranks):
+            rows, meta = self._read_block(parity, r, int(counts[r]))
+            pick = np.maximum(slots[:, r], 0)
+            rows_from_rank.append(rows[pick] if len(rows) else np.zeros((handle.num_tokens, geo.hidden), geo.dtype))
+            weights_from_rank.append(meta[pick, 1 + geo.num_topk :].view(np.float32) if len(rows) else None)
+        x = combine_rows(rows_from_rank, handle.is_token_in_rank, bias_terms, geo.dtype)
+        topk_w = self._gather_weights(handle, weights_from_rank) if with_weights else None
+        return CombineOutput(x, topk_w)
+
+    def _gather_weights(self, handle: EPHandle, weights_from_rank) -> np.ndarray:
+        """``[T, K]``: entry k's weight as sent back by the rank owning its expert; 0 if masked."""
+        ranks = lay.entry_ranks(handle.topk_idx, self.geo.experts_per_rank)
+        out = np.zeros(ranks.shape, dtype=np.float32)
+        for r, w in enumerate(weights_from_rank):
+            if w is not None:
+                mask = ranks == r
+                out[mask] = w[mask]
+        return out
+
+    def close(self) -> None:
+        """Collective close with a bounded wait; after a timeout, release local resources only."""
+        if self.window is None:
+            return
+        if self.unusable:
+            self.window.free(collective=False)
+        else:
+            seq, _ = self._begin("close")
+            self.window.signal(range(self.geo.num_ranks), seq)
+            try:
+                self._wait_all("close", seq)
+            finally:
+                self.window.free(collective=not self.unusable)
+                if not self.unusable:
+                    self.comm.Free()
+        self.window = None
