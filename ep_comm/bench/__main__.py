@@ -1,0 +1,72 @@
+"""Command line of the benchmark: ``mpirun -np N python -m ep_comm.bench --config NAME [options]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ep_comm.bench.routing import KINDS
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 0")
+    return value
+
+
+def _token_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a list of positive token counts, e.g. 128,512,4096")
+    return values
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ep_comm.bench",
+        description="Dispatch + combine benchmark with a round-trip check. Run under mpirun, one process per "
+                    "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config.")
+    p.add_argument("--config", default="cpu_demo", help="config name in configs/ or a path to a .toml (default: cpu_demo)")
+    p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
+    p.add_argument("--seed", type=_non_negative_int, help="routing/input seed (default: the config's routing.seed)")
+    p.add_argument("--tokens", type=_positive_int, help="tokens per rank (default: the config's tokens_per_rank)")
+    p.add_argument("--sweep", type=_token_list, help="comma-separated tokens per rank to run one after another")
+    p.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per point (default: 20)")
+    p.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed iterations per point (default: 3)")
+    p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
+    p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
+    p.add_argument("--alignment", type=_positive_int, default=1, help="expert_alignment of expand mode (default: 1)")
+    p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
+    p.add_argument("--timeout", type=float, default=100.0, help="Buffer timeout_s in seconds (default: 100)")
+    p.add_argument("--num-sms", type=_positive_int, help="SMs for the GPU kernels (recorded; passed on once the Buffer takes it)")
+    p.add_argument("--no-baselines", action="store_true", help="GPU: skip the NCCL baselines")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
+    p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress line and no report (failures still print)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse the options and run the benchmark on MPI.COMM_WORLD; returns the exit status."""
+    args = parser().parse_args(argv)
+    if args.tokens and args.sweep:
+        parser().error("give --tokens or --sweep, not both")
+    from ep_comm.bench.runner import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""One rank's part of a benchmark point: inputs, the round-trip check, counts and timings.
+
+The round trip is ``combine(dispatch(x).recv_x)`` without weights: compact mode returns
+``x * (ranks the token reached)``, expand mode ``x * (experts the token picked)``, each summed in
+the contract's float32 order and rounded to the payload dtype. The expected result is computed
+with the reference arithmetic of ``ep_comm.reduce`` and compared bit for bit.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from ep_comm import layout as lay
+from ep_comm.dtypes import payload_dtype
+from ep_comm.reduce import combine_rows, expand_partials
+
+from .routing import Routing, make_routing
+
+Timer = Callable[[Callable[[], Any]], Tuple[Any, float]]
+
+
+@dataclass
+class PointSpec:
+    """What one benchmark point runs (the same on every rank)."""
+
+    num_experts: int
+    hidden: int
+    num_topk: int
+    num_tokens: int
+    dtype: str
+    routing: str
+    seed: int
+    zipf_s: float
+    hot_expert: int
+    expand: bool
+    expert_alignment: int
+    warmup: int
+    iters: int
+
+
+@dataclass
+class RankSample:
+    """What one rank measured for one point; gathered to rank 0 by ``report``."""
+
+    rank: int
+    num_tokens: int
+    rows_sent: int  # (token, destination rank) rows this rank sent, itself included
+    recv_rows: int  # compact rows received
+    recv_from_self: int
+    expanded_rows: int  # rows of the expand layout (padding included); 0 in compact mode
+    failures: List[str] = field(default_factory=list)
+    times: Dict[str, List[float]] = field(default_factory=dict)  # seconds per iteration, by operation
+
+
+def host_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
+    """Run ``fn`` and return ``(result, host wall-clock seconds)``."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def cuda_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
+    """Run ``fn`` between two CUDA events on the current stream; ``(result, GPU seconds)``."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    return result, cupy.cuda.get_elapsed_time(start, end) / 1e3
+
+
+def to_host(arr: Any) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array (or a host list/int)."""
+    return arr.get() if hasattr(arr, "__cuda_array_interface__") else np.asarray(arr)
+
+
+def make_inputs(spec: PointSpec, rank: int) -> Tuple[np.ndarray, Routing]:
+    """This rank's tokens ``x [T, H]`` (payload dtype) and routing; seeded by ``(seed, rank)``."""
+    routing = make_routing(spec.routing, spec.num_tokens, spec.num_experts, spec.num_topk,
+                           seed=(spec.seed, rank), zipf_s=spec.zipf_s, hot_expert=spec.hot_expert)
+    rng = np.random.default_rng((spec.seed, rank, 1))
+    x = rng.standard_normal((spec.num_tokens, spec.hidden), dtype=np.float32).astype(payload_dtype(spec.dtype))
+    return x, routing
+
+
+def expected_round_trip(x: np.ndarray, topk_idx: np.ndarray, num_experts: int, num_ranks: int,
+                        expand: bool) -> np.ndarray:
+    """``[T, H]`` payload dtype: what an unweighted ``combine(dispatch(x).recv_x)`` must return.
+
+    Rank ``r``'s partial for token ``t`` is ``x[t]`` (compact) or ``x[t]`` summed once per entry
+    of ``t`` on ``r`` in top-k order (expand); partials are summed in rank order.
+    """
+    reached = lay.is_token_in_rank(topk_idx, num_experts, num_ranks)
+    if not expand:
+        return combine_rows([x] * num_ranks, reached, (), x.dtype)
+    ranks = lay.entry_ranks(topk_idx, num_experts // num_ranks)
+    token = np.arange(len(x))[:, None]
+    partials = [expand_partials(x, np.where(ranks == r, token, -1), None, x.dtype) for r in range(num_ranks)]
+    return combine_rows(partials, reached, (), x.dtype)
+
+
+def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
+    """None when ``got`` equals ``want`` bit for bit, else a description of the first differing element."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {got.shape} {got.dtype}, expected {want.shape} {want.dtype}"
+    diff = got.view(np.uint8).reshape(got.shape[0], -1) != want.view(np.uint8).reshape(want.shape[0], -1)
+    if not diff.any():
+        return None
+    t, b = np.argwhere(diff)[0]
+    h = b // got.dtype.itemsize
+    return f"token {t} hidden {h}: got {float(got[t, h])!r}, expected {float(want[t, h])!r}"
+
+
+def check_counts(comm: MPI.Comm, sent_per_rank: np.ndarray, out: Any, expand: bool) -> List[str]:
+    """Rows received from each source must equal what that source counted for this rank, and
+    ``recv_x`` must have the handle's number of rows (compact or expanded)."""
+    want = np.asarray(comm.alltoall([int(c) for c in sent_per_rank]))
+    got = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
+    failures = []
+    if not np.array_equal(got, want):
+        failures.append(f"rows per source rank {got.tolist()}, sources sent {want.tolist()}")
+    if int(out.handle.num_recv_tokens) != int(want.sum()):
+        failures.append(f"num_recv_tokens={int(out.handle.num_recv_tokens)}, sources sent {int(want.sum())}")
+    rows = int(out.handle.num_expanded_tokens if expand else out.handle.num_recv_tokens)
+    if len(out.recv_x) != rows:
+        failures.append(f"recv_x has {len(out.recv_x)} rows, the handle says {rows}")
+    return failures
+
+
+def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: int, iters: int,
+                 tick: Optional[Callable[[int], None]] = None) -> np.ndarray:
+    """Run ``body`` ``warmup + iters`` times, each after a barrier; ``[iters, m]`` seconds it returned."""
+    rows = []
+    for i in range(warmup + iters):
+        comm.Barrier()
+        seconds = body()
+        if i >= warmup:
+            rows.append(seconds)
+        if tick is not None:
+            tick(i + 1)
+    return np.asarray(rows, dtype=np.float64)
+
+
+def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: Callable[[np.ndarray], Any],
+              tick: Optional[Callable[[int], None]] = None) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
+    """Dispatch + combine ``spec.warmup + spec.iters`` times on ``buf``; check the first and last round trip.
+
+    ``device`` moves a host array to where the backend wants it (identity on CPU). Returns this
+    rank's sample and its host inputs (the baselines reuse them).
+    """
+    x, routing = make_inputs(spec, comm.rank)
+    dx, didx, dw = device(x), device(routing.topk_idx), device(routing.topk_weights)
+    want = expected_round_trip(x, routing.topk_idx, spec.num_experts, comm.size, spec.expand)
+    last: Dict[str, Any] = {}
+
+    def body() -> Tuple[float, float]:
+        out, t_dispatch = timer(lambda: buf.dispatch(dx, didx, dw, expand=spec.expand,
+                                                     expert_alignment=spec.expert_alignment))
+        res, t_combine = timer(lambda: buf.combine(out.recv_x, out.handle))
+        last.update(out=out, res=res)
+        return t_dispatch, t_combine
+
+    # the first call is checked before anything is timed, so a wrong result fails fast
+    body()
+    failures = _round_trip_failures(last["res"].x, want, "first")
+    times = sample_times(comm, body, spec.warmup, spec.iters, tick)
+    failures += _round_trip_failures(last["res"].x, want, "last")
+    out = last["out"]
+    sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
+    psum = to_host(out.handle.psum_num_recv_tokens_per_rank)
+    failures += check_counts(comm, sent, out, spec.expand)
+    sample = RankSample(
+        rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(psum[-1]),
+        recv_from_self=int(np.diff(psum, prepend=0)[comm.rank]),
+        expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
+        times={"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()},
+    )
+    return sample, (x, routing)
+
+
+def _round_trip_failures(got: Any, want: np.ndarray, which: str) -> List[str]:
+    problem = first_mismatch(to_host(got), want)
+    return [] if problem is None else [f"round trip ({which} iteration) differs: {problem}"]

@@ -1,0 +1,212 @@
+"""Benchmark results on rank 0: aggregation over ranks, the text report, JSON, CSV, plots, progress.
+
+Conventions (printed in the report header too):
+
+* latency of an operation = per-rank p50/p99 over iterations; the aggregate is the slowest rank's
+  (a collective is done when its last rank is);
+* logical bytes = all compact rows a rank received (DeepEP's convention); NVLink bytes = the rows
+  received from other ranks; GB/s = a rank's bytes / its p50, averaged over ranks;
+* tokens/s = tokens of all ranks / aggregate p50 of dispatch + combine;
+* imbalance = max / mean of received rows over ranks.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from typing import Any, Dict, List, Optional, Sequence, TextIO
+
+import numpy as np
+from mpi4py import MPI
+
+from .measure import RankSample
+
+EP_OPS = ("dispatch", "combine")
+HEADER = ("latency: slowest rank's p50/p99; GB/s: per-rank bytes / p50, mean over ranks; "
+          "logical = all received rows, NVLink = rows from peers")
+
+
+def gather_samples(comm: MPI.Comm, sample: RankSample) -> Optional[List[RankSample]]:
+    """Every rank's sample on rank 0 (None elsewhere)."""
+    return comm.gather(sample, root=0)
+
+
+def _stats(times_per_rank: Sequence[Sequence[float]]) -> Dict[str, Any]:
+    p50 = [float(np.percentile(t, 50)) * 1e6 for t in times_per_rank]
+    p99 = [float(np.percentile(t, 99)) * 1e6 for t in times_per_rank]
+    return {"p50": max(p50), "p99": max(p99), "p50_per_rank": p50, "p99_per_rank": p99}
+
+
+def summarize(samples: Sequence[RankSample], row_bytes: int) -> Dict[str, Any]:
+    """JSON-ready summary of one point from all ranks' samples; ``row_bytes = hidden * itemsize``."""
+    recv = np.array([s.recv_rows for s in samples], dtype=np.float64)
+    peers = recv - np.array([s.recv_from_self for s in samples])
+    ops = {op: [s.times[op] for s in samples] for op in samples[0].times}
+    ops["round_trip"] = [np.add(s.times["dispatch"], s.times["combine"]) for s in samples]
+    latency = {op: _stats(times) for op, times in ops.items()}
+    bandwidth = {
+        op: {kind: float(np.mean(nbytes * row_bytes / (np.array(latency[op]["p50_per_rank"]) * 1e-6))) / 1e9
+             for kind, nbytes in (("logical", recv), ("nvlink", peers))}
+        for op in EP_OPS
+    }
+    dispatch_p50 = latency["dispatch"]["p50"]
+    return {
+        "tokens_per_rank": samples[0].num_tokens,
+        "check_passed": not any(s.failures for s in samples),
+        "failures": [f"rank {s.rank}: {f}" for s in samples for f in s.failures],
+        "rows_sent": [s.rows_sent for s in samples],
+        "recv_rows": [s.recv_rows for s in samples],
+        "recv_from_peers": [int(p) for p in peers],
+        "expanded_rows": [s.expanded_rows for s in samples],
+        "imbalance": float(recv.max() / recv.mean()) if recv.sum() else 1.0,
+        "logical_bytes": [int(b) for b in recv * row_bytes],
+        "nvlink_bytes": [int(b) for b in peers * row_bytes],
+        "latency_us": latency,
+        "bandwidth_gbps": bandwidth,
+        "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
+        "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
+                                  for op in latency if op not in EP_OPS + ("round_trip",)},
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
+    """The text block of one point: per-rank rows, then the aggregates."""
+    lat = point["latency_us"]
+    status = "OK" if point["check_passed"] else "FAILED"
+    lines = [f"== {point['tokens_per_rank']} tokens/rank: round trip {status}",
+             f"  {'rank':>4} {'sent':>8} {'recv':>8} {'peers':>8} {'dispatch p50/p99 us':>21} {'combine p50/p99 us':>20}"]
+    for r, (sent, recv, peer) in enumerate(zip(point["rows_sent"], point["recv_rows"], point["recv_from_peers"])):
+        d = f"{lat['dispatch']['p50_per_rank'][r]:.1f}/{lat['dispatch']['p99_per_rank'][r]:.1f}"
+        c = f"{lat['combine']['p50_per_rank'][r]:.1f}/{lat['combine']['p99_per_rank'][r]:.1f}"
+        lines.append(f"  {r:>4} {sent:>8} {recv:>8} {peer:>8} {d:>21} {c:>20}")
+    lines.append(f"  rows sent {sum(point['rows_sent'])}, imbalance {point['imbalance']:.3f} (max/mean received rows), "
+                 f"per rank: logical {_fmt_bytes(np.mean(point['logical_bytes']))}, "
+                 f"NVLink {_fmt_bytes(np.mean(point['nvlink_bytes']))}")
+    if any(point["expanded_rows"]):
+        lines.append(f"  expanded rows per rank (padding included): {point['expanded_rows']}")
+    for op in EP_OPS:
+        bw = point["bandwidth_gbps"][op]
+        of_ceiling = f" ({bw['nvlink'] / ceiling_gbps:.0%} of the NVLink ceiling)" if ceiling_gbps else ""
+        lines.append(f"  {op:<8} p50 {lat[op]['p50']:.1f} us  p99 {lat[op]['p99']:.1f} us  "
+                     f"logical {bw['logical']:.2f} GB/s  NVLink {bw['nvlink']:.2f} GB/s{of_ceiling}")
+    lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s")
+    for op, ratio in point["baseline_over_ep_comm"].items():
+        lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")
+    lines += [f"  FAILED {f}" for f in point["failures"]]
+    return "\n".join(lines)
+
+
+def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str:
+    """The whole report: a header line with the run's parameters, then one block per point."""
+    head = " ".join(f"{k}={v}" for k, v in meta.items() if k not in ("versions",) and v is not None)
+    ceiling = meta.get("nvlink_ceiling_gbps")
+    blocks = [f"ep_comm.bench {head}", f"({HEADER})"] + [format_point(p, ceiling) for p in points]
+    return "\n".join(blocks)
+
+
+def write_json(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "points": list(points)}, f, indent=2)
+
+
+def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
+    """One flat CSV row of a point."""
+    row = {
+        "tokens_per_rank": point["tokens_per_rank"],
+        "check_passed": point["check_passed"],
+        "rows_sent": sum(point["rows_sent"]),
+        "recv_rows_max": max(point["recv_rows"]),
+        "imbalance": round(point["imbalance"], 4),
+        "logical_bytes_mean": float(np.mean(point["logical_bytes"])),
+        "nvlink_bytes_mean": float(np.mean(point["nvlink_bytes"])),
+        "tokens_per_s": point["tokens_per_s"],
+    }
+    for op, lat in point["latency_us"].items():
+        row[f"{op}_p50_us"], row[f"{op}_p99_us"] = lat["p50"], lat["p99"]
+    for op, bw in point["bandwidth_gbps"].items():
+        row[f"{op}_logical_gbps"], row[f"{op}_nvlink_gbps"] = bw["logical"], bw["nvlink"]
+    for op, ratio in point["baseline_over_ep_comm"].items():
+        row[f"{op}_over_ep_comm"] = ratio
+    return row
+
+
+def write_csv(path: str, points: Sequence[Dict[str, Any]]) -> None:
+    rows = [csv_row(p) for p in points]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def matplotlib_missing() -> Optional[str]:
+    """None when ``--plot`` can be honoured, else the message to stop with (checked before the run)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return ("--plot needs matplotlib, which is not installed: pip install -e '.[bench]' "
+                "(or pip install matplotlib)")
+    return None
+
+
+def write_plot(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
+    """Bandwidth and latency against tokens per rank, one figure with two panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [p["tokens_per_rank"] for p in points]
+    fig, (bw_ax, lat_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for op in EP_OPS:
+        for kind, style in (("logical", "-o"), ("nvlink", "--o")):
+            bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in points], style, label=f"{op} {kind}")
+    if meta.get("nvlink_ceiling_gbps"):
+        bw_ax.axhline(meta["nvlink_ceiling_gbps"], color="gray", linestyle=":", label="NVLink ceiling")
+    for op in points[0]["latency_us"]:
+        lat_ax.plot(tokens, [p["latency_us"][op]["p50"] for p in points], "-o", label=f"{op} p50")
+        lat_ax.plot(tokens, [p["latency_us"][op]["p99"] for p in points], ":", label=f"{op} p99")
+    for ax, ylabel in ((bw_ax, "GB/s per rank"), (lat_ax, "us (slowest rank)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"ep_comm {meta.get('config')} backend={meta.get('backend')} ranks={meta.get('ranks')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class Progress:
+    """A one-line live progress display on stderr (rank 0).
+
+    ``live`` redraws the line in place (only sensible on a TTY); ``final`` prints one closing line
+    per point. Both off is ``--quiet``.
+    """
+
+    def __init__(self, live: bool, final: bool, stream: TextIO = sys.stderr):
+        self.live, self.final, self.stream = live, final, stream
+        self.label, self.total = "", 0
+
+    def start(self, label: str, total: int) -> None:
+        self.label, self.total = label, total
+
+    def tick(self, done: int) -> None:
+        if self.live:
+            self.stream.write(f"\r[ep_comm.bench] {self.label}: iteration {done}/{self.total}")
+            self.stream.flush()
+
+    def finish(self, message: str) -> None:
+        if self.live:
+            self.stream.write("\r\033[K")
+        if self.final:
+            self.stream.write(f"[ep_comm.bench] {self.label}: {message}\n")
+        self.stream.flush()
