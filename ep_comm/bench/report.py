@@ -165,14 +165,16 @@ def write_plot(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]
 
     tokens = [p["tokens_per_rank"] for p in points]
     fig, (bw_ax, lat_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for op in EP_OPS:
+    for op, color in zip(EP_OPS, ("C0", "C1")):
         for kind, style in (("logical", "-o"), ("nvlink", "--o")):
-            bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in points], style, label=f"{op} {kind}")
+            bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in points], style, color=color,
+                       label=f"{op} {kind}")
     if meta.get("nvlink_ceiling_gbps"):
         bw_ax.axhline(meta["nvlink_ceiling_gbps"], color="gray", linestyle=":", label="NVLink ceiling")
-    for op in points[0]["latency_us"]:
-        lat_ax.plot(tokens, [p["latency_us"][op]["p50"] for p in points], "-o", label=f"{op} p50")
-        lat_ax.plot(tokens, [p["latency_us"][op]["p99"] for p in points], ":", label=f"{op} p99")
+    for i, op in enumerate(points[0]["latency_us"]):
+        for stat, style in (("p50", "-o"), ("p99", ":")):
+            lat_ax.plot(tokens, [p["latency_us"][op][stat] for p in points], style, color=f"C{i}",
+                        label=f"{op} {stat}")
     for ax, ylabel in ((bw_ax, "GB/s per rank"), (lat_ax, "us (slowest rank)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank")
