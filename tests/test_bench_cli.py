@@ -1,0 +1,180 @@
+"""The benchmark: its reference and report pieces in-process, and the whole command under mpirun.
+
+Timings are printed and written, never asserted on.
+"""
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ep_comm.bench.__main__ import parser
+from ep_comm.bench.measure import RankSample, expected_round_trip, first_mismatch
+from ep_comm.bench.report import Progress, csv_row, summarize
+from ep_comm.bench.routing import uniform_routing
+from ep_comm.dtypes import payload_dtype
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mpirun_path() -> str:
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun")
+    if found is None:
+        pytest.skip("no mpirun: install the package (pip install -e .) to get the mpich wheel's")
+    return found
+
+
+def run_bench(nranks: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [mpirun_path(), "-np", str(nranks), sys.executable, "-m", "ep_comm.bench", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------ in-process pieces
+def test_expected_round_trip_compact_counts_ranks_reached():
+    x = np.arange(1, 4 * 8 + 1, dtype=np.float32).reshape(4, 8)
+    topk_idx = np.array([[0, 1], [0, 7], [4, 5], [6, -1]])  # 8 experts on 4 ranks: 2 per rank
+    got = expected_round_trip(x, topk_idx, num_experts=8, num_ranks=4, expand=False)
+    np.testing.assert_array_equal(got, x * np.array([1, 2, 1, 1])[:, None])
+
+
+def test_expected_round_trip_expand_counts_experts_picked():
+    x = np.arange(1, 4 * 8 + 1, dtype=np.float32).reshape(4, 8)
+    topk_idx = np.array([[0, 1], [0, 7], [4, 5], [6, -1]])
+    got = expected_round_trip(x, topk_idx, num_experts=8, num_ranks=4, expand=True)
+    np.testing.assert_array_equal(got, x * np.array([2, 2, 2, 1])[:, None])
+
+
+def test_expected_round_trip_rounds_once_per_partial_in_bf16():
+    bf16 = payload_dtype("bfloat16")
+    x = np.array([[1.0078125]], dtype=np.float32).astype(bf16)  # 1 + 2**-7: the last bf16 bit
+    topk_idx = np.array([[0, 1, 2]])  # three experts of rank 0 (expand), one rank reached (compact)
+    three = expected_round_trip(x, topk_idx, num_experts=4, num_ranks=1, expand=True)
+    assert three.dtype == bf16
+    assert float(three[0, 0]) == float(np.float32(3 * 1.0078125).astype(bf16))
+
+
+def test_first_mismatch_reports_position_and_values():
+    a = np.zeros((3, 4), dtype=np.float32)
+    assert first_mismatch(a, a.copy()) is None
+    b = a.copy()
+    b[2, 1] = 1.5
+    assert first_mismatch(b, a) == "token 2 hidden 1: got 1.5, expected 0.0"
+    assert "expected (3, 4)" in first_mismatch(a[:2], a)
+    assert first_mismatch(-a, a) is not None, "-0.0 and +0.0 differ bitwise"
+
+
+def _sample(rank, recv, from_self, failures=()):
+    return RankSample(rank=rank, num_tokens=10, rows_sent=12, recv_rows=recv, recv_from_self=from_self,
+                      expanded_rows=0, failures=list(failures),
+                      times={"dispatch": [1e-3, 2e-3, 3e-3], "combine": [1e-3] * 3, "nccl_dedup": [4e-3] * 3})
+
+
+def test_summarize_counts_bytes_imbalance_and_ratios():
+    point = summarize([_sample(0, 8, 3), _sample(1, 16, 9, ["boom"])], row_bytes=100)
+    assert point["imbalance"] == pytest.approx(16 / 12)
+    assert point["logical_bytes"] == [800, 1600] and point["nvlink_bytes"] == [500, 700]
+    assert point["recv_from_peers"] == [5, 7]
+    assert point["latency_us"]["dispatch"]["p50"] == pytest.approx(2000)
+    assert point["latency_us"]["round_trip"]["p50"] == pytest.approx(3000)
+    assert point["baseline_over_ep_comm"] == {"nccl_dedup": pytest.approx(2.0)}
+    assert point["bandwidth_gbps"]["dispatch"]["logical"] == pytest.approx((800 + 1600) / 2 / 2e-3 / 1e9)
+    assert not point["check_passed"] and point["failures"] == ["rank 1: boom"]
+    assert point["tokens_per_s"] == pytest.approx(20 / 3e-3)
+    assert csv_row(point)["nccl_dedup_over_ep_comm"] == pytest.approx(2.0)
+
+
+def test_progress_prints_only_a_final_line_off_a_tty_and_nothing_when_quiet():
+    out = io.StringIO()
+    progress = Progress(live=False, final=True, stream=out)
+    progress.start("64 tokens/rank", 5)
+    for i in range(5):
+        progress.tick(i + 1)
+    progress.finish("ok")
+    assert out.getvalue() == "[ep_comm.bench] 64 tokens/rank: ok\n"
+    quiet = io.StringIO()
+    Progress(live=False, final=False, stream=quiet).finish("ok")
+    assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("argv", [["--sweep", "12,x"], ["--sweep", "0"], ["--iters", "0"], ["--routing", "bursty"],
+                                  ["--backend", "tpu"], ["--tokens", "8", "--sweep", "8,16"]])
+def test_cli_rejects_bad_options(argv, capsys):
+    from ep_comm.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_parses_sweep_lists():
+    assert parser().parse_args(["--sweep", "128, 512,4096"]).sweep == [128, 512, 4096]
+
+
+def test_routing_used_by_bench_is_seeded_per_rank():
+    a, b = uniform_routing(16, 16, 4, seed=(0, 0)), uniform_routing(16, 16, 4, seed=(0, 1))
+    assert not np.array_equal(a.topk_idx, b.topk_idx)
+
+
+# ------------------------------------------------------------------ the command under mpirun
+def _check_json(path: Path, nranks: int, tokens: int, hidden: int = 256, itemsize: int = 2):
+    result = json.loads(path.read_text())
+    meta, points = result["meta"], result["points"]
+    assert meta["ranks"] == nranks and meta["backend"] == "mpi" and meta["config"] == "cpu_demo"
+    for point in points:
+        assert point["check_passed"], point["failures"]
+        assert point["tokens_per_rank"] == tokens
+        assert sum(point["rows_sent"]) == sum(point["recv_rows"])
+        assert all(peers <= recv for peers, recv in zip(point["recv_from_peers"], point["recv_rows"]))
+        assert point["logical_bytes"] == [r * hidden * itemsize for r in point["recv_rows"]]
+        assert point["nvlink_bytes"] == [p * hidden * itemsize for p in point["recv_from_peers"]]
+        assert point["imbalance"] == pytest.approx(max(point["recv_rows"]) / np.mean(point["recv_rows"]))
+        assert len(point["latency_us"]["dispatch"]["p50_per_rank"]) == nranks
+    return meta, points
+
+
+def test_bench_smoke_two_ranks(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_bench(2, "--config", "cpu_demo", "--iters", "3", "--warmup", "1", "--json", str(out),
+                     "--csv", str(tmp_path / "bench.csv"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    _, points = _check_json(out, 2, 256)
+    assert len(points) == 1
+    assert "round trip OK" in done.stdout
+    assert (tmp_path / "bench.csv").read_text().startswith("tokens_per_rank,check_passed,")
+
+
+def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_bench(4, "--config", "cpu_demo", "--expand", "--alignment", "4", "--routing", "zipf",
+                     "--sweep", "32,128", "--iters", "2", "--warmup", "0", "--quiet", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == ""
+    meta, points = json.loads(out.read_text())["meta"], json.loads(out.read_text())["points"]
+    assert meta["mode"] == "expand" and meta["routing"] == "zipf"
+    assert [p["tokens_per_rank"] for p in points] == [32, 128]
+    for point in points:
+        assert point["check_passed"], point["failures"]
+        assert all(e % 4 == 0 and e >= r for e, r in zip(point["expanded_rows"], point["recv_rows"]))
+
+
+@pytest.mark.xfail(strict=True, reason="mpi backend: a put of 0 rows to a rank fails in MpiBackend._pack_rows "
+                   "(reshape of an empty array); remove this mark once it is fixed")
+def test_bench_one_token_leaves_some_ranks_without_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_bench(4, "--config", "cpu_demo", "--tokens", "1", "--iters", "1", "--quiet", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check_json(out, 4, 1)
+
+
+def test_bench_rejects_experts_not_divisible_by_ranks():
+    done = run_bench(3, "--config", "cpu_demo", "--iters", "1")
+    assert done.returncode == 2
+    assert "num_experts = 16 is not divisible by the 3 ranks" in done.stderr
