@@ -8,7 +8,7 @@
 # the NVSHMEM/NCCL/Numba/CUDA variables with -x (Open MPI does not forward the environment) and
 # binds each rank to its GPU with launch/bind_gpu.sh. MPIRUN (default: mpirun) must be Open MPI's,
 # the MPI that mpi4py is built against on the GPU machines; PYTHON defaults to python3.
-# On the device machines: source .device-kit/setup.sh first (see DESIGN/device README).
+# On the device machines: source .device-kit/setup.sh first (the GPU machine kit's README says why).
 set -euo pipefail
 
 if [ $# -lt 2 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
