@@ -45,16 +45,16 @@ __device__ __forceinline__ void store_release_sys(i64* p, i64 v) {
     asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
-// pair p sends local row p / fanout to rank (dst_rank ? dst_rank[p] : p % fanout), row dst_row[p] (-1: skip)
+// pair p sends local row p / fanout to rank (dst_rank ? dst_rank[p] : p % num_ranks), row dst_row[p] (-1: skip)
 template <typename U>
-__global__ void put_rows(const unsigned char* src, i64 src_pitch, i64 num_pairs, int fanout,
+__global__ void put_rows(const unsigned char* src, i64 src_pitch, i64 num_pairs, int fanout, int num_ranks,
                          const int* dst_rank, const i64* dst_row, const u64* peers,
                          i64 dst_offset, i64 dst_pitch, i64 row_bytes) {
     const i64 units = row_bytes / (i64)sizeof(U);
     for (i64 p = blockIdx.x; p < num_pairs; p += gridDim.x) {
         const i64 d = dst_row[p];
         if (d < 0) continue;
-        const int r = dst_rank ? dst_rank[p] : (int)(p % fanout);
+        const int r = dst_rank ? dst_rank[p] : (int)(p % num_ranks);
         const U* s = (const U*)(src + (p / fanout) * src_pitch);
         U* t = (U*)(peers[r] + dst_offset + d * dst_pitch);
         for (i64 u = threadIdx.x; u < units; u += blockDim.x) t[u] = s[u];
@@ -152,22 +152,30 @@ def _or_null(arr):
     return np.uint64(0) if arr is None else arr
 
 
+def _raw(arr):
+    """The same device memory as uint8 (kernels take rows as untyped pointers; C-contiguous arrays)."""
+    import cupy
+
+    return arr.reshape(-1).view(cupy.uint8)
+
+
 def _grid(work: int, cap: int = 65535) -> int:
     return max(1, min(work, cap))
 
 
-def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, dst_rank, dst_row, peer_ptrs,
+def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, num_ranks: int, dst_rank, dst_row, peer_ptrs,
              dst_offset: int, dst_pitch: int, row_bytes: int) -> None:
-    """Pair ``p``: local row ``p // fanout`` of ``src`` (base of a device array, rows ``src_pitch``
+    """Pair ``p``: local row ``p // fanout`` of ``src`` (C-contiguous device array, rows ``src_pitch``
     bytes apart) -> row ``dst_row[p]`` (int64, -1 skips) at ``dst_offset`` in the buffer of rank
-    ``dst_rank[p]`` (int32; None: ``p % fanout``); ``row_bytes`` bytes each, on the current stream."""
+    ``dst_rank[p]`` (int32; None: ``p % num_ranks``); ``row_bytes`` bytes each, on the current stream.
+    ``peer_ptrs``: uint64 ``[R]`` base addresses of the ranks' buffers (peer views)."""
     if num_pairs == 0 or row_bytes == 0:
         return
     unit = copy_unit(row_bytes, int(src.data.ptr), src_pitch, dst_offset, dst_pitch)
     threads = min(PUT_THREADS, max(32, row_bytes // unit))
     _kernel(f"put_rows<{_UNITS[unit]}>")(
         (_grid(num_pairs),), (threads,),
-        (src, np.int64(src_pitch), np.int64(num_pairs), np.int32(fanout), _or_null(dst_rank), dst_row, peer_ptrs,
+        (_raw(src), np.int64(src_pitch), np.int64(num_pairs), np.int32(fanout), np.int32(num_ranks), _or_null(dst_rank), dst_row, peer_ptrs,
          np.int64(dst_offset), np.int64(dst_pitch), np.int64(row_bytes)))
 
 
@@ -180,7 +188,8 @@ def gather_rows(src, src_pitch: int, index, out, out_pitch: int, row_bytes: int)
     threads = min(PUT_THREADS, max(32, row_bytes // unit))
     _kernel(f"gather_rows<{_UNITS[unit]}>")(
         (_grid(num_rows),), (threads,),
-        (src, np.int64(src_pitch), index, np.int64(num_rows), out, np.int64(out_pitch), np.int64(row_bytes)))
+        (_raw(src), np.int64(src_pitch), index, np.int64(num_rows), _raw(out), np.int64(out_pitch),
+         np.int64(row_bytes)))
 
 
 def signal_peers(peer_ptrs, num_ranks: int, me: int, signal_offset: int, seq: int) -> None:

@@ -25,13 +25,13 @@ def _kernels():
     from nvshmem.bindings.device.numba import quiet
 
     @cuda.jit
-    def put_rows_kernel(src, src_pitch, num_pairs, fanout, dst_rank, has_rank, dst_row, sym, dst_offset, dst_pitch,
-                        row_bytes):
+    def put_rows_kernel(src, src_pitch, num_pairs, fanout, num_ranks, dst_rank, has_rank, dst_row, sym, dst_offset,
+                        dst_pitch, row_bytes):
         p = cuda.blockIdx.x
         while p < num_pairs:
             d = dst_row[p]
             if d >= 0:
-                r = dst_rank[p] if has_rank else p % fanout
+                r = dst_rank[p] if has_rank else p % num_ranks
                 s0 = (p // fanout) * src_pitch
                 t0 = dst_offset + d * dst_pitch
                 nvd.put_nbi_block(sym[t0:t0 + row_bytes], src[s0:s0 + row_bytes], int32(r))
@@ -48,7 +48,7 @@ def _kernels():
 
 
 def _numba(arr):
-    """Zero-copy Numba view of a CuPy array (flattened to 1-D uint8 when ``arr`` is not 1-D)."""
+    """Zero-copy Numba view of a CuPy array."""
     from numba import cuda
 
     return cuda.as_cuda_array(arr)
@@ -61,7 +61,7 @@ def _stream():
     return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
 
 
-def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, dst_rank, dst_row, sym_local,
+def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, num_ranks: int, dst_rank, dst_row, sym_local,
              dst_offset: int, dst_pitch: int, row_bytes: int) -> None:
     """``gpu_copy.put_rows`` through ``nvshmem_put_nbi_block``; ``src`` is a C-contiguous device
     array (any dtype) and ``sym_local`` this rank's uint8 symmetric buffer (the symmetric address)."""
@@ -75,7 +75,8 @@ def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, dst_rank, dst_row
     src_bytes = src.reshape(-1).view(cupy.uint8)
     grid = max(1, min(num_pairs, 65535))
     put_rows_kernel[grid, PUT_THREADS, _stream()](
-        _numba(src_bytes), np.int64(src_pitch), np.int64(num_pairs), np.int64(fanout), _numba(ranks), has_rank,
+        _numba(src_bytes), np.int64(src_pitch), np.int64(num_pairs), np.int64(fanout), np.int64(num_ranks),
+        _numba(ranks), has_rank,
         _numba(dst_row), _numba(sym_local), np.int64(dst_offset), np.int64(dst_pitch), np.int64(row_bytes))
 
 

@@ -1,0 +1,191 @@
+"""Run on every rank of ``mpirun -np N`` on GPUs: the nvshmem backend against the mpi backend.
+
+Both backends run the same routings on the same inputs; every output, handle field and combine
+result must match bit for bit (deterministic mode). Then: PyTorch tensors in (DLPack), a
+non-deterministic buffer (combine still bit-exact), and last a timeout: rank 1 skips a dispatch,
+rank 0 must raise ep_comm.TimeoutError naming rank 1, and everyone must get out without a hang.
+Prints ``RANK r OK`` lines and exits non-zero on the first mismatch.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import ep_comm
+
+COMM = MPI.COMM_WORLD
+RANK, WORLD = COMM.rank, COMM.size
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def host(a):
+    """NumPy copy of a CuPy/NumPy array or scalar (bfloat16 through its bits)."""
+    if isinstance(a, cp.ndarray):
+        if a.dtype.name == "bfloat16":
+            return a.view(cp.uint16).get()
+        return a.get()
+    if isinstance(a, np.ndarray) and a.dtype.name == "bfloat16":
+        return a.view(np.uint16)
+    return np.asarray(a) if a is not None else None
+
+
+def same(name: str, a, b) -> None:
+    """Exact equality of values, shapes and dtypes' bytes (``a`` from mpi, ``b`` from nvshmem)."""
+    ha, hb = host(a), host(b)
+    if ha is None or hb is None:
+        assert ha is None and hb is None, f"{name}: one side is None"
+        return
+    assert ha.shape == hb.shape, f"{name}: shape {ha.shape} (mpi) != {hb.shape} (nvshmem)"
+    assert ha.tobytes() == hb.astype(ha.dtype).tobytes(), f"{name}: values differ\nmpi={ha}\nnvshmem={hb}"
+
+
+def routing(seed: int, tokens: int, experts: int, topk: int, masked: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed * 100 + RANK)
+    idx = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)]).astype(np.int64) \
+        if tokens else np.zeros((0, topk), np.int64)
+    if masked and tokens:
+        idx[rng.random(idx.shape) < 0.3] = -1
+        idx[0] = -1
+    return idx
+
+
+def compare_handles(tag: str, hm, hn) -> None:
+    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
+                  "recv_src_metadata", "dst_buffer_slot_idx", "num_recv_tokens", "num_expanded_tokens", "num_out_rows"):
+        same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
+    same(f"{tag} handle.num_recv_tokens_per_expert", np.asarray(hm.num_recv_tokens_per_expert),
+         np.asarray(host(hn.num_recv_tokens_per_expert) if isinstance(hn.num_recv_tokens_per_expert, cp.ndarray)
+                    else hn.num_recv_tokens_per_expert))
+
+
+def one_case(bufs, dtype: str, expand: bool, alignment: int, cpu_sync: bool, masked: bool, weighted: bool,
+             with_bias: bool, seed: int) -> None:
+    mpi_buf, nv_buf = bufs
+    geo = nv_buf.geometry
+    tag = f"[{dtype} expand={expand} align={alignment} cpu_sync={cpu_sync} masked={masked} w={weighted} bias={with_bias}]"
+    tokens = [geo.max_tokens // 2 + 3 * RANK, 0, geo.max_tokens][seed % 3] if seed % 3 != 1 or RANK == 0 else 5
+    tokens = min(tokens, geo.max_tokens)
+    idx = routing(seed, tokens, geo.num_experts, geo.num_topk, masked)
+    rng = np.random.default_rng(7 + seed + RANK)
+    x = rng.standard_normal((tokens, geo.hidden)).astype(DTYPES[dtype])
+    w = rng.random((tokens, geo.num_topk)).astype(np.float32) if weighted else None
+    stats_m = np.zeros(geo.num_experts // WORLD, np.int64)
+    stats_n = cp.zeros(geo.num_experts // WORLD, cp.int64)
+    kw = dict(expand=expand, expert_alignment=alignment, cpu_sync=cpu_sync, zero_padding=True)
+    om = mpi_buf.dispatch(x, idx, w, stats=stats_m, **kw)
+    on = nv_buf.dispatch(cp.asarray(x), cp.asarray(idx), None if w is None else cp.asarray(w), stats=stats_n, **kw)
+    same(f"{tag} recv_x", om.recv_x, on.recv_x)
+    same(f"{tag} recv_topk_idx", om.recv_topk_idx, on.recv_topk_idx)
+    same(f"{tag} recv_topk_weights", om.recv_topk_weights, on.recv_topk_weights)
+    same(f"{tag} stats", stats_m, stats_n)
+    compare_handles(tag, om.handle, on.handle)
+    # cached dispatch (replay) with new payload
+    x2 = (x.astype(np.float32) * 2 + 1).astype(x.dtype)
+    rm = mpi_buf.dispatch(x2, handle=om.handle)
+    rn = nv_buf.dispatch(cp.asarray(x2), handle=on.handle)
+    same(f"{tag} replay recv_x", rm.recv_x, rn.recv_x)
+    compare_handles(tag + " replay", rm.handle, rn.handle)
+    # combine: y = recv_x, weights per row when given
+    yw_m = om.recv_topk_weights if weighted else None
+    yw_n = on.recv_topk_weights if weighted else None
+    bias_m = tuple(rng.standard_normal((tokens, geo.hidden)).astype(np.float32) for _ in range(2)) if with_bias else None
+    bias_n = tuple(cp.asarray(b) for b in bias_m) if with_bias else None
+    cm = mpi_buf.combine(om.recv_x, om.handle, topk_weights=yw_m, bias=bias_m)
+    cn = nv_buf.combine(on.recv_x, on.handle, topk_weights=yw_n, bias=bias_n)
+    same(f"{tag} combine.x", cm.x, cn.x)
+    same(f"{tag} combine.topk_weights", cm.topk_weights, cn.topk_weights)
+
+
+def check_against_mpi(use_puts: bool) -> None:
+    geo_kw = dict(num_experts=4 * WORLD, hidden=40, num_topk=3, num_max_tokens_per_rank=20, deterministic=True,
+                  timeout_s=20.0)
+    seed = 0
+    for dtype in ("bfloat16", "float16", "float32"):
+        mpi_buf = ep_comm.Buffer(dtype=dtype, backend="mpi", **geo_kw)
+        nv_buf = ep_comm.Buffer(dtype=dtype, backend="nvshmem", **geo_kw)
+        assert nv_buf._backend.heap.use_puts == use_puts
+        for expand, alignment in ((False, 1), (True, 1), (True, 4)):
+            for cpu_sync in (True, False):
+                for masked, weighted, with_bias in ((False, True, False), (True, False, True)):
+                    seed += 1
+                    one_case((mpi_buf, nv_buf), dtype, expand, alignment, cpu_sync, masked, weighted, with_bias, seed)
+        nv_buf.close()
+        mpi_buf.close()
+    print(f"RANK {RANK} OK nvshmem == mpi bit for bit (use_puts={use_puts}, {seed} cases)", flush=True)
+
+
+def check_torch_and_nondeterministic() -> None:
+    import torch
+
+    kw = dict(num_experts=2 * WORLD, hidden=64, num_topk=2, num_max_tokens_per_rank=16, dtype="bfloat16", timeout_s=20.0)
+    buf = ep_comm.Buffer(backend="nvshmem", deterministic=False, **kw)
+    ref = ep_comm.Buffer(backend="mpi", deterministic=True, **kw)
+    idx = routing(99, 12, kw["num_experts"], 2, masked=False)
+    x = np.random.default_rng(RANK).standard_normal((12, 64)).astype(ml_dtypes.bfloat16)
+    xt = torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+    out = buf.dispatch(xt, torch.from_numpy(idx).cuda())
+    assert isinstance(out.recv_x, cp.ndarray)
+    res = buf.combine(out.recv_x, out.handle)
+    ref_out = ref.dispatch(x, idx)
+    want = ref.combine(ref_out.recv_x, ref_out.handle)
+    same("torch/non-deterministic combine.x", want.x, res.x)
+    try:
+        buf.dispatch(x, cp.asarray(idx))
+    except TypeError as exc:
+        assert str(exc).startswith("x is a host array"), exc
+    else:
+        raise AssertionError("a NumPy x must raise TypeError on the nvshmem backend")
+    buf.close()
+    ref.close()
+    print(f"RANK {RANK} OK torch tensors in, non-deterministic combine bit-exact, host arrays refused", flush=True)
+
+
+def check_timeout() -> None:
+    buf = ep_comm.Buffer(num_experts=2 * WORLD, hidden=16, num_topk=1, num_max_tokens_per_rank=4, dtype="float32",
+                         backend="nvshmem", timeout_s=2.0)
+    idx = cp.zeros((2, 1), dtype=cp.int64)
+    x = cp.ones((2, 16), dtype=cp.float32)
+    start = time.monotonic()
+    if RANK != 0:
+        time.sleep(3 * buf.timeout_s)  # rank 0 must time out before this rank's close signal arrives
+    else:
+        try:
+            buf.dispatch(x, idx)
+        except ep_comm.TimeoutError as exc:
+            assert exc.missing_ranks == tuple(range(1, WORLD)), exc.missing_ranks
+            print(f"RANK 0 OK timeout after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+        else:
+            raise AssertionError("rank 0 should have timed out")
+        try:
+            buf.dispatch(x, idx)
+        except ep_comm.BufferUnusableError:
+            pass
+        else:
+            raise AssertionError("the buffer must be unusable after a timeout")
+    try:
+        buf.close()
+    except ep_comm.TimeoutError as exc:
+        print(f"RANK {RANK} OK close gave up waiting: {exc}", flush=True)
+    print(f"RANK {RANK} OK closed {time.monotonic() - start:.1f} s after the timeout test began", flush=True)
+
+
+def main() -> int:
+    import os
+
+    use_puts = os.environ.get("EP_COMM_NVSHMEM_PUTS", "") == "1"
+    check_against_mpi(use_puts)
+    if not use_puts:
+        check_torch_and_nondeterministic()
+    COMM.Barrier()
+    check_timeout()
+    print(f"RANK {RANK} ALL OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
