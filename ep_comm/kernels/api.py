@@ -1,0 +1,268 @@
+"""Host side of the kernels: launch shapes, the persistent workspace, and one method per kernel.
+
+Arrays are NumPy (in the simulator) or CuPy / any ``__cuda_array_interface__`` array (on a GPU);
+this module only slices, views and allocates with the array module ``xp`` it was given. Payloads
+travel as raw words: rows of ``hidden * itemsize`` bytes are viewed as the widest of
+uint64/uint32/uint16 that divides them. bfloat16 is handled as uint16 bits.
+
+Typical use by a backend, per dispatch on rank ``me`` (``views[r]`` are rank r's symmetric
+buffer, see :func:`symmetric_views`)::
+
+    k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
+    send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
+    k.scatter(x, topk_idx, topk_weights, send.slot_idx, [v.rows for v in views],
+              [v.meta for v in views], src_rank=me, parity=p, mode=SLOT_STABLE)
+    recv = k.receive_count(own.counts[p], own.meta[p], alignment=a, expand=e, stable=d)
+    k.receive_copy(recv.rank_psum, own.rows[p], own.meta[p], out, expand=e, mode=PLACE_STABLE, ...)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from ep_comm.kernels.combine import combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
+from ep_comm.kernels.count import count_kernel
+from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_copy_kernel,
+                                      receive_count_kernel)
+from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
+from ep_comm.kernels.warp import WARP
+from ep_comm.symmetric import SymmetricLayout
+
+Array = Any
+
+__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "SymmetricViews", "symmetric_views", "payload_words",
+           "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED", "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
+
+
+class SendLayout(NamedTuple):
+    """What :meth:`Kernels.count` produces (all on the device)."""
+
+    num_tokens_per_rank: Array  # [R] int32, a token counts once per rank
+    num_tokens_per_expert: Array  # [E] int32
+    rank_psum: Array  # [R] int32, inclusive
+    expert_psum: Array  # [E + 1] int32, exclusive with the total appended
+    is_token_in_rank: Array  # [T, R] bool
+    slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx: filled by :meth:`Kernels.scatter`
+
+
+class ReceiveCounts(NamedTuple):
+    """What :meth:`Kernels.receive_count` produces (all on the device)."""
+
+    rank_psum: Array  # [R] int32, inclusive prefix sum of rows per source rank
+    num_unaligned_per_expert: Array  # [L] int32
+    num_aligned_per_expert: Array  # [L] int32
+    expert_psum: Array  # [L] int32, ep_comm.layout.expert_psum(counts, alignment, expand)
+    totals: Array  # [2] int32: received rows N, expanded rows M (padding included)
+
+
+class SymmetricViews(NamedTuple):
+    """Typed views of one rank's symmetric buffer (``ep_comm.symmetric`` byte layout)."""
+
+    signal: Array  # [R] int64
+    counts: Array  # [2, R] int64
+    rows: Array  # [2, R, max_tokens, row_bytes // word] words
+    meta: Array  # [2, R, max_tokens, 1 + 2K] int32
+
+
+def payload_words(x: Array) -> Array:
+    """View ``x [rows, H]`` (float32/float16/bfloat16/uint16) as ``[rows, H * itemsize // word]`` words."""
+    raw = x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+    row_bytes = x.shape[1] * x.dtype.itemsize
+    for word in (np.uint64, np.uint32, np.uint16):
+        if row_bytes % np.dtype(word).itemsize == 0:
+            return raw.view(word)
+    raise AssertionError("unreachable: rows hold a whole number of 16-bit elements")
+
+
+def word_dtype(hidden: int, itemsize: int) -> np.dtype:
+    """The word type :func:`payload_words` uses for rows of ``hidden`` elements of ``itemsize`` bytes."""
+    row_bytes = hidden * itemsize
+    return np.dtype(next(w for w in (np.uint64, np.uint32, np.uint16) if row_bytes % np.dtype(w).itemsize == 0))
+
+
+def symmetric_views(buffer: Array, layout: SymmetricLayout, word: np.dtype) -> SymmetricViews:
+    """Typed views of a flat uint8 symmetric buffer (``layout.total_bytes`` long); rows as ``word``."""
+    def region(offset: int, nbytes: int, dtype) -> Array:
+        return buffer[offset: offset + nbytes].view(dtype)
+
+    r, t = layout.num_ranks, layout.max_tokens
+    rows_bytes = 2 * r * t * layout.row_bytes
+    return SymmetricViews(
+        signal=region(layout.signal_offset, 8 * r, np.int64),
+        counts=region(layout.counts_offset, 16 * r, np.int64).reshape(2, r),
+        rows=region(layout.rows_offset, rows_bytes, word).reshape(2, r, t, layout.row_bytes // np.dtype(word).itemsize),
+        meta=region(layout.meta_offset, 2 * r * t * layout.meta_words * 4, np.int32).reshape(2, r, t, layout.meta_words),
+    )
+
+
+def _payload(x: Array) -> tuple[Array, bool]:
+    """A payload array as Numba can type it, and whether it holds bfloat16 bits."""
+    if x.dtype in (np.float32, np.float16):
+        return x, False
+    if x.dtype.itemsize == 2:  # bfloat16 (ml_dtypes) or its uint16 bits
+        return x.view(np.uint16), True
+    raise TypeError(f"payload dtype {x.dtype} is not float32, float16 or bfloat16")
+
+
+@dataclass
+class Kernels:
+    """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
+
+    ``num_blocks`` x ``warps_per_block`` warps run each kernel; token and row ranges are cut into
+    ``num_units = num_blocks * warps_per_block`` units (the stable order depends on this cut only
+    through the kernels agreeing on it). ``stream`` is a Numba stream (or 0).
+    """
+
+    xp: Any
+    num_ranks: int
+    num_experts: int
+    num_topk: int
+    max_tokens: int
+    num_blocks: int = 132
+    warps_per_block: int = 8
+    stream: Any = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_topk <= WARP:
+            raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
+        if self.warps_per_block < 2:
+            raise ValueError("warps_per_block must be at least 2")
+        xp, r, e = self.xp, self.num_ranks, self.num_experts
+        self.num_units = self.num_blocks * self.warps_per_block
+        self.threads = self.warps_per_block * WARP
+        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
+        self._ticket = xp.zeros(1, dtype=np.uint32)
+        self._rank_cursor = xp.zeros(r, dtype=np.int32)
+        self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
+        self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
+        self._recv_units = xp.zeros((self.num_units, self.num_local), dtype=np.int32)
+        self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
+        self._no_bias = xp.zeros((1, 1), dtype=np.float32)
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    def _launch(self, kernel, shared_bytes: int = 0):
+        return kernel[self.num_blocks, self.threads, self.stream, shared_bytes]
+
+    def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:
+        """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
+
+        Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
+        :meth:`scatter` consumes next. Returns a :class:`SendLayout`
+        with a fresh, unfilled ``slot_idx``.
+        """
+        xp, r, e = self.xp, self.num_ranks, self.num_experts
+        num_tokens = topk_idx.shape[0]
+        out = SendLayout(xp.empty(r, np.int32), xp.empty(e, np.int32), xp.empty(r, np.int32),
+                         xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
+                         xp.empty((num_tokens, self.num_topk), np.int32))
+        self._launch(count_kernel, 4 * (e + r))(
+            topk_idx, self.num_local, self.num_units, stable, self._counters, self._ticket, self._send_units,
+            self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
+        return out
+
+    def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
+                rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, parity: int, mode: int) -> None:
+        """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
+
+        ``rows[r]``/``metas[r]``: rank r's ``SymmetricViews.rows``/``.meta`` (``[2, R, max_tokens, ...]``,
+        peer views on a GPU); row ``slot`` of this source goes to ``[parity, src_rank, slot]``.
+        ``topk_weights [T, K]`` float32 or None. ``slot_idx [T, K]`` int32 is written
+        (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot`` on the first entry per rank, else
+        -1), or read with ``mode=SLOT_CACHED``. SLOT_ATOMIC/SLOT_STABLE need :meth:`count` just before.
+        """
+        if x.shape[0] == 0:
+            return
+        weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
+        self._launch(scatter_kernel)(
+            payload_words(x), topk_idx, weights, topk_weights is not None, self.num_local, src_rank, parity, mode,
+            self.num_units, self._rank_cursor, self._send_units, slot_idx, tuple(rows),
+            tuple(metas))
+
+    def receive_count(self, src_counts: Array, meta: Array, *, alignment: int, expand: bool,
+                      stable: bool) -> ReceiveCounts:
+        """Count what arrived: ``src_counts [R]`` rows per source (int64, ``SymmetricViews.counts[parity]``),
+        ``meta [R, max_tokens, 1 + 2K]`` int32 (``SymmetricViews.meta[parity]``).
+
+        Also prepares the expand placement that :meth:`receive_copy` consumes next.
+        """
+        xp, r, local = self.xp, self.num_ranks, self.num_local
+        out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
+                            xp.empty(local, np.int32), xp.empty(2, np.int32))
+        self._launch(receive_count_kernel, 4 * (r + local))(
+            src_counts, meta, alignment, expand, stable and expand, self.num_units, self._counters[:local],
+            self._ticket, self._recv_units, out.rank_psum, out.num_unaligned_per_expert,
+            out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)
+        return out
+
+    def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, recv_x: Array, recv_topk_idx: Array,
+                     recv_topk_weights: Array, recv_src_metadata: Array, *, expand: bool, mode: int,
+                     expert_psum: Array, alignment: int, zero_padding: bool) -> None:
+        """Copy received rows out of this rank's buffer (``rows``/``meta``: ``SymmetricViews.rows/meta[parity]``).
+
+        Compact: ``recv_x [N_out, H]`` rows grouped by source ascending, ``recv_topk_idx [N_out, K]``
+        (any int dtype) local ids or -1, ``recv_topk_weights [N_out, K]`` float32. Expand:
+        ``recv_x [M_out, H]`` expert-major, ``recv_topk_idx [M_out]`` local expert or -1 (padding,
+        tail), ``recv_topk_weights [M_out]``. ``recv_src_metadata [N_out, 2 + K]`` int32 (read as
+        well with ``mode=PLACE_CACHED``: cols 2.. are the recorded expanded rows). ``rank_psum`` and
+        ``expert_psum`` come from :meth:`receive_count` or, cached, from the handle. Rows past
+        ``N``/``M`` get -1 ids and metadata (``cpu_sync=False`` outputs).
+        """
+        if not expand:
+            mode = PLACE_ATOMIC  # compact rows keep their arrival order: nothing to place
+        width = recv_topk_idx.shape[1] if recv_topk_idx.ndim == 2 else 1
+        local = self.num_local
+        self._launch(receive_copy_kernel)(
+            rank_psum, rows, meta, expand, mode, self.num_units, self._expert_cursor, self._recv_units,
+            expert_psum, alignment, zero_padding, payload_words(recv_x), recv_topk_idx.reshape(-1, width),
+            recv_topk_weights.view(np.int32).reshape(-1, width), recv_src_metadata)
+
+    def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
+                     my_rank: int, parity: int, expand: bool, weights: Optional[Array] = None) -> None:
+        """Send expert outputs back: row ``i`` goes to ``rows[src][parity, my_rank, slot]`` of its source.
+
+        ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
+        ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
+        or the same bytes viewed as ``[2, R, max_tokens, row_bytes // itemsize]`` payload elements
+        (expand, see :func:`payload_rows`). Expand reduces the row's expanded rows in top-k order,
+        weighted by ``weights [M]`` float32 when given.
+        """
+        if not expand:
+            self._launch(combine_copy_kernel)(payload_words(y), recv_src_metadata, rank_psum, my_rank, parity,
+                                              tuple(rows))
+            return
+        y_raw, is_bf16 = _payload(y)
+        has_weights = weights is not None
+        self._launch(combine_expand_kernel)(
+            y_raw, is_bf16, weights if has_weights else self._no_bias[0], has_weights, recv_src_metadata, rank_psum,
+            my_rank, parity, tuple(payload_rows(v, y.dtype) for v in rows))
+
+    def combine_reduce(self, rows: Array, slot_idx: Array, topk_idx: Array, out: Array, *, my_rank: int,
+                       bias: Optional[Sequence[Array]] = None) -> None:
+        """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
+
+        ``rows``: this rank's ``[R, max_tokens, ...]`` rows of the combine's parity (words or payload
+        view); ``slot_idx``/``topk_idx`` ``[T, K]`` from the dispatch; ``bias``: up to two ``[T, H]``.
+        """
+        if out.shape[0] == 0:
+            return
+        out_raw, out_bf16 = _payload(out)
+        terms = [b for b in (bias or ()) if b is not None]
+        if len({b.dtype for b in terms}) > 1:
+            terms = [b.astype(np.float32) for b in terms]  # exact: every payload type widens to float32
+        raw_terms = [_payload(b) for b in terms]
+        bias_bf16 = bool(raw_terms) and raw_terms[0][1]
+        padded = raw_terms + [(self._no_bias, False)] * (2 - len(raw_terms))
+        self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk)(
+            payload_rows(rows, out.dtype), out_bf16, slot_idx, topk_idx, self.num_local, my_rank, padded[0][0],
+            padded[1][0], len(raw_terms), bias_bf16, out_raw, out_bf16)
+
+
+def payload_rows(rows: Array, dtype) -> Array:
+    """Re-view ``[..., words]`` row storage as payload elements of ``dtype`` (bfloat16 as uint16 bits)."""
+    dtype = np.dtype(dtype)
+    return rows.view(dtype if dtype in (np.float32, np.float16) else np.uint16)

@@ -1,0 +1,103 @@
+"""Combine: the dispatch routes run backwards, with the float32 order of ``ep_comm/reduce.py``.
+
+Expert side: each compact row goes back to the slot it came from in its source rank's buffer,
+``rows[src][parity, my_rank, slot]`` (a tuple of peer arrays): compact mode copies ``y[i]``;
+expand mode first reduces the row's expanded rows in top-k order (``acc = 0; acc = acc + w * y``,
+each operation rounded, no FMA) and rounds once to the payload type. Source side: each token
+sums ``0 + bias terms + the partial of every reached rank, ascending``, rounded once.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int32
+
+from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
+from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id
+
+
+@cuda.jit(device=True)
+def return_address(recv_src_metadata, row, max_tokens):
+    """Source rank and slot a compact row came from."""
+    src = recv_src_metadata[row, 0] // max_tokens
+    return src, recv_src_metadata[row, 1] - src * max_tokens
+
+
+@cuda.jit
+def combine_copy_kernel(y_words, recv_src_metadata, rank_psum, my_rank, parity, rows):
+    """See :func:`ep_comm.kernels.api.Kernels.combine_send` (compact)."""
+    max_tokens = rows[0].shape[2]
+    warp, num_warps = global_warp()
+    for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
+        src, slot = return_address(recv_src_metadata, row, max_tokens)
+        copy_row(rows[src][parity, my_rank, slot], y_words[row], y_words.shape[1])
+
+
+@cuda.jit
+def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, parity, rows):
+    """See :func:`ep_comm.kernels.api.Kernels.combine_send` (expand)."""
+    max_tokens = rows[0].shape[2]
+    hidden = y.shape[1]
+    num_topk = recv_src_metadata.shape[1] - 2
+    lane = lane_id()
+    warp, num_warps = global_warp()
+    for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
+        src, slot = return_address(recv_src_metadata, row, max_tokens)
+        dst = rows[src][parity, my_rank, slot]
+        for h in range(lane, hidden, WARP):
+            acc = np.float32(0.0)
+            for k in range(num_topk):
+                expanded = recv_src_metadata[row, 2 + k]
+                if expanded >= 0:
+                    term = load_f32(y[expanded], h, y_is_bf16)
+                    if has_weights:
+                        term = mul_rn(weights[expanded], term)
+                    acc = add_rn(acc, term)
+            store_f32(dst, h, acc, y_is_bf16)
+
+
+@cuda.jit(device=True)
+def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order):
+    """Write this token's reached ranks by ascending rank into ``order[:K]``, their slots into
+    ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair when ``slot_idx`` has a slot.
+    """
+    lane = lane_id()
+    num_topk = slot_idx.shape[1]
+    rank = np.int64(-1)
+    if lane < num_topk and slot_idx[token, lane] >= 0:
+        rank = np.int64(topk_idx[token, lane]) // experts_per_rank
+    position = 0
+    for k in range(num_topk):
+        other = cuda.shfl_sync(FULL_MASK, rank, k)
+        if other >= 0 and other < rank:
+            position += 1
+    if rank >= 0:
+        order[position] = rank
+        order[num_topk + position] = slot_idx[token, lane] - src_base
+    reached = cuda.popc(cuda.ballot_sync(FULL_MASK, rank >= 0))
+    cuda.syncwarp(FULL_MASK)
+    return reached
+
+
+@cuda.jit
+def combine_reduce_kernel(rows, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0, bias1,
+                          num_bias, bias_is_bf16, out, out_is_bf16):
+    """See :func:`ep_comm.kernels.api.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""
+    num_tokens, num_topk = slot_idx.shape
+    hidden = out.shape[1]
+    src_base = my_rank * rows.shape[1]
+    first = cuda.threadIdx.x // WARP * 2 * num_topk
+    order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
+    lane = lane_id()
+    warp, num_warps = global_warp()
+    for token in range(warp, num_tokens, num_warps):
+        reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
+        for h in range(lane, hidden, WARP):
+            acc = np.float32(0.0)
+            if num_bias > 0:
+                acc = add_rn(acc, load_f32(bias0[token], h, bias_is_bf16))
+            if num_bias > 1:
+                acc = add_rn(acc, load_f32(bias1[token], h, bias_is_bf16))
+            for j in range(reached):
+                acc = add_rn(acc, load_f32(rows[order[j], order[num_topk + j]], h, rows_is_bf16))
+            store_f32(out[token], h, acc, out_is_bf16)
+        cuda.syncwarp(FULL_MASK)

@@ -1,0 +1,207 @@
+"""Receiver epilogue: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
+
+Two kernels. ``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts into
+``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms, ticketed
+last block as in ``count.py``) and lays out the expand placement: aligned expert starts, the
+DeepEP V2 expert psum and, in stable mode, per-unit cursors. ``receive_copy_kernel`` copies rows
+out grouped by source rank (compact) or expert-major (expand) and fills padding and unused tail
+rows. Compact rows are cut into units as in ``units.py``; row ``i`` comes from source ``s`` and
+slot ``i - psum[s-1]``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int32
+
+from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
+from ep_comm.kernels.units import lane_entry, source_of_row, unit_range
+from ep_comm.kernels.warp import (FULL_MASK, WARP, copy_row, global_warp, lane_id, pop_lowest,
+                                  stable_bucket_slots, warp_scan)
+
+PLACE_ATOMIC = 0
+PLACE_STABLE = 1
+PLACE_CACHED = 2
+
+
+@cuda.jit(device=True)
+def align_up(value, alignment):
+    """``value`` rounded up to a multiple of ``alignment``."""
+    return (value + alignment - 1) // alignment * alignment
+
+
+@cuda.jit(device=True)
+def lane_local_expert(meta, rank_psum, first_row, end, lane):
+    """Compact row, entry column, source, slot and local expert (-1: none) of a lane in a row group."""
+    num_topk = (meta.shape[2] - 1) // 2
+    row, k, active = lane_entry(first_row, end, num_topk, lane)
+    src = 0
+    slot = 0
+    expert = np.int32(-1)
+    if active:
+        src, slot = source_of_row(rank_psum, row)
+        expert = meta[src, slot, 1 + k]
+    return row, k, active, src, slot, expert
+
+
+@cuda.jit
+def receive_count_kernel(src_counts, meta, alignment, expand, stable, num_units, counters, ticket, unit_counts,
+                         rank_psum, unaligned, aligned, expert_psum, expert_cursor, totals):
+    """See :func:`ep_comm.kernels.api.Kernels.receive_count`; dynamic shared memory: int32 ``[R + L]``."""
+    num_ranks = src_counts.shape[0]
+    num_local = unaligned.shape[0]
+    num_topk = (meta.shape[2] - 1) // 2
+    smem = cuda.shared.array(0, int32)
+    psum = smem[:num_ranks]
+    hist = smem[num_ranks: num_ranks + num_local]
+    for i in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+        hist[i] = 0
+    if cuda.threadIdx.x < WARP:
+        warp_scan(src_counts, psum, num_ranks, False, 0)
+    cuda.syncthreads()
+
+    num_rows = psum[num_ranks - 1]
+    lane = lane_id()
+    group = WARP // num_topk
+    warp, num_warps = global_warp()
+    for unit in range(warp, num_units, num_warps):
+        begin, end = unit_range(unit, num_units, num_rows)
+        if stable:
+            for e in range(lane, num_local, WARP):
+                unit_counts[unit, e] = 0
+            cuda.syncwarp(FULL_MASK)
+        for r0 in range(begin, end, group):
+            _, _, _, _, _, expert = lane_local_expert(meta, psum, r0, end, lane)
+            if expert >= 0:
+                cuda.atomic.add(hist, expert, 1)
+                if stable:
+                    cuda.atomic.add(unit_counts, (unit, expert), 1)
+    cuda.syncthreads()
+
+    flush_counters(hist, counters)
+    if not last_block_to_arrive(ticket):
+        return
+    drain_counters(counters, hist)
+    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+        unaligned[e] = hist[e]
+        aligned[e] = align_up(hist[e], alignment)
+    for r in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):
+        rank_psum[r] = psum[r]
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x < WARP:
+        total = warp_scan(aligned, expert_cursor, num_local, True, 0)
+        if lane == 0:
+            totals[0] = num_rows
+            totals[1] = total
+    cuda.threadfence()
+    cuda.syncthreads()
+    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+        expert_psum[e] = expert_cursor[e] + (hist[e] if expand else aligned[e])
+    if stable:
+        for e in range(cuda.threadIdx.x // WARP, num_local, cuda.blockDim.x // WARP):
+            column = unit_counts[:, e]
+            warp_scan(column, column, num_units, True, expert_cursor[e])
+
+
+@cuda.jit(device=True)
+def place_expanded(mode, recorded, expert_cursor, unit_cursor, row, k, active, expert, lane):
+    """Expanded row of a lane's (row, local expert) entry, -1 if none. Call with all lanes of the warp."""
+    if mode == PLACE_CACHED:
+        return np.int32(recorded[row, 2 + k]) if active and expert >= 0 else np.int32(-1)
+    if mode == PLACE_STABLE:
+        return stable_bucket_slots(unit_cursor, expert, expert >= 0, lane)
+    return cuda.atomic.add(expert_cursor, expert, 1) if expert >= 0 else np.int32(-1)
+
+
+@cuda.jit(device=True)
+def write_compact_entry(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, k, expert, weight_bits):
+    """Compact outputs of one (row, entry): local expert id and weight bits in column ``k``."""
+    recv_topk_idx[row, k] = expert
+    recv_weight_bits[row, k] = weight_bits
+    recv_src_metadata[row, 2 + k] = -1
+
+
+@cuda.jit(device=True)
+def copy_rows_of_group(recv_x, rows, pairs, src, slot, dst_row):
+    """Copy each lane-selected ``rows[src, slot]`` into ``recv_x[dst_row]`` with the whole warp."""
+    while pairs != 0:
+        lane, pairs = pop_lowest(pairs)
+        s = cuda.shfl_sync(FULL_MASK, src, lane)
+        j = cuda.shfl_sync(FULL_MASK, slot, lane)
+        d = cuda.shfl_sync(FULL_MASK, dst_row, lane)
+        copy_row(recv_x[d], rows[s, j], recv_x.shape[1])
+
+
+@cuda.jit(device=True)
+def fill_unused_rows(recv_x, recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum,
+                     alignment, expand, zero_padding):
+    """Mark padding and tail rows: -1 ids and metadata, zero weights, zero rows in expand padding if asked.
+
+    Compact tail: metadata and ``[N, K]`` outputs past ``num_rows``. Expand (outputs ``[M, 1]``):
+    rows between an expert's end ``psum[e]`` and its aligned end, and rows past the last aligned end.
+    """
+    lane = lane_id()
+    warp, num_warps = global_warp()
+    thread = warp * WARP + lane
+    threads = num_warps * WARP
+    meta_width = recv_src_metadata.shape[1]
+    for j in range(thread, (recv_src_metadata.shape[0] - num_rows) * meta_width, threads):
+        recv_src_metadata[num_rows + j // meta_width, j % meta_width] = -1
+    if not expand:
+        num_topk = recv_topk_idx.shape[1]
+        for j in range(thread, (recv_topk_idx.shape[0] - num_rows) * num_topk, threads):
+            recv_topk_idx[num_rows + j // num_topk, j % num_topk] = -1
+            recv_weight_bits[num_rows + j // num_topk, j % num_topk] = 0
+        return
+    num_local = expert_psum.shape[0]
+    num_expanded = align_up(expert_psum[num_local - 1], alignment) if num_local > 0 else 0
+    for row in range(num_expanded + thread, recv_topk_idx.shape[0], threads):
+        recv_topk_idx[row, 0] = -1
+        recv_weight_bits[row, 0] = 0
+    for job in range(warp, num_local * (alignment - 1), num_warps):
+        end = expert_psum[job // (alignment - 1)]
+        row = end + job % (alignment - 1)
+        if row < align_up(end, alignment):
+            if lane == 0:
+                recv_topk_idx[row, 0] = -1
+                recv_weight_bits[row, 0] = 0
+            if zero_padding:
+                for w in range(lane, recv_x.shape[1], WARP):
+                    recv_x[row, w] = 0
+
+
+@cuda.jit
+def receive_copy_kernel(rank_psum, rows, meta, expand, mode, num_units, expert_cursor, unit_cursor, expert_psum,
+                        alignment, zero_padding, recv_x, recv_topk_idx, recv_weight_bits, recv_src_metadata):
+    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`."""
+    num_ranks = rank_psum.shape[0]
+    max_tokens = meta.shape[1]
+    num_topk = (meta.shape[2] - 1) // 2
+    num_rows = rank_psum[num_ranks - 1]
+    lane = lane_id()
+    group = WARP // num_topk
+    warp, num_warps = global_warp()
+    for unit in range(warp, num_units, num_warps):
+        begin, end = unit_range(unit, num_units, num_rows)
+        for r0 in range(begin, end, group):
+            row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, lane)
+            weight_bits = meta[src, slot, 1 + num_topk + k] if active else 0
+            if active and k == 0:
+                recv_src_metadata[row, 0] = src * max_tokens + meta[src, slot, 0]
+                recv_src_metadata[row, 1] = src * max_tokens + slot
+            if expand:
+                dst = place_expanded(mode, recv_src_metadata, expert_cursor, unit_cursor[unit], row, k, active,
+                                     expert, lane)
+                if active:
+                    recv_src_metadata[row, 2 + k] = dst
+                if dst >= 0:
+                    recv_topk_idx[dst, 0] = expert
+                    recv_weight_bits[dst, 0] = weight_bits
+                copy_rows_of_group(recv_x, rows, cuda.ballot_sync(FULL_MASK, dst >= 0), src, slot, dst)
+            else:
+                if active:
+                    write_compact_entry(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, k, expert,
+                                        weight_bits)
+                copy_rows_of_group(recv_x, rows, cuda.ballot_sync(FULL_MASK, active and k == 0), src, slot, row)
+    fill_unused_rows(recv_x, recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum, alignment,
+                     expand, zero_padding)

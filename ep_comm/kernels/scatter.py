@@ -1,0 +1,83 @@
+"""Rank scatter: give each (token, destination rank) pair a slot and write its row and meta row there.
+
+Destinations are a tuple of per-rank arrays (NVSHMEM peer views on a GPU), indexed by a runtime
+rank. Slots come from one of three sources (``mode``): an atomic counter per destination rank
+(``SLOT_ATOMIC``, any order), the stable per-unit cursors left by the count kernel
+(``SLOT_STABLE``: slot = number of earlier tokens going to the same rank), or a recorded
+``dst_buffer_slot_idx`` (``SLOT_CACHED``, no counting).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ep_comm.kernels.units import lane_entry, unit_range
+from ep_comm.kernels.warp import (FULL_MASK, WARP, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
+                                  stable_bucket_slots)
+
+SLOT_ATOMIC = 0
+SLOT_STABLE = 1
+SLOT_CACHED = 2
+
+
+@cuda.jit(device=True)
+def write_meta(meta, topk_idx, weight_bits, has_weights, token, rank, experts_per_rank, lane):
+    """Meta row of (token, rank): source token, K local expert ids (-1 off this rank), K weight bits (0 off it)."""
+    num_topk = topk_idx.shape[1]
+    if lane == 0:
+        meta[0] = token
+    if lane < num_topk:
+        expert = np.int64(topk_idx[token, lane])
+        on_rank = expert >= 0 and expert // experts_per_rank == rank
+        meta[1 + lane] = expert - rank * experts_per_rank if on_rank else -1
+        meta[1 + num_topk + lane] = weight_bits[token, lane] if on_rank and has_weights else 0
+
+
+@cuda.jit(device=True)
+def assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor, t, k, active, rank, first, src_base, lane):
+    """Slot of a lane's (token, rank) pair, -1 if the lane is not its pair's first entry; records it in ``slot_idx``.
+
+    Must be called by all lanes of the warp (stable mode uses warp collectives).
+    """
+    if mode == SLOT_CACHED:
+        recorded = np.int32(slot_idx[t, k]) if active else np.int32(-1)
+        return recorded - src_base if recorded >= 0 else -1
+    if mode == SLOT_STABLE:
+        slot = stable_bucket_slots(unit_cursor, rank, first, lane)
+    else:
+        slot = cuda.atomic.add(rank_cursor, rank, 1) if first else -1
+    if active:
+        slot_idx[t, k] = src_base + slot if first else -1
+    return slot
+
+
+@cuda.jit
+def scatter_kernel(x_words, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, parity, mode,
+                   num_units, rank_cursor, unit_cursor, slot_idx, rows, metas):
+    """See :func:`ep_comm.kernels.api.Kernels.scatter`."""
+    num_tokens, num_topk = topk_idx.shape
+    num_ranks = len(rows)
+    max_tokens = rows[0].shape[2]
+    src_base = src_rank * max_tokens
+    lane = lane_id()
+    group = WARP // num_topk
+    warp, num_warps = global_warp()
+    for unit in range(warp, num_units, num_warps):
+        begin, end = unit_range(unit, num_units, num_tokens)
+        for t0 in range(begin, end, group):
+            t, k, active = lane_entry(t0, end, num_topk, lane)
+            expert = np.int64(topk_idx[t, k]) if active else np.int64(-1)
+            rank = expert // experts_per_rank if expert >= 0 else np.int64(-1)
+            key = (t - t0) * num_ranks + rank if expert >= 0 else np.int64(-1 - lane)
+            first = is_group_leader(key, lane) and expert >= 0
+            slot = assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor[unit], t, k, active, rank, first,
+                               src_base, lane)
+            pairs = cuda.ballot_sync(FULL_MASK, slot >= 0)
+            while pairs != 0:
+                src, pairs = pop_lowest(pairs)
+                pt = cuda.shfl_sync(FULL_MASK, t, src)
+                pr = cuda.shfl_sync(FULL_MASK, rank, src)
+                ps = cuda.shfl_sync(FULL_MASK, slot, src)
+                copy_row(rows[pr][parity, src_rank, ps], x_words[pt], x_words.shape[1])
+                write_meta(metas[pr][parity, src_rank, ps], topk_idx, weight_bits, has_weights, pt, pr,
+                           experts_per_rank, lane)

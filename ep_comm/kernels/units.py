@@ -1,0 +1,43 @@
+"""How work is cut: ``num_units`` contiguous item ranges, each walked by one warp, ``32 // K`` items at a time.
+
+Counting and scattering kernels use the same cut, so per-unit counts scanned over units are where
+each unit's items start inside each bucket: this is what makes the stable (deterministic) order
+a scan rather than a sort.
+"""
+from __future__ import annotations
+
+from numba import cuda
+
+from ep_comm.kernels.warp import WARP
+
+
+@cuda.jit(device=True)
+def unit_range(unit, num_units, num_items):
+    """``[begin, end)`` items of ``unit`` when ``num_items`` are cut into ``num_units`` even chunks."""
+    per_unit = (num_items + num_units - 1) // num_units
+    begin = min(unit * per_unit, num_items)
+    return begin, min(begin + per_unit, num_items)
+
+
+@cuda.jit(device=True)
+def lane_entry(first_item, end, width, lane):
+    """Item and entry column a lane handles in a group of ``32 // width`` items starting at ``first_item``.
+
+    Returns ``(item, column, active)``; lanes past the group or past ``end`` are inactive.
+    """
+    item = first_item + lane // width
+    return item, lane % width, lane < (WARP // width) * width and item < end
+
+
+@cuda.jit(device=True)
+def source_of_row(rank_psum, row):
+    """Source rank and slot of compact row ``row``, given the inclusive prefix sum of rows per source."""
+    lo = 0
+    hi = rank_psum.shape[0] - 1
+    while lo < hi:  # first source whose inclusive sum exceeds row
+        mid = (lo + hi) // 2
+        if rank_psum[mid] > row:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, row - (rank_psum[lo - 1] if lo > 0 else 0)

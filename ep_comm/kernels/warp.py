@@ -1,0 +1,111 @@
+"""Warp-level building blocks shared by every kernel: Kogge-Stone scans and match-based grouping.
+
+All functions here are CUDA device functions that must be called by all 32 lanes of a warp
+together (full mask): kernels never exit early before a warp collective.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+FULL_MASK = 0xFFFFFFFF
+WARP = 32
+
+
+@cuda.jit(device=True)
+def lane_id():
+    """Lane of the calling thread in its warp (1-D blocks)."""
+    return cuda.threadIdx.x % WARP
+
+
+@cuda.jit(device=True)
+def global_warp():
+    """Index of the calling warp in the grid and the number of warps in the grid."""
+    warps_per_block = cuda.blockDim.x // WARP
+    return cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP, cuda.gridDim.x * warps_per_block
+
+
+@cuda.jit(device=True)
+def warp_inclusive_sum(value, lane):
+    """Kogge-Stone inclusive sum of ``value`` over the lanes of the warp (5 shuffle steps)."""
+    offset = 1
+    while offset < WARP:
+        other = cuda.shfl_up_sync(FULL_MASK, value, offset)
+        if lane >= offset:
+            value += other
+        offset *= 2
+    return value
+
+
+@cuda.jit(device=True)
+def warp_scan(src, dst, n, exclusive, carry):
+    """Prefix sum of ``src[:n]`` into ``dst[:n]`` by one warp, in chunks of 32 with a carried total.
+
+    ``dst[i] = carry + src[0] + ... + src[i]`` (inclusive) or ``... + src[i-1]`` (exclusive).
+    ``src`` is a global integer array (possibly a strided view), read with ``ld.global.cv``
+    because other blocks wrote it in this launch; ``dst`` is int32, global or shared. Returns
+    ``carry + sum(src[:n])`` on every lane.
+    """
+    lane = lane_id()
+    for base in range(0, n, WARP):
+        i = base + lane
+        value = np.int32(0)
+        if i < n:
+            value = np.int32(cuda.ldcv(src, i))
+        inclusive = warp_inclusive_sum(value, lane)
+        if i < n:
+            dst[i] = carry + inclusive - (value if exclusive else 0)
+        carry += cuda.shfl_sync(FULL_MASK, inclusive, WARP - 1)
+    return carry
+
+
+@cuda.jit(device=True)
+def lanes_below(lane):
+    """Bit mask of the lanes with a lower index than ``lane``."""
+    return (np.uint32(1) << np.uint32(lane)) - np.uint32(1)
+
+
+@cuda.jit(device=True)
+def lowest_lane(mask):
+    """Lowest lane set in a non-zero 32-bit lane mask."""
+    return np.int32(cuda.ffs(np.uint32(mask))) - 1
+
+
+@cuda.jit(device=True)
+def is_group_leader(key, lane):
+    """True on the lowest lane among those holding the same ``key`` (deduplication)."""
+    return lowest_lane(cuda.match_any_sync(FULL_MASK, key)) == lane
+
+
+@cuda.jit(device=True)
+def stable_bucket_slots(cursor, bucket, active, lane):
+    """Stable slots for the active lanes of a warp, bucket by bucket, from a per-bucket cursor.
+
+    Active lane ``j`` with bucket ``b`` gets ``cursor[b]`` plus the number of active lanes below
+    ``j`` with the same bucket (lanes are in item order, so slots follow item order); afterwards
+    ``cursor[b]`` has advanced past this warp's items of bucket ``b``. ``cursor`` is owned by this
+    warp (int32, global). Returns the slot, -1 on inactive lanes.
+    """
+    key = bucket if active else -1 - lane
+    same = cuda.match_any_sync(FULL_MASK, key) & cuda.ballot_sync(FULL_MASK, active)
+    slot = np.int32(-1)
+    if active:
+        slot = cursor[bucket] + np.int32(cuda.popc(same & lanes_below(lane)))
+    cuda.syncwarp(FULL_MASK)
+    if active and lane == WARP - 1 - np.int32(cuda.clz(np.uint32(same))):
+        cursor[bucket] += np.int32(cuda.popc(same))
+    cuda.syncwarp(FULL_MASK)
+    return slot
+
+
+@cuda.jit(device=True)
+def copy_row(dst, src, n):
+    """Copy words ``src[:n]`` into ``dst[:n]`` with the lanes of one warp (coalesced)."""
+    for w in range(lane_id(), n, WARP):
+        dst[w] = src[w]
+
+
+@cuda.jit(device=True)
+def pop_lowest(mask):
+    """Split a non-zero lane mask into its lowest lane and the mask without it."""
+    return lowest_lane(mask), mask & (mask - 1)

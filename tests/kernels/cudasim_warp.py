@@ -1,0 +1,154 @@
+"""Warp intrinsics and libdevice calls for the Numba CUDA simulator, so kernels run there unchanged.
+
+The simulator runs the threads of a block as Python threads and lacks warp collectives. Here each
+warp gets a barrier: a collective publishes the lane's value, waits for the warp, reads the
+published values, and waits again so the next collective cannot overwrite them early. Kernels
+call collectives with all lanes of a warp (full mask), as they must on a GPU.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+
+WARP = 32
+_TIMEOUT_S = 60.0
+_state_lock = threading.Lock()
+
+
+class _Warp:
+    def __init__(self, lanes: int):
+        self.barrier = threading.Barrier(lanes)
+        self.values: list = [None] * WARP
+
+
+def _warp_of_current_thread() -> tuple[_Warp, int]:
+    thread = threading.current_thread()
+    manager = thread._manager
+    warp_idx, lane = divmod(thread.thread_id, WARP)
+    with _state_lock:
+        warps = manager.__dict__.setdefault("_warps", {})
+        if warp_idx not in warps:
+            threads = int(np.prod(manager._block_dim))
+            warps[warp_idx] = _Warp(min(WARP, threads - warp_idx * WARP))
+    return warps[warp_idx], lane
+
+
+def _exchange(value) -> tuple[list, int]:
+    """All lanes' values (None for lanes that do not exist) and the caller's lane."""
+    warp, lane = _warp_of_current_thread()
+    warp.values[lane] = value
+    warp.barrier.wait(_TIMEOUT_S)
+    values = list(warp.values)
+    warp.barrier.wait(_TIMEOUT_S)
+    return values, lane
+
+
+def _check_full(mask) -> None:
+    if int(mask) & 0xFFFFFFFF != 0xFFFFFFFF:
+        raise NotImplementedError("the simulator's warp intrinsics support only the full mask")
+
+
+def shfl_sync(self, mask, value, src_lane):
+    _check_full(mask)
+    values, _ = _exchange(value)
+    return values[int(src_lane) % WARP]
+
+
+def shfl_up_sync(self, mask, value, delta):
+    _check_full(mask)
+    values, lane = _exchange(value)
+    src = lane - int(delta)
+    return values[src] if src >= 0 else value
+
+
+def shfl_down_sync(self, mask, value, delta):
+    _check_full(mask)
+    values, lane = _exchange(value)
+    src = lane + int(delta)
+    return values[src] if src < WARP and values[src] is not None else value
+
+
+def shfl_xor_sync(self, mask, value, lane_mask):
+    _check_full(mask)
+    values, lane = _exchange(value)
+    src = lane ^ int(lane_mask)
+    return values[src] if values[src] is not None else value
+
+
+def ballot_sync(self, mask, predicate):
+    _check_full(mask)
+    values, _ = _exchange(bool(predicate))
+    return sum(1 << i for i, v in enumerate(values) if v)
+
+
+def match_any_sync(self, mask, value):
+    _check_full(mask)
+    values, lane = _exchange(value)
+    return sum(1 << i for i, v in enumerate(values) if v is not None and v == values[lane])
+
+
+def activemask(self):
+    values, _ = _exchange(True)
+    return sum(1 << i for i, v in enumerate(values) if v)
+
+
+def syncwarp(self, mask=0xFFFFFFFF):
+    _check_full(mask)
+    _exchange(None)
+
+
+def ldcv(self, array, index):
+    return array[index]
+
+
+_INTRINSICS = {f.__name__: f for f in (shfl_sync, shfl_up_sync, shfl_down_sync, shfl_xor_sync, ballot_sync,
+                                      match_any_sync, activemask, syncwarp, ldcv)}
+
+
+def _fadd_rn(x, y):
+    return np.float32(np.float32(x) + np.float32(y))
+
+
+def _fmul_rn(x, y):
+    return np.float32(np.float32(x) * np.float32(y))
+
+
+def _float_as_int(x):
+    return np.float32(x).view(np.int32)
+
+
+def _int_as_float(x):
+    return np.uint32(int(x) & 0xFFFFFFFF).view(np.float32)
+
+
+_LIBDEVICE = {"fadd_rn": _fadd_rn, "fmul_rn": _fmul_rn, "float_as_int": _float_as_int, "int_as_float": _int_as_float}
+
+
+def _yielding_is_alive():
+    """``is_alive`` that now and then sleeps: the simulator's block manager polls liveness in a tight
+    loop and otherwise holds the GIL for most of each switch interval, starving the simulated threads."""
+    calls = itertools.count()
+    is_alive = threading.Thread.is_alive
+
+    def poll(thread) -> bool:
+        if next(calls) % WARP == 0:
+            time.sleep(1e-5)
+        return is_alive(thread)
+
+    return poll
+
+
+def install() -> None:
+    """Add the warp intrinsics to the simulator's ``cuda`` module and the libdevice calls kernels use."""
+    from numba.cuda import libdevice
+    from numba.cuda.simulator.kernel import BlockThread
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+    for name, func in _INTRINSICS.items():
+        setattr(FakeCUDAModule, name, func)
+    for name, func in _LIBDEVICE.items():
+        setattr(libdevice, name, func)
+    BlockThread.is_alive = _yielding_is_alive()
