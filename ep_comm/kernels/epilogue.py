@@ -185,7 +185,7 @@ def receive_copy_kernel(rank_psum, rows, meta, expand, mode, num_units, expert_c
         begin, end = unit_range(unit, num_units, num_rows)
         for r0 in range(begin, end, group):
             row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, lane)
-            weight_bits = meta[src, slot, 1 + num_topk + k] if active else 0
+            weight_bits = meta[src, slot, 1 + num_topk + k] if expert >= 0 else 0
             if active and k == 0:
                 recv_src_metadata[row, 0] = src * max_tokens + meta[src, slot, 0]
                 recv_src_metadata[row, 1] = src * max_tokens + slot

@@ -22,7 +22,8 @@ SLOT_CACHED = 2
 
 @cuda.jit(device=True)
 def write_meta(meta, topk_idx, weight_bits, has_weights, token, rank, experts_per_rank, lane):
-    """Meta row of (token, rank): source token, K local expert ids (-1 off this rank), K weight bits (0 off it)."""
+    """Meta row of (token, rank): source token, K local expert ids (-1 off this rank), the K weights' bits
+    as given (0 without weights; the receiver masks them)."""
     num_topk = topk_idx.shape[1]
     if lane == 0:
         meta[0] = token
@@ -30,7 +31,7 @@ def write_meta(meta, topk_idx, weight_bits, has_weights, token, rank, experts_pe
         expert = np.int64(topk_idx[token, lane])
         on_rank = expert >= 0 and expert // experts_per_rank == rank
         meta[1 + lane] = expert - rank * experts_per_rank if on_rank else -1
-        meta[1 + num_topk + lane] = weight_bits[token, lane] if on_rank and has_weights else 0
+        meta[1 + num_topk + lane] = weight_bits[token, lane] if has_weights else 0
 
 
 @cuda.jit(device=True)

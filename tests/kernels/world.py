@@ -1,0 +1,179 @@
+"""A simulated world of R ranks in one process: every rank's symmetric buffer is a plain array, the
+scatter kernel gets all of them as its tuple of destinations, and each receiver runs its epilogue.
+
+Expected values come from the NumPy reference (``ep_comm.layout``, ``ep_comm.reduce``) only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+
+from ep_comm import layout as ref
+from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
+                                 Kernels, symmetric_views, word_dtype)
+from ep_comm.symmetric import SymmetricLayout
+
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def to_host(a) -> np.ndarray:
+    """NumPy copy of a NumPy or CuPy array."""
+    return a.get() if hasattr(a, "get") else np.asarray(a).copy()
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """Raw bits of a payload array, for bit-exact comparisons (NaN and -0.0 included)."""
+    a = np.asarray(a)
+    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
+
+
+def random_routing(rng: np.random.Generator, tokens: int, topk: int, experts: int, *, masked: float = 0.1,
+                   hot_expert: Optional[int] = None, nowhere: int = 0) -> np.ndarray:
+    """``[T, K]`` int64 distinct experts per token; some entries -1; optionally every token picks
+    ``hot_expert``; the first ``nowhere`` tokens pick nothing."""
+    idx = np.array([rng.choice(experts, topk, replace=False) for _ in range(tokens)], np.int64).reshape(tokens, topk)
+    if hot_expert is not None and tokens:
+        has = (idx == hot_expert).any(axis=1)
+        idx[~has, rng.integers(0, topk, size=(~has).sum())] = hot_expert
+    idx = np.where(rng.random(idx.shape) < masked, -1, idx)
+    idx[:nowhere] = -1
+    return idx.astype(np.int64)
+
+
+def random_payload(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """Normal values with a few -0.0, in ``dtype``."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[rng.random(shape) < 0.05] = -0.0
+    return x.astype(dtype)
+
+
+@dataclass
+class Sent:
+    slot_idx: np.ndarray  # [T, K] int32 as the kernel wrote it
+    layout: object  # SendLayout (device arrays)
+
+
+@dataclass
+class Received:
+    counts: object  # ReceiveCounts
+    recv_x: np.ndarray
+    recv_topk_idx: np.ndarray
+    recv_topk_weights: np.ndarray
+    recv_src_metadata: np.ndarray
+
+
+@dataclass
+class World:
+    """R simulated ranks with routings ``topk[s]``, payloads ``x[s]`` and weights ``w[s]`` (or None)."""
+
+    xp: object
+    num_experts: int
+    max_tokens: int
+    topk: list
+    x: list
+    w: list
+    kernels: Kernels = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_ranks = len(self.topk)
+        self.num_topk = self.topk[0].shape[1]
+        self.hidden = self.x[0].shape[1]
+        self.dtype = self.x[0].dtype
+        self.local = self.num_experts // self.num_ranks
+        self.kernels = Kernels(self.xp, num_ranks=self.num_ranks, num_experts=self.num_experts,
+                               num_topk=self.num_topk, max_tokens=self.max_tokens, num_blocks=3, warps_per_block=2)
+        self.sym = SymmetricLayout(self.num_ranks, self.max_tokens, self.hidden, self.num_topk, self.dtype.itemsize)
+        self.buffers = [self.xp.zeros(self.sym.total_bytes, np.uint8) for _ in range(self.num_ranks)]
+        self.views = [symmetric_views(b, self.sym, word_dtype(self.hidden, self.dtype.itemsize)) for b in self.buffers]
+
+    def dev(self, a):
+        return None if a is None else self.xp.asarray(a)
+
+    def device_payload(self, a: np.ndarray):
+        """Payloads go to the device as raw bits when the array module has no bfloat16."""
+        if self.xp is np:
+            return a
+        return self.xp.asarray(a.view(np.uint16) if a.dtype == DTYPES["bfloat16"] else a)
+
+    # ---- dispatch -------------------------------------------------------------------------------
+    def send(self, parity: int, deterministic: bool, cached: Optional[list] = None) -> list:
+        """Count and scatter on every source rank; the count exchange done by hand."""
+        k = self.kernels
+        sent = []
+        for s in range(self.num_ranks):
+            topk = self.dev(self.topk[s])
+            if cached is None:
+                lay = k.count(topk, stable=deterministic)
+                slot_idx, mode = lay.slot_idx, SLOT_STABLE if deterministic else SLOT_ATOMIC
+            else:
+                lay, slot_idx, mode = None, self.dev(cached[s]), SLOT_CACHED
+            k.scatter(self.device_payload(self.x[s]), topk, self.dev(self.w[s]), slot_idx,
+                      [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, parity=parity, mode=mode)
+            sent.append(Sent(to_host(slot_idx), lay))
+        for s, item in enumerate(sent):
+            per_rank = ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks).num_tokens_per_rank
+            for d in range(self.num_ranks):
+                self.views[d].counts[parity, s] = int(per_rank[d])
+        return sent
+
+    def receive(self, d: int, parity: int, *, expand: bool, alignment: int, zero_padding: bool,
+                deterministic: bool, worst_case: bool = False, cached: Optional[Received] = None) -> Received:
+        """Receiver ``d``'s epilogue; outputs at worst-case size when ``worst_case`` (cpu_sync=False)."""
+        k, view, xp = self.kernels, self.views[d], self.xp
+        if cached is None:
+            counts = k.receive_count(view.counts[parity], view.meta[parity], alignment=alignment, expand=expand,
+                                     stable=deterministic)
+            mode = PLACE_STABLE if deterministic else PLACE_ATOMIC
+            num_rows, num_expanded = (int(v) for v in to_host(counts.totals))
+        else:
+            counts, mode = cached.counts, PLACE_CACHED
+            num_rows = cached.recv_src_metadata.shape[0]
+            num_expanded = cached.recv_x.shape[0]
+        if worst_case:
+            num_rows = ref.worst_case_recv_rows(self.num_ranks, self.max_tokens)
+            num_expanded = ref.worst_case_expanded_rows(self.num_ranks, self.max_tokens, self.num_topk, self.local,
+                                                        alignment)
+        out_rows = num_expanded if expand else num_rows
+        ids_shape = (out_rows,) if expand else (out_rows, self.num_topk)
+        recv_x = xp.full((out_rows, self.hidden), 3, dtype=self.device_payload(self.x[0]).dtype)  # not zero
+        topk_idx = xp.full(ids_shape, 77, dtype=np.int64)
+        weights = xp.full(ids_shape, 5.0, dtype=np.float32)
+        metadata = xp.full((num_rows, 2 + self.num_topk), 99, dtype=np.int32)
+        if cached is not None:
+            metadata[: cached.recv_src_metadata.shape[0]] = xp.asarray(cached.recv_src_metadata)
+        k.receive_copy(counts.rank_psum, view.rows[parity], view.meta[parity], recv_x, topk_idx, weights, metadata,
+                       expand=expand, mode=mode, expert_psum=counts.expert_psum, alignment=alignment,
+                       zero_padding=zero_padding)
+        host_x = to_host(recv_x)
+        if host_x.dtype == np.uint16:
+            host_x = host_x.view(self.dtype)
+        return Received(counts, host_x, to_host(topk_idx), to_host(weights), to_host(metadata))
+
+    # ---- expectations ----------------------------------------------------------------------------
+    def arrivals(self, d: int, sent: list) -> list:
+        """``(src, token, slot)`` of every row rank ``d`` receives, in compact order (slot order per source)."""
+        rows = []
+        for s in range(self.num_ranks):
+            ranks = ref.entry_ranks(self.topk[s], self.local)
+            tok, col = np.nonzero((ranks == d) & (sent[s].slot_idx >= 0))
+            slots = sent[s].slot_idx[tok, col] - s * self.max_tokens
+            rows += [(s, int(t), int(sl)) for sl, t in sorted(zip(slots, tok))]
+        return rows
+
+    def expected_compact(self, d: int, sent: list) -> dict:
+        """Reference compact outputs of receiver ``d`` given the slots the senders used."""
+        rows = self.arrivals(d, sent)
+        k = self.num_topk
+        local = np.array([ref.local_topk(self.topk[s][t:t + 1], d, self.local)[0] for s, t, _ in rows]).reshape(-1, k)
+        weights = np.zeros(local.shape, np.float32)
+        for i, (s, t, _) in enumerate(rows):
+            if self.w[s] is not None:
+                weights[i] = np.where(local[i] >= 0, self.w[s][t], 0)
+        x = np.array([self.x[s][t] for s, t, _ in rows], dtype=self.dtype).reshape(-1, self.hidden)
+        origin = np.array([[s * self.max_tokens + t, s * self.max_tokens + sl] for s, t, sl in rows],
+                          dtype=np.int32).reshape(-1, 2)
+        return {"x": x, "local": local, "weights": weights, "origin": origin,
+                "per_source": np.bincount([s for s, _, _ in rows], minlength=self.num_ranks)}
