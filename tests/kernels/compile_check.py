@@ -1,0 +1,71 @@
+"""Compile every kernel for sm_90 exactly as ``Kernels`` launches it, without a GPU (needs NVVM + NVRTC).
+
+Run as ``python tests/kernels/compile_check.py OUT_DIR`` outside the simulator: ``Kernels`` methods
+are called with NumPy arrays and a launcher that records instead of launching; each recorded
+launch is compiled to PTX, written to ``OUT_DIR/<kernel>.ptx``. This type-checks the real kernels
+(the simulator runs them as Python) and lets tests inspect the generated code.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import numba.cuda.dispatcher
+from numba import cuda, typeof
+
+from ep_comm.kernels.api import PLACE_STABLE, SLOT_STABLE, Kernels, symmetric_views, word_dtype
+from ep_comm.symmetric import SymmetricLayout
+
+CC = (9, 0)
+R, E, K, T, H = 2, 16, 4, 8, 24
+
+
+class Recorder(Kernels):
+    """``Kernels`` whose launches are recorded as ``(kernel, args)``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.launches = []
+
+    def _launch(self, kernel, shared_bytes: int = 0):
+        return lambda *args: self.launches.append((kernel, args))
+
+
+def record_all(dtype: np.dtype) -> list:
+    k = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)
+    sym = SymmetricLayout(R, T, H, K, dtype.itemsize)
+    views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(H, dtype.itemsize)) for _ in range(R)]
+    topk = np.zeros((T, K), np.int64)
+    x = np.zeros((T, H), dtype)
+    slot_idx = np.zeros((T, K), np.int32)
+    k.count(topk, stable=True)
+    k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
+              src_rank=0, parity=0, mode=SLOT_STABLE)
+    counts = k.receive_count(views[0].counts[0], views[0].meta[0], alignment=1, expand=True, stable=True)
+    for expand, ids_shape in ((False, (R * T, K)), (True, (R * T * K,))):
+        k.receive_copy(counts.rank_psum, views[0].rows[0], views[0].meta[0], np.zeros((ids_shape[0], H), dtype),
+                       np.zeros(ids_shape, np.int64), np.zeros(ids_shape, np.float32),
+                       np.zeros((R * T, 2 + K), np.int32), expand=expand, mode=PLACE_STABLE,
+                       expert_psum=counts.expert_psum, alignment=1, zero_padding=True)
+        k.combine_send(np.zeros((ids_shape[0], H), dtype), np.zeros((R * T, 2 + K), np.int32), counts.rank_psum,
+                       [v.rows for v in views], my_rank=0, parity=0, expand=expand,
+                       weights=np.zeros(ids_shape[0], np.float32) if expand else None)
+    k.combine_reduce(views[0].rows[0], slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
+                     bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)])
+    return k.launches
+
+
+def main(out_dir: str) -> None:
+    numba.cuda.dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=CC)
+    out = Path(out_dir)
+    for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        for kernel, args in record_all(dtype):
+            ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
+            (out / f"{kernel.py_func.__name__}.{dtype.name}.ptx").write_text(ptx)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

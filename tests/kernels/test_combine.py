@@ -1,0 +1,83 @@
+"""Combine kernels against ``ep_comm.reduce``: bit for bit, float32/float16/bfloat16, with weights and bias."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ep_comm import layout as ref
+from ep_comm import reduce
+from ep_comm.kernels.api import payload_rows
+from test_dispatch import make_world, run_dispatch
+from world import bits, random_payload, to_host
+
+PARITY = 0  # dispatch ran with parity 1
+
+
+def expected_combine(world, sent, received, ys, weights, bias_terms, expand: bool) -> list:
+    """Per source rank: ``reduce.combine_rows`` over the partials ``reduce.expand_partials`` makes."""
+    from_rank = []
+    for d in range(world.num_ranks):
+        n = len(world.arrivals(d, sent))
+        meta = received[d].recv_src_metadata[:n]
+        partial = (reduce.expand_partials(ys[d], meta[:, 2:], weights[d], world.dtype) if expand else ys[d][:n])
+        from_rank.append((meta, partial))
+    out = []
+    for s in range(world.num_ranks):
+        tokens = world.topk[s].shape[0]
+        rows = []
+        for meta, partial in from_rank:
+            per_token = np.zeros((tokens, world.hidden), world.dtype)
+            mine = meta[:, 0] // world.max_tokens == s
+            per_token[meta[mine, 0] % world.max_tokens] = partial[mine]
+            rows.append(per_token)
+        reached = ref.is_token_in_rank(world.topk[s], world.num_experts, world.num_ranks)
+        out.append(reduce.combine_rows(rows, reached, bias_terms[s], world.dtype))
+    return out
+
+
+def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic: bool = True):
+    sent, received = run_dispatch(world, deterministic=deterministic, expand=expand, alignment=2, zero_padding=True)
+    rng = np.random.default_rng(7)
+    k, xp = world.kernels, world.xp
+    ys, weights = [], []
+    for d in range(world.num_ranks):
+        rows = len(received[d].recv_x) if expand else received[d].recv_src_metadata.shape[0]
+        ys.append(random_payload(rng, (rows, world.hidden), world.dtype))
+        weights.append(rng.standard_normal(rows).astype(np.float32) if weighted and expand else None)
+        k.combine_send(world.device_payload(ys[d]), xp.asarray(received[d].recv_src_metadata),
+                       received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, parity=PARITY,
+                       expand=expand, weights=world.dev(weights[d]))
+    bias_terms = []
+    for s in range(world.num_ranks):
+        shape = (world.topk[s].shape[0], world.hidden)
+        terms = [random_payload(rng, shape, world.dtype), random_payload(rng, shape, np.dtype(np.float32))][:bias]
+        bias_terms.append(terms)
+    want = expected_combine(world, sent, received, ys, weights, bias_terms, expand)
+    for s in range(world.num_ranks):
+        out = xp.full((world.topk[s].shape[0], world.hidden), 3, world.device_payload(world.x[s]).dtype)
+        k.combine_reduce(world.views[s].rows[PARITY], xp.asarray(sent[s].slot_idx), world.dev(world.topk[s]), out,
+                         my_rank=s, bias=[world.device_payload(b) for b in bias_terms[s]])
+        np.testing.assert_array_equal(bits(to_host(out)), bits(want[s]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_expand_combine_weighted_with_bias_pair(xp, dtype):
+    world = make_world(xp, seed=11, dtype=dtype, hidden=40, masked=0.2, nowhere=1)
+    run_combine(world, expand=True, weighted=True, bias=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compact_combine(xp, dtype):
+    world = make_world(xp, seed=12, dtype=dtype, hidden=33)
+    run_combine(world, expand=False, weighted=False, bias=1, deterministic=False)
+
+
+def test_expand_combine_unweighted_no_bias_many_ranks(xp):
+    world = make_world(xp, seed=13, ranks=4, experts=16, topk=5, tokens=(9, 0, 12, 5), hidden=8)
+    run_combine(world, expand=True, weighted=False, bias=0)
+
+
+def test_payload_rows_views_words_as_elements():
+    rows = np.zeros((2, 3, 4, 5), np.uint64)
+    assert payload_rows(rows, np.float16).shape == (2, 3, 4, 20)
+    assert payload_rows(rows, np.float32).dtype == np.float32

@@ -1,0 +1,52 @@
+"""The kernels compile for sm_90 with the real Numba-CUDA compiler, and the combine arithmetic has no FMA.
+
+The simulator runs kernels as Python, so it would not notice code that Numba cannot type; this
+compiles each launch ``Kernels`` makes, in a subprocess outside the simulator. Skipped where NVVM or
+NVRTC is missing.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def ptx_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ptx")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(HERE / "compile_check.py"), str(out)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode != 0:
+        missing = ("NVVM", "nvvm", "libnvrtc", "NVRTC", "CudaSupportError")
+        if any(word in run.stderr for word in missing) and "TypingError" not in run.stderr:
+            pytest.skip(f"no CUDA compiler here: {run.stderr.strip().splitlines()[-1]}")
+        pytest.fail(run.stderr[-4000:])
+    return out
+
+
+def test_every_kernel_compiles(ptx_dir):
+    names = {p.name.split(".")[0] for p in ptx_dir.glob("*.ptx")}
+    assert names == {"count_kernel", "scatter_kernel", "receive_count_kernel", "receive_copy_kernel",
+                     "combine_copy_kernel", "combine_expand_kernel", "combine_reduce_kernel"}
+
+
+def test_no_fused_multiply_add_in_combine(ptx_dir):
+    for path in ptx_dir.glob("combine_*.ptx"):
+        ptx = path.read_text()
+        assert "fma." not in ptx, path.name
+    for path in ptx_dir.glob("combine_expand_kernel.*.ptx"):
+        assert "mul.rn.f32" in path.read_text()
+
+
+def test_warp_collectives_are_real_instructions(ptx_dir):
+    ptx = (ptx_dir / "count_kernel.bfloat16.ptx").read_text()
+    for instruction in ("match.any.sync", "shfl.sync.up", "atom.global.add.u64", "atom.global.exch.b64",
+                        "ld.global.cv"):
+        assert instruction in ptx
