@@ -1,0 +1,63 @@
+"""Device building blocks in small test kernels: chunked warp scans and payload conversions."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda
+
+from ep_comm import layout as ref
+from ep_comm.kernels.convert import load_f32, store_f32
+from ep_comm.kernels.warp import warp_scan
+from world import to_host
+
+
+@cuda.jit
+def scan_kernel(src, inclusive_out, exclusive_out, totals):
+    totals[0] = warp_scan(src, inclusive_out, src.shape[0], False, 0)
+    totals[1] = warp_scan(src, exclusive_out, src.shape[0], True, 5)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 70])
+def test_warp_scan_chunks_carry_the_total(xp, n):
+    src = np.random.default_rng(n).integers(0, 9, n).astype(np.int32)
+    inclusive, exclusive, totals = xp.zeros(n, np.int32), xp.zeros(n, np.int32), xp.zeros(2, np.int32)
+    scan_kernel[1, 32](xp.asarray(src), inclusive, exclusive, totals)
+    np.testing.assert_array_equal(to_host(inclusive), ref.inclusive_psum(src))
+    np.testing.assert_array_equal(to_host(exclusive), 5 + ref.exclusive_psum(src)[:-1])
+    np.testing.assert_array_equal(to_host(totals), [src.sum(), 5 + src.sum()])
+
+
+@cuda.jit
+def round_trip_kernel(src, src_bf16, dst, dst_bf16):
+    i = cuda.grid(1)
+    if i < src.shape[0]:
+        store_f32(dst, i, load_f32(src, i, src_bf16), dst_bf16)
+
+
+def special_floats() -> np.ndarray:
+    """Values where rounding to 16 bits is delicate: ties, carries into the exponent, overflow, subnormals, NaN."""
+    raw = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F7FFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001,
+                    0x80008000, 0x00018000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF812345, 0x80000000,
+                    0x33800000, 0x33000001, 0x387FE000, 0x477FF000, 0x477FEFFF, 0x38800000], dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    return np.concatenate([raw.view(np.float32), rng.standard_normal(44).astype(np.float32) * 1e3])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)])
+def test_float32_to_payload_rounds_like_numpy(xp, dtype):
+    """Bit-exact except NaN payloads in float16: the hardware conversion makes its own NaN."""
+    values = special_floats()
+    is_bf16 = dtype.name == "bfloat16"
+    out = xp.zeros(len(values), np.uint16 if is_bf16 else dtype)
+    round_trip_kernel[2, 32](xp.asarray(values), False, out, is_bf16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = values.astype(dtype)
+    got = to_host(out).view(dtype)
+    exact = ~np.isnan(values) | is_bf16
+    np.testing.assert_array_equal(got.view(np.uint16)[exact], want.view(np.uint16)[exact])
+    assert np.isnan(got[~exact].astype(np.float32)).all()
+    back = xp.zeros(len(values), np.float32)
+    round_trip_kernel[2, 32](out, is_bf16, back, False)
+    np.testing.assert_array_equal(to_host(back).view(np.uint32)[exact], want.astype(np.float32).view(np.uint32)[exact])
