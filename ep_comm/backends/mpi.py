@@ -7,7 +7,8 @@ the default where there is no GPU and the executable reference the GPU backend i
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -53,11 +54,19 @@ class MpiBackend:
         return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
 
     # ---------------------------------------------------------------- protocol
-    def _begin(self, what: str) -> tuple:
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[tuple]:
+        """Number the next collective step and yield ``(seq, parity)``; a step that fails midway
+        leaves the peers out of step, so the buffer is marked unusable."""
         if self.unusable:
             raise BufferUnusableError(f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
         self.seq += 1
-        return self.seq, self.seq % 2
+        try:
+            yield self.seq, self.seq % 2
+        except BaseException as exc:
+            if not self.unusable:
+                self.unusable = f"{what} #{self.seq} failed midway ({type(exc).__name__}: {exc})"
+            raise
 
     def _wait_all(self, what: str, seq: int) -> None:
         missing = self.window.wait(range(self.geo.num_ranks), seq, time.monotonic() + self.timeout_s)
@@ -69,7 +78,7 @@ class MpiBackend:
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
-        raw = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
+        raw = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), rows.shape[1] * rows.dtype.itemsize)
         if raw.shape[1] == self.sym.row_bytes:
             return raw
         padded = np.zeros((len(rows), self.sym.row_bytes), dtype=np.uint8)
@@ -101,8 +110,14 @@ class MpiBackend:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
                  zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
+        with self._collective("dispatch") as step:
+            return self._dispatch(step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding,
+                                  cpu_sync, stats)
+
+    def _dispatch(self, step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync,
+                  stats) -> DispatchOutput:
         geo = self.geo
-        seq, parity = self._begin("dispatch")
+        seq, parity = step
         if handle is None:
             in_rank = lay.is_token_in_rank(topk_idx, geo.num_experts, geo.num_ranks)
             slots = lay.stable_rank_slots(in_rank) if self.deterministic else lay.atomic_rank_slots(in_rank, seed=seq)
@@ -216,8 +231,12 @@ class MpiBackend:
 
     # ----------------------------------------------------------------- combine
     def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence[np.ndarray]) -> CombineOutput:
+        with self._collective("combine") as step:
+            return self._combine(step, y, handle, topk_weights, bias_terms)
+
+    def _combine(self, step, y, handle: EPHandle, topk_weights, bias_terms) -> CombineOutput:
         geo = self.geo
-        seq, parity = self._begin("combine")
+        seq, parity = step
         counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0)
         n = int(counts.sum())
         meta = np.asarray(handle.recv_src_metadata)[:n]
@@ -267,10 +286,10 @@ class MpiBackend:
         if self.unusable:
             self.window.free(collective=False)
         else:
-            seq, _ = self._begin("close")
-            self.window.signal(range(self.geo.num_ranks), seq)
             try:
-                self._wait_all("close", seq)
+                with self._collective("close") as (seq, _):
+                    self.window.signal(range(self.geo.num_ranks), seq)
+                    self._wait_all("close", seq)
             finally:
                 self.window.free(collective=not self.unusable)
                 if not self.unusable:
