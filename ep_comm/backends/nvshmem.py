@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
 from .. import layout as lay
@@ -76,17 +75,13 @@ class NvshmemBackend:
         cp = self._cp
         if isinstance(obj, cp.ndarray):
             return obj
-        if hasattr(obj, "__dlpack_device__"):
-            kind = int(obj.__dlpack_device__()[0])
-            if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
-                return cp.from_dlpack(obj)
-            raise TypeError(f"{name} lives on the host (DLPack device type {kind}): the nvshmem backend takes GPU "
-                            "arrays (CuPy, PyTorch CUDA tensors, anything with __cuda_array_interface__)")
-        if hasattr(obj, "__cuda_array_interface__"):
-            return cp.asarray(obj)
-        if isinstance(obj, np.ndarray) or hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
+        on_gpu = (int(obj.__dlpack_device__()[0]) in (_DL_CUDA, _DL_CUDA_MANAGED)
+                  if hasattr(obj, "__dlpack_device__") else hasattr(obj, "__cuda_array_interface__"))
+        if on_gpu:
+            return cp.from_dlpack(obj) if hasattr(obj, "__dlpack__") else cp.asarray(obj)
+        if hasattr(obj, "__dlpack__") or hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
             raise TypeError(f"{name} is a host array ({type(obj).__name__}): the nvshmem backend takes GPU arrays "
-                            "(CuPy, PyTorch CUDA tensors, anything with __cuda_array_interface__)")
+                            "(CuPy, PyTorch CUDA tensors, anything with __cuda_array_interface__ or DLPack)")
         raise TypeError(f"{name} must be a GPU array, got {type(obj).__name__}")
 
     def dispatch_layout(self, topk_idx) -> lay.DispatchLayout:

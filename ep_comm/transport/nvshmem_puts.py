@@ -11,6 +11,7 @@ is its PE. Source rows must be reachable by the transport (true for P2P and the 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 
@@ -61,6 +62,16 @@ def _stream():
     return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
 
 
+def _launch(kernel, grid: int, block: int, *args) -> None:
+    """Launch on the current CuPy stream; one CTA per row pair is the intended grid, so Numba's
+    low-occupancy warning is silenced."""
+    from numba.core.errors import NumbaPerformanceWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumbaPerformanceWarning)
+        kernel[grid, block, _stream()](*args)
+
+
 def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, num_ranks: int, dst_rank, dst_row, sym_local,
              dst_offset: int, dst_pitch: int, row_bytes: int) -> None:
     """``gpu_copy.put_rows`` through ``nvshmem_put_nbi_block``; ``src`` is a C-contiguous device
@@ -74,15 +85,15 @@ def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, num_ranks: int, d
     ranks = dst_rank if has_rank else cupy.zeros(1, dtype=cupy.int32)
     src_bytes = src.reshape(-1).view(cupy.uint8)
     grid = max(1, min(num_pairs, 65535))
-    put_rows_kernel[grid, PUT_THREADS, _stream()](
-        _numba(src_bytes), np.int64(src_pitch), np.int64(num_pairs), np.int64(fanout), np.int64(num_ranks),
-        _numba(ranks), has_rank,
-        _numba(dst_row), _numba(sym_local), np.int64(dst_offset), np.int64(dst_pitch), np.int64(row_bytes))
+    _launch(put_rows_kernel, grid, PUT_THREADS,
+            _numba(src_bytes), np.int64(src_pitch), np.int64(num_pairs), np.int64(fanout), np.int64(num_ranks),
+            _numba(ranks), has_rank, _numba(dst_row), _numba(sym_local), np.int64(dst_offset), np.int64(dst_pitch),
+            np.int64(row_bytes))
 
 
 def signal_peers(signals_local, num_ranks: int, me: int, seq: int) -> None:
     """After every earlier put on the stream: ``signal[me] = seq`` on every PE (``signals_local``:
     this rank's int64 ``signal[R]`` view, the symmetric address)."""
     _, signal_kernel = _kernels()
-    signal_kernel[1, max(32, -(-num_ranks // 32) * 32), _stream()](
-        _numba(signals_local), np.int64(num_ranks), np.int64(me), np.int64(seq))
+    _launch(signal_kernel, 1, max(32, -(-num_ranks // 32) * 32),
+            _numba(signals_local), np.int64(num_ranks), np.int64(me), np.int64(seq))
