@@ -18,22 +18,6 @@ from mpi4py import MPI
 
 import ep_comm
 
-def _mpi_reference_empty_block_shim() -> None:
-    """The mpi backend's ``_pack_rows`` cannot pack an empty block (``reshape(0, -1)``): reported to
-    its owner; until fixed, send empty blocks as ``[0, row_bytes]`` (inert once the bug is gone)."""
-    from ep_comm.backends.mpi import MpiBackend
-
-    original = MpiBackend._pack_rows
-
-    def pack_rows(self, rows):
-        if len(rows) == 0:
-            return np.zeros((0, self.sym.row_bytes), dtype=np.uint8)
-        return original(self, rows)
-
-    MpiBackend._pack_rows = pack_rows
-
-
-_mpi_reference_empty_block_shim()
 COMM = MPI.COMM_WORLD
 RANK, WORLD = COMM.rank, COMM.size
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
