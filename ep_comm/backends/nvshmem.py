@@ -16,7 +16,8 @@ tensors, zero copy). Outputs: CuPy arrays.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 from mpi4py import MPI
 
@@ -144,12 +145,20 @@ class NvshmemBackend:
         return meta
 
     # ---------------------------------------------------------------- protocol
-    def _begin(self, what: str) -> tuple:
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[tuple]:
+        """Number the next collective step and yield ``(seq, parity)``; a step that fails midway
+        leaves the peers out of step, so the buffer is marked unusable (as the mpi backend does)."""
         if self.unusable:
             raise BufferUnusableError(f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
         self._raise_if_timed_out("an earlier operation", self.seq)
         self.seq += 1
-        return self.seq, self.seq % 2
+        try:
+            yield self.seq, self.seq % 2
+        except BaseException as exc:
+            if not self.unusable:
+                self.unusable = f"{what} #{self.seq} failed midway ({type(exc).__name__}: {exc})"
+            raise
 
     def _raise_if_timed_out(self, what: str, seq: int) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
@@ -206,8 +215,14 @@ class NvshmemBackend:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
                  zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
+        with self._collective("dispatch") as step:
+            return self._dispatch(step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding,
+                                  cpu_sync, stats)
+
+    def _dispatch(self, step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync,
+                  stats) -> DispatchOutput:
         cp, geo, sym = self._cp, self.geo, self.sym
-        seq, parity = self._begin("dispatch")
+        seq, parity = step
         idx = topk_idx.astype(cp.int64)
         if handle is None:
             ranks = self._entry_ranks(idx)
@@ -348,8 +363,12 @@ class NvshmemBackend:
 
     # ----------------------------------------------------------------- combine
     def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence) -> CombineOutput:
+        with self._collective("combine") as step:
+            return self._combine(step, y, handle, topk_weights, bias_terms)
+
+    def _combine(self, step, y, handle: EPHandle, topk_weights, bias_terms) -> CombineOutput:
         cp, geo, sym = self._cp, self.geo, self.sym
-        seq, parity = self._begin("combine")
+        seq, parity = step
         meta = handle.recv_src_metadata
         valid = meta[:, 0] >= 0
         dst_rank = cp.where(valid, meta[:, 1] // geo.max_tokens, 0).astype(cp.int32)
@@ -407,9 +426,9 @@ class NvshmemBackend:
         clean = False
         try:
             if not self.unusable:
-                seq, _ = self._begin("close")
-                self._signal_and_wait("close", seq)
-                self._sync_and_check("close", seq)
+                with self._collective("close") as (seq, _):
+                    self._signal_and_wait("close", seq)
+                    self._sync_and_check("close", seq)
                 clean = True
         finally:
             self._cp.cuda.get_current_stream().synchronize()
