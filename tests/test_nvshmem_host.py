@@ -85,3 +85,65 @@ def test_signal_kinds_make_close_wait_for_close():
     kinds = nv._SIGNAL_KIND
     assert kinds["close"] > max(kinds["dispatch"], kinds["combine"]) and max(kinds.values()) < 4
     assert np.all(np.diff(sorted(kinds.values())) > 0)
+
+
+def _numpy_backend(num_ranks: int, num_experts: int, num_topk: int, max_tokens: int, rank: int):
+    """The nvshmem backend's index math with NumPy standing in for CuPy (no GPU, no heap)."""
+    from ep_comm.backends.nvshmem import NvshmemBackend
+    from ep_comm.symmetric import SymmetricLayout
+
+    be = object.__new__(NvshmemBackend)
+    be._cp = np
+    be.geo = Geometry(num_ranks, num_experts, 8, num_topk, max_tokens, payload_dtype("float32"))
+    be.rank = rank
+    be.sym = SymmetricLayout(num_ranks, max_tokens, 8, num_topk, 4)
+    return be
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_device_index_math_equals_the_reference_layout(seed):
+    from ep_comm import layout as lay
+
+    rng = np.random.default_rng(seed)
+    ranks, local, max_tokens = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 12
+    experts, topk = ranks * local, int(rng.integers(1, min(ranks * local, 4) + 1))
+    tokens, me = int(rng.integers(0, max_tokens + 1)), int(rng.integers(0, ranks))
+    be = _numpy_backend(ranks, experts, topk, max_tokens, me)
+    idx = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)]).astype(np.int64) \
+        if tokens else np.zeros((0, topk), np.int64)
+    idx[rng.random(idx.shape) < 0.3] = -1
+    entry_ranks = be._entry_ranks(idx)
+    in_rank = be._in_rank(entry_ranks)
+    np.testing.assert_array_equal(in_rank, lay.is_token_in_rank(idx, experts, ranks))
+    slots = be._stable_slots(in_rank)
+    np.testing.assert_array_equal(slots, lay.stable_rank_slots(in_rank))
+    slot_idx = be._slot_idx(entry_ranks, slots)
+    np.testing.assert_array_equal(slot_idx, lay.dst_buffer_slot_idx(idx, slots, me, local, max_tokens))
+
+    class Replay:
+        num_tokens, topk_idx, dst_buffer_slot_idx = tokens, idx, slot_idx
+
+    np.testing.assert_array_equal(be._slots_from_handle(Replay), slots)
+    meta = be._dispatch_meta(idx, rng.random(idx.shape).astype(np.float32))
+    for r in range(ranks):
+        np.testing.assert_array_equal(meta[:, r, 1 : 1 + topk], lay.local_topk(idx, r, local))
+    for got, want in zip(be.dispatch_layout(idx), lay.dispatch_layout(idx, experts, ranks)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("expand, alignment", [(False, 1), (False, 3), (True, 1), (True, 4)])
+def test_device_receive_layout_equals_the_reference(expand, alignment):
+    from ep_comm import layout as lay
+
+    rng = np.random.default_rng(alignment + 10 * expand)
+    num_local, topk = 4, 3
+    be = _numpy_backend(2, 2 * num_local, topk, 16, 0)
+    ids = np.stack([np.where(rng.random(topk) < 0.6, rng.permutation(num_local)[:topk], -1) for _ in range(30)])
+    unaligned, aligned, psum, num_expanded, expanded_row = be._expert_layout(ids.astype(np.int64), alignment, expand)
+    ref = lay.receive_layout(ids, num_local, alignment, expand)
+    np.testing.assert_array_equal(unaligned, ref.num_unaligned_per_expert)
+    np.testing.assert_array_equal(aligned, ref.num_aligned_per_expert)
+    np.testing.assert_array_equal(psum, ref.psum_per_expert)
+    assert int(num_expanded) == ref.num_expanded_tokens
+    if expand:
+        np.testing.assert_array_equal(expanded_row, ref.expanded_row)
