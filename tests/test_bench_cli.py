@@ -165,8 +165,6 @@ def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
         assert all(e % 4 == 0 and e >= r for e, r in zip(point["expanded_rows"], point["recv_rows"]))
 
 
-@pytest.mark.xfail(strict=True, reason="mpi backend: a put of 0 rows to a rank fails in MpiBackend._pack_rows "
-                   "(reshape of an empty array); remove this mark once it is fixed")
 def test_bench_one_token_leaves_some_ranks_without_rows(tmp_path):
     out = tmp_path / "bench.json"
     done = run_bench(4, "--config", "cpu_demo", "--tokens", "1", "--iters", "1", "--quiet", "--json", str(out))

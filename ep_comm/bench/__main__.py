@@ -8,18 +8,18 @@ from typing import List, Optional
 from ep_comm.bench.routing import KINDS
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
-    return value
+def _int_at_least(minimum: int):
+    """argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= {minimum}")
+        return value
 
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 0")
-    return value
+    return parse
 
 
 def _token_list(text: str) -> List[int]:
@@ -39,21 +39,23 @@ def parser() -> argparse.ArgumentParser:
                     "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config.")
     p.add_argument("--config", default="cpu_demo", help="config name in configs/ or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
-    p.add_argument("--seed", type=_non_negative_int, help="routing/input seed (default: the config's routing.seed)")
-    p.add_argument("--tokens", type=_positive_int, help="tokens per rank (default: the config's tokens_per_rank)")
+    p.add_argument("--seed", type=_int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
+    p.add_argument("--tokens", type=_int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")
     p.add_argument("--sweep", type=_token_list, help="comma-separated tokens per rank to run one after another")
-    p.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per point (default: 20)")
-    p.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed iterations per point (default: 3)")
+    p.add_argument("--iters", type=_int_at_least(1), default=20, help="timed iterations per point (default: 20)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
-    p.add_argument("--alignment", type=_positive_int, default=1, help="expert_alignment of expand mode (default: 1)")
+    p.add_argument("--alignment", type=_int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
     p.add_argument("--timeout", type=float, default=100.0, help="Buffer timeout_s in seconds (default: 100)")
-    p.add_argument("--num-sms", type=_positive_int, help="SMs for the GPU kernels (recorded; passed on once the Buffer takes it)")
+    p.add_argument("--num-sms", type=_int_at_least(1), help="SMs for the GPU kernels (recorded; passed on once the Buffer takes it)")
     p.add_argument("--no-baselines", action="store_true", help="GPU: skip the NCCL baselines")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")
+    p.add_argument("--progress", action="store_true",
+                   help="force the live progress line (mpirun usually pipes stderr, so rank 0 sees no TTY)")
     p.add_argument("--quiet", action="store_true", help="no progress line and no report (failures still print)")
     return p
 

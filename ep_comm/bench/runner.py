@@ -124,7 +124,8 @@ def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
         return EXIT_USAGE
     specs = _point_specs(cfg, args)
     is_root = comm.rank == 0
-    progress = report.Progress(live=is_root and not args.quiet and sys.stderr.isatty(), final=is_root and not args.quiet)
+    shown = is_root and not args.quiet
+    progress = report.Progress(live=shown and (args.progress or sys.stderr.isatty()), final=shown)
     if is_root and args.num_sms is not None:
         print("ep_comm.bench: --num-sms is recorded but not used: the Buffer takes no SM count yet", file=sys.stderr)
     with Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
