@@ -246,20 +246,17 @@ class Kernels:
         """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
 
         ``rows``: this rank's ``[R, max_tokens, ...]`` rows of the combine's parity (words or payload
-        view); ``slot_idx``/``topk_idx`` ``[T, K]`` from the dispatch; ``bias``: up to two ``[T, H]``.
+        view); ``slot_idx``/``topk_idx`` ``[T, K]`` from the dispatch; ``bias``: up to two ``[T, H]``
+        arrays of any payload dtype.
         """
         if out.shape[0] == 0:
             return
         out_raw, out_bf16 = _payload(out)
-        terms = [b for b in (bias or ()) if b is not None]
-        if len({b.dtype for b in terms}) > 1:
-            terms = [b.astype(np.float32) for b in terms]  # exact: every payload type widens to float32
-        raw_terms = [_payload(b) for b in terms]
-        bias_bf16 = bool(raw_terms) and raw_terms[0][1]
-        padded = raw_terms + [(self._no_bias, False)] * (2 - len(raw_terms))
+        terms = [_payload(b) for b in (bias or ()) if b is not None]
+        padded = terms + [(self._no_bias, False)] * (2 - len(terms))
         self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk)(
-            payload_rows(rows, out.dtype), out_bf16, slot_idx, topk_idx, self.num_local, my_rank, padded[0][0],
-            padded[1][0], len(raw_terms), bias_bf16, out_raw, out_bf16)
+            payload_rows(rows, out.dtype), out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
+            *padded[1], len(terms), out_raw, out_bf16)
 
 
 def payload_rows(rows: Array, dtype) -> Array:

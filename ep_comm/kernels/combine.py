@@ -79,8 +79,8 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
 
 
 @cuda.jit
-def combine_reduce_kernel(rows, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0, bias1,
-                          num_bias, bias_is_bf16, out, out_is_bf16):
+def combine_reduce_kernel(rows, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0, bias0_is_bf16,
+                          bias1, bias1_is_bf16, num_bias, out, out_is_bf16):
     """See :func:`ep_comm.kernels.api.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""
     num_tokens, num_topk = slot_idx.shape
     hidden = out.shape[1]
@@ -94,9 +94,9 @@ def combine_reduce_kernel(rows, rows_is_bf16, slot_idx, topk_idx, experts_per_ra
         for h in range(lane, hidden, WARP):
             acc = np.float32(0.0)
             if num_bias > 0:
-                acc = add_rn(acc, load_f32(bias0[token], h, bias_is_bf16))
+                acc = add_rn(acc, load_f32(bias0[token], h, bias0_is_bf16))
             if num_bias > 1:
-                acc = add_rn(acc, load_f32(bias1[token], h, bias_is_bf16))
+                acc = add_rn(acc, load_f32(bias1[token], h, bias1_is_bf16))
             for j in range(reached):
                 acc = add_rn(acc, load_f32(rows[order[j], order[num_topk + j]], h, rows_is_bf16))
             store_f32(out[token], h, acc, out_is_bf16)
