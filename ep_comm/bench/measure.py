@@ -109,7 +109,7 @@ def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
     """None when ``got`` equals ``want`` bit for bit, else a description of the first differing element."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"shape/dtype {got.shape} {got.dtype}, expected {want.shape} {want.dtype}"
-    diff = got.view(np.uint8).reshape(got.shape[0], -1) != want.view(np.uint8).reshape(want.shape[0], -1)
+    diff = np.ascontiguousarray(got).view(np.uint8) != np.ascontiguousarray(want).view(np.uint8)
     if not diff.any():
         return None
     t, b = np.argwhere(diff)[0]
@@ -117,11 +117,10 @@ def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
     return f"token {t} hidden {h}: got {float(got[t, h])!r}, expected {float(want[t, h])!r}"
 
 
-def check_counts(comm: MPI.Comm, sent_per_rank: np.ndarray, out: Any, expand: bool) -> List[str]:
-    """Rows received from each source must equal what that source counted for this rank, and
-    ``recv_x`` must have the handle's number of rows (compact or expanded)."""
+def check_counts(comm: MPI.Comm, sent_per_rank: np.ndarray, got: np.ndarray, out: Any, expand: bool) -> List[str]:
+    """Rows received from each source (``got [R]``) must equal what that source counted for this
+    rank, and ``recv_x`` must have the handle's number of rows (compact or expanded)."""
     want = np.asarray(comm.alltoall([int(c) for c in sent_per_rank]))
-    got = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
     failures = []
     if not np.array_equal(got, want):
         failures.append(f"rows per source rank {got.tolist()}, sources sent {want.tolist()}")
@@ -166,18 +165,18 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
         last.update(out=out, res=res)
         return t_dispatch, t_combine
 
-    # the first call is checked before anything is timed, so a wrong result fails fast
+    # check the round trip on fresh buffers and again after every reuse (both parities, many sequence numbers)
     body()
     failures = _round_trip_failures(last["res"].x, want, "first")
     times = sample_times(comm, body, spec.warmup, spec.iters, tick)
     failures += _round_trip_failures(last["res"].x, want, "last")
     out = last["out"]
     sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
-    psum = to_host(out.handle.psum_num_recv_tokens_per_rank)
-    failures += check_counts(comm, sent, out, spec.expand)
+    recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
+    failures += check_counts(comm, sent, recv_per_source, out, spec.expand)
     sample = RankSample(
-        rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(psum[-1]),
-        recv_from_self=int(np.diff(psum, prepend=0)[comm.rank]),
+        rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
+        recv_from_self=int(recv_per_source[comm.rank]),
         expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
         times={"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()},
     )

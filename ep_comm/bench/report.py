@@ -70,11 +70,11 @@ def summarize(samples: Sequence[RankSample], row_bytes: int) -> Dict[str, Any]:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    raise AssertionError("unreachable")
+    return f"{n:.1f} GB"
 
 
 def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
