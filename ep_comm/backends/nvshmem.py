@@ -181,10 +181,11 @@ class NvshmemBackend:
             gpu_copy.put_rows(*args, self.heap.peer_ptrs, dst_offset, dst_pitch, row_bytes)
 
     def _signal_and_wait(self, what: str, seq: int, counts=None) -> None:
-        """Signal operation ``seq`` to every rank, then enqueue the bounded wait for every rank's signal.
+        """Signal step ``seq`` to every rank, then enqueue the bounded wait for every rank's signal.
 
-        The signal word is ``4 * seq + kind`` (monotone): a rank closing waits for peers that close
-        too, not for a peer that stopped at the dispatch or combine of the same number."""
+        The signal word is ``4 * seq + kind`` (monotone). A peer has arrived when its word equals
+        this step's value or reached the next step (a peer is at most one step ahead); a peer in
+        another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
         geo = self.geo
         value = 4 * seq + _SIGNAL_KIND[what]
         if self.heap.use_puts:
@@ -193,7 +194,8 @@ class NvshmemBackend:
             nvshmem_puts.signal_peers(self.signals, geo.num_ranks, self.rank, value)
         else:
             gpu_copy.signal_peers(self.heap.peer_ptrs, geo.num_ranks, self.rank, self.sym.signal_offset, value)
-        gpu_copy.wait_signals(self.signals, geo.num_ranks, value, self.timeout_s, self.status.device, counts)
+        gpu_copy.wait_signals(self.signals, geo.num_ranks, value, 4 * (seq + 1), self.timeout_s, self.status.device,
+                              counts)
 
     def _sync_and_check(self, what: str, seq: int) -> None:
         """Block until the stream is done (bounded by the GPU wait), then raise on a timeout."""

@@ -7,8 +7,9 @@ Small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached, ~10
 * ``gather_rows``: rows of a local array picked by index (-1: a zero row);
 * ``signal_peers``: a system-scope fence, then ``signal[me] = seq`` in every peer with a
   ``st.release.sys`` store: a receiver that acquires the signal sees every row sent before it;
-* ``wait_signals``: one CTA polls the local ``signal[s] >= seq`` words with ``ld.acquire.sys``
-  until a ``%globaltimer`` deadline and records the outcome in a sticky status record.
+* ``wait_signals``: one CTA polls the local ``signal[s]`` words with ``ld.acquire.sys`` until each
+  equals the awaited value or passed the next step's threshold (a peer at most one step ahead),
+  or a ``%globaltimer`` deadline passes, and records the outcome in a sticky status record.
 
 The status record (``WaitStatus``) lives in pinned host memory mapped into the device, so the
 host reads it without a copy: after a stream synchronisation (``cpu_sync``), or at the next call.
@@ -84,9 +85,10 @@ extern "C" __global__ void signal_peers(const u64* peers, int num_ranks, int me,
     if (r < num_ranks) store_release_sys((i64*)(peers[r] + signal_offset) + me, seq);
 }
 
-// One CTA. status: [seq, missing total (sticky), missing flag per rank (sticky)]; counts (or NULL) of
-// a rank that did not arrive are zeroed so that later kernels see an empty, well-formed block.
-extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, i64 seq, u64 timeout_ns,
+// One CTA. Rank s arrived when signal[s] == want (this step) or >= ahead (its next step).
+// status: [want, missing total (sticky), missing flag per rank (sticky)]; counts (or NULL) of a rank
+// that did not arrive are zeroed so that later kernels see an empty, well-formed block.
+extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, i64 want, i64 ahead, u64 timeout_ns,
                                         i64* status, i64* counts) {
     __shared__ int missing;
     __shared__ int poisoned;
@@ -100,7 +102,8 @@ extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, i64 s
         bool arrived = false;
         unsigned pause = 32;
         while (!poisoned) {
-            if (load_acquire_sys(signals + s) >= seq) { arrived = true; break; }
+            const i64 v = load_acquire_sys(signals + s);
+            if (v == want || v >= ahead) { arrived = true; break; }
             if (global_ns() - start > timeout_ns) break;
             __nanosleep(pause);
             if (pause < 4096) pause *= 2;
@@ -115,7 +118,7 @@ extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, i64 s
     if (threadIdx.x == 0) {
         ((volatile i64*)status)[1] += missing;
         __threadfence_system();
-        ((volatile i64*)status)[0] = seq;
+        ((volatile i64*)status)[0] = want;
     }
 }
 """
@@ -198,19 +201,20 @@ def signal_peers(peer_ptrs, num_ranks: int, me: int, signal_offset: int, seq: in
                             (peer_ptrs, np.int32(num_ranks), np.int32(me), np.int64(signal_offset), np.int64(seq)))
 
 
-def wait_signals(signals, num_ranks: int, seq: int, timeout_s: float, status, counts=None) -> None:
-    """Enqueue the bounded wait for ``signals[s] >= seq`` (int64 device view) for every ``s``;
-    ``status`` is the mapped ``WaitStatus`` record; ``counts`` (int64 [R] or None) of missing ranks are zeroed."""
+def wait_signals(signals, num_ranks: int, want: int, ahead: int, timeout_s: float, status, counts=None) -> None:
+    """Enqueue the bounded wait until ``signals[s] == want or >= ahead`` (int64 device view) for every
+    ``s``; ``status`` is the mapped ``WaitStatus`` record; ``counts`` (int64 [R] or None) of missing
+    ranks are zeroed."""
     _kernel("wait_signals")((1,), (WAIT_THREADS,),
-                            (signals, np.int32(num_ranks), np.int64(seq), np.uint64(int(timeout_s * 1e9)), status,
-                             _or_null(counts)))
+                            (signals, np.int32(num_ranks), np.int64(want), np.int64(ahead),
+                             np.uint64(int(timeout_s * 1e9)), status, _or_null(counts)))
 
 
 @dataclass
 class WaitOutcome:
     """What the host reads back from a status record."""
 
-    last_seq: int  # the last operation whose wait finished
+    last_seq: int  # the signal value of the last wait that finished
     missing_ranks: List[int]  # ranks that ever failed to arrive (sticky)
 
 

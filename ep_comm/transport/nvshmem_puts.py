@@ -65,7 +65,7 @@ def _stream():
 def _launch(kernel, grid: int, block: int, *args) -> None:
     """Launch on the current CuPy stream; one CTA per row pair is the intended grid, so Numba's
     low-occupancy warning is silenced."""
-    from numba.core.errors import NumbaPerformanceWarning
+    from numba.cuda.core.errors import NumbaPerformanceWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumbaPerformanceWarning)
