@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
+from numba import cuda
 
 from ep_comm.kernels.combine import combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_copy_kernel,
-                                      receive_count_kernel)
+from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
+                                      receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
 from ep_comm.kernels.warp import WARP
 from ep_comm.symmetric import SymmetricLayout
@@ -110,9 +111,10 @@ def _payload(x: Array) -> tuple[Array, bool]:
 class Kernels:
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
 
-    ``num_blocks`` x ``warps_per_block`` warps run each kernel; token and row ranges are cut into
-    ``num_units = num_blocks * warps_per_block`` units (the stable order depends on this cut only
-    through the kernels agreeing on it). ``stream`` is a Numba stream (or 0).
+    ``num_blocks`` x ``warps_per_block`` warps run each kernel. Tokens are cut into one unit per
+    warp (count and scatter agree on the cut); received rows into ``recv_units`` units (default:
+    ``num_blocks``), fewer because the stable expand placement scans its per-unit counts once per
+    local expert. ``stream`` is a Numba stream (or 0).
     """
 
     xp: Any
@@ -120,8 +122,9 @@ class Kernels:
     num_experts: int
     num_topk: int
     max_tokens: int
-    num_blocks: int = 132
+    num_blocks: int = 264
     warps_per_block: int = 8
+    recv_units: int = 0
     stream: Any = 0
 
     def __post_init__(self) -> None:
@@ -131,15 +134,18 @@ class Kernels:
             raise ValueError("warps_per_block must be at least 2")
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
+        self.recv_units = self.recv_units or self.num_blocks
         self.threads = self.warps_per_block * WARP
-        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
-        self._ticket = xp.zeros(1, dtype=np.uint32)
-        self._rank_cursor = xp.zeros(r, dtype=np.int32)
-        self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
-        self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
-        self._recv_units = xp.zeros((self.num_units, self.num_local), dtype=np.int32)
-        self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
-        self._no_bias = xp.zeros((1, 1), dtype=np.float32)
+        # Numba device arrays (on a GPU) launch cheaper than CuPy arrays: no interface parsing per call.
+        dev = (lambda a: a) if xp is np else cuda.as_cuda_array
+        self._counters = dev(xp.zeros(max(e + r, self.num_local), dtype=np.int64))
+        self._ticket = dev(xp.zeros(1, dtype=np.uint32))
+        self._rank_cursor = dev(xp.zeros(r, dtype=np.int32))
+        self._expert_cursor = dev(xp.zeros(self.num_local, dtype=np.int32))
+        self._send_units = dev(xp.zeros((self.num_units, r), dtype=np.int32))
+        self._recv_cursor = dev(xp.zeros((self.recv_units, self.num_local), dtype=np.int32))
+        self._no_weights = dev(xp.zeros((1, self.num_topk), dtype=np.int32))
+        self._no_bias = dev(xp.zeros((1, 1), dtype=np.float32))
 
     @property
     def num_local(self) -> int:
@@ -194,8 +200,8 @@ class Kernels:
         out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
                             xp.empty(local, np.int32), xp.empty(2, np.int32))
         self._launch(receive_count_kernel, 4 * (r + local))(
-            src_counts, meta, alignment, expand, stable and expand, self.num_units, self._counters[:local],
-            self._ticket, self._recv_units, out.rank_psum, out.num_unaligned_per_expert,
+            src_counts, meta, alignment, expand, stable and expand, self.recv_units, self._counters[:local],
+            self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
             out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)
         return out
 
@@ -215,11 +221,12 @@ class Kernels:
         if not expand:
             mode = PLACE_ATOMIC  # compact rows keep their arrival order: nothing to place
         width = recv_topk_idx.shape[1] if recv_topk_idx.ndim == 2 else 1
-        local = self.num_local
-        self._launch(receive_copy_kernel)(
-            rank_psum, rows, meta, expand, mode, self.num_units, self._expert_cursor, self._recv_units,
-            expert_psum, alignment, zero_padding, payload_words(recv_x), recv_topk_idx.reshape(-1, width),
-            recv_topk_weights.view(np.int32).reshape(-1, width), recv_src_metadata)
+        self._launch(receive_place_kernel)(
+            rank_psum, meta, expand, mode, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
+            alignment, recv_topk_idx.reshape(-1, width), recv_topk_weights.view(np.int32).reshape(-1, width),
+            recv_src_metadata)
+        self._launch(receive_rows_kernel)(rank_psum, rows, expand, zero_padding, expert_psum, alignment,
+                                          recv_src_metadata, payload_words(recv_x))
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, parity: int, expand: bool, weights: Optional[Array] = None) -> None:

@@ -28,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ranks", type=int, default=2, help="simulated destination buffers on this GPU")
     p.add_argument("--alignment", type=int, default=128)
-    p.add_argument("--blocks", type=int, default=132)
+    p.add_argument("--blocks", type=int, default=264)
     p.add_argument("--warps-per-block", type=int, default=8)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)

@@ -1,12 +1,14 @@
 """Receiver epilogue: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
 
-Two kernels. ``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts into
-``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms, ticketed
-last block as in ``count.py``) and lays out the expand placement: aligned expert starts, the
-DeepEP V2 expert psum and, in stable mode, per-unit cursors. ``receive_copy_kernel`` copies rows
-out grouped by source rank (compact) or expert-major (expand) and fills padding and unused tail
-rows. Compact rows are cut into units as in ``units.py``; row ``i`` comes from source ``s`` and
-slot ``i - psum[s-1]``.
+Three kernels. ``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts
+into ``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms,
+ticketed last block as in ``count.py``) and lays out the expand placement: aligned expert starts,
+the DeepEP V2 expert psum and, in stable mode, per-unit cursors. ``receive_place_kernel`` gives
+every row its place, grouped by source rank (compact) or expert-major (expand), and writes ids,
+weights and metadata, marking padding and unused tail entries. ``receive_rows_kernel`` then moves
+the payload rows with every warp of the grid: the placement walks few, long units (its stable
+order costs a scan over units per expert), the copy needs many warps in flight. Compact rows are
+cut into units as in ``units.py``; row ``i`` comes from source ``s`` and slot ``i - psum[s-1]``.
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ from numba import cuda, int32
 
 from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
 from ep_comm.kernels.units import lane_entry, source_of_row, unit_range
-from ep_comm.kernels.warp import (FULL_MASK, WARP, copy_row, global_warp, lane_id, pop_lowest,
-                                  stable_bucket_slots, warp_scan)
+from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
 
 PLACE_ATOMIC = 0
 PLACE_STABLE = 1
@@ -114,66 +115,44 @@ def place_expanded(mode, recorded, expert_cursor, unit_cursor, row, k, active, e
 
 
 @cuda.jit(device=True)
-def write_compact_entry(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, k, expert, weight_bits):
-    """Compact outputs of one (row, entry): local expert id and weight bits in column ``k``."""
-    recv_topk_idx[row, k] = expert
-    recv_weight_bits[row, k] = weight_bits
-    recv_src_metadata[row, 2 + k] = -1
+def num_expanded_rows(expert_psum, alignment):
+    """Rows of the expand layout, padding included, from the expand-mode expert psum."""
+    num_local = expert_psum.shape[0]
+    return align_up(expert_psum[num_local - 1], alignment) if num_local > 0 else 0
 
 
 @cuda.jit(device=True)
-def copy_rows_of_group(recv_x, rows, pairs, src, slot, dst_row):
-    """Copy each lane-selected ``rows[src, slot]`` into ``recv_x[dst_row]`` with the whole warp."""
-    while pairs != 0:
-        lane, pairs = pop_lowest(pairs)
-        s = cuda.shfl_sync(FULL_MASK, src, lane)
-        j = cuda.shfl_sync(FULL_MASK, slot, lane)
-        d = cuda.shfl_sync(FULL_MASK, dst_row, lane)
-        copy_row(recv_x[d], rows[s, j], recv_x.shape[1])
+def mark_unused_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum, alignment,
+                        expand):
+    """-1 ids and metadata, zero weights on padding and tail rows (one thread per entry).
 
-
-@cuda.jit(device=True)
-def fill_unused_rows(recv_x, recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum,
-                     alignment, expand, zero_padding):
-    """Mark padding and tail rows: -1 ids and metadata, zero weights, zero rows in expand padding if asked.
-
-    Compact tail: metadata and ``[N, K]`` outputs past ``num_rows``. Expand (outputs ``[M, 1]``):
-    rows between an expert's end ``psum[e]`` and its aligned end, and rows past the last aligned end.
+    Compact tail: rows past ``num_rows``. Expand (ids and weights ``[M, 1]``): rows between an
+    expert's end ``psum[e]`` and its aligned end, and rows past the last aligned end.
     """
-    lane = lane_id()
     warp, num_warps = global_warp()
-    thread = warp * WARP + lane
+    thread = warp * WARP + lane_id()
     threads = num_warps * WARP
     meta_width = recv_src_metadata.shape[1]
     for j in range(thread, (recv_src_metadata.shape[0] - num_rows) * meta_width, threads):
         recv_src_metadata[num_rows + j // meta_width, j % meta_width] = -1
-    if not expand:
-        num_topk = recv_topk_idx.shape[1]
-        for j in range(thread, (recv_topk_idx.shape[0] - num_rows) * num_topk, threads):
-            recv_topk_idx[num_rows + j // num_topk, j % num_topk] = -1
-            recv_weight_bits[num_rows + j // num_topk, j % num_topk] = 0
-        return
-    num_local = expert_psum.shape[0]
-    num_expanded = align_up(expert_psum[num_local - 1], alignment) if num_local > 0 else 0
-    for row in range(num_expanded + thread, recv_topk_idx.shape[0], threads):
-        recv_topk_idx[row, 0] = -1
-        recv_weight_bits[row, 0] = 0
-    for job in range(warp, num_local * (alignment - 1), num_warps):
-        end = expert_psum[job // (alignment - 1)]
-        row = end + job % (alignment - 1)
-        if row < align_up(end, alignment):
-            if lane == 0:
+    first_unused = num_expanded_rows(expert_psum, alignment) if expand else num_rows
+    width = recv_topk_idx.shape[1]
+    for j in range(thread, (recv_topk_idx.shape[0] - first_unused) * width, threads):
+        recv_topk_idx[first_unused + j // width, j % width] = -1
+        recv_weight_bits[first_unused + j // width, j % width] = 0
+    if expand and alignment > 1:
+        for j in range(thread, expert_psum.shape[0] * (alignment - 1), threads):
+            end = expert_psum[j // (alignment - 1)]
+            row = end + j % (alignment - 1)
+            if row < align_up(end, alignment):
                 recv_topk_idx[row, 0] = -1
                 recv_weight_bits[row, 0] = 0
-            if zero_padding:
-                for w in range(lane, recv_x.shape[1], WARP):
-                    recv_x[row, w] = 0
 
 
 @cuda.jit
-def receive_copy_kernel(rank_psum, rows, meta, expand, mode, num_units, expert_cursor, unit_cursor, expert_psum,
-                        alignment, zero_padding, recv_x, recv_topk_idx, recv_weight_bits, recv_src_metadata):
-    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`."""
+def receive_place_kernel(rank_psum, meta, expand, mode, num_units, expert_cursor, unit_cursor, expert_psum,
+                         alignment, recv_topk_idx, recv_weight_bits, recv_src_metadata):
+    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: everything but the payload rows."""
     num_ranks = rank_psum.shape[0]
     max_tokens = meta.shape[1]
     num_topk = (meta.shape[2] - 1) // 2
@@ -197,11 +176,39 @@ def receive_copy_kernel(rank_psum, rows, meta, expand, mode, num_units, expert_c
                 if dst >= 0:
                     recv_topk_idx[dst, 0] = expert
                     recv_weight_bits[dst, 0] = weight_bits
-                copy_rows_of_group(recv_x, rows, cuda.ballot_sync(FULL_MASK, dst >= 0), src, slot, dst)
-            else:
-                if active:
-                    write_compact_entry(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, k, expert,
-                                        weight_bits)
-                copy_rows_of_group(recv_x, rows, cuda.ballot_sync(FULL_MASK, active and k == 0), src, slot, row)
-    fill_unused_rows(recv_x, recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum, alignment,
-                     expand, zero_padding)
+            elif active:
+                recv_topk_idx[row, k] = expert
+                recv_weight_bits[row, k] = weight_bits
+                recv_src_metadata[row, 2 + k] = -1
+    mark_unused_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum, alignment,
+                        expand)
+
+
+@cuda.jit
+def receive_rows_kernel(rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_x):
+    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: the payload rows, one warp per compact row.
+
+    Runs after :func:`receive_place_kernel`, whose metadata says where each row goes.
+    """
+    max_tokens = rows.shape[1]
+    num_topk = recv_src_metadata.shape[1] - 2
+    num_rows = rank_psum[rank_psum.shape[0] - 1]
+    words = recv_x.shape[1]
+    lane = lane_id()
+    warp, num_warps = global_warp()
+    for row in range(warp, num_rows, num_warps):
+        src = recv_src_metadata[row, 1] // max_tokens
+        slot = recv_src_metadata[row, 1] - src * max_tokens
+        if not expand:
+            copy_row(recv_x[row], rows[src, slot], words)
+        for k in range(num_topk if expand else 0):
+            dst = recv_src_metadata[row, 2 + k]
+            if dst >= 0:
+                copy_row(recv_x[dst], rows[src, slot], words)
+    if expand and zero_padding and alignment > 1:
+        for job in range(warp, expert_psum.shape[0] * (alignment - 1), num_warps):
+            end = expert_psum[job // (alignment - 1)]
+            row = end + job % (alignment - 1)
+            if row < align_up(end, alignment):
+                for w in range(lane, words, WARP):
+                    recv_x[row, w] = 0

@@ -10,6 +10,7 @@ from numba import cuda
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
+COPY_UNROLL = 8
 
 
 @cuda.jit(device=True)
@@ -38,24 +39,41 @@ def warp_inclusive_sum(value, lane):
 
 
 @cuda.jit(device=True)
+def load_or_zero(src, i, n):
+    """``src[i]`` as int32 through ``ld.global.cv`` (written by other blocks in this launch), 0 past ``n``."""
+    return np.int32(cuda.ldcv(src, i)) if i < n else np.int32(0)
+
+
+@cuda.jit(device=True)
+def scan_chunk(value, i, n, dst, exclusive, carry, lane):
+    """Scan one 32-value chunk on top of ``carry`` into ``dst[i]`` (lane's slot); return the new carry."""
+    inclusive = warp_inclusive_sum(value, lane)
+    if i < n:
+        dst[i] = carry + inclusive - (value if exclusive else 0)
+    return carry + cuda.shfl_sync(FULL_MASK, inclusive, WARP - 1)
+
+
+@cuda.jit(device=True)
 def warp_scan(src, dst, n, exclusive, carry):
     """Prefix sum of ``src[:n]`` into ``dst[:n]`` by one warp, in chunks of 32 with a carried total.
 
     ``dst[i] = carry + src[0] + ... + src[i]`` (inclusive) or ``... + src[i-1]`` (exclusive).
-    ``src`` is a global integer array (possibly a strided view), read with ``ld.global.cv``
-    because other blocks wrote it in this launch; ``dst`` is int32, global or shared. Returns
-    ``carry + sum(src[:n])`` on every lane.
+    ``src`` is a global integer array (possibly a strided view) that other blocks may have written
+    in this launch; ``dst`` is int32, global or shared, and may be ``src``. Four chunks are loaded
+    before they are scanned, so their load latencies overlap. Returns ``carry + sum(src[:n])`` on
+    every lane.
     """
     lane = lane_id()
-    for base in range(0, n, WARP):
-        i = base + lane
-        value = np.int32(0)
-        if i < n:
-            value = np.int32(cuda.ldcv(src, i))
-        inclusive = warp_inclusive_sum(value, lane)
-        if i < n:
-            dst[i] = carry + inclusive - (value if exclusive else 0)
-        carry += cuda.shfl_sync(FULL_MASK, inclusive, WARP - 1)
+    for first in range(0, n, 4 * WARP):  # the same trip count on every lane: the scans are collectives
+        base = first + lane
+        v0 = load_or_zero(src, base, n)
+        v1 = load_or_zero(src, base + WARP, n)
+        v2 = load_or_zero(src, base + 2 * WARP, n)
+        v3 = load_or_zero(src, base + 3 * WARP, n)
+        carry = scan_chunk(v0, base, n, dst, exclusive, carry, lane)
+        carry = scan_chunk(v1, base + WARP, n, dst, exclusive, carry, lane)
+        carry = scan_chunk(v2, base + 2 * WARP, n, dst, exclusive, carry, lane)
+        carry = scan_chunk(v3, base + 3 * WARP, n, dst, exclusive, carry, lane)
     return carry
 
 
@@ -100,8 +118,33 @@ def stable_bucket_slots(cursor, bucket, active, lane):
 
 @cuda.jit(device=True)
 def copy_row(dst, src, n):
-    """Copy words ``src[:n]`` into ``dst[:n]`` with the lanes of one warp (coalesced)."""
-    for w in range(lane_id(), n, WARP):
+    """Copy words ``src[:n]`` into ``dst[:n]`` with the lanes of one warp (coalesced).
+
+    Eight loads per lane are issued before their stores: the compiler cannot hoist loads above
+    stores to a possibly aliasing ``dst`` by itself, and one load in flight per warp is far too
+    few to keep HBM or NVLink busy.
+    """
+    lane = lane_id()
+    step = COPY_UNROLL * WARP
+    full = n // step * step
+    for base in range(lane, full, step):
+        w0 = src[base]
+        w1 = src[base + WARP]
+        w2 = src[base + 2 * WARP]
+        w3 = src[base + 3 * WARP]
+        w4 = src[base + 4 * WARP]
+        w5 = src[base + 5 * WARP]
+        w6 = src[base + 6 * WARP]
+        w7 = src[base + 7 * WARP]
+        dst[base] = w0
+        dst[base + WARP] = w1
+        dst[base + 2 * WARP] = w2
+        dst[base + 3 * WARP] = w3
+        dst[base + 4 * WARP] = w4
+        dst[base + 5 * WARP] = w5
+        dst[base + 6 * WARP] = w6
+        dst[base + 7 * WARP] = w7
+    for w in range(full + lane, n, WARP):
         dst[w] = src[w]
 
 

@@ -8,7 +8,7 @@ from numba import cuda
 
 from ep_comm import layout as ref
 from ep_comm.kernels.convert import load_f32, store_f32
-from ep_comm.kernels.warp import warp_scan
+from ep_comm.kernels.warp import copy_row, warp_scan
 from world import to_host
 
 
@@ -18,7 +18,7 @@ def scan_kernel(src, inclusive_out, exclusive_out, totals):
     totals[1] = warp_scan(src, exclusive_out, src.shape[0], True, 5)
 
 
-@pytest.mark.parametrize("n", [1, 31, 32, 33, 70])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 70, 129, 300])
 def test_warp_scan_chunks_carry_the_total(xp, n):
     src = np.random.default_rng(n).integers(0, 9, n).astype(np.int32)
     inclusive, exclusive, totals = xp.zeros(n, np.int32), xp.zeros(n, np.int32), xp.zeros(2, np.int32)
@@ -61,3 +61,16 @@ def test_float32_to_payload_rounds_like_numpy(xp, dtype):
     back = xp.zeros(len(values), np.float32)
     round_trip_kernel[2, 32](out, is_bf16, back, False)
     np.testing.assert_array_equal(to_host(back).view(np.uint32)[exact], want.astype(np.float32).view(np.uint32)[exact])
+
+
+@cuda.jit
+def copy_kernel(dst, src, n):
+    copy_row(dst, src, n)
+
+
+@pytest.mark.parametrize("n", [0, 5, 256, 300, 600])
+def test_copy_row_unrolled_and_tail(xp, n):
+    src = np.arange(1, n + 1, dtype=np.uint64)
+    dst = xp.zeros(n + 3, np.uint64)
+    copy_kernel[1, 32](dst, xp.asarray(src), n)
+    np.testing.assert_array_equal(to_host(dst), np.concatenate([src, np.zeros(3, np.uint64)]))

@@ -20,7 +20,9 @@ DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfl
 
 
 def to_host(a) -> np.ndarray:
-    """NumPy copy of a NumPy or CuPy array."""
+    """NumPy copy of a NumPy, CuPy or Numba device array."""
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
     return a.get() if hasattr(a, "get") else np.asarray(a).copy()
 
 
