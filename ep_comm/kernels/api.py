@@ -33,7 +33,7 @@ from ep_comm.symmetric import SymmetricLayout
 
 Array = Any
 
-__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "SymmetricViews", "symmetric_views", "payload_words",
+__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "SymmetricViews", "symmetric_views", "payload_words", "to_host",
            "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED", "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
 
 
@@ -65,6 +65,13 @@ class SymmetricViews(NamedTuple):
     counts: Array  # [2, R] int64
     rows: Array  # [2, R, max_tokens, row_bytes // word] words
     meta: Array  # [2, R, max_tokens, 1 + 2K] int32
+
+
+def to_host(a: Array) -> np.ndarray:
+    """A NumPy copy of a NumPy, CuPy or Numba device array."""
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
+    return a.get() if hasattr(a, "get") else np.array(a)
 
 
 def payload_words(x: Array) -> Array:

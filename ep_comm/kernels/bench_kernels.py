@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
-                                 Kernels, symmetric_views, word_dtype)
+                                 Kernels, symmetric_views, to_host, word_dtype)
 from ep_comm.symmetric import SymmetricLayout
 
 
@@ -35,10 +35,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
-
-
-def to_host(a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def uniform_routing(rng: np.random.Generator, tokens: int, experts: int, topk: int) -> np.ndarray:

@@ -6,9 +6,9 @@ import pytest
 
 from ep_comm import layout as ref
 from ep_comm import reduce
-from ep_comm.kernels.api import payload_rows
+from ep_comm.kernels.api import payload_rows, to_host
 from test_dispatch import make_world, run_dispatch
-from world import bits, random_payload, to_host
+from world import bits, random_payload
 
 PARITY = 0  # dispatch ran with parity 1
 

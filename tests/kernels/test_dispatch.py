@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ep_comm import layout as ref
-from world import DTYPES, World, bits, random_payload, random_routing, to_host
+from ep_comm.kernels.api import to_host
+from world import DTYPES, World, bits, random_payload, random_routing
 
 MAX_TOKENS = 24
 

@@ -9,7 +9,7 @@ from numba import cuda
 from ep_comm import layout as ref
 from ep_comm.kernels.convert import load_f32, store_f32
 from ep_comm.kernels.warp import copy_row, warp_scan
-from world import to_host
+from ep_comm.kernels.api import to_host
 
 
 @cuda.jit

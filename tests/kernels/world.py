@@ -8,22 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import ml_dtypes
 import numpy as np
 
 from ep_comm import layout as ref
+from ep_comm.dtypes import PAYLOAD_DTYPES as DTYPES
 from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
-                                 Kernels, symmetric_views, word_dtype)
+                                 Kernels, symmetric_views, to_host, word_dtype)
 from ep_comm.symmetric import SymmetricLayout
-
-DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-
-
-def to_host(a) -> np.ndarray:
-    """NumPy copy of a NumPy, CuPy or Numba device array."""
-    if hasattr(a, "copy_to_host"):
-        return a.copy_to_host()
-    return a.get() if hasattr(a, "get") else np.asarray(a).copy()
 
 
 def bits(a: np.ndarray) -> np.ndarray:
