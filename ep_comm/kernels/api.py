@@ -251,7 +251,7 @@ class Kernels:
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
-        self._launch(combine_expand_kernel)(
+        self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk)(
             y_raw, is_bf16, weights if has_weights else self._no_bias[0], has_weights, recv_src_metadata, rank_psum,
             my_rank, parity, tuple(payload_rows(v, y.dtype) for v in rows))
 

@@ -9,10 +9,10 @@ sums ``0 + bias terms + the partial of every reached rank, ascending``, rounded 
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32
+from numba import cuda, float32, int32
 
 from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
-from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id
+from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, lanes_below
 
 
 @cuda.jit(device=True)
@@ -32,27 +32,50 @@ def combine_copy_kernel(y_words, recv_src_metadata, rank_psum, my_rank, parity, 
         copy_row(rows[src][parity, my_rank, slot], y_words[row], y_words.shape[1])
 
 
+@cuda.jit(device=True)
+def gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales):
+    """Write a row's expanded rows in top-k order into ``terms`` and their weights into ``scales``; return how many.
+
+    Lane ``k`` holds entry ``k``; the list lives in this warp's shared memory so that the loop over
+    the hidden dimension reads it without touching global memory.
+    """
+    lane = lane_id()
+    expanded = recv_src_metadata[row, 2 + lane] if lane < terms.shape[0] else -1
+    valid = cuda.ballot_sync(FULL_MASK, expanded >= 0)
+    if expanded >= 0:
+        position = cuda.popc(valid & lanes_below(lane))
+        terms[position] = expanded
+        scales[position] = weights[expanded] if has_weights else np.float32(1.0)
+    cuda.syncwarp(FULL_MASK)
+    return cuda.popc(valid)
+
+
 @cuda.jit
 def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, parity, rows):
-    """See :func:`ep_comm.kernels.api.Kernels.combine_send` (expand)."""
+    """See :func:`ep_comm.kernels.api.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
+    int32 then ``[warps * K]`` float32."""
     max_tokens = rows[0].shape[2]
     hidden = y.shape[1]
     num_topk = recv_src_metadata.shape[1] - 2
+    first = cuda.threadIdx.x // WARP * num_topk
+    terms = cuda.shared.array(0, int32)[first: first + num_topk]
+    scales_first = cuda.blockDim.x // WARP * num_topk + first
+    scales = cuda.shared.array(0, float32)[scales_first: scales_first + num_topk]
     lane = lane_id()
     warp, num_warps = global_warp()
     for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
         src, slot = return_address(recv_src_metadata, row, max_tokens)
         dst = rows[src][parity, my_rank, slot]
+        count = gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales)
         for h in range(lane, hidden, WARP):
             acc = np.float32(0.0)
-            for k in range(num_topk):
-                expanded = recv_src_metadata[row, 2 + k]
-                if expanded >= 0:
-                    term = load_f32(y[expanded], h, y_is_bf16)
-                    if has_weights:
-                        term = mul_rn(weights[expanded], term)
-                    acc = add_rn(acc, term)
+            for j in range(count):
+                term = load_f32(y[terms[j]], h, y_is_bf16)
+                if has_weights:
+                    term = mul_rn(scales[j], term)
+                acc = add_rn(acc, term)
             store_f32(dst, h, acc, y_is_bf16)
+        cuda.syncwarp(FULL_MASK)
 
 
 @cuda.jit(device=True)
