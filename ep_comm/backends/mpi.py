@@ -18,7 +18,7 @@ from ..errors import BufferUnusableError, TimeoutError
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..reduce import combine_rows, expand_partials
 from ..symmetric import SymmetricLayout
-from ..transport.mpi_window import MpiWindow
+from ..transport.mpi_window import MpiWindow, step_word
 from ..validate import Geometry
 
 
@@ -69,7 +69,7 @@ class MpiBackend:
             raise
 
     def _wait_all(self, what: str, seq: int) -> None:
-        missing = self.window.wait(range(self.geo.num_ranks), seq, time.monotonic() + self.timeout_s)
+        missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
         if missing:
             self.unusable = f"{what} #{seq} timed out waiting for ranks {missing}"
             raise TimeoutError(
@@ -133,7 +133,7 @@ class MpiBackend:
             self._put_block(dst, parity, x[tokens], self._pack_meta(tokens, local_ids, None if topk_weights is None else topk_weights[tokens]))
             if handle is None:  # count exchange
                 self.window.put(np.array([len(tokens)], dtype=np.int64), dst, self.sym.count_at(parity, self.rank))
-        self.window.signal(range(geo.num_ranks), seq)
+        self.window.signal(range(geo.num_ranks), step_word(seq, "dispatch"))
         self._wait_all("dispatch", seq)
         if handle is None:
             counts = [int(self.window.local(self.sym.count_at(parity, s), 8).view(np.int64)[0]) for s in range(geo.num_ranks)]
@@ -250,7 +250,7 @@ class MpiBackend:
             block = slice(starts[src], starts[src + 1])
             w = None if back_w is None else back_w[block]
             self._put_block(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
-        self.window.signal(range(geo.num_ranks), seq)
+        self.window.signal(range(geo.num_ranks), step_word(seq, "combine"))
         self._wait_all("combine", seq)
         return self._reduce_at_source(handle, parity, topk_weights is not None, bias_terms)
 
@@ -288,7 +288,7 @@ class MpiBackend:
         else:
             try:
                 with self._collective("close") as (seq, _):
-                    self.window.signal(range(self.geo.num_ranks), seq)
+                    self.window.signal(range(self.geo.num_ranks), step_word(seq, "close"))
                     self._wait_all("close", seq)
             finally:
                 self.window.free(collective=not self.unusable)

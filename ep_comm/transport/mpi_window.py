@@ -16,6 +16,14 @@ from mpi4py import MPI
 from ..symmetric import SymmetricLayout
 
 
+STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}
+
+
+def step_word(seq: int, what: str) -> int:
+    """The signal word of collective step number ``seq`` of kind ``what``."""
+    return seq << 2 | STEP_KINDS[what]
+
+
 class MpiWindow:
     """A rank's symmetric buffer and one-sided access to its peers' buffers."""
 
@@ -39,11 +47,11 @@ class MpiWindow:
         for target in targets:
             self.win.Flush(target)
 
-    def signal(self, targets: Iterable[int], seq: int) -> None:
-        """Complete every put so far to ``targets``, then set their ``signal[me]`` to ``seq``."""
+    def signal(self, targets: Iterable[int], word: int) -> None:
+        """Complete every put so far to ``targets``, then set their ``signal[me]`` to ``word``."""
         targets = list(targets)
         self.flush(targets)
-        word = np.array([seq], dtype=np.int64)
+        word = np.array([word], dtype=np.int64)
         for target in targets:
             self.put(word, target, self.layout.signal_at(self.comm.rank))
         self.flush(targets)
@@ -52,14 +60,20 @@ class MpiWindow:
         """A uint8 view of ``nbytes`` of this rank's own window at ``offset``."""
         return self.mem[offset : offset + nbytes]
 
-    def wait(self, sources: Iterable[int], seq: int, deadline: float) -> List[int]:
-        """Poll until ``signal[s] >= seq`` for every source; return the sources still missing
-        at ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived."""
+    def wait(self, sources: Iterable[int], word: int, deadline: float) -> List[int]:
+        """Poll until every source's signal shows it reached step ``word``; return the sources still
+        missing at ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived.
+
+        Signal words are ``seq << 2 | kind`` (see ``step_word``): a source has arrived when its
+        word equals ``word`` or it has moved past ``seq``. A peer in another kind of step with
+        the same number (closing while we dispatch) has not arrived.
+        """
         pending = np.array(sorted(set(sources)), dtype=np.int64)
         pause = 1e-6
         while True:
             self.win.Sync()
-            pending = pending[self._signals[pending] < seq]
+            seen = self._signals[pending]
+            pending = pending[(seen != word) & ((seen >> 2) <= (word >> 2))]
             if pending.size == 0 or time.monotonic() >= deadline:
                 return [int(r) for r in pending]
             time.sleep(pause)

@@ -1,0 +1,142 @@
+"""Bad input is refused before anything is sent, and a missing rank is named within ``timeout_s``.
+
+Collective like the rest of ``tests/mpi``: every rank passes the same bad argument.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import ep_comm
+from oracle import BACKEND, COMM, RANK, WORLD, make_world, to_device, to_host
+from test_contract import dispatch, make_buffer
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_world("uniform", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def buf(world):
+    b = make_buffer(world)
+    yield b
+    b.close()
+
+
+def bad_dispatch_cases(world):
+    """(name, kwargs for Buffer.dispatch, expected exception) with one rule broken each."""
+    x, idx, w = world.x[RANK], world.topk_idx[RANK], world.weights[RANK]
+    out_of_range = idx.copy()
+    out_of_range[0, 0] = world.num_experts
+    twice = idx.copy()
+    twice[0, 1] = twice[0, 0]
+    too_many = np.zeros((world.max_tokens + 1, world.num_topk), dtype=np.int64)
+    return [
+        ("expert id out of range", dict(x=x, topk_idx=out_of_range), ValueError),
+        ("same expert twice", dict(x=x, topk_idx=twice), ValueError),
+        ("too many tokens", dict(x=np.zeros((world.max_tokens + 1, world.hidden), np.float32), topk_idx=too_many),
+         ValueError),
+        ("wrong hidden", dict(x=np.zeros((len(x), world.hidden + 1), np.float32), topk_idx=idx), ValueError),
+        ("wrong top-k width", dict(x=x, topk_idx=idx[:, :-1]), ValueError),
+        ("row-count mismatch", dict(x=x[:-1], topk_idx=idx), ValueError),
+        ("weights shape", dict(x=x, topk_idx=idx, topk_weights=w[:, :-1]), ValueError),
+        ("non-integer ids", dict(x=x, topk_idx=idx.astype(np.float32)), TypeError),
+        ("wrong dtype", dict(x=x.astype(np.float16), topk_idx=idx), TypeError),
+        ("1-D ids", dict(x=x, topk_idx=idx[:, 0]), ValueError),
+        ("no routing", dict(x=x), ValueError),
+        ("alignment 0", dict(x=x, topk_idx=idx, expert_alignment=0), ValueError),
+        ("stats shape", dict(x=x, topk_idx=idx, stats=np.zeros(world.experts_per_rank + 1, np.int64)), ValueError),
+    ]
+
+
+CASES = [c[0] for c in bad_dispatch_cases(make_world("uniform", dtype="float32"))]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_dispatch_input_raises_and_buffer_stays_usable(world, buf, case):
+    _, kwargs, exc = next(c for c in bad_dispatch_cases(world) if c[0] == case)
+    kwargs = {k: to_device(v) for k, v in kwargs.items()}
+    with pytest.raises(exc) as info:
+        buf.dispatch(**kwargs)
+    assert str(info.value), "the error must say what is wrong"
+    out = dispatch(buf, world)  # the next collective call still works
+    res = buf.combine(out.recv_x, out.handle)
+    assert to_host(res.x).shape == world.x[RANK].shape
+
+
+def test_error_messages_name_the_argument(world, buf):
+    idx = world.topk_idx[RANK].copy()
+    idx[0, 0] = world.num_experts + 5
+    with pytest.raises(ValueError, match="topk_idx"):
+        buf.dispatch(to_device(world.x[RANK]), to_device(idx))
+    with pytest.raises(TypeError, match="x"):
+        buf.dispatch(to_device(world.x[RANK].astype(np.float64)), to_device(world.topk_idx[RANK]))
+
+
+def test_bad_combine_input_raises_and_buffer_stays_usable(world, buf):
+    out = dispatch(buf, world)
+    y = to_host(out.recv_x)
+    for bad, exc in [(dict(y=y[:, :-1]), ValueError), (dict(y=np.concatenate([y, y[:1]])), ValueError),
+                     (dict(y=y.astype(np.float16)), TypeError),
+                     (dict(y=y, bias=np.zeros((len(world.x[RANK]) + 1, world.hidden), np.float32)), ValueError),
+                     (dict(y=y, topk_weights=np.zeros((len(y) + 1, world.num_topk), np.float32)), ValueError),
+                     (dict(y=y, handle="not a handle"), TypeError)]:
+        kwargs = {"handle": out.handle, **bad}
+        kwargs = {k: to_device(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+        with pytest.raises(exc):
+            buf.combine(**kwargs)
+    res = buf.combine(out.recv_x, out.handle)
+    assert to_host(res.x).shape == world.x[RANK].shape
+
+
+def test_bad_constructor_arguments(world):
+    common = dict(hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend=BACKEND)
+    with pytest.raises(ValueError, match="num_experts"):
+        ep_comm.Buffer(num_experts=WORLD * 4 + 1 if WORLD > 1 else 0, **common)
+    with pytest.raises(TypeError, match="dtype"):
+        ep_comm.Buffer(num_experts=WORLD * 4, dtype="int8", **common)
+    with pytest.raises(ValueError, match="backend"):
+        ep_comm.Buffer(num_experts=WORLD * 4, hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend="nccl")
+    with pytest.raises(ValueError, match="timeout_s"):
+        ep_comm.Buffer(num_experts=WORLD * 4, timeout_s=0, **common)
+
+
+@pytest.mark.skipif(WORLD < 2, reason="needs a peer that can go missing")
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_missing_rank_raises_timeout_naming_it(world, op):
+    timeout_s = 1.5
+    buf = make_buffer(world, timeout_s=timeout_s)
+    missing = WORLD - 1
+    out = dispatch(buf, world)
+    if RANK != missing:
+        start = time.monotonic()
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            if op == "dispatch":
+                dispatch(buf, world)
+            else:
+                buf.combine(out.recv_x, out.handle)
+        waited = time.monotonic() - start
+        assert info.value.missing_ranks == (missing,)
+        assert str(missing) in str(info.value)
+        assert timeout_s <= waited < timeout_s + 10
+        assert isinstance(info.value, TimeoutError)  # the built-in one, too
+        with pytest.raises(ep_comm.BufferUnusableError):
+            dispatch(buf, world)
+        buf.close()  # local release, no hang
+    else:
+        # the rank that skipped finds its peers gone at close: bounded, named
+        with pytest.raises(ep_comm.TimeoutError):
+            buf.close()
+    COMM.Barrier()
+    # a fresh buffer works again
+    with make_buffer(world) as again:
+        res = again.combine(*_recv_and_handle(again, world))
+        assert to_host(res.x).shape == world.x[RANK].shape
+
+
+def _recv_and_handle(buf, world):
+    out = dispatch(buf, world)
+    return out.recv_x, out.handle
