@@ -13,7 +13,11 @@ buffer, see :func:`symmetric_views`)::
     k.scatter(x, topk_idx, topk_weights, send.slot_idx, [v.rows for v in views],
               [v.meta for v in views], src_rank=me, parity=p, mode=SLOT_STABLE)
     recv = k.receive_count(own.counts[p], own.meta[p], alignment=a, expand=e, stable=d)
-    k.receive_copy(recv.rank_psum, own.rows[p], own.meta[p], out, expand=e, mode=PLACE_STABLE, ...)
+    k.receive_copy(recv.rank_psum, own.rows[p], own.meta[p], recv_x, recv_topk_idx, recv_topk_weights,
+                   recv_src_metadata, expand=e, mode=PLACE_STABLE, expert_psum=recv.expert_psum,
+                   alignment=a, zero_padding=z)
+    # combine: k.combine_send(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views], my_rank=me,
+    #          parity=q, expand=e, weights=w); transport signal; k.combine_reduce(own.rows[q], ...)
 """
 from __future__ import annotations
 

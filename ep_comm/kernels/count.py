@@ -18,7 +18,7 @@ from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, is_group_leader, 
 @cuda.jit
 def count_kernel(topk_idx, experts_per_rank, num_units, stable, counters, ticket, unit_counts, rank_cursor,
                  tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank):
-    """See :func:`ep_comm.kernels.api.count`; dynamic shared memory: int32 ``[E + R]``."""
+    """See :meth:`ep_comm.kernels.api.Kernels.count`; dynamic shared memory: int32 ``[E + R]``."""
     num_tokens, num_topk = topk_idx.shape
     num_ranks = tokens_per_rank.shape[0]
     num_experts = tokens_per_expert.shape[0]
