@@ -1,0 +1,41 @@
+"""Runs the collective suites of ``tests/mpi`` on every rank of ``mpirun -np N`` jobs (N = 1..4).
+
+Each rank runs the same pytest session; this test passes when every rank's session passes.
+A hung job is killed after a bounded time, so a protocol bug shows as a failure, not a stall.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).parent / "mpi"
+JOB_TIMEOUT_S = 600
+
+
+def mpiexec() -> str:
+    """The mpiexec of the running interpreter's environment (the mpich wheel), else the PATH's."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        pytest.fail("no mpiexec: install the test extra (pip install -e '.[test]'), which brings the mpich wheel")
+    return found
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+def test_contract_suite_under_mpirun(num_ranks):
+    env = dict(os.environ, EP_COMM_MPI_SUITE="1", UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1")
+    cmd = [mpiexec(), "-n", str(num_ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "no:randomly", str(SUITE)]
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpirun -np {num_ranks} did not finish within {JOB_TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}")
+    summary = [line for line in run.stdout.splitlines() if " passed" in line or " failed" in line]
+    assert run.returncode == 0, f"{' '.join(cmd)} exited {run.returncode}:\n{run.stdout[-20000:]}\n{run.stderr[-5000:]}"
+    assert len(summary) == num_ranks, f"expected one pytest summary per rank, got:\n{run.stdout[-5000:]}"
+    assert all("failed" not in line and "error" not in line for line in summary), run.stdout[-20000:]
