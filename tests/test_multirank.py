@@ -26,11 +26,27 @@ def mpiexec() -> str:
     return found
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+BACKEND = os.environ.get("EP_COMM_TEST_BACKEND", "mpi")
+RANKS = [1, 2] if BACKEND == "nvshmem" else [1, 2, 3, 4]  # nvshmem: one rank per GPU (2-GPU machines)
+
+
+def launcher(num_ranks: int, env: dict) -> list:
+    """mpiexec with the flags Open MPI needs to pass our environment on (MPICH passes it by itself)."""
+    cmd = [mpiexec(), "-n", str(num_ranks)]
+    version = subprocess.run([cmd[0], "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+        cmd += [a for name in sorted(env) if name.startswith(FORWARD_PREFIXES) for a in ("-x", name)]
+    return cmd
+
+
+FORWARD_PREFIXES = ("EP_COMM_", "NVSHMEM_", "NCCL_", "NUMBA_", "CUDA_", "PYTHON", "UCX_", "LD_LIBRARY_PATH")
+
+
+@pytest.mark.parametrize("num_ranks", RANKS)
 def test_contract_suite_under_mpirun(num_ranks):
     env = dict(os.environ, EP_COMM_MPI_SUITE="1", UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1")
-    cmd = [mpiexec(), "-n", str(num_ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-p", "no:randomly", str(SUITE)]
+    cmd = launcher(num_ranks, env) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
     try:
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:

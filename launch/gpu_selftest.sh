@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU self-test of one node: the kernel tests on the GPU, the kernel timings, the contract suites on
+# the nvshmem backend with 1 and 2 ranks (peer stores and nvshmem puts) and the GPU tests. Each step's
+# output goes to one log; a summary line per step is printed. Exit status: number of failed steps.
+#
+#   launch/gpu_selftest.sh [OUT_DIR [STEP...]]   (default: results/selftest, every step)
+#
+# Steps: bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests
+#
+# On the device machines: source .device-kit/setup.sh first.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=${1:-$repo/results/selftest}
+shift || true
+steps=${*:-bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests}
+mkdir -p "$out"
+cd "$repo"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log="$out/selftest.log"
+: > "$log"
+failed=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "===== $name: $*" >> "$log"
+    timeout "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+    printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - start ))" \
+        "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)" | tee -a "$log"
+}
+
+for name in $steps; do
+    case $name in
+        bench-prefill) step "$name" 150 launch/mpirun_gpu.sh 2 ep_comm.bench --config deepseek_v3_prefill \
+                           --iters 50 --warmup 5 --json "$out/prefill.json" --plot "$out/prefill.png" ;;
+        bench-decode) step "$name" 90 launch/mpirun_gpu.sh 2 ep_comm.bench --config deepseek_v3_decode \
+                          --iters 200 --warmup 10 --json "$out/decode.json" ;;
+        kernel-bench) step "$name" 120 python3 -m ep_comm.kernels.bench_kernels --out "$out/kernels.json" ;;
+        contract-stores) step "$name" 240 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=0 \
+                             python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py ;;
+        contract-puts) step "$name" 240 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=1 \
+                           python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py ;;
+        kernels) step "$name" 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
+        gpu-tests) step "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+        *) echo "unknown step $name" >&2; failed=$((failed + 1)) ;;
+    esac
+done
+exit $failed
