@@ -1,0 +1,819 @@
+"""Soak test: many dispatch/combine rounds with changing routings, checked on a sample, memory watched.
+
+Run under mpirun, one process per rank (every rank runs the same command)::
+
+    launch/mpirun_cpu.sh 2 ep_comm.soak --iters 300 --create-close 10            # CPU, mpi backend
+    launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 10000 --check-every 100 --json soak.json
+    launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 0 --create-close 0 --repeat-deterministic 100
+
+Three phases, each on its own Buffer(s):
+
+1. **soak** (``--iters``): every iteration draws a plan shared by all ranks (from ``(seed, iteration)``,
+   no communication): routing kind (uniform / hot / Zipf, ``ep_comm.bench.routing``), masked entries
+   and tokens going nowhere, per-rank token counts in ``[0, max_tokens]`` (some ranks empty),
+   compact or expand with an alignment of ``--alignments``, zero padding, ``cpu_sync``, weights,
+   a cached replay. Every ``--check-every``-th iteration is checked in full: each rank rebuilds
+   every rank's inputs from the seed and checks its received rows (each (token, rank) and
+   (token, expert) pair exactly once, byte-exact, in order when deterministic) with
+   ``ep_comm.layout``, and the combine (with bias, weights, and the experts' output negated on odd
+   ranks so that the order of the rank terms matters) bit for bit with ``ep_comm.reduce``. Memory (host RSS; GPU: CuPy pool bytes in use,
+   device memory in use) is sampled; after ``--warmup`` iterations it must stay within
+   ``--mem-tolerance-mib`` of its value at the end of the warm-up.
+2. **determinism** (``--repeat-deterministic N``): a ``deterministic=True`` Buffer dispatches and
+   combines the same inputs (hot expert, full ranks, compact and expand) N times; every output,
+   handle field and combine result must be bitwise identical to the first repetition's.
+3. **create/close** (``--create-close N``): N Buffers created, used for one checked round trip and
+   closed; memory must not grow.
+
+Shapes default by backend: CPU (mpi) 8 experts per rank, hidden 128, top-4, 48 tokens, bfloat16;
+GPU (nvshmem) DeepSeek-V3's layer: 256 experts, hidden 7168 bfloat16, top-8, 512 tokens.
+Rank 0 shows a one-line progress display on stderr (live on a TTY or with ``--progress``, else a
+line per 10 %) and writes the JSON summary (``--json``). Exit status: 0 all checks passed, 1 a
+check failed or an error was raised on some rank, 2 bad options.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import layout as lay
+from .bench.__main__ import _int_at_least
+from .bench.measure import first_mismatch, to_host
+from .bench.routing import KINDS, make_routing
+from .buffer import Buffer
+from .dtypes import PAYLOAD_DTYPES, payload_dtype
+from .reduce import combine_rows, expand_partials
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MIB = 1 << 20
+MAX_REPORTED_FAILURES = 20  # per rank, in the summary
+FORCED_STEPS = 4  # the first iterations run the worst cases, so warm-up reaches the peak memory
+
+
+# ------------------------------------------------------------------ shapes and plans
+@dataclass(frozen=True)
+class Shape:
+    """The Buffer geometry of a run."""
+
+    num_experts: int
+    hidden: int
+    num_topk: int
+    max_tokens: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One iteration's plan, the same on every rank (drawn from ``(seed, index)``)."""
+
+    index: int
+    routing: str  # ep_comm.bench.routing kind
+    mask_rate: float  # share of top-k entries set to -1
+    nowhere_rate: float  # share of tokens with every entry -1
+    token_mode: str  # random | full | some_empty | small
+    expand: bool
+    alignment: int
+    zero_padding: bool
+    cpu_sync: bool
+    weights: bool  # dispatched; compact combine gathers them back, expand combine is weighted
+    bias: bool  # combine with a bias [T, H]
+    replay: bool  # a cached dispatch of another payload with the handle, then its combine
+    check: bool  # full check of this iteration
+
+    def describe(self) -> str:
+        mode = f"expand align={self.alignment}{' zero_padding' if self.zero_padding else ''}" if self.expand else "compact"
+        flags = [f for f, on in (("cpu_sync=False", not self.cpu_sync), ("weights", self.weights),
+                                 ("bias", self.bias), ("replay", self.replay)) if on]
+        return (f"iteration {self.index} [{self.routing}, {mode}, tokens {self.token_mode}, mask {self.mask_rate}, "
+                f"nowhere {self.nowhere_rate}{', ' if flags else ''}{', '.join(flags)}]")
+
+
+def forced_step(index: int, alignment: int) -> Step:
+    """The worst cases, run first: full ranks, worst-case (``cpu_sync=False``) outputs, the largest alignment."""
+    expand, cpu_sync = index in (1, 2), index in (2, 3)
+    return Step(index, "hot", 0.0, 0.0, "full", expand, alignment if expand else 1, expand, cpu_sync,
+                weights=index % 2 == 1, bias=index % 2 == 0, replay=cpu_sync, check=True)
+
+
+def plan_step(seed: int, index: int, check_every: int, alignments: Sequence[int]) -> Step:
+    """The plan of iteration ``index``; a function of ``(seed, index)`` only."""
+    if index < FORCED_STEPS:
+        return forced_step(index, max(alignments))
+    rng = np.random.default_rng((seed, index, 0))
+    expand = bool(rng.random() < 0.5)
+    return Step(
+        index=index,
+        routing=str(rng.choice(KINDS)),
+        mask_rate=float(rng.choice([0.0, 0.0, 0.1, 0.5])),
+        nowhere_rate=float(rng.choice([0.0, 0.0, 0.1])),
+        token_mode=str(rng.choice(["random", "random", "full", "some_empty", "small"])),
+        expand=expand,
+        alignment=int(rng.choice(alignments)) if expand else 1,
+        zero_padding=bool(rng.random() < 0.5),
+        cpu_sync=bool(rng.random() < 0.75),
+        weights=bool(rng.random() < 0.5),
+        bias=bool(rng.random() < 0.5),
+        replay=bool(rng.random() < 0.25),
+        check=index % check_every == 0,
+    )
+
+
+@dataclass
+class RankInputs:
+    """One rank's inputs of one iteration."""
+
+    rows: np.ndarray  # [T] int64: payload row t is row rows[t] of the base payload
+    topk_idx: np.ndarray  # [T, K] int64, -1 = no expert
+    topk_weights: np.ndarray  # [T, K] float32
+
+
+def num_tokens(step: Step, max_tokens: int, rng: np.random.Generator, rank: int) -> int:
+    """This rank's token count in ``[0, max_tokens]`` under ``step.token_mode``."""
+    if step.token_mode == "full":
+        return max_tokens
+    if step.token_mode == "some_empty" and (rank + step.index) % 2 == 0:
+        return 0
+    high = min(max_tokens, 8) if step.token_mode == "small" else max_tokens
+    return int(rng.integers(0, high + 1))
+
+
+def rank_inputs(shape: Shape, step: Step, seed: int, rank: int, base_rows: int) -> RankInputs:
+    """``rank``'s inputs of ``step``: a function of ``(seed, step, rank)``, so every rank can rebuild anyone's."""
+    rng = np.random.default_rng((seed, step.index, rank + 1))
+    t = num_tokens(step, shape.max_tokens, rng, rank)
+    routing = make_routing(step.routing, t, shape.num_experts, shape.num_topk, seed=(seed, step.index, rank, 1),
+                           hot_expert=(seed + step.index) % shape.num_experts)
+    idx = routing.topk_idx
+    idx[rng.random(idx.shape) < step.mask_rate] = -1
+    idx[rng.random(t) < step.nowhere_rate] = -1
+    return RankInputs(rng.integers(0, base_rows, t), idx, routing.topk_weights)
+
+
+def base_payload(shape: Shape, seed: int) -> np.ndarray:
+    """``[2 * max_tokens, H]`` payload rows every iteration picks its tokens from; some entries are -0.0."""
+    rng = np.random.default_rng((seed, 1 << 30))
+    x = rng.standard_normal((2 * shape.max_tokens, shape.hidden), dtype=np.float32)
+    x[rng.random(x.shape) < 0.01] = -0.0
+    return x.astype(payload_dtype(shape.dtype))
+
+
+def replay_rows(rows: np.ndarray, base_rows: int) -> np.ndarray:
+    """``[T]`` base rows of the replay's payload (another payload, the same routing)."""
+    return (rows + 1) % base_rows
+
+
+def bias_rows(rows: np.ndarray, base_rows: int) -> np.ndarray:
+    """``[T]`` base rows of the combine's bias."""
+    return (rows + 2) % base_rows
+
+
+def negated(xp, a):
+    """``-a`` exactly, through the sign bit (float16/bfloat16/float32, NumPy or CuPy; no bfloat16 arithmetic)."""
+    bits = xp.dtype(f"uint{8 * a.dtype.itemsize}")
+    return (a.view(bits) ^ bits.type(1 << (8 * a.dtype.itemsize - 1))).view(a.dtype)
+
+
+def expert_output(xp, rows, rank: int, expand: bool):
+    """What rank ``rank``'s experts send back: compact rows negated on odd ranks (so that the
+    order of the per-rank terms shows in the sum), expand rows unchanged (weights vary them)."""
+    return negated(xp, rows) if rank % 2 and not expand else rows
+
+
+# ------------------------------------------------------------------ arrays and memory
+class ArrayIO:
+    """Host <-> backend arrays. The payload base lives on the backend as raw bytes ``[rows, H*itemsize]``
+    uint8 and is gathered there by row (CuPy kernels need no bfloat16 support for that)."""
+
+    def __init__(self, backend: str, base: np.ndarray):
+        if backend == "nvshmem":
+            import cupy
+
+            self.xp, self.put = cupy, cupy.asarray
+        else:
+            self.xp, self.put = np, (lambda a: a)
+        self.dtype, self.hidden = base.dtype, base.shape[1]
+        self.base = self.put(np.ascontiguousarray(base).view(np.uint8))
+
+    def payload(self, rows: np.ndarray):
+        """``[T, H]`` payload on the backend: base rows ``rows``."""
+        picked = self.base[self.put(rows)]
+        return picked.view(self.dtype).reshape(len(rows), self.hidden)
+
+    def equal_bits(self, a, b) -> bool:
+        """Shape and bytes equal (on the backend, no copy to the host)."""
+        if a is None or b is None:
+            return a is None and b is None
+        xp = self.xp
+        a, b = xp.asarray(a), xp.asarray(b)
+        return a.shape == b.shape and bool(xp.array_equal(xp.ascontiguousarray(a).reshape(-1).view(xp.uint8),
+                                                          xp.ascontiguousarray(b).reshape(-1).view(xp.uint8)))
+
+
+class MemoryProbe:
+    """Memory of this process: host RSS; on the GPU also the CuPy pool's bytes in use and held and the
+    device memory in use outside the pool's free blocks (the pool's free blocks are released first)."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss_bytes(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def sample(self) -> Dict[str, int]:
+        gc.collect()
+        out = {"rss_bytes": self.rss_bytes()}
+        if self.gpu:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+            pool = cupy.get_default_memory_pool()
+            out["pool_used_bytes"] = int(pool.used_bytes())
+            out["pool_held_bytes"] = int(pool.total_bytes())
+            pool.free_all_blocks()
+            free, total = cupy.cuda.runtime.memGetInfo()
+            out["device_used_bytes"] = int(total - free)
+        return out
+
+
+WATCHED = ("rss_bytes", "pool_used_bytes", "device_used_bytes")  # pool_held_bytes is reported only
+
+
+@dataclass
+class MemoryTrack:
+    """Samples of one phase; ``baseline`` is the sample taken when the warm-up ended."""
+
+    samples: List[Dict[str, int]] = field(default_factory=list)
+    baseline: Optional[Dict[str, int]] = None
+
+    def add(self, sample: Dict[str, int], is_baseline: bool = False) -> None:
+        self.samples.append(sample)
+        if is_baseline:
+            self.baseline = sample
+
+    def summary(self, tolerance_bytes: int) -> Dict[str, Dict[str, Any]]:
+        """Per metric: start, baseline, end, max (after the baseline), growth and whether it stayed flat."""
+        out = {}
+        if not self.samples:
+            return out
+        base = self.baseline or self.samples[0]
+        after = self.samples[self.samples.index(base):]
+        for name in self.samples[0]:
+            peak = max(s[name] for s in after)
+            growth = peak - base[name]
+            out[name] = {"start": self.samples[0][name], "baseline": base[name], "end": self.samples[-1][name],
+                         "max": peak, "growth": growth,
+                         "ok": name not in WATCHED or growth <= tolerance_bytes}
+        return out
+
+
+def memory_failures(phase: str, summary: Dict[str, Dict[str, Any]], tolerance_bytes: int) -> List[str]:
+    return [f"{phase}: {name} grew by {m['growth'] / MIB:.1f} MiB after warm-up (baseline {m['baseline'] / MIB:.1f} "
+            f"MiB, max {m['max'] / MIB:.1f} MiB; tolerance {tolerance_bytes / MIB:g} MiB)"
+            for name, m in summary.items() if not m["ok"]]
+
+
+# ------------------------------------------------------------------ checks
+@dataclass
+class HostDispatch:
+    """Host copies of a dispatch's outputs (``N`` compact rows, ``rows`` = rows of ``recv_x``)."""
+
+    recv_x: np.ndarray  # [rows, H] payload
+    recv_idx: np.ndarray  # [rows, K] compact, [rows] expand
+    recv_w: Optional[np.ndarray]  # float32, shaped like recv_idx
+    meta: np.ndarray  # [N or worst case, 2+K] int32
+    psum_rank: np.ndarray  # [R]
+    psum_expert: np.ndarray  # [L]
+    aligned: np.ndarray  # [L]
+    unaligned: np.ndarray  # [L]
+    num_recv: int
+    num_expanded: int
+
+    @classmethod
+    def of(cls, out) -> "HostDispatch":
+        h = out.handle
+        return cls(to_host(out.recv_x), to_host(out.recv_topk_idx),
+                   None if out.recv_topk_weights is None else to_host(out.recv_topk_weights),
+                   to_host(h.recv_src_metadata), to_host(h.psum_num_recv_tokens_per_rank),
+                   to_host(h.psum_num_recv_tokens_per_expert), to_host(h.num_recv_tokens_per_expert),
+                   to_host(h.num_unaligned_recv_tokens_per_expert), int(to_host(h.num_recv_tokens)),
+                   int(to_host(h.num_expanded_tokens)))
+
+
+@dataclass
+class Expected:
+    """What one rank must receive in one iteration, in ascending (source rank, source token) order."""
+
+    counts: np.ndarray  # [R] rows from each source
+    origin: np.ndarray  # [N] int64 src_rank * max_tokens + src_token (ascending)
+    x: np.ndarray  # [N, H] payload rows
+    local: np.ndarray  # [N, K] int64 local expert ids on the receiver, -1 elsewhere
+    weights: np.ndarray  # [N, K] float32
+
+    def reorder(self, pos: np.ndarray) -> "Expected":
+        """The rows in the order ``pos`` (positions in this ascending order)."""
+        return Expected(self.counts, self.origin[pos], self.x[pos], self.local[pos], self.weights[pos])
+
+
+def expected_receive(shape: Shape, world: Sequence[RankInputs], payloads: Sequence[np.ndarray], me: int) -> Expected:
+    """With ``ep_comm.layout``, from every rank's inputs and payload ``[T_r, H]``: the rows ``me`` receives."""
+    num_ranks = len(world)
+    sent = [np.nonzero(lay.is_token_in_rank(w.topk_idx, shape.num_experts, num_ranks)[:, me])[0] for w in world]
+    return Expected(
+        counts=np.array([len(s) for s in sent], dtype=np.int64),
+        origin=np.concatenate([r * shape.max_tokens + s for r, s in enumerate(sent)]).astype(np.int64),
+        x=np.concatenate([p[s] for p, s in zip(payloads, sent)]),
+        local=np.concatenate([lay.local_topk(w.topk_idx[s], me, shape.num_experts // num_ranks)
+                              for w, s in zip(world, sent)]),
+        weights=np.concatenate([w.topk_weights[s] for w, s in zip(world, sent)]),
+    )
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal shapes and bytes."""
+    return a.shape == b.shape and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                                                 np.ascontiguousarray(b).view(np.uint8))
+
+
+def match_rows(want: Expected, got: HostDispatch, max_tokens: int, deterministic: bool) -> tuple:
+    """``(positions in want of the received rows, problems)``: every (token, rank) pair exactly once,
+    grouped by source rank, in order when deterministic. Positions are None when they cannot be matched."""
+    n = int(want.counts.sum())
+    if not np.array_equal(got.psum_rank, lay.inclusive_psum(want.counts)) or got.num_recv != n:
+        return None, [f"rows per source: psum {got.psum_rank.tolist()} ({got.num_recv} rows), "
+                      f"expected {lay.inclusive_psum(want.counts).tolist()} ({n} rows)"]
+    origin = got.meta[:n, 0].astype(np.int64)
+    pos = np.minimum(np.searchsorted(want.origin, origin), max(n - 1, 0))
+    if n and (not np.array_equal(want.origin[pos], origin) or len(np.unique(pos)) != n):
+        return None, ["received (token, rank) pairs differ from the routing (missing or duplicated)"]
+    problems = []
+    if not np.array_equal(origin // max_tokens, np.repeat(np.arange(len(want.counts)), want.counts)):
+        problems.append("rows are not grouped by source rank")
+    if deterministic and not np.array_equal(pos, np.arange(n)):
+        problems.append("deterministic rows are not in (source rank, source token) order")
+    if not (got.meta[n:] == -1).all():
+        problems.append("unused metadata rows are not -1")
+    return pos, problems
+
+
+def check_compact(step: Step, want: Expected, got: HostDispatch, worst_rows: int) -> List[str]:
+    """Compact outputs of the rows in received order (``want`` reordered): payload, local ids, weights."""
+    n = got.num_recv
+    problems = []
+    if len(got.recv_x) != (n if step.cpu_sync else worst_rows):
+        problems.append(f"recv_x has {len(got.recv_x)} rows, expected {n if step.cpu_sync else worst_rows}")
+    if not same_bytes(got.recv_x[:n], want.x):
+        problems.append("recv_x payload differs from the source rows")
+    if not np.array_equal(got.recv_idx[:n], want.local) or not (got.recv_idx[n:] == -1).all():
+        problems.append("recv_topk_idx differs from the local expert ids (or unused rows are not -1)")
+    on_me = want.local >= 0
+    if step.weights and not np.array_equal(got.recv_w[:n][on_me], want.weights[on_me]):
+        problems.append("recv_topk_weights differ from the source weights")
+    if not (got.meta[:n, 2:] == -1).all():
+        problems.append("compact metadata columns 2.. are not -1")
+    return problems
+
+
+def check_expand(step: Step, want: Expected, got: HostDispatch, num_local: int, worst_rows: int,
+                 deterministic: bool) -> List[str]:
+    """Expand outputs: each (token, local expert) pair once, in its expert's aligned block, byte-exact."""
+    align = step.alignment
+    counts = np.bincount(want.local[want.local >= 0], minlength=num_local)
+    psum = lay.expert_psum(counts, align, True)
+    rows = int(lay.align_up(counts, align).sum())
+    if not (np.array_equal(got.unaligned, counts) and np.array_equal(got.aligned, lay.align_up(counts, align))
+            and np.array_equal(got.psum_expert, psum) and got.num_expanded == rows):
+        return [f"per-expert counts {got.unaligned.tolist()} / psum {got.psum_expert.tolist()} / "
+                f"{got.num_expanded} rows, expected {counts.tolist()} / {psum.tolist()} / {rows}"]
+    n, problems = got.num_recv, []
+    if len(got.recv_x) != (rows if step.cpu_sync else worst_rows):
+        problems.append(f"recv_x has {len(got.recv_x)} rows, expected {rows if step.cpu_sync else worst_rows}")
+    erow = got.meta[:n, 2:].astype(np.int64)
+    if not np.array_equal(erow >= 0, want.local >= 0):
+        return problems + ["expanded rows (metadata columns 2..) do not match the entries on this rank"]
+    r, k = np.nonzero(want.local >= 0)
+    expert, dest = want.local[r, k], erow[r, k]
+    start = lay.expert_starts(psum, align)[expert]
+    if not ((dest >= start) & (dest < start + counts[expert])).all() or len(np.unique(dest)) != len(dest):
+        return problems + ["expanded rows outside their expert's block, or shared"]
+    if not same_bytes(got.recv_x[dest], want.x[r]) or not np.array_equal(got.recv_idx[dest], expert):
+        problems.append("expanded rows differ from their source rows / experts")
+    if step.weights and not np.array_equal(got.recv_w[dest], want.weights[r, k]):
+        problems.append("expanded weights differ from the source weights")
+    if deterministic and not np.array_equal(erow, lay.receive_layout(want.local, num_local, align, True).expanded_row):
+        problems.append("deterministic expanded rows are not in (source rank, source token) order")
+    pad = np.ones(len(got.recv_x), dtype=bool)
+    pad[dest] = False
+    if not (got.recv_idx[pad] == -1).all():
+        problems.append("padding / unused rows of recv_topk_idx are not -1")
+    if step.zero_padding and np.ascontiguousarray(got.recv_x[:rows][pad[:rows]]).view(np.uint8).any():
+        problems.append("padding rows are not zero")
+    return problems
+
+
+def expected_combine(x: np.ndarray, topk_idx: np.ndarray, weights: Optional[np.ndarray], bias: Optional[np.ndarray],
+                     num_experts: int, num_ranks: int, expand: bool) -> np.ndarray:
+    """``[T, H]``: the combine of ``expert_output(recv_x)`` for tokens ``x [T, H]`` routed by ``topk_idx [T, K]``,
+    in ``ep_comm.reduce``'s float32 order; expand partials weighted by ``weights [T, K]`` when given."""
+    reached = lay.is_token_in_rank(topk_idx, num_experts, num_ranks)
+    bias_terms = () if bias is None else (bias,)
+    if not expand:
+        return combine_rows([expert_output(np, x, r, False) for r in range(num_ranks)], reached, bias_terms, x.dtype)
+    num_tokens, k = topk_idx.shape
+    ranks = lay.entry_ranks(topk_idx, num_experts // num_ranks)
+    entry = np.arange(num_tokens * k).reshape(num_tokens, k)  # one row of np.repeat(x, k) per (token, entry)
+    flat_w = None if weights is None else weights.reshape(-1)
+    partials = [expand_partials(np.repeat(x, k, axis=0), np.where(ranks == r, entry, -1), flat_w, x.dtype)
+                for r in range(num_ranks)]
+    return combine_rows(partials, reached, bias_terms, x.dtype)
+
+
+def check_combine(step: Step, mine: RankInputs, x: np.ndarray, bias: Optional[np.ndarray], res, num_ranks: int,
+                  num_experts: int) -> List[str]:
+    """The combine bit for bit against ``expected_combine``; compact weights gathered back."""
+    weights = mine.topk_weights if step.weights else None
+    want = expected_combine(x, mine.topk_idx, weights, bias, num_experts, num_ranks, step.expand)
+    problem = first_mismatch(to_host(res.x), want)
+    problems = [] if problem is None else [f"combine differs: {problem}"]
+    if step.weights and not step.expand:
+        want = np.where(mine.topk_idx >= 0, mine.topk_weights, 0).astype(np.float32)
+        if not np.array_equal(to_host(res.topk_weights), want):
+            problems.append("combine's topk_weights differ from the dispatched weights")
+    return problems
+
+
+def check_round_trip(shape: Shape, step: Step, world: Sequence[RankInputs], payloads: Sequence[np.ndarray],
+                     bias: Optional[np.ndarray], out, res, me: int, deterministic: bool) -> List[str]:
+    """Every check of one dispatch + combine on rank ``me``; returns the problems found."""
+    num_ranks = len(world)
+    got = HostDispatch.of(out)
+    want = expected_receive(shape, world, payloads, me)
+    pos, problems = match_rows(want, got, shape.max_tokens, deterministic)
+    if pos is not None:
+        want = want.reorder(pos)
+        num_local = shape.num_experts // num_ranks
+        if step.expand:
+            worst = lay.worst_case_expanded_rows(num_ranks, shape.max_tokens, shape.num_topk, num_local, step.alignment)
+            problems += check_expand(step, want, got, num_local, worst, deterministic)
+        else:
+            problems += check_compact(step, want, got, lay.worst_case_recv_rows(num_ranks, shape.max_tokens))
+    return problems + check_combine(step, world[me], payloads[me], bias, res, num_ranks, shape.num_experts)
+
+
+# ------------------------------------------------------------------ one iteration
+def round_trip(buf: Buffer, io: ArrayIO, step: Step, dispatch: Callable[[], Any], bias) -> tuple:
+    """``(dispatch output, combine result)``: ``dispatch()``, then the combine of the experts' output."""
+    out = dispatch()
+    y = expert_output(io.xp, out.recv_x, buf.rank, step.expand)
+    res = buf.combine(y, out.handle, topk_weights=out.recv_topk_weights if step.weights else None, bias=bias)
+    return out, res
+
+
+def run_step(buf: Buffer, io: ArrayIO, shape: Shape, step: Step, base: np.ndarray, seed: int) -> List[str]:
+    """Dispatch + combine (and the replay) of ``step`` on every rank; the problems found when ``step.check``."""
+    me, num_ranks, n = buf.rank, buf.num_ranks, len(base)
+    mine = rank_inputs(shape, step, seed, me, n)
+    weights = io.put(mine.topk_weights) if step.weights else None
+    bias = io.payload(bias_rows(mine.rows, n)) if step.bias else None
+    payload_rows = [lambda rows: rows]
+    runs = [round_trip(buf, io, step, lambda: buf.dispatch(
+        io.payload(mine.rows), io.put(mine.topk_idx), weights, expand=step.expand, expert_alignment=step.alignment,
+        zero_padding=step.zero_padding, cpu_sync=step.cpu_sync), bias)]
+    if step.replay:
+        payload_rows.append(lambda rows: replay_rows(rows, n))
+        runs.append(round_trip(buf, io, step, lambda: buf.dispatch(
+            io.payload(replay_rows(mine.rows, n)), handle=runs[0][0].handle, cpu_sync=step.cpu_sync), bias))
+    if not step.check:
+        return []
+    world = [mine if r == me else rank_inputs(shape, step, seed, r, n) for r in range(num_ranks)]
+    host_bias = base[bias_rows(mine.rows, n)] if step.bias else None
+    problems = []
+    for i, ((out, res), rows_of) in enumerate(zip(runs, payload_rows)):
+        payloads = [base[rows_of(w.rows)] for w in world]
+        found = check_round_trip(shape, step, world, payloads, host_bias, out, res, me, buf.deterministic)
+        problems += [f"rank {me}: {step.describe()}{' replay' if i else ''}: {p}" for p in found]
+    if step.replay and not np.array_equal(to_host(runs[1][0].handle.recv_src_metadata),
+                                          to_host(runs[0][0].handle.recv_src_metadata)):
+        problems.append(f"rank {me}: {step.describe()}: the replay's metadata differs from the dispatch's")
+    return problems
+
+
+# ------------------------------------------------------------------ phases
+class Progress:
+    """Rank 0's progress on stderr: one line redrawn in place (``live``), else a line per 10 %."""
+
+    def __init__(self, show: bool, live: bool, stream=sys.stderr):
+        self.show, self.live, self.stream = show, live, stream
+        self.label, self.total, self.start, self.last = "", 0, 0.0, -1.0
+
+    def begin(self, label: str, total: int) -> None:
+        self.label, self.total, self.start, self.last = label, total, time.perf_counter(), -1.0
+
+    def tick(self, done: int, failures: int, memory: Dict[str, int]) -> None:
+        if not self.show or not self.total:
+            return
+        now = time.perf_counter()
+        milestone = done == self.total or done * 10 // self.total != (done - 1) * 10 // self.total
+        if (self.live and now - self.last < 0.5 and done != self.total) or (not self.live and not milestone):
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        mem = " ".join(f"{k.replace('_bytes', '')}={v / MIB:.0f}MiB" for k, v in memory.items())
+        line = f"[ep_comm.soak] {self.label} {done}/{self.total} {rate:.1f}/s failures={failures} {mem}"
+        self.stream.write(f"\r\033[K{line}" if self.live else f"{line}\n")
+        if self.live and done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+@dataclass
+class Run:
+    """What every phase needs: the communicator, options, shape, arrays and memory probe."""
+
+    comm: MPI.Comm
+    args: argparse.Namespace
+    shape: Shape
+    backend: str
+    io: ArrayIO
+    base: np.ndarray  # [2 * max_tokens, H] host payload rows
+    probe: MemoryProbe
+    progress: Progress
+
+    def buffer(self, deterministic: bool) -> Buffer:
+        s = self.shape
+        return Buffer(self.comm, num_experts=s.num_experts, hidden=s.hidden, num_topk=s.num_topk,
+                      num_max_tokens_per_rank=s.max_tokens, dtype=s.dtype, backend=self.backend,
+                      deterministic=deterministic, timeout_s=self.args.timeout)
+
+
+def guarded(failures: List[str], what: str, body: Callable[[], None]) -> None:
+    """Run ``body``; an exception (a timeout, an unusable buffer, a bug) becomes a failure line."""
+    try:
+        body()
+    except Exception as exc:  # reported, then the phase ends: the buffer may have lost step
+        failures.append(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def soak_phase(run: Run) -> Dict[str, Any]:
+    """``--iters`` planned iterations on one Buffer; memory sampled every ``--check-every`` iterations."""
+    args = run.args
+    warmup = args.warmup if args.warmup is not None else min(max(FORCED_STEPS, args.iters // 10), 200)
+    failures: List[str] = []
+    track, modes = MemoryTrack(), {"checked": 0, "expand": 0, "cpu_sync_false": 0, "replay": 0, "weights": 0}
+    track.add(run.probe.sample(), is_baseline=warmup == 0)
+    run.progress.begin("soak", args.iters)
+    start = time.perf_counter()
+
+    def body() -> None:
+        with run.buffer(args.deterministic) as buf:
+            for i in range(args.iters):
+                step = plan_step(args.seed, i, args.check_every, args.alignments)
+                failures.extend(run_step(buf, run.io, run.shape, step, run.base, args.seed))
+                for name, on in (("checked", step.check), ("expand", step.expand), ("cpu_sync_false", not step.cpu_sync),
+                                 ("replay", step.replay), ("weights", step.weights)):
+                    modes[name] += int(on)
+                if i + 1 == warmup or (i + 1) % args.check_every == 0 or i + 1 == args.iters:
+                    track.add(run.probe.sample(), is_baseline=i + 1 == warmup)
+                run.progress.tick(i + 1, len(failures), track.samples[-1])
+
+    guarded(failures, "soak", body)
+    elapsed = time.perf_counter() - start
+    memory = track.summary(args.mem_tolerance_mib * MIB)
+    failures += memory_failures("soak", memory, args.mem_tolerance_mib * MIB)
+    return {"iters": args.iters, "warmup": warmup, "elapsed_s": elapsed, "iters_per_s": args.iters / max(elapsed, 1e-9),
+            "modes": modes, "memory": memory, "failures": failures}
+
+
+def create_close_phase(run: Run) -> Dict[str, Any]:
+    """``--create-close`` Buffers created, used for one checked round trip each, closed; memory must not grow."""
+    args, n = run.args, run.args.create_close
+    failures: List[str] = []
+    track = MemoryTrack()
+    track.add(run.probe.sample())
+    run.progress.begin("create/close", n)
+    start = time.perf_counter()
+
+    def body() -> None:
+        for i in range(n):
+            with run.buffer(deterministic=i % 2 == 0) as buf:
+                step = plan_step(args.seed + 1, FORCED_STEPS + i, 1, args.alignments)
+                failures.extend(run_step(buf, run.io, run.shape, step, run.base, args.seed + 1))
+            track.add(run.probe.sample(), is_baseline=i + 1 == min(2, n))
+            run.progress.tick(i + 1, len(failures), track.samples[-1])
+
+    guarded(failures, "create/close", body)
+    elapsed = time.perf_counter() - start
+    memory = track.summary(args.mem_tolerance_mib * MIB)
+    failures += memory_failures("create/close", memory, args.mem_tolerance_mib * MIB)
+    return {"buffers": n, "elapsed_s": elapsed, "memory": memory, "failures": failures}
+
+
+def outputs_of(buf: Buffer, io: ArrayIO, mine: RankInputs, expand: bool, alignment: int) -> Dict[str, Any]:
+    """Every output of one dispatch + weighted combine, by name (backend arrays)."""
+    out = buf.dispatch(io.payload(mine.rows), io.put(mine.topk_idx), io.put(mine.topk_weights), expand=expand,
+                       expert_alignment=alignment, zero_padding=True)
+    res = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+    h = out.handle
+    return {"recv_x": out.recv_x, "recv_topk_idx": out.recv_topk_idx, "recv_topk_weights": out.recv_topk_weights,
+            "recv_src_metadata": h.recv_src_metadata, "psum_num_recv_tokens_per_rank": h.psum_num_recv_tokens_per_rank,
+            "psum_num_recv_tokens_per_expert": h.psum_num_recv_tokens_per_expert,
+            "dst_buffer_slot_idx": h.dst_buffer_slot_idx, "combine_x": res.x, "combine_topk_weights": res.topk_weights}
+
+
+def digest(arrays: Dict[str, Any]) -> str:
+    """sha256 over the names and bytes of ``arrays`` (copied to the host)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(to_host(arrays[name])).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def determinism_phase(run: Run) -> Dict[str, Any]:
+    """``--repeat-deterministic`` identical dispatch + combine rounds (compact and expand) on a
+    ``deterministic=True`` Buffer: every output must equal the first round's, bit for bit."""
+    n, args = run.args.repeat_deterministic, run.args
+    failures: List[str] = []
+    step = Step(0, "hot", 0.1, 0.05, "full", expand=False, alignment=1, zero_padding=True, cpu_sync=True,
+                weights=True, bias=False, replay=False, check=True)
+    mine = rank_inputs(run.shape, step, args.seed + 2, run.comm.rank, len(run.base))
+    modes = {"compact": (False, 1), "expand": (True, max(args.alignments))}
+    first: Dict[str, Dict[str, Any]] = {}
+    differing: Dict[str, int] = {}
+    run.progress.begin("determinism", n)
+    start = time.perf_counter()
+
+    def body() -> None:
+        with run.buffer(deterministic=True) as buf:
+            for i in range(n):
+                for mode, (expand, alignment) in modes.items():
+                    got = outputs_of(buf, run.io, mine, expand, alignment)
+                    if not first.get(mode):
+                        first[mode] = got
+                    for name in got:
+                        if not run.io.equal_bits(got[name], first[mode][name]):
+                            differing[f"{mode}.{name}"] = differing.get(f"{mode}.{name}", 0) + 1
+                run.progress.tick(i + 1, len(differing), {})
+
+    guarded(failures, "determinism", body)
+    failures += [f"rank {run.comm.rank}: determinism: {name} differed from the first round in {count} of {n - 1} "
+                 "later rounds" for name, count in sorted(differing.items())]
+    return {"repeats": n, "elapsed_s": time.perf_counter() - start, "differing": differing,
+            "digest": {mode: digest(outs) for mode, outs in first.items()}, "failures": failures}
+
+
+# ------------------------------------------------------------------ command line
+GPU_SHAPE = dict(experts=256, hidden=7168, topk=8, max_tokens=512, dtype="bfloat16")
+CPU_SHAPE = dict(experts_per_rank=8, hidden=128, topk=4, max_tokens=48, dtype="bfloat16")
+
+
+def _alignments(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a list of expert alignments >= 1, e.g. 1,2,8")
+    return values
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ep_comm.soak", description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 every check passed on every rank, 1 a check failed or an error was raised, "
+               "2 bad options. Shapes default by backend (see the module docstring).")
+    p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
+    p.add_argument("--iters", type=_int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
+    p.add_argument("--check-every", type=_int_at_least(1), default=100,
+                   help="full check and memory sample every k-th iteration (default: 100)")
+    p.add_argument("--warmup", type=_int_at_least(0),
+                   help="iterations before the memory baseline (default: iters/10, at least 4, at most 200)")
+    p.add_argument("--create-close", type=_int_at_least(0), default=100,
+                   help="Buffers to create, use once and close (default: 100; 0 skips)")
+    p.add_argument("--repeat-deterministic", type=_int_at_least(0), default=0,
+                   help="identical deterministic rounds whose outputs must be bitwise equal (default: 0 = skip)")
+    p.add_argument("--deterministic", action="store_true", help="soak on a deterministic=True Buffer (order checked too)")
+    p.add_argument("--experts", type=_int_at_least(1), help="global experts (default: GPU 256, CPU 8 per rank)")
+    p.add_argument("--hidden", type=_int_at_least(1), help="hidden size (default: GPU 7168, CPU 128)")
+    p.add_argument("--topk", type=_int_at_least(1), help="top-k (default: GPU 8, CPU 4)")
+    p.add_argument("--max-tokens", type=_int_at_least(1), help="num_max_tokens_per_rank (default: GPU 512, CPU 48)")
+    p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16", help="payload dtype (default: bfloat16)")
+    p.add_argument("--alignments", type=_alignments, default=[1, 2, 8], help="expand alignments to draw from (default: 1,2,8)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of every plan and input (default: 0)")
+    p.add_argument("--timeout", type=float, default=60.0, help="Buffer timeout_s (default: 60)")
+    p.add_argument("--mem-tolerance-mib", type=float, default=32.0,
+                   help="allowed memory growth after warm-up, per metric (default: 32 MiB)")
+    p.add_argument("--json", metavar="PATH", help="write the summary (rank 0) as JSON")
+    p.add_argument("--progress", action="store_true", help="redraw the progress line in place even without a TTY")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (failures and the summary still print)")
+    return p
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> ``nvshmem`` where a GPU stack is present, else ``mpi`` (as ``Buffer`` decides)."""
+    if name != "auto":
+        return name
+    from .backends import gpu_available
+
+    return "nvshmem" if gpu_available() else "mpi"
+
+
+def shape_of(args: argparse.Namespace, backend: str, num_ranks: int) -> Shape:
+    """The run's shape: the options given, the backend's defaults for the rest."""
+    gpu = backend == "nvshmem"
+    experts = args.experts or (GPU_SHAPE["experts"] if gpu else CPU_SHAPE["experts_per_rank"] * num_ranks)
+    defaults = GPU_SHAPE if gpu else CPU_SHAPE
+    return Shape(experts, args.hidden or defaults["hidden"], args.topk or defaults["topk"],
+                 args.max_tokens or defaults["max_tokens"], args.dtype)
+
+
+def usage_problem(shape: Shape, num_ranks: int) -> Optional[str]:
+    if shape.num_experts % num_ranks:
+        return f"--experts={shape.num_experts}: must be divisible by the {num_ranks} ranks of this run"
+    if shape.num_topk > shape.num_experts:
+        return f"--topk={shape.num_topk}: must not exceed --experts={shape.num_experts}"
+    return None
+
+
+def summarize(comm: MPI.Comm, meta: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Gather every rank's phase results to rank 0: failures merged, per-rank memory kept."""
+    gathered = comm.gather(phases, root=0)
+    if comm.rank != 0:
+        return None
+    summary = dict(meta)
+    failures = [f for rank_phases in gathered for p in rank_phases.values() for f in p["failures"]]
+    for name in phases:
+        per_rank = [g[name] for g in gathered]
+        merged = {k: v for k, v in per_rank[0].items() if k not in ("failures", "memory", "digest")}
+        merged["elapsed_s"] = max(p["elapsed_s"] for p in per_rank)
+        for key in ("memory", "digest"):
+            if key in per_rank[0]:
+                merged[key] = {f"rank{r}": p[key] for r, p in enumerate(per_rank)}
+        merged["failures"] = sum(len(p["failures"]) for p in per_rank)
+        summary[name] = merged
+    summary["ok"] = not failures
+    summary["failures"] = {"count": len(failures), "first": failures[:MAX_REPORTED_FAILURES]}
+    return summary
+
+
+def print_summary(summary: Dict[str, Any]) -> None:
+    """A few lines on stdout: one per phase, then the first failures."""
+    for name in ("soak", "determinism", "create_close"):
+        if name in summary:
+            p = summary[name]
+            mem = "; ".join(f"{r}: " + ", ".join(f"{k.replace('_bytes', '')} {m['start'] / MIB:.0f}->{m['end'] / MIB:.0f} "
+                                                 f"(max {m['max'] / MIB:.0f}) MiB" for k, m in metrics.items())
+                            for r, metrics in p.get("memory", {}).items())
+            print(f"[ep_comm.soak] {name}: {p['failures']} failures in {p['elapsed_s']:.1f} s"
+                  f"{'; memory ' + mem if mem else ''}", flush=True)
+    for line in summary["failures"]["first"]:
+        print(f"[ep_comm.soak] FAILED {line}", flush=True)
+    print(f"[ep_comm.soak] {'OK' if summary['ok'] else 'FAILED'}", flush=True)
+
+
+def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+    """Run the phases the options ask for on every rank of ``comm``; every rank returns the same exit status."""
+    args = parser().parse_args(argv)
+    backend = resolve_backend(args.backend)
+    shape = shape_of(args, backend, comm.size)
+    problem = usage_problem(shape, comm.size)
+    if problem:
+        if comm.rank == 0:
+            print(f"ep_comm.soak: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    base = base_payload(shape, args.seed)
+    show = comm.rank == 0 and not args.quiet
+    run = Run(comm, args, shape, backend, ArrayIO(backend, base), base, MemoryProbe(gpu=backend == "nvshmem"),
+              Progress(show, live=args.progress or sys.stderr.isatty()))
+    phases = {}
+    for name, count, phase in (("soak", args.iters, soak_phase), ("determinism", args.repeat_deterministic,
+                                                                   determinism_phase),
+                               ("create_close", args.create_close, create_close_phase)):
+        if count:
+            phases[name] = phase(run)
+    meta = {"backend": backend, "ranks": comm.size, "shape": asdict(shape), "seed": args.seed,
+            "deterministic": args.deterministic, "check_every": args.check_every, "alignments": args.alignments,
+            "mem_tolerance_mib": args.mem_tolerance_mib}
+    summary = summarize(comm, meta, phases)
+    if comm.rank == 0:
+        print_summary(summary)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+    return EXIT_OK if comm.bcast(summary["ok"] if comm.rank == 0 else None, root=0) else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
