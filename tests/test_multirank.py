@@ -6,41 +6,19 @@ A hung job is killed after a bounded time, so a protocol bug shows as a failure,
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpirun import launcher
 
 SUITE = Path(__file__).parent / "mpi"
 JOB_TIMEOUT_S = 600
 
 
-def mpiexec() -> str:
-    """The mpiexec of the running interpreter's environment (the mpich wheel), else the PATH's."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec") or shutil.which("mpirun")
-    if not found:
-        pytest.fail("no mpiexec: install the test extra (pip install -e '.[test]'), which brings the mpich wheel")
-    return found
-
-
 BACKEND = os.environ.get("EP_COMM_TEST_BACKEND", "mpi")
 RANKS = [1, 2] if BACKEND == "nvshmem" else [1, 2, 3, 4]  # nvshmem: one rank per GPU (2-GPU machines)
-
-
-def launcher(num_ranks: int, env: dict) -> list:
-    """mpiexec with the flags Open MPI needs to pass our environment on (MPICH passes it by itself)."""
-    cmd = [mpiexec(), "-n", str(num_ranks)]
-    version = subprocess.run([cmd[0], "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" in version or "OpenRTE" in version:
-        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-        cmd += [a for name in sorted(env) if name.startswith(FORWARD_PREFIXES) for a in ("-x", name)]
-    return cmd
-
-
-FORWARD_PREFIXES = ("EP_COMM_", "NVSHMEM_", "NCCL_", "NUMBA_", "CUDA_", "PYTHON", "UCX_", "LD_LIBRARY_PATH")
 
 
 @pytest.mark.parametrize("num_ranks", RANKS)
