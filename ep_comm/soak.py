@@ -15,10 +15,11 @@ Three phases, each on its own Buffer(s):
    a cached replay. Every ``--check-every``-th iteration is checked in full: each rank rebuilds
    every rank's inputs from the seed and checks its received rows (each (token, rank) and
    (token, expert) pair exactly once, byte-exact, in order when deterministic) with
-   ``ep_comm.layout``, and the combine (with bias, weights, and the experts' output negated on odd
-   ranks so that the order of the rank terms matters) bit for bit with ``ep_comm.reduce``. Memory (host RSS; GPU: CuPy pool bytes in use,
-   device memory in use) is sampled; after ``--warmup`` iterations it must stay within
-   ``--mem-tolerance-mib`` of its value at the end of the warm-up.
+   ``ep_comm.layout``, and the combine (bias, weights, the experts' output negated on odd ranks)
+   bit for bit with ``ep_comm.reduce``. (With bfloat16 and two ranks the float32 sums are exact, so
+   the order of the rank terms cannot show: ``--dtype float32`` checks it.) Memory (host RSS; GPU:
+   CuPy pool bytes in use, device memory in use) is sampled; after ``--warmup`` iterations it must
+   stay within ``--mem-tolerance-mib`` of its value at the end of the warm-up.
 2. **determinism** (``--repeat-deterministic N``): a ``deterministic=True`` Buffer dispatches and
    combines the same inputs (hot expert, full ranks, compact and expand) N times; every output,
    handle field and combine result must be bitwise identical to the first repetition's.
@@ -556,12 +557,30 @@ class Run:
                       deterministic=deterministic, timeout_s=self.args.timeout)
 
 
-def guarded(failures: List[str], what: str, body: Callable[[], None]) -> None:
-    """Run ``body``; an exception (a timeout, an unusable buffer, a bug) becomes a failure line."""
+def describe_error(exc: BaseException) -> str:
+    """``Type: message``, followed by the exceptions it was raised while handling (e.g. a close that
+    timed out after a failed step), oldest last."""
+    parts = []
+    while exc is not None and len(parts) < 4:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- while handling ".join(parts)
+
+
+def guarded(failures: List[str], where: Callable[[], str], body: Callable[[], None]) -> None:
+    """Run ``body``; an exception (a timeout, an unusable buffer, a bug) becomes a failure line
+    that starts with ``where()`` (the phase and step it happened in)."""
     try:
         body()
     except Exception as exc:  # reported, then the phase ends: the buffer may have lost step
-        failures.append(f"{what}: {type(exc).__name__}: {exc}")
+        failures.append(f"{where()}: {describe_error(exc)}")
+
+
+def count_modes(modes: Dict[str, int], step: Step) -> None:
+    """Add ``step`` to the per-mode iteration counts of the summary."""
+    for name, on in (("checked", step.check), ("expand", step.expand), ("cpu_sync_false", not step.cpu_sync),
+                     ("replay", step.replay), ("weights", step.weights), ("bias", step.bias)):
+        modes[name] = modes.get(name, 0) + int(on)
 
 
 def soak_phase(run: Run) -> Dict[str, Any]:
@@ -569,24 +588,24 @@ def soak_phase(run: Run) -> Dict[str, Any]:
     args = run.args
     warmup = args.warmup if args.warmup is not None else min(max(FORCED_STEPS, args.iters // 10), 200)
     failures: List[str] = []
-    track, modes = MemoryTrack(), {"checked": 0, "expand": 0, "cpu_sync_false": 0, "replay": 0, "weights": 0}
+    track, modes = MemoryTrack(), {}
     track.add(run.probe.sample(), is_baseline=warmup == 0)
     run.progress.begin("soak", args.iters)
     start = time.perf_counter()
+    current: List[Step] = []  # the step running, for the failure line of an exception
 
     def body() -> None:
         with run.buffer(args.deterministic) as buf:
             for i in range(args.iters):
                 step = plan_step(args.seed, i, args.check_every, args.alignments)
+                current[:] = [step]
                 failures.extend(run_step(buf, run.io, run.shape, step, run.base, args.seed))
-                for name, on in (("checked", step.check), ("expand", step.expand), ("cpu_sync_false", not step.cpu_sync),
-                                 ("replay", step.replay), ("weights", step.weights)):
-                    modes[name] += int(on)
+                count_modes(modes, step)
                 if i + 1 == warmup or (i + 1) % args.check_every == 0 or i + 1 == args.iters:
                     track.add(run.probe.sample(), is_baseline=i + 1 == warmup)
                 run.progress.tick(i + 1, len(failures), track.samples[-1])
 
-    guarded(failures, "soak", body)
+    guarded(failures, lambda: f"rank {run.comm.rank}: soak" + (f", {current[0].describe()}" if current else ""), body)
     elapsed = time.perf_counter() - start
     memory = track.summary(args.mem_tolerance_mib * MIB)
     failures += memory_failures("soak", memory, args.mem_tolerance_mib * MIB)
@@ -611,7 +630,7 @@ def create_close_phase(run: Run) -> Dict[str, Any]:
             track.add(run.probe.sample(), is_baseline=i + 1 == min(2, n))
             run.progress.tick(i + 1, len(failures), track.samples[-1])
 
-    guarded(failures, "create/close", body)
+    guarded(failures, lambda: f"rank {run.comm.rank}: create/close, buffer {len(track.samples) - 1}", body)
     elapsed = time.perf_counter() - start
     memory = track.summary(args.mem_tolerance_mib * MIB)
     failures += memory_failures("create/close", memory, args.mem_tolerance_mib * MIB)
@@ -667,7 +686,7 @@ def determinism_phase(run: Run) -> Dict[str, Any]:
                             differing[f"{mode}.{name}"] = differing.get(f"{mode}.{name}", 0) + 1
                 run.progress.tick(i + 1, len(differing), {})
 
-    guarded(failures, "determinism", body)
+    guarded(failures, lambda: f"rank {run.comm.rank}: determinism", body)
     failures += [f"rank {run.comm.rank}: determinism: {name} differed from the first round in {count} of {n - 1} "
                  "later rounds" for name, count in sorted(differing.items())]
     return {"repeats": n, "elapsed_s": time.perf_counter() - start, "differing": differing,
