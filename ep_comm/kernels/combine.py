@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
-from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, lanes_below
+from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
 
 @cuda.jit(device=True)
@@ -41,13 +41,13 @@ def gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales):
     """
     lane = lane_id()
     expanded = recv_src_metadata[row, 2 + lane] if lane < terms.shape[0] else -1
-    valid = cuda.ballot_sync(FULL_MASK, expanded >= 0)
+    valid = ballot(expanded >= 0)
     if expanded >= 0:
-        position = cuda.popc(valid & lanes_below(lane))
+        position = count_lanes(valid & lanes_below(lane))
         terms[position] = expanded
         scales[position] = weights[expanded] if has_weights else np.float32(1.0)
     cuda.syncwarp(FULL_MASK)
-    return cuda.popc(valid)
+    return count_lanes(valid)
 
 
 @cuda.jit
@@ -96,7 +96,7 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
     if rank >= 0:
         order[position] = rank
         order[num_topk + position] = slot_idx[token, lane] - src_base
-    reached = cuda.popc(cuda.ballot_sync(FULL_MASK, rank >= 0))
+    reached = count_lanes(ballot(rank >= 0))
     cuda.syncwarp(FULL_MASK)
     return reached
 

@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from ep_comm.kernels.units import lane_entry, unit_range
-from ep_comm.kernels.warp import (FULL_MASK, WARP, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
+from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
 
 SLOT_ATOMIC = 0
@@ -73,7 +73,7 @@ def scatter_kernel(x_words, topk_idx, weight_bits, has_weights, experts_per_rank
             first = is_group_leader(key, lane) and expert >= 0
             slot = assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor[unit], t, k, active, rank, first,
                                src_base, lane)
-            pairs = cuda.ballot_sync(FULL_MASK, slot >= 0)
+            pairs = ballot(slot >= 0)
             while pairs != 0:
                 src, pairs = pop_lowest(pairs)
                 pt = cuda.shfl_sync(FULL_MASK, t, src)

@@ -2,6 +2,10 @@
 
 All functions here are CUDA device functions that must be called by all 32 lanes of a warp
 together (full mask): kernels never exit early before a warp collective.
+
+Lane masks are uint32 and only ever built by :func:`ballot` and :func:`match_any`: Numba types the
+raw intrinsics' results int32 and widens any arithmetic on them to int64, which sign-extends lane
+31's bit into 32 phantom lanes (``popc`` then counts 33 where one lane is set).
 """
 from __future__ import annotations
 
@@ -78,6 +82,24 @@ def warp_scan(src, dst, n, exclusive, carry):
 
 
 @cuda.jit(device=True)
+def ballot(predicate):
+    """uint32 mask of the lanes whose ``predicate`` holds."""
+    return np.uint32(cuda.ballot_sync(FULL_MASK, predicate))
+
+
+@cuda.jit(device=True)
+def match_any(key):
+    """uint32 mask of the lanes holding the same ``key`` as this lane."""
+    return np.uint32(cuda.match_any_sync(FULL_MASK, key))
+
+
+@cuda.jit(device=True)
+def count_lanes(mask):
+    """Number of lanes set in a uint32 lane mask, as int32."""
+    return np.int32(cuda.popc(np.uint32(mask)))
+
+
+@cuda.jit(device=True)
 def lanes_below(lane):
     """Bit mask of the lanes with a lower index than ``lane``."""
     return (np.uint32(1) << np.uint32(lane)) - np.uint32(1)
@@ -92,7 +114,7 @@ def lowest_lane(mask):
 @cuda.jit(device=True)
 def is_group_leader(key, lane):
     """True on the lowest lane among those holding the same ``key`` (deduplication)."""
-    return lowest_lane(cuda.match_any_sync(FULL_MASK, key)) == lane
+    return lowest_lane(match_any(key)) == lane
 
 
 @cuda.jit(device=True)
@@ -105,13 +127,13 @@ def stable_bucket_slots(cursor, bucket, active, lane):
     warp (int32, global). Returns the slot, -1 on inactive lanes.
     """
     key = bucket if active else -1 - lane
-    same = cuda.match_any_sync(FULL_MASK, key) & cuda.ballot_sync(FULL_MASK, active)
+    same = np.uint32(match_any(key) & ballot(active))
     slot = np.int32(-1)
     if active:
-        slot = cursor[bucket] + np.int32(cuda.popc(same & lanes_below(lane)))
+        slot = cursor[bucket] + count_lanes(same & lanes_below(lane))
     cuda.syncwarp(FULL_MASK)
-    if active and lane == WARP - 1 - np.int32(cuda.clz(np.uint32(same))):
-        cursor[bucket] += np.int32(cuda.popc(same))
+    if active and lane == WARP - 1 - np.int32(cuda.clz(same)):
+        cursor[bucket] += count_lanes(same)
     cuda.syncwarp(FULL_MASK)
     return slot
 
@@ -150,5 +172,5 @@ def copy_row(dst, src, n):
 
 @cuda.jit(device=True)
 def pop_lowest(mask):
-    """Split a non-zero lane mask into its lowest lane and the mask without it."""
-    return lowest_lane(mask), mask & (mask - 1)
+    """Split a non-zero uint32 lane mask into its lowest lane and the mask without it."""
+    return lowest_lane(mask), np.uint32(mask & (mask - np.uint32(1)))

@@ -78,21 +78,33 @@ def shfl_xor_sync(self, mask, value, lane_mask):
     return values[src] if values[src] is not None else value
 
 
+def _typed_mask(lanes) -> np.int64:
+    """A lane mask as compiled code sees it: Numba types ballot/match results int32, and any arithmetic
+    widens them to int64, sign-extending lane 31's bit (NumPy would keep an int32 at int32)."""
+    return np.int64(np.uint32(sum(1 << i for i in lanes)).view(np.int32))
+
+
 def ballot_sync(self, mask, predicate):
     _check_full(mask)
     values, _ = _exchange(bool(predicate))
-    return sum(1 << i for i, v in enumerate(values) if v)
+    return _typed_mask(i for i, v in enumerate(values) if v)
 
 
 def match_any_sync(self, mask, value):
     _check_full(mask)
     values, lane = _exchange(value)
-    return sum(1 << i for i, v in enumerate(values) if v is not None and v == values[lane])
+    return _typed_mask(i for i, v in enumerate(values) if v is not None and v == values[lane])
 
 
 def activemask(self):
     values, _ = _exchange(True)
-    return sum(1 << i for i, v in enumerate(values) if v)
+    return np.uint32(sum(1 << i for i, v in enumerate(values) if v))
+
+
+def popc(self, value):
+    """Set bits of the two's complement of ``value`` at its width (64 for Python ints, as Numba's int64)."""
+    bits = np.dtype(value.dtype).itemsize * 8 if isinstance(value, np.generic) else 64
+    return bin(int(value) & ((1 << bits) - 1)).count("1")
 
 
 def syncwarp(self, mask=0xFFFFFFFF):
@@ -105,7 +117,7 @@ def ldcv(self, array, index):
 
 
 _INTRINSICS = {f.__name__: f for f in (shfl_sync, shfl_up_sync, shfl_down_sync, shfl_xor_sync, ballot_sync,
-                                      match_any_sync, activemask, syncwarp, ldcv)}
+                                      match_any_sync, activemask, popc, syncwarp, ldcv)}
 
 
 def _fadd_rn(x, y):

@@ -45,6 +45,12 @@ def test_no_fused_multiply_add_in_combine(ptx_dir):
         assert "mul.rn.f32" in path.read_text()
 
 
+def test_lane_masks_stay_32_bit(ptx_dir):
+    """A 64-bit popc means a lane mask was widened: Numba's int32 masks sign-extend lane 31's bit."""
+    for path in ptx_dir.glob("*.ptx"):
+        assert "popc.b64" not in path.read_text(), path.name
+
+
 def test_warp_collectives_are_real_instructions(ptx_dir):
     ptx = (ptx_dir / "count_kernel.bfloat16.ptx").read_text()
     for instruction in ("match.any.sync", "shfl.sync.up", "atom.global.add.u64", "atom.global.exch.b64",

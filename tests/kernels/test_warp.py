@@ -1,4 +1,4 @@
-"""Device building blocks in small test kernels: chunked warp scans and payload conversions."""
+"""Device building blocks in small test kernels: chunked warp scans, lane masks, payload conversions."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -8,7 +8,7 @@ from numba import cuda
 
 from ep_comm import layout as ref
 from ep_comm.kernels.convert import load_f32, store_f32
-from ep_comm.kernels.warp import copy_row, warp_scan
+from ep_comm.kernels.warp import ballot, copy_row, pop_lowest, stable_bucket_slots, warp_scan
 from ep_comm.kernels.api import to_host
 
 
@@ -74,3 +74,32 @@ def test_copy_row_unrolled_and_tail(xp, n):
     dst = xp.zeros(n + 3, np.uint64)
     copy_kernel[1, 32](dst, xp.asarray(src), n)
     np.testing.assert_array_equal(to_host(dst), np.concatenate([src, np.zeros(3, np.uint64)]))
+
+
+@cuda.jit
+def bucket_slots_kernel(buckets, cursor, slots, popped):
+    lane = cuda.threadIdx.x
+    slots[lane] = stable_bucket_slots(cursor, buckets[lane], buckets[lane] >= 0, lane)
+    pairs = ballot(buckets[lane] >= 0)
+    n = 0
+    while pairs != 0:
+        src, pairs = pop_lowest(pairs)
+        if lane == 0:
+            popped[n] = src
+        n += 1
+
+
+@pytest.mark.parametrize("pattern", ["lane 31 alone", "one bucket", "random"])
+def test_lane_masks_with_lane_31_set(xp, pattern):
+    """Lane 31's bit is the sign bit of Numba's int32 masks: a widened mask would count 32 phantom lanes."""
+    rng = np.random.default_rng(1)
+    buckets = {"lane 31 alone": np.r_[np.full(31, -1), 2], "one bucket": np.zeros(32),
+               "random": rng.integers(-1, 4, 32)}[pattern].astype(np.int32)
+    start = np.array([10, 20, 30, 40], np.int32)
+    cursor, slots, popped = xp.array(start), xp.zeros(32, np.int32), xp.full(33, -1, np.int32)
+    bucket_slots_kernel[1, 32](xp.asarray(buckets), cursor, slots, popped)
+    want = np.array([start[b] + (buckets[:lane] == b).sum() if b >= 0 else -1 for lane, b in enumerate(buckets)])
+    np.testing.assert_array_equal(to_host(slots), want)
+    np.testing.assert_array_equal(to_host(cursor), start + np.bincount(buckets[buckets >= 0], minlength=4))
+    active = np.flatnonzero(buckets >= 0)
+    np.testing.assert_array_equal(to_host(popped), np.r_[active, np.full(33 - len(active), -1)])
