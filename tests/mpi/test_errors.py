@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ep_comm
-from oracle import BACKEND, COMM, RANK, WORLD, make_world, to_device, to_host
+from oracle import BACKEND, COMM, RANK, WORLD, bits, expected_compact_combine, make_world, to_device, to_host
 from test_contract import dispatch, make_buffer
 
 
@@ -140,3 +140,70 @@ def test_missing_rank_raises_timeout_naming_it(world, op):
 def _recv_and_handle(buf, world):
     out = dispatch(buf, world)
     return out.recv_x, out.handle
+
+
+@pytest.mark.skipif(WORLD < 2, reason="needs a peer that can go missing")
+def test_after_a_timeout_the_buffer_says_how_to_recover(world):
+    """A rank skips a combine: the others' TimeoutError names it, then every call raises a
+    BufferUnusableError naming the failed step and the way out; close is bounded and idempotent;
+    the skipping rank's close names the peers it waited for; a fresh buffer is exact again."""
+    timeout_s = 1.0
+    skipper = WORLD - 1
+    buf = make_buffer(world, timeout_s=timeout_s)
+    out = dispatch(buf, world)
+    start = time.monotonic()
+    if RANK != skipper:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            buf.combine(out.recv_x, out.handle)
+        assert info.value.missing_ranks == (skipper,) and "combine" in str(info.value)
+        for call in (lambda: dispatch(buf, world), lambda: buf.combine(out.recv_x, out.handle)):
+            with pytest.raises(ep_comm.BufferUnusableError) as info:
+                call()
+            assert "combine #2 timed out" in str(info.value) and "create a new one" in str(info.value)
+        buf.close()
+    else:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            buf.close()
+        assert info.value.missing_ranks == tuple(range(WORLD - 1))
+    assert time.monotonic() - start < 2 * timeout_s + 10, "close must not hang"
+    buf.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="closed"):
+        dispatch(buf, world)
+    COMM.Barrier()
+    with make_buffer(world, timeout_s=timeout_s) as again:
+        out = dispatch(again, world)
+        res = again.combine(out.recv_x, out.handle)
+        assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+
+
+@pytest.mark.skipif(WORLD < 2, reason="needs a peer that can be late")
+def test_a_late_rank_gets_a_bounded_answer(world):
+    """A rank arrives at a combine after its peers timed out: its peers' rows were already there, so
+    its combine may succeed, but its next step (here: close) raises TimeoutError naming the peers
+    instead of waiting for them; nobody hangs and a fresh buffer works."""
+    timeout_s = 1.0
+    late = WORLD - 1
+    buf = make_buffer(world, timeout_s=timeout_s)
+    out = dispatch(buf, world)
+    if RANK == late:
+        time.sleep(timeout_s + 1.0)
+        try:
+            res = buf.combine(out.recv_x, out.handle)
+            assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+        except ep_comm.TimeoutError as exc:
+            assert exc.missing_ranks
+        start = time.monotonic()
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            buf.close()
+        assert set(info.value.missing_ranks) == set(range(WORLD - 1))
+        assert time.monotonic() - start < timeout_s + 10
+    else:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            buf.combine(out.recv_x, out.handle)
+        assert info.value.missing_ranks == (late,)
+        buf.close()
+    COMM.Barrier()
+    with make_buffer(world) as again:
+        out = dispatch(again, world)
+        res = again.combine(out.recv_x, out.handle)
+        assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
