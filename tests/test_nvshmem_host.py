@@ -1,12 +1,31 @@
 """Host-side logic of the nvshmem backend that runs without a GPU: heap sizing, device choice,
-copy widths, wait-status decoding, and the error when the GPU stack is missing."""
+wait-status decoding, the error when the GPU stack is missing, and the backend's whole call
+sequence (kernels in the Numba CUDA simulator, a loopback transport on one rank) against the
+mpi backend, bit for bit, for peer stores and for the puts staging layout."""
+import os
+import shutil
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+if not (shutil.which("nvidia-smi") and os.path.exists("/dev/nvidia0")):
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+from numba.cuda.core import config as _cuda_config  # noqa: E402
+
+SIMULATED = bool(_cuda_config.ENABLE_CUDASIM)
+if SIMULATED:
+    sys.path.insert(0, str(Path(__file__).parent / "kernels"))
+    import cudasim_warp  # noqa: E402
+
+    cudasim_warp.install()
+
 from ep_comm.backends import make_backend
 from ep_comm.dtypes import payload_dtype
-from ep_comm.transport.gpu_copy import STATUS_FLAGS, copy_unit, read_status
+from ep_comm.transport.gpu_copy import STATUS_FLAGS, read_status
 from ep_comm.transport.nvshmem_heap import HEAP_ENV, env_flag, heap_size_for, parse_size, pick_device
 from ep_comm.validate import Geometry
 
@@ -52,12 +71,6 @@ def test_env_flag(monkeypatch, value, expected):
     assert env_flag("EP_COMM_TEST_FLAG") is expected
 
 
-@pytest.mark.parametrize("row_bytes, others, unit", [(14336, (0, 128, 14336), 16), (80, (8, 80), 8), (12, (0,), 4),
-                                                     (6, (2,), 2), (7, (0,), 1), (32, (4,), 4)])
-def test_copy_unit_is_the_widest_dividing_everything(row_bytes, others, unit):
-    assert copy_unit(row_bytes, *others) == unit
-
-
 def test_read_status_reports_sticky_missing_ranks():
     words = [13, 0, 0, 0, 0]
     assert read_status(words, 3).missing_ranks == [] and read_status(words, 3).last_seq == 13
@@ -87,63 +100,164 @@ def test_signal_kinds_make_close_wait_for_close():
     assert np.all(np.diff(sorted(kinds.values())) > 0)
 
 
-def _numpy_backend(num_ranks: int, num_experts: int, num_topk: int, max_tokens: int, rank: int):
-    """The nvshmem backend's index math with NumPy standing in for CuPy (no GPU, no heap)."""
+
+
+# ------------------------------------------------------------ the call sequence in the simulator
+class LoopbackTransport:
+    """``NvshmemTransport`` for one rank on host arrays: the rank is its own only peer."""
+
+    def __init__(self, sym, word, use_puts: bool):
+        from ep_comm.backends.nvshmem import staged_destinations, staging_bytes
+        from ep_comm.kernels.api import symmetric_views
+
+        self.sym, self.use_puts, self.rank = sym, use_puts, 0
+        self.buffer = np.zeros(sym.total_bytes + (staging_bytes(sym) if use_puts else 0), np.uint8)
+        self.own = symmetric_views(self.buffer[: sym.total_bytes], sym, word)
+        self.missing = []
+        if use_puts:
+            t = sym.max_tokens
+            stage = self.buffer[sym.total_bytes:]
+            rows_bytes = t * sym.row_bytes
+            self.stage_rows = stage[:rows_bytes].view(word).reshape(1, t, -1)
+            self.stage_meta = stage[rows_bytes:].view(np.int32).reshape(1, t, -1)
+            self.rows, self.meta = staged_destinations(self.stage_rows, self.stage_meta, 1)
+        else:
+            self.rows, self.meta = (self.own.rows,), (self.own.meta,)
+
+    def send_parity(self, parity: int) -> int:
+        return 0 if self.use_puts else parity
+
+    def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
+        """What ``put_blocks`` does for one rank: staged block 0 -> region [parity][0]."""
+        if self.use_puts:
+            n = int(psum[0])
+            self.own.rows[parity, 0, :n] = self.stage_rows[0, :n]
+            if with_meta:
+                self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
+
+    def signal(self, stream, parity: int, value: int, counts=None) -> None:
+        if counts is not None:
+            self.own.counts[parity, 0] = counts[0]
+        self.own.signal[0] = value
+
+    def wait(self, want: int, ahead: int, timeout_s: float, counts=None) -> None:
+        got = int(self.own.signal[0])
+        if not (got == want or got >= ahead):
+            self.missing = [0]
+
+    def missing_ranks(self):
+        return self.missing
+
+    def close(self, collective: bool) -> None:
+        pass
+
+
+class HostDevice:
+    """``CupyDevice`` on the host: no streams, no events, reads are copies."""
+
+    def stream(self):
+        return 0
+
+    def launching(self):
+        return nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+    def read_int32(self, totals, per_expert):
+        return np.array(totals), np.array(per_expert)
+
+    def event(self):
+        return None
+
+
+def simulated_backend(geo, deterministic: bool, use_puts: bool):
+    """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator."""
     from ep_comm.backends.nvshmem import NvshmemBackend
+    from ep_comm.kernels.api import word_dtype
     from ep_comm.symmetric import SymmetricLayout
 
+    sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
     be = object.__new__(NvshmemBackend)
-    be._cp = np
-    be.geo = Geometry(num_ranks, num_experts, 8, num_topk, max_tokens, payload_dtype("float32"))
-    be.rank = rank
-    be.sym = SymmetricLayout(num_ranks, max_tokens, 8, num_topk, 4)
+    be._setup(MPI.COMM_SELF.Dup(), geo, deterministic, 5.0, np, LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts),
+              HostDevice(), dict(num_blocks=2, warps_per_block=2))
     return be
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_device_index_math_equals_the_reference_layout(seed):
-    from ep_comm import layout as lay
-
-    rng = np.random.default_rng(seed)
-    ranks, local, max_tokens = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 12
-    experts, topk = ranks * local, int(rng.integers(1, min(ranks * local, 4) + 1))
-    tokens, me = int(rng.integers(0, max_tokens + 1)), int(rng.integers(0, ranks))
-    be = _numpy_backend(ranks, experts, topk, max_tokens, me)
-    idx = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)]).astype(np.int64) \
-        if tokens else np.zeros((0, topk), np.int64)
-    idx[rng.random(idx.shape) < 0.3] = -1
-    entry_ranks = be._entry_ranks(idx)
-    in_rank = be._in_rank(entry_ranks)
-    np.testing.assert_array_equal(in_rank, lay.is_token_in_rank(idx, experts, ranks))
-    slots = be._stable_slots(in_rank)
-    np.testing.assert_array_equal(slots, lay.stable_rank_slots(in_rank))
-    slot_idx = be._slot_idx(entry_ranks, slots)
-    np.testing.assert_array_equal(slot_idx, lay.dst_buffer_slot_idx(idx, slots, me, local, max_tokens))
-
-    class Replay:
-        num_tokens, topk_idx, dst_buffer_slot_idx = tokens, idx, slot_idx
-
-    np.testing.assert_array_equal(be._slots_from_handle(Replay), slots)
-    meta = be._dispatch_meta(idx, rng.random(idx.shape).astype(np.float32))
-    for r in range(ranks):
-        np.testing.assert_array_equal(meta[:, r, 1 : 1 + topk], lay.local_topk(idx, r, local))
-    for got, want in zip(be.dispatch_layout(idx), lay.dispatch_layout(idx, experts, ranks)):
-        np.testing.assert_array_equal(got, want)
+def _same(name, a, b) -> None:
+    if a is None or b is None:
+        assert a is None and b is None, name
+        return
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, f"{name}: shape {a.shape} (mpi) != {b.shape} (nvshmem)"
+    assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b.astype(a.dtype)).tobytes(), \
+        f"{name}: differs\nmpi={a}\nnvshmem={b}"
 
 
-@pytest.mark.parametrize("expand, alignment", [(False, 1), (False, 3), (True, 1), (True, 4)])
-def test_device_receive_layout_equals_the_reference(expand, alignment):
-    from ep_comm import layout as lay
+def _defined_rows(out, handle):
+    """recv_x rows the contract defines: the received (and zeroed padding) rows, not the worst-case tail."""
+    rows = int(handle.num_expanded_tokens if handle.expand else handle.num_recv_tokens)
+    return np.asarray(out.recv_x)[:rows]
 
-    rng = np.random.default_rng(alignment + 10 * expand)
-    num_local, topk = 4, 3
-    be = _numpy_backend(2, 2 * num_local, topk, 16, 0)
-    ids = np.stack([np.where(rng.random(topk) < 0.6, rng.permutation(num_local)[:topk], -1) for _ in range(30)])
-    unaligned, aligned, psum, num_expanded, expanded_row = be._expert_layout(ids.astype(np.int64), alignment, expand)
-    ref = lay.receive_layout(ids, num_local, alignment, expand)
-    np.testing.assert_array_equal(unaligned, ref.num_unaligned_per_expert)
-    np.testing.assert_array_equal(aligned, ref.num_aligned_per_expert)
-    np.testing.assert_array_equal(psum, ref.psum_per_expert)
-    assert int(num_expanded) == ref.num_expanded_tokens
-    if expand:
-        np.testing.assert_array_equal(expanded_row, ref.expanded_row)
+
+def _compare(tag, om, on) -> None:
+    _same(f"{tag} recv_x", _defined_rows(om, om.handle), _defined_rows(on, on.handle))
+    _same(f"{tag} recv_topk_idx", om.recv_topk_idx, on.recv_topk_idx)
+    _same(f"{tag} recv_topk_weights", om.recv_topk_weights, on.recv_topk_weights)
+    hm, hn = om.handle, on.handle
+    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx",
+                  "num_recv_tokens", "num_expanded_tokens", "num_out_rows", "is_token_in_rank"):
+        _same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
+    _same(f"{tag} handle.num_recv_tokens_per_expert", np.asarray(hm.num_recv_tokens_per_expert),
+          np.asarray(hn.num_recv_tokens_per_expert))
+    assert isinstance(hn.num_recv_tokens_per_expert, list) == hm.cpu_sync
+
+
+CASES = [  # dtype, expand, alignment, cpu_sync, weighted, bias terms, use_puts
+    ("bfloat16", False, 1, True, True, 2, False),
+    ("float32", True, 4, True, True, 0, False),
+    ("float16", True, 2, False, False, 1, False),
+    ("bfloat16", False, 1, False, False, 0, True),
+    ("bfloat16", True, 3, True, True, 0, True),
+]
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("dtype, expand, alignment, cpu_sync, weighted, bias, use_puts", CASES)
+def test_call_sequence_matches_the_mpi_backend(dtype, expand, alignment, cpu_sync, weighted, bias, use_puts):
+    from ep_comm.backends.mpi import MpiBackend
+
+    geo = Geometry(1, 6, 12, 3, 9, payload_dtype(dtype))
+    rng = np.random.default_rng(hash((dtype, expand, alignment)) % 1000)
+    tokens = 7
+    idx = np.stack([rng.choice(geo.num_experts, geo.num_topk, replace=False) for _ in range(tokens)]).astype(np.int64)
+    idx[rng.random(idx.shape) < 0.25] = -1
+    idx[0] = -1
+    x = rng.standard_normal((tokens, geo.hidden)).astype(geo.dtype)
+    w = rng.random((tokens, geo.num_topk)).astype(np.float32) if weighted else None
+    terms = tuple(rng.standard_normal((tokens, geo.hidden)).astype(np.float32) for _ in range(bias))
+    mpi = MpiBackend(MPI.COMM_SELF, geo, True, 5.0)
+    nv = simulated_backend(geo, True, use_puts)
+    stats_m, stats_n = np.zeros(6, np.int64), np.zeros(6, np.int64)
+    for got, want in zip(nv.dispatch_layout(idx), mpi.dispatch_layout(idx)):
+        _same("dispatch_layout", want, got)
+    args = (expand, alignment, True, cpu_sync)
+    om = mpi.dispatch(x, idx, w, None, *args, stats_m)
+    on = nv.dispatch(x, idx, w, None, *args, stats_n)
+    _compare("dispatch", om, on)
+    x2 = (x.astype(np.float32) * 2 + 1).astype(x.dtype)
+    for replay_sync in (True, False):  # a cached dispatch, with the same and the other cpu_sync
+        rm = mpi.dispatch(x2, None, w, om.handle, *args[:3], replay_sync, stats_m)
+        rn = nv.dispatch(x2, None, w, on.handle, *args[:3], replay_sync, stats_n)
+        _compare(f"replay cpu_sync={replay_sync}", rm, rn)
+    _same("stats", stats_m, stats_n)
+    for om_, on_ in ((om, on), (rm, rn)):
+        yw_m = om_.recv_topk_weights if weighted else None
+        yw_n = on_.recv_topk_weights if weighted else None
+        cm = mpi.combine(om_.recv_x, om_.handle, yw_m, terms)
+        cn = nv.combine(on_.recv_x, on_.handle, yw_n, terms)
+        _same("combine.x", cm.x, cn.x)
+        _same("combine.topk_weights", cm.topk_weights, cn.topk_weights)
+    nv.close()
+    mpi.close()

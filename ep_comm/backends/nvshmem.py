@@ -1,36 +1,52 @@
 """The ``nvshmem`` backend: the dispatch/combine protocol on GPUs over the NVSHMEM symmetric heap.
 
 Same protocol and results as the ``mpi`` backend (``ep_comm/backends/mpi.py``), bit for bit in
-deterministic mode: each operation writes rows, meta rows and (new routings) counts into the
-region ``[parity][me]`` of every destination's symmetric buffer, then signals ``seq``; every
-rank waits for all signals with a bounded GPU wait, then reads its own buffer.
+deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispatch on rank ``me``:
 
-Everything runs on the caller's current CuPy stream. With ``cpu_sync=False`` nothing waits on
-the host: outputs have the contract's worst-case rows and the true counts stay on the device
-(a timeout is then reported by the next call). Index arithmetic is vectorised CuPy (no host
-round trips); rows move through ``ep_comm.transport`` kernels; combine sums in
-``nvshmem_reduce`` in the reference float32 order.
+1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
+2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
+   of the destination's symmetric buffer (stores through peer views; with ``use_puts`` into a
+   local staging block that ``nvshmem_puts.put_blocks`` sends);
+3. signal ``4 * seq + kind`` to every rank, carrying this rank's per-destination counts (new
+   routing), then a bounded GPU wait for every rank's signal (``gpu_copy``);
+4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
+
+Combine runs ``combine_send`` back into the sources' buffers (plus the weights' return route when
+weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias.
+
+Everything is enqueued on the caller's current CuPy stream (Numba launches through
+``cuda.external_stream``), with Numba's CUDA-array-interface stream sync off during our launches:
+every array we pass was made on, or handed in for, that same stream. The host waits only where
+``cpu_sync=True`` needs it: a dispatch reads its row counts (one synchronisation), a combine
+reports a timeout. With ``cpu_sync=False`` nothing waits on the host: outputs have the contract's
+worst-case rows, the true counts stay on the device, and a timeout is reported by the next call.
+
+``EP_COMM_PROFILE=1``: per-phase host time (perf_counter) and GPU time (CUDA events); rank 0
+prints the medians when the buffer closes.
 
 Inputs: CuPy arrays, or any GPU array with DLPack / ``__cuda_array_interface__`` (PyTorch
 tensors, zero copy). Outputs: CuPy arrays.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import time
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import layout as lay
 from ..errors import BufferUnusableError, TimeoutError
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..symmetric import SymmetricLayout
-from ..transport import gpu_copy
 from ..validate import Geometry
-from . import nvshmem_reduce as red
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 _SIGNAL_KIND = {"dispatch": 1, "combine": 2, "close": 3}
+PROFILE_ENV = "EP_COMM_PROFILE"
 
 
 def _import_gpu_stack():
@@ -43,6 +59,205 @@ def _import_gpu_stack():
     return cupy
 
 
+def staging_bytes(sym: SymmetricLayout) -> int:
+    """Bytes of the puts staging area: ``2R - 1`` blocks of ``max_tokens`` rows and meta rows (see
+    ``NvshmemTransport``)."""
+    blocks = 2 * sym.num_ranks - 1
+    return blocks * sym.max_tokens * (sym.row_bytes + 4 * sym.meta_words)
+
+
+def staged_destinations(rows_stage, meta_stage, num_ranks: int) -> Tuple[tuple, tuple]:
+    """Per-destination views for the kernels in puts mode, as tuples of ``[1, R, max_tokens, ...]``.
+
+    ``rows_stage``/``meta_stage`` are ``[2R - 1, max_tokens, ...]`` blocks. The view of destination
+    ``r`` starts at block ``r``, so the row a kernel writes at ``[0, me, slot]`` lands in block
+    ``r + me``: each destination gets its own contiguous block, which ``put_blocks`` sends whole.
+    """
+    def view(stage, r: int):
+        return stage[r: r + num_ranks].reshape((1,) + (num_ranks,) + tuple(stage.shape[1:]))
+
+    return (tuple(view(rows_stage, r) for r in range(num_ranks)),
+            tuple(view(meta_stage, r) for r in range(num_ranks)))
+
+
+class NvshmemTransport:
+    """How bytes reach the peers: stores through NVSHMEM peer views, or staging + NVSHMEM puts.
+
+    ``rows``/``meta``: per-rank destination views for the kernels (Numba device arrays, made once);
+    ``send_parity(p)``: the parity index the kernels write at (0 into staging with puts).
+    """
+
+    def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: Optional[bool]):
+        import cupy
+        from numba import cuda
+
+        from ..kernels.api import symmetric_views
+        from ..transport import gpu_copy
+        from ..transport.nvshmem_heap import PUTS_ENV, NvshmemHeap, env_flag
+
+        self._gpu_copy = gpu_copy
+        self.use_puts = env_flag(PUTS_ENV) if use_puts is None else bool(use_puts)
+        self.sym = sym
+        extra = staging_bytes(sym) if self.use_puts else 0
+        self.heap = NvshmemHeap(comm, sym.total_bytes + extra, self.use_puts)
+        self.rank, self.device = self.heap.rank, self.heap.device
+        self.status = gpu_copy.WaitStatus(sym.num_ranks, self.device)
+        dev = _numba_view
+        self.own = symmetric_views(self.heap.local, sym, word)
+        if self.use_puts:
+            r, t = sym.num_ranks, sym.max_tokens
+            rows_bytes = (2 * r - 1) * t * sym.row_bytes
+            stage = self.heap.local[sym.total_bytes: sym.total_bytes + staging_bytes(sym)]
+            self._stage_rows = dev(stage[:rows_bytes])
+            self._stage_meta = dev(stage[rows_bytes:])
+            self._sym = dev(self.heap.local)
+            rows, meta = staged_destinations(stage[:rows_bytes].view(word).reshape(2 * r - 1, t, -1),
+                                             stage[rows_bytes:].view(cupy.int32).reshape(2 * r - 1, t, -1), r)
+        else:
+            peers = [symmetric_views(p, sym, word) for p in self.heap.peers]
+            rows, meta = tuple(v.rows for v in peers), tuple(v.meta for v in peers)
+        self.rows = tuple(dev(v) for v in rows)
+        self.meta = tuple(dev(v) for v in meta)
+        self._cuda = cuda
+
+    def send_parity(self, parity: int) -> int:
+        return 0 if self.use_puts else parity
+
+    def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
+        """Puts only: send each destination ``r`` its staged ``psum[r] - psum[r-1]`` rows (and meta rows)."""
+        if not self.use_puts:
+            return
+        from ..transport import nvshmem_puts
+
+        sym, me = self.sym, self.rank
+        nvshmem_puts.put_blocks(stream, self._stage_rows, me, sym.max_tokens * sym.row_bytes, self._sym,
+                                sym.row_at(parity, me), sym.row_bytes, psum)
+        if with_meta:
+            meta_bytes = 4 * sym.meta_words
+            nvshmem_puts.put_blocks(stream, self._stage_meta, me, sym.max_tokens * meta_bytes, self._sym,
+                                    sym.meta_at(parity, me), meta_bytes, psum)
+
+    def signal(self, stream, parity: int, value: int, counts=None) -> None:
+        """``signal[me] = value`` in every rank, after ``counts`` (int32 ``[R]``) went to their count words."""
+        sym, me = self.sym, self.rank
+        if self.use_puts:
+            from ..transport import nvshmem_puts
+
+            nvshmem_puts.signal_peers(stream, _numba_view(self.own.signal), sym.num_ranks, me, value,
+                                      None if counts is None else _numba_view(counts),
+                                      _numba_view(self.own.counts[parity]))
+        else:
+            self._gpu_copy.signal_peers(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, value, counts,
+                                        sym.count_at(parity, 0))
+
+    def wait(self, want: int, ahead: int, timeout_s: float, counts=None) -> None:
+        """Enqueue the bounded wait for every rank's signal; ``counts`` of missing ranks are zeroed."""
+        self._gpu_copy.wait_signals(self.own.signal, self.sym.num_ranks, want, ahead, timeout_s, self.status.device,
+                                    counts)
+
+    def missing_ranks(self) -> List[int]:
+        return self.status.read().missing_ranks
+
+    def close(self, collective: bool) -> None:
+        self.heap.close(collective=collective)
+
+
+def _numba_view(a):
+    """Zero-copy Numba device array of a CuPy array, without the interface's stream sync."""
+    from numba import cuda
+
+    return cuda.as_cuda_array(a, sync=False)
+
+
+class CupyDevice:
+    """The host's handle on the GPU: the caller's stream, launch settings, one-sync reads."""
+
+    def __init__(self, cp, num_local: int):
+        self._cp = cp
+        self._streams: Dict[int, Any] = {}
+        self._pinned = cp.cuda.alloc_pinned_memory(4 * (2 + num_local))
+        self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2 + num_local)
+
+    def stream(self):
+        """The Numba stream of the current CuPy stream (0: the legacy default stream)."""
+        ptr = self._cp.cuda.get_current_stream().ptr
+        if ptr == 0:
+            return 0
+        if ptr not in self._streams:
+            from numba import cuda
+
+            self._streams[ptr] = cuda.external_stream(ptr)
+        return self._streams[ptr]
+
+    @contextmanager
+    def launching(self) -> Iterator[None]:
+        """Numba skips the CUDA-array-interface stream sync while we launch on the caller's stream."""
+        from numba.cuda.core import config
+
+        saved = config.CUDA_ARRAY_INTERFACE_SYNC
+        config.CUDA_ARRAY_INTERFACE_SYNC = 0
+        try:
+            yield
+        finally:
+            config.CUDA_ARRAY_INTERFACE_SYNC = saved
+
+    def synchronize(self) -> None:
+        self._cp.cuda.get_current_stream().synchronize()
+
+    def read_int32(self, totals, per_expert) -> Tuple[np.ndarray, np.ndarray]:
+        """Host copies of int32 ``totals [2]`` and ``per_expert [L]``: two async copies, one synchronisation."""
+        cp = self._cp
+        stream = cp.cuda.get_current_stream()
+        host_ptr = self._pinned.ptr
+        for a, offset in ((totals, 0), (per_expert, 8)):
+            if a.size:
+                cp.cuda.runtime.memcpyAsync(host_ptr + offset, a.data.ptr, a.nbytes, 2, stream.ptr)  # device to host
+        stream.synchronize()
+        return self._host[:2].copy(), self._host[2: 2 + per_expert.size].copy()
+
+    def event(self):
+        event = self._cp.cuda.Event()
+        event.record()
+        return event
+
+    def elapsed_s(self, start, end) -> float:
+        end.synchronize()
+        return float(self._cp.cuda.get_elapsed_time(start, end)) / 1e3
+
+
+class Profile:
+    """Opt-in per-phase timings: host seconds (perf_counter) and GPU seconds (events, when ``device`` has them)."""
+
+    def __init__(self, enabled: bool, device: Any):
+        self.enabled = enabled
+        self._device = device
+        self._records: List[tuple] = []
+        self._off = contextlib.nullcontext()
+
+    def phase(self, op: str, name: str):
+        """A context that times one phase (a no-op when profiling is off)."""
+        return self._timed(op, name) if self.enabled else self._off
+
+    @contextmanager
+    def _timed(self, op: str, name: str) -> Iterator[None]:
+        start_event = self._device.event()
+        start = time.perf_counter()
+        yield
+        self._records.append((op, name, time.perf_counter() - start, start_event, self._device.event()))
+
+    def report(self) -> str:
+        """Median host and GPU microseconds per (operation, phase), in first-seen order."""
+        table: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
+        for op, name, host_s, start, end in self._records:
+            gpu_s = self._device.elapsed_s(start, end) if start is not None else float("nan")
+            table.setdefault((op, name), []).append((host_s, gpu_s))
+        lines = [f"{'op':<9}{'phase':<16}{'calls':>6}{'host us p50':>13}{'gpu us p50':>12}"]
+        for (op, name), samples in table.items():
+            host, gpu = np.median(np.asarray(samples), axis=0) * 1e6
+            lines.append(f"{op:<9}{name:<16}{len(samples):>6}{host:>13.1f}{gpu:>12.1f}")
+        return "\n".join(lines)
+
+
 class NvshmemBackend:
     """GPU backend. Arrays in: CuPy / DLPack / ``__cuda_array_interface__``; arrays out: CuPy."""
 
@@ -50,18 +265,32 @@ class NvshmemBackend:
 
     def __init__(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float,
                  use_puts: Optional[bool] = None):
-        self._cp = _import_gpu_stack()
-        from ..transport.nvshmem_heap import NvshmemHeap
+        cp = _import_gpu_stack()
+        from ..kernels.api import word_dtype
 
-        self.comm = comm.Dup()
-        self.rank = self.comm.rank
-        self.geo = geo
-        self.deterministic = deterministic
-        self.timeout_s = timeout_s
-        self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
-        self.heap = NvshmemHeap(self.comm, self.sym.total_bytes, use_puts)
-        self.status = gpu_copy.WaitStatus(geo.num_ranks, self.heap.device)
-        self.signals = self.heap.local[: 8 * geo.num_ranks].view(self._cp.int64)
+        comm = comm.Dup()
+        sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
+        transport = NvshmemTransport(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
+        self._setup(comm, geo, deterministic, timeout_s, cp, transport, CupyDevice(cp, geo.experts_per_rank), {})
+
+    def _setup(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float, xp, transport, device,
+               launch: Dict[str, int]) -> None:
+        """State shared by every construction path; ``launch``: ``Kernels`` launch-shape overrides."""
+        from ..kernels.api import Kernels
+
+        self._cp = xp
+        self.comm, self.rank, self.geo = comm, comm.rank, geo
+        self.deterministic, self.timeout_s = deterministic, timeout_s
+        self.sym = transport.sym
+        self.transport, self.device = transport, device
+        self.kernels = Kernels(xp, num_ranks=geo.num_ranks, num_experts=geo.num_experts, num_topk=geo.num_topk,
+                               max_tokens=geo.max_tokens, **launch)
+        own = transport.own
+        self._own_rows = tuple(_device_array(xp, own.rows[p]) for p in range(2))
+        self._own_meta = tuple(_device_array(xp, own.meta[p]) for p in range(2))
+        self._own_counts = tuple(_device_array(xp, own.counts[p]) for p in range(2))
+        self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
+        self.profile = Profile(os.environ.get(PROFILE_ENV, "") == "1", device)
         self.seq = 0
         self.unusable: Optional[str] = None
 
@@ -86,65 +315,19 @@ class NvshmemBackend:
         raise TypeError(f"{name} must be a GPU array, got {type(obj).__name__}")
 
     def dispatch_layout(self, topk_idx) -> lay.DispatchLayout:
-        """``ep_comm.layout.dispatch_layout`` on the device (no host synchronisation)."""
-        cp, geo = self._cp, self.geo
-        idx = topk_idx.astype(cp.int64)
-        in_rank = self._in_rank(self._entry_ranks(idx))
-        per_expert = cp.bincount(cp.where(idx >= 0, idx, geo.num_experts).ravel(), minlength=geo.num_experts + 1)
-        return lay.DispatchLayout(in_rank.sum(axis=0, dtype=cp.int64).astype(cp.int32),
-                                  per_expert[: geo.num_experts].astype(cp.int32), in_rank)
-
-    # ------------------------------------------------------------ routing math
-    def _entry_ranks(self, idx):
-        """[T, K] int64 destination rank of each entry, -1 where masked."""
-        cp = self._cp
-        return cp.where(idx >= 0, idx // self.geo.experts_per_rank, -1)
-
-    def _in_rank(self, ranks):
-        """[T, R] bool: the token has an entry on rank r."""
-        cp = self._cp
-        return (ranks[:, :, None] == cp.arange(self.geo.num_ranks)[None, None, :]).any(axis=1)
-
-    def _stable_slots(self, in_rank):
-        """[T, R] int64 slot of each (token, rank) pair in ascending token order, -1 where not sent.
-        Valid for both modes: the non-deterministic contract allows any order."""
-        cp = self._cp
-        return cp.where(in_rank, cp.cumsum(in_rank, axis=0, dtype=cp.int64) - 1, -1)
-
-    def _slot_idx(self, ranks, slots):
-        """[T, K] int32 ``dst_buffer_slot_idx``: ``me * max_tokens + slot`` on each token's first entry per rank."""
-        cp, k = self._cp, self.geo.num_topk
-        earlier = cp.tril(cp.ones((k, k), dtype=bool), -1)  # earlier[k, j]: j < k
-        repeat = ((ranks[:, :, None] == ranks[:, None, :]) & earlier[None]).any(axis=2)
-        first = (ranks >= 0) & ~repeat
-        slot = cp.take_along_axis(slots, cp.maximum(ranks, 0), axis=1)
-        return cp.where(first, self.rank * self.geo.max_tokens + slot, -1).astype(cp.int32)
-
-    def _slots_from_handle(self, handle: EPHandle):
-        """[T, R] int64 slots recorded in ``handle.dst_buffer_slot_idx`` (-1: not sent)."""
-        cp, geo = self._cp, self.geo
-        t, r = handle.num_tokens, geo.num_ranks
-        flat = cp.full(t * r + 1, -1, dtype=cp.int64)
-        ranks = self._entry_ranks(handle.topk_idx.astype(cp.int64))
-        sent = handle.dst_buffer_slot_idx >= 0
-        target = cp.where(sent, cp.arange(t)[:, None] * r + cp.maximum(ranks, 0), t * r)
-        flat[target.ravel()] = (handle.dst_buffer_slot_idx.astype(cp.int64) - self.rank * geo.max_tokens).ravel()
-        return flat[: t * r].reshape(t, r)
-
-    def _dispatch_meta(self, idx, weights):
-        """[T, R, 1+2K] int32 meta row of each (token, destination): token, local ids there, weight bits."""
-        cp, geo = self._cp, self.geo
-        t, k = idx.shape
-        meta = cp.zeros((t, geo.num_ranks, self.sym.meta_words), dtype=cp.int32)
-        meta[:, :, 0] = cp.arange(t, dtype=cp.int32)[:, None]
-        local = idx[:, None, :] - (cp.arange(geo.num_ranks) * geo.experts_per_rank)[None, :, None]
-        on_rank = (idx[:, None, :] >= 0) & (local >= 0) & (local < geo.experts_per_rank)
-        meta[:, :, 1 : 1 + k] = cp.where(on_rank, local, -1)
-        if weights is not None:
-            meta[:, :, 1 + k :] = cp.ascontiguousarray(weights, dtype=cp.float32).view(cp.int32)[:, None, :]
-        return meta
+        """``ep_comm.layout.dispatch_layout`` by the count kernel (no host synchronisation)."""
+        with self._launching():
+            send = self.kernels.count(topk_idx, stable=False)
+        return lay.DispatchLayout(send.num_tokens_per_rank, send.num_tokens_per_expert, send.is_token_in_rank)
 
     # ---------------------------------------------------------------- protocol
+    @contextmanager
+    def _launching(self) -> Iterator[None]:
+        """Kernels launch on the caller's current stream, without interface syncs."""
+        self.kernels.stream = self.device.stream()
+        with self.device.launching():
+            yield
+
     @contextmanager
     def _collective(self, what: str) -> Iterator[tuple]:
         """Number the next collective step and yield ``(seq, parity)``; a step that fails midway
@@ -154,7 +337,8 @@ class NvshmemBackend:
         self._raise_if_timed_out("an earlier operation", self.seq)
         self.seq += 1
         try:
-            yield self.seq, self.seq % 2
+            with self.profile.phase(what, "total"), self._launching():
+                yield self.seq, self.seq % 2
         except BaseException as exc:
             if not self.unusable:
                 self.unusable = f"{what} #{self.seq} failed midway ({type(exc).__name__}: {exc})"
@@ -162,279 +346,243 @@ class NvshmemBackend:
 
     def _raise_if_timed_out(self, what: str, seq: int) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
-        missing = self.status.read().missing_ranks
+        missing = self.transport.missing_ranks()
         if missing:
             self.unusable = f"{what} #{seq} timed out waiting for ranks {missing}"
             raise TimeoutError(
                 f"rank {self.rank}: {what} (#{seq}) timed out after {self.timeout_s:g} s waiting for ranks {missing} "
                 f"(every rank must call dispatch/combine collectively)", missing)
 
-    def _put(self, src, src_pitch: int, num_pairs: int, fanout: int, dst_rank, dst_row, dst_offset: int,
-             dst_pitch: int, row_bytes: int) -> None:
-        """``gpu_copy.put_rows`` semantics through peer-view stores or NVSHMEM puts (``use_puts``)."""
-        args = (src, src_pitch, num_pairs, fanout, self.geo.num_ranks, dst_rank, dst_row)
-        if self.heap.use_puts:
-            from ..transport import nvshmem_puts
-
-            nvshmem_puts.put_rows(*args, self.heap.local, dst_offset, dst_pitch, row_bytes)
-        else:
-            gpu_copy.put_rows(*args, self.heap.peer_ptrs, dst_offset, dst_pitch, row_bytes)
-
-    def _signal_and_wait(self, what: str, seq: int, counts=None) -> None:
-        """Signal step ``seq`` to every rank, then enqueue the bounded wait for every rank's signal.
+    def _signal_and_wait(self, what: str, seq: int, parity: int, counts=None) -> None:
+        """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``), then enqueue
+        the bounded wait for every rank's signal (the received counts of a missing rank become 0).
 
         The signal word is ``4 * seq + kind`` (monotone). A peer has arrived when its word equals
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
-        geo = self.geo
         value = 4 * seq + _SIGNAL_KIND[what]
-        if self.heap.use_puts:
-            from ..transport import nvshmem_puts
-
-            nvshmem_puts.signal_peers(self.signals, geo.num_ranks, self.rank, value)
-        else:
-            gpu_copy.signal_peers(self.heap.peer_ptrs, geo.num_ranks, self.rank, self.sym.signal_offset, value)
-        gpu_copy.wait_signals(self.signals, geo.num_ranks, value, 4 * (seq + 1), self.timeout_s, self.status.device,
-                              counts)
+        with self.profile.phase(what, "signal+wait"):
+            self.transport.signal(self.kernels.stream, parity, value, counts)
+            self.transport.wait(value, 4 * (seq + 1), self.timeout_s,
+                                None if counts is None else self.transport.own.counts[parity])
 
     def _sync_and_check(self, what: str, seq: int) -> None:
         """Block until the stream is done (bounded by the GPU wait), then raise on a timeout."""
-        self._cp.cuda.get_current_stream().synchronize()
+        with self.profile.phase(what, "host sync"):
+            self.device.synchronize()
         self._raise_if_timed_out(what, seq)
-
-    def _region(self, offset: int, nbytes: int):
-        """uint8 view of ``nbytes`` of the local symmetric buffer at ``offset``."""
-        return self.heap.local[offset : offset + nbytes]
-
-    def _rows_region(self, parity: int):
-        geo = self.geo
-        return self._region(self.sym.row_at(parity, 0), geo.num_ranks * geo.max_tokens * self.sym.row_bytes)
-
-    def _meta_region(self, parity: int):
-        geo = self.geo
-        return self._region(self.sym.meta_at(parity, 0), geo.num_ranks * geo.max_tokens * self.sym.meta_words * 4)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
                  zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
         with self._collective("dispatch") as step:
-            return self._dispatch(step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding,
-                                  cpu_sync, stats)
+            if handle is None:
+                return self._dispatch_new(step, x, topk_idx, topk_weights, expand, alignment, zero_padding,
+                                          cpu_sync, stats)
+            return self._dispatch_cached(step, x, handle, topk_weights, cpu_sync, stats)
 
-    def _dispatch(self, step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync,
-                  stats) -> DispatchOutput:
-        cp, geo, sym = self._cp, self.geo, self.sym
+    def _send(self, parity: int, x, topk_idx, topk_weights, slot_idx, mode: int, psum) -> None:
+        """Rank scatter of rows and meta rows into every destination (then the puts, if any)."""
+        cp, t = self._cp, self.transport
+        weights = None if topk_weights is None else cp.ascontiguousarray(topk_weights)
+        with self.profile.phase("dispatch", "scatter"):
+            self.kernels.scatter(cp.ascontiguousarray(x), topk_idx, weights, slot_idx, t.rows, t.meta,
+                                 src_rank=self.rank, parity=t.send_parity(parity), mode=mode)
+            t.flush(self.kernels.stream, parity, psum, with_meta=True)
+
+    def _dispatch_new(self, step, x, topk_idx, topk_weights, expand, alignment, zero_padding, cpu_sync,
+                      stats) -> DispatchOutput:
+        from ..kernels.api import PLACE_ATOMIC, PLACE_STABLE, SLOT_ATOMIC, SLOT_STABLE
+
         seq, parity = step
-        idx = topk_idx.astype(cp.int64)
-        if handle is None:
-            ranks = self._entry_ranks(idx)
-            in_rank = self._in_rank(ranks)
-            slots = self._stable_slots(in_rank)
-            slot_idx = self._slot_idx(ranks, slots)
+        k = self.kernels
+        with self.profile.phase("dispatch", "count"):
+            send = k.count(topk_idx, stable=self.deterministic)
+        self._send(parity, x, topk_idx, topk_weights, send.slot_idx,
+                   SLOT_STABLE if self.deterministic else SLOT_ATOMIC, send.rank_psum)
+        self._signal_and_wait("dispatch", seq, parity, send.num_tokens_per_rank)
+        with self.profile.phase("dispatch", "receive_count"):
+            recv = k.receive_count(self._own_counts[parity], self._own_meta[parity], alignment=alignment,
+                                   expand=expand, stable=self.deterministic)
+        if stats is not None:
+            stats += recv.num_unaligned_per_expert.astype(stats.dtype)
+        if cpu_sync:
+            with self.profile.phase("dispatch", "host sync"):
+                (num_recv, num_expanded), aligned = self.device.read_int32(recv.totals, recv.num_aligned_per_expert)
+            self._raise_if_timed_out("dispatch", seq)
+            counts = (int(num_recv), int(num_expanded), [int(c) for c in aligned])
         else:
-            in_rank, slot_idx = handle.is_token_in_rank, handle.dst_buffer_slot_idx
-            slots = self._slots_from_handle(handle)
-        num_tokens, nbytes = idx.shape[0], geo.hidden * geo.dtype.itemsize
-        pairs, dst_row = num_tokens * geo.num_ranks, cp.ascontiguousarray(slots.ravel())
-        self._put(cp.ascontiguousarray(x), nbytes, pairs, geo.num_ranks, None, dst_row, sym.row_at(parity, self.rank),
-                  sym.row_bytes, nbytes)
-        meta_bytes = 4 * sym.meta_words
-        self._put(self._dispatch_meta(idx, topk_weights), meta_bytes, pairs, 1, None, dst_row,
-                  sym.meta_at(parity, self.rank), meta_bytes, meta_bytes)
-        counts_region = self._region(sym.count_at(parity, 0), 8 * geo.num_ranks).view(cp.int64)
-        if handle is None:  # count exchange
-            sent = in_rank.sum(axis=0, dtype=cp.int64)
-            self._put(sent, 8, geo.num_ranks, 1, None, cp.zeros(geo.num_ranks, dtype=cp.int64),
-                      sym.count_at(parity, self.rank), 8, 8)
-            self._signal_and_wait("dispatch", seq, counts_region)
-            counts = counts_region.copy()
-        else:
-            self._signal_and_wait("dispatch", seq)
-            counts = cp.diff(cp.asarray(handle.psum_num_recv_tokens_per_rank, dtype=cp.int64), prepend=0)
-        num_recv = None
+            counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
+        outputs = self._receive(parity, recv.rank_psum, recv.expert_psum, None, topk_weights is not None, expand,
+                                alignment, zero_padding, cpu_sync, counts[:2],
+                                PLACE_STABLE if self.deterministic else PLACE_ATOMIC)
+        handle = EPHandle(
+            psum_num_recv_tokens_per_rank=recv.rank_psum, psum_num_recv_tokens_per_expert=recv.expert_psum,
+            num_recv_tokens_per_expert=counts[2], num_unaligned_recv_tokens_per_expert=recv.num_unaligned_per_expert,
+            recv_src_metadata=outputs[3], dst_buffer_slot_idx=send.slot_idx, num_recv_tokens=counts[0],
+            num_expanded_tokens=counts[1], num_tokens=int(topk_idx.shape[0]), topk_idx=topk_idx,
+            topk_weights=topk_weights, is_token_in_rank=send.is_token_in_rank, expand=expand,
+            expert_alignment=alignment, zero_padding=zero_padding, deterministic=self.deterministic,
+            cpu_sync=cpu_sync, num_out_rows=int(outputs[0].shape[0]))
+        return DispatchOutput(outputs[0], outputs[1], outputs[2], handle)
+
+    def _dispatch_cached(self, step, x, h: EPHandle, topk_weights, cpu_sync, stats) -> DispatchOutput:
+        """Replay ``h``'s routing: recorded slots and layout, no counting, no count exchange."""
+        from ..kernels.api import PLACE_CACHED, SLOT_CACHED
+
+        cp = self._cp
+        seq, parity = step
+        psum = h.psum_num_recv_tokens_per_rank
+        send_psum = (cp.cumsum(h.is_token_in_rank.sum(axis=0, dtype=cp.int32), dtype=cp.int32)
+                     if self.transport.use_puts else None)
+        self._send(parity, x, h.topk_idx, topk_weights, h.dst_buffer_slot_idx, SLOT_CACHED, send_psum)
+        self._signal_and_wait("dispatch", seq, parity)
+        if stats is not None:
+            stats += cp.asarray(h.num_unaligned_recv_tokens_per_expert).astype(stats.dtype)
         if cpu_sync:
             self._sync_and_check("dispatch", seq)
-            num_recv = int(counts.sum())
-        return self._receive(parity, counts, num_recv, handle, idx, topk_weights, in_rank, slot_idx, expand,
-                             alignment, zero_padding, cpu_sync, stats, topk_idx)
-
-    def _receive(self, parity, counts, num_recv, handle, idx, topk_weights, in_rank, slot_idx, expand, alignment,
-                 zero_padding, cpu_sync, stats, topk_idx) -> DispatchOutput:
-        """Receiver side: blocks grouped by source rank -> outputs, metadata and the handle."""
-        cp, geo, sym = self._cp, self.geo, self.sym
-        k, num_local = geo.num_topk, geo.experts_per_rank
-        n_out = num_recv if cpu_sync else lay.worst_case_recv_rows(geo.num_ranks, geo.max_tokens)
-        psum = cp.cumsum(counts)
-        row = cp.arange(n_out, dtype=cp.int64)
-        src = cp.searchsorted(psum, row, side="right")
-        valid = src < geo.num_ranks
-        src = cp.minimum(src, geo.num_ranks - 1)
-        sym_row = cp.where(valid, src * geo.max_tokens + row - (psum - counts)[src], -1)
-        meta = cp.empty((n_out, sym.meta_words), dtype=cp.int32)
-        gpu_copy.gather_rows(self._meta_region(parity), 4 * sym.meta_words, sym_row, meta, 4 * sym.meta_words,
-                             4 * sym.meta_words)
-        local_ids = cp.where(valid[:, None], meta[:, 1 : 1 + k], -1).astype(cp.int64)
-        weights = cp.ascontiguousarray(meta[:, 1 + k :]).view(cp.float32) if topk_weights is not None else None
-        if handle is None:
-            unaligned, aligned, psum_e, num_expanded, expanded_row = self._expert_layout(local_ids, alignment, expand)
+            counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens), [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
-            expanded_row = self._fit_rows(handle.recv_src_metadata[:, 2:], n_out)
-            unaligned = cp.asarray(handle.num_unaligned_recv_tokens_per_expert)
-            aligned = cp.asarray(handle.num_recv_tokens_per_expert, dtype=cp.int32)
-            psum_e = cp.asarray(handle.psum_num_recv_tokens_per_expert)
-            num_expanded = cp.asarray(handle.num_expanded_tokens, dtype=cp.int64)
-        if stats is not None:
-            stats += unaligned.astype(stats.dtype)
-        if expand:
-            out_rows = (int(num_expanded) if cpu_sync else
-                        lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, k, num_local, alignment))
-            recv_x, recv_idx, recv_w = self._expand(parity, sym_row, local_ids, weights, expanded_row, out_rows)
-        else:
-            out_rows = n_out
-            recv_x = self._gather_payload(parity, sym_row)
-            recv_idx = local_ids
-            recv_w = None if weights is None else cp.where(local_ids >= 0, weights, 0).astype(cp.float32)
-        metadata = cp.empty((n_out, 2 + k), dtype=cp.int32)
-        metadata[:, 0] = cp.where(valid, src * geo.max_tokens + meta[:, 0], -1)
-        metadata[:, 1] = sym_row
-        metadata[:, 2:] = expanded_row
-        new_handle = EPHandle(
-            psum_num_recv_tokens_per_rank=psum.astype(cp.int32),
-            psum_num_recv_tokens_per_expert=psum_e,
-            num_recv_tokens_per_expert=[int(c) for c in aligned.get()] if cpu_sync else aligned,
-            num_unaligned_recv_tokens_per_expert=unaligned,
-            recv_src_metadata=metadata,
-            dst_buffer_slot_idx=slot_idx,
-            num_recv_tokens=num_recv if cpu_sync else psum[-1].copy(),
-            num_expanded_tokens=int(num_expanded) if cpu_sync else num_expanded,
-            num_tokens=int(idx.shape[0]), topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=in_rank,
-            expand=expand, expert_alignment=alignment, zero_padding=zero_padding,
-            deterministic=self.deterministic, cpu_sync=cpu_sync, num_out_rows=out_rows,
-        )
-        return DispatchOutput(recv_x, recv_idx, recv_w, new_handle)
+            counts = (psum[-1], _on_device(cp, h.num_expanded_tokens, cp.int64),
+                      _on_device(cp, h.num_recv_tokens_per_expert, cp.int32))
+        outputs = self._receive(parity, psum, h.psum_num_recv_tokens_per_expert, h.recv_src_metadata,
+                                topk_weights is not None, h.expand, h.expert_alignment, h.zero_padding, cpu_sync,
+                                counts[:2], PLACE_CACHED)
+        handle = EPHandle(
+            psum_num_recv_tokens_per_rank=psum, psum_num_recv_tokens_per_expert=h.psum_num_recv_tokens_per_expert,
+            num_recv_tokens_per_expert=counts[2],
+            num_unaligned_recv_tokens_per_expert=h.num_unaligned_recv_tokens_per_expert,
+            recv_src_metadata=outputs[3], dst_buffer_slot_idx=h.dst_buffer_slot_idx, num_recv_tokens=counts[0],
+            num_expanded_tokens=counts[1], num_tokens=h.num_tokens, topk_idx=h.topk_idx, topk_weights=topk_weights,
+            is_token_in_rank=h.is_token_in_rank, expand=h.expand, expert_alignment=h.expert_alignment,
+            zero_padding=h.zero_padding, deterministic=self.deterministic, cpu_sync=cpu_sync,
+            num_out_rows=int(outputs[0].shape[0]))
+        return DispatchOutput(outputs[0], outputs[1], outputs[2], handle)
 
-    def _expert_layout(self, local_ids, alignment: int, expand: bool) -> tuple:
-        """``ep_comm.layout.receive_layout`` on the device: ``(unaligned, aligned, psum, num_expanded, expanded_row)``
-        with int32 ``[L]`` counts, a 0-d int64 ``num_expanded`` and int32 ``[N, K]`` expanded rows."""
-        cp, num_local = self._cp, self.geo.experts_per_rank
-        hits = (local_ids[:, :, None] == cp.arange(num_local)[None, None, :]).any(axis=1)  # [N, L]
-        unaligned = hits.sum(axis=0, dtype=cp.int64)
-        aligned = -(-unaligned // alignment) * alignment
-        ends = cp.cumsum(aligned)
-        starts = ends - aligned
-        psum_e = (starts + unaligned) if expand else ends
-        if expand:
-            rank_in_expert = cp.cumsum(hits, axis=0, dtype=cp.int64) - 1
-            expert = cp.maximum(local_ids, 0)
-            placed = starts[expert] + cp.take_along_axis(rank_in_expert, expert, axis=1)
-            expanded_row = cp.where(local_ids >= 0, placed, -1).astype(cp.int32)
-        else:
-            expanded_row = cp.full(local_ids.shape, -1, dtype=cp.int32)
-        return (unaligned.astype(cp.int32), aligned.astype(cp.int32), psum_e.astype(cp.int32), aligned.sum(),
-                expanded_row)
+    def _out_rows(self, cpu_sync: bool, expand: bool, alignment: int, exact: Tuple[Any, Any]) -> Tuple[int, int]:
+        """``(metadata rows N_out, recv_x rows)``: exact with ``cpu_sync``, else the contract's worst cases."""
+        geo = self.geo
+        if cpu_sync:
+            n, m = exact
+            return n, (m if expand else n)
+        n = lay.worst_case_recv_rows(geo.num_ranks, geo.max_tokens)
+        if not expand:
+            return n, n
+        return n, lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, geo.num_topk, geo.experts_per_rank,
+                                               alignment)
 
-    def _fit_rows(self, rows, n: int):
-        """``rows`` cut or padded with -1 to ``n`` rows (a handle replayed with another ``cpu_sync``)."""
-        cp = self._cp
-        out = cp.full((n, rows.shape[1]), -1, dtype=cp.int32)
-        m = min(n, rows.shape[0])
-        out[:m] = rows[:m]
-        return out
+    def _receive(self, parity: int, rank_psum, expert_psum, recorded, with_weights: bool, expand: bool,
+                 alignment: int, zero_padding: bool, cpu_sync: bool, exact: Tuple[Any, Any], mode: int) -> tuple:
+        """Allocate the outputs and copy the received rows into them.
 
-    def _gather_payload(self, parity: int, sym_row):
-        """``[len(sym_row), H]`` payload rows of the local receive region (-1: zero row)."""
-        cp, geo = self._cp, self.geo
-        nbytes = geo.hidden * geo.dtype.itemsize
-        out = cp.empty((sym_row.shape[0], geo.hidden), dtype=geo.dtype)
-        gpu_copy.gather_rows(self._rows_region(parity), self.sym.row_bytes, sym_row, out, nbytes, nbytes)
-        return out
+        Returns ``(recv_x [rows, H], recv_topk_idx, recv_topk_weights or None, recv_src_metadata [N_out, 2+K])``;
+        ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand. ``recorded``: the metadata of the
+        handle replayed (its expanded rows are reused), or None."""
+        cp, geo, k = self._cp, self.geo, self.geo.num_topk
+        with self.profile.phase("dispatch", "alloc outputs"):
+            n_out, rows = self._out_rows(cpu_sync, expand, alignment, exact)
+            ids_shape = (rows,) if expand else (rows, k)
+            recv_x = cp.empty((rows, geo.hidden), dtype=geo.dtype)
+            recv_idx = cp.empty(ids_shape, dtype=cp.int64)
+            recv_w = cp.empty(ids_shape, dtype=cp.float32) if with_weights else self._scratch_weights(ids_shape)
+            metadata = cp.empty((n_out, 2 + k), dtype=cp.int32)
+            if recorded is not None and expand:
+                m = min(n_out, recorded.shape[0])
+                metadata[:m] = recorded[:m]
+        with self.profile.phase("dispatch", "receive_copy"):
+            self.kernels.receive_copy(rank_psum, self._own_rows[parity], self._own_meta[parity], recv_x, recv_idx,
+                                      recv_w, metadata, expand=expand, mode=mode, expert_psum=expert_psum,
+                                      alignment=alignment, zero_padding=zero_padding)
+        return recv_x, recv_idx, recv_w if with_weights else None, metadata
 
-    def _expand(self, parity, sym_row, local_ids, weights, expanded_row, out_rows: int) -> tuple:
-        """Expert scatter: one output row per (row, local expert); padding rows are zero."""
-        cp, k = self._cp, self.geo.num_topk
-        entry = cp.full(out_rows + 1, -1, dtype=cp.int64)  # entry (row * K + k) placed at each expanded row
-        target = cp.where(expanded_row >= 0, expanded_row, out_rows).astype(cp.int64).ravel()
-        entry[target] = cp.arange(target.shape[0], dtype=cp.int64)
-        entry = entry[:out_rows]
-        placed = entry >= 0
-        pick = cp.maximum(entry, 0)
-        recv_x = self._gather_payload(parity, cp.where(placed, sym_row[pick // k], -1))
-        recv_idx = cp.where(placed, local_ids.ravel()[pick], -1)
-        recv_w = None if weights is None else cp.where(placed, weights.ravel()[pick], 0).astype(cp.float32)
-        return recv_x, recv_idx, recv_w
+    def _scratch_weights(self, shape: tuple):
+        """A reused float32 array of ``shape`` for the weights the kernels write when nobody asked for them."""
+        size = int(np.prod(shape))
+        if self._scratch.size < size:
+            self._scratch = self._cp.empty(size, dtype=np.float32)
+        return self._scratch[:size].reshape(shape)
 
     # ----------------------------------------------------------------- combine
     def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence) -> CombineOutput:
         with self._collective("combine") as step:
             return self._combine(step, y, handle, topk_weights, bias_terms)
 
-    def _combine(self, step, y, handle: EPHandle, topk_weights, bias_terms) -> CombineOutput:
-        cp, geo, sym = self._cp, self.geo, self.sym
+    def _combine(self, step, y, h: EPHandle, topk_weights, bias_terms) -> CombineOutput:
+        from ..transport import weight_return
+
+        cp, geo, t, k = self._cp, self.geo, self.transport, self.kernels
         seq, parity = step
-        meta = handle.recv_src_metadata
-        valid = meta[:, 0] >= 0
-        dst_rank = cp.where(valid, meta[:, 1] // geo.max_tokens, 0).astype(cp.int32)
-        dst_row = cp.where(valid, meta[:, 1] % geo.max_tokens, -1).astype(cp.int64)
-        y = cp.ascontiguousarray(y)
-        if handle.expand:
-            expanded_row = cp.ascontiguousarray(meta[:, 2:])
-            partial = cp.empty((meta.shape[0], geo.hidden), dtype=geo.dtype)
-            red.expand_partials(y, expanded_row, None if topk_weights is None else cp.ascontiguousarray(topk_weights),
-                                partial)
-            back_w = (None if topk_weights is None else
-                      cp.where(expanded_row >= 0, topk_weights[cp.maximum(expanded_row, 0)], 0))
-        else:
-            partial, back_w = y, topk_weights
-        back = cp.zeros((meta.shape[0], sym.meta_words), dtype=cp.int32)
-        back[:, 0] = meta[:, 0] % geo.max_tokens
-        back[:, 1 : 1 + geo.num_topk] = -1
-        if back_w is not None:
-            back[:, 1 + geo.num_topk :] = cp.ascontiguousarray(back_w, dtype=cp.float32).view(cp.int32)
-        nbytes, meta_bytes = geo.hidden * geo.dtype.itemsize, 4 * sym.meta_words
-        self._put(partial, nbytes, meta.shape[0], 1, dst_rank, dst_row, sym.row_at(parity, self.rank),
-                  sym.row_bytes, nbytes)
-        self._put(back, meta_bytes, meta.shape[0], 1, dst_rank, dst_row, sym.meta_at(parity, self.rank),
-                  meta_bytes, meta_bytes)
-        self._signal_and_wait("combine", seq)
-        if handle.cpu_sync:
+        send_parity = t.send_parity(parity)
+        weights = None if topk_weights is None else cp.ascontiguousarray(topk_weights)
+        with self.profile.phase("combine", "send"):
+            k.combine_send(cp.ascontiguousarray(y), h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows,
+                           my_rank=self.rank, parity=send_parity, expand=h.expand,
+                           weights=weights if h.expand else None)
+            if weights is not None:
+                bits = weights.view(cp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
+                weight_return.send_weights(k.stream, bits, h.expand, h.recv_src_metadata,
+                                           h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
+                                           parity=send_parity, max_blocks=k.num_blocks)
+            t.flush(k.stream, parity, h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
+        self._signal_and_wait("combine", seq, parity)
+        with self.profile.phase("combine", "reduce"):
+            x = cp.empty((h.num_tokens, geo.hidden), dtype=geo.dtype)
+            k.combine_reduce(self._own_rows[parity], h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
+                             bias=[_bias_term(cp, b) for b in bias_terms])
+            back = None
+            if weights is not None:
+                back = cp.empty((h.num_tokens, geo.num_topk), dtype=cp.float32)
+                weight_return.gather_weights(k.stream, self._own_meta[parity], h.dst_buffer_slot_idx, h.topk_idx,
+                                             back.view(cp.int32), experts_per_rank=geo.experts_per_rank,
+                                             my_rank=self.rank, max_blocks=k.num_blocks)
+        if h.cpu_sync:
             self._sync_and_check("combine", seq)
-        return self._reduce_at_source(handle, parity, topk_weights is not None, bias_terms)
-
-    def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
-        """Source side: each token's rows from the ranks it reached, summed in rank order (float32)."""
-        cp, geo = self._cp, self.geo
-        slots = cp.ascontiguousarray(self._slots_from_handle(handle))
-        bias = cp.stack([red.to_float32(b) for b in bias_terms]) if bias_terms else None
-        x = cp.empty((handle.num_tokens, geo.hidden), dtype=geo.dtype)
-        red.combine_reduce(self._rows_region(parity), self.sym.row_bytes, geo.max_tokens, slots, bias, x)
-        return CombineOutput(x, self._gather_weights(handle, parity, slots) if with_weights else None)
-
-    def _gather_weights(self, handle: EPHandle, parity: int, slots):
-        """``[T, K]`` float32: entry k's weight as sent back by the rank owning its expert; 0 if masked."""
-        cp, geo, k = self._cp, self.geo, self.geo.num_topk
-        ranks = self._entry_ranks(handle.topk_idx.astype(cp.int64))
-        rank = cp.maximum(ranks, 0)
-        slot = cp.take_along_axis(slots, rank, axis=1)
-        meta = self._meta_region(parity).view(cp.int32).reshape(geo.num_ranks * geo.max_tokens, self.sym.meta_words)
-        rows = rank * geo.max_tokens + cp.maximum(slot, 0)
-        weights = meta[rows, (1 + k + cp.arange(k))[None, :]].view(cp.float32)
-        return cp.where((ranks >= 0) & (slot >= 0), weights, 0).astype(cp.float32)
+        return CombineOutput(x, back)
 
     # ------------------------------------------------------------------- close
     def close(self) -> None:
         """Collective close with a bounded wait; after a timeout, release local resources only."""
-        if self.heap is None:
+        if self.transport is None:
             return
         clean = False
         try:
             if not self.unusable:
-                with self._collective("close") as (seq, _):
-                    self._signal_and_wait("close", seq)
+                with self._collective("close") as (seq, parity):
+                    self._signal_and_wait("close", seq, parity)
                     self._sync_and_check("close", seq)
                 clean = True
         finally:
-            self._cp.cuda.get_current_stream().synchronize()
-            self.heap.close(collective=clean)
-            self.heap = None
+            self.device.synchronize()
+            if self.profile.enabled and self.rank == 0:
+                print(f"[ep_comm profile, rank 0, nvshmem backend, use_puts={self.transport.use_puts}]\n"
+                      f"{self.profile.report()}", flush=True)
+            self.transport.close(collective=clean)
+            self.transport = None
             if clean:
                 self.comm.Free()
+
+
+def _device_array(xp, a):
+    """A kernel argument made once: a Numba device array on the GPU, the array itself in the simulator."""
+    return a if xp is np else _numba_view(a)
+
+
+def _host(values) -> Sequence:
+    """A host sequence of a host list or a device array."""
+    return values.get() if hasattr(values, "get") else values
+
+
+def _on_device(cp, value, dtype):
+    """``value`` (host int/list or device array) as a device array of ``dtype``, without a host round trip
+    for device values."""
+    if isinstance(value, (int, list, np.integer)):
+        return cp.asarray(np.asarray(value, dtype=dtype))
+    return value
+
+
+def _bias_term(cp, b):
+    """A bias term the combine kernel reads: float32/float16/bfloat16 as is, other floats as float32."""
+    kind = np.dtype(b.dtype)
+    if kind.itemsize == 2 or kind == np.float32:
+        return cp.ascontiguousarray(b)
+    return cp.ascontiguousarray(b.astype(cp.float32))

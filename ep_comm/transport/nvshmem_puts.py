@@ -1,99 +1,78 @@
 """Sending through NVSHMEM device puts instead of peer-view stores (peers without P2P).
 
-Same operations and arguments as ``gpu_copy.put_rows`` / ``gpu_copy.signal_peers``, written as
-Numba kernels calling nvshmem4py's device API: ``put_nbi_block`` of each row to its symmetric
-address on the destination PE, ``nvshmem_quiet`` at the end of every CTA (so every row has
-landed when the kernel ends), then a later kernel writes each peer's ``signal[me]`` with
-``nvshmem_p``. Kernels that call NVSHMEM device functions cannot be cached on disk: the first
-call in a process compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank
-is its PE. Source rows must be reachable by the transport (true for P2P and the local GPU).
+With puts, the kernels of ``ep_comm.kernels`` write each destination's rows into a local staging
+block (see ``NvshmemTransport``); then ``put_blocks`` sends every destination its block, one
+contiguous run of ``count`` rows, with ``put_nbi_block`` in chunks, and ``nvshmem_quiet`` at the
+end of every CTA (so every byte has landed when the kernel ends); a later kernel
+(``signal_peers``) writes each peer's count word (optional) and ``signal[me]`` with ``nvshmem_p``.
+Kernels that call NVSHMEM device functions cannot be cached on disk: the first call in a process
+compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank is its PE. Staging
+blocks live in the symmetric heap, so every transport can read them.
 """
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
 
-from .gpu_copy import PUT_THREADS
+PUT_THREADS = 256
+CHUNK_BYTES = 256 << 10
+MAX_PUT_CTAS = 1024
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """``(put_rows_kernel, signal_kernel)``, compiled lazily on first use."""
-    from numba import cuda, int32
+    """``(put_blocks_kernel, signal_kernel)``, compiled lazily on first use."""
+    from numba import cuda, int32, int64
     import nvshmem.core.device.numba as nvd
     from nvshmem.bindings.device.numba import quiet
 
     @cuda.jit
-    def put_rows_kernel(src, src_pitch, num_pairs, fanout, num_ranks, dst_rank, has_rank, dst_row, sym, dst_offset,
-                        dst_pitch, row_bytes):
-        p = cuda.blockIdx.x
-        while p < num_pairs:
-            d = dst_row[p]
-            if d >= 0:
-                r = dst_rank[p] if has_rank else p % num_ranks
-                s0 = (p // fanout) * src_pitch
-                t0 = dst_offset + d * dst_pitch
-                nvd.put_nbi_block(sym[t0:t0 + row_bytes], src[s0:s0 + row_bytes], int32(r))
-            p += cuda.gridDim.x
+    def put_blocks_kernel(stage, first_block, block_bytes, sym, dst_offset, row_bytes, psum, chunks):
+        num_ranks = psum.shape[0]
+        job = cuda.blockIdx.x
+        while job < num_ranks * chunks:
+            r = job // chunks
+            begin = (job - r * chunks) * CHUNK_BYTES
+            rows = psum[r] - (psum[r - 1] if r > 0 else 0)
+            end = min(begin + CHUNK_BYTES, rows * row_bytes)
+            if begin < end:
+                s0 = (first_block + r) * block_bytes + begin
+                t0 = dst_offset + begin
+                nvd.put_nbi_block(sym[t0:t0 + end - begin], stage[s0:s0 + end - begin], int32(r))
+            job += cuda.gridDim.x
         quiet()
 
     @cuda.jit
-    def signal_kernel(signals, num_ranks, me, seq):
+    def signal_kernel(signals, count_words, counts, has_counts, num_ranks, me, seq):
         r = cuda.threadIdx.x
         if r < num_ranks:
+            if has_counts:
+                nvd.p(count_words[me:me + 1], int64(counts[r]), int32(r))
+                quiet()
             nvd.p(signals[me:me + 1], seq, int32(r))
 
-    return put_rows_kernel, signal_kernel
+    return put_blocks_kernel, signal_kernel
 
 
-def _numba(arr):
-    """Zero-copy Numba view of a CuPy array."""
-    from numba import cuda
-
-    return cuda.as_cuda_array(arr)
-
-
-def _stream():
-    import cupy
-    from numba import cuda
-
-    return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+def put_blocks(stream, stage, first_block: int, block_bytes: int, sym, dst_offset: int, row_bytes: int, psum) -> None:
+    """Rank ``r`` gets ``psum[r] - psum[r-1]`` rows of ``row_bytes`` from staging block ``first_block + r``
+    (``stage``: uint8 Numba device array over the symmetric heap, blocks ``block_bytes`` apart) at byte
+    ``dst_offset`` of its copy of ``sym`` (this rank's uint8 symmetric buffer, the symmetric address).
+    ``psum``: int32 ``[R]`` inclusive prefix sum on the device. Launched on Numba stream ``stream``."""
+    put_blocks_kernel, _ = _kernels()
+    chunks = max(1, -(-block_bytes // CHUNK_BYTES))
+    grid = max(1, min(psum.shape[0] * chunks, MAX_PUT_CTAS))
+    put_blocks_kernel[grid, PUT_THREADS, stream](stage, np.int64(first_block), np.int64(block_bytes), sym,
+                                                 np.int64(dst_offset), np.int64(row_bytes), psum, np.int64(chunks))
 
 
-def _launch(kernel, grid: int, block: int, *args) -> None:
-    """Launch on the current CuPy stream; one CTA per row pair is the intended grid, so Numba's
-    low-occupancy warning is silenced."""
-    from numba.cuda.core.errors import NumbaPerformanceWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NumbaPerformanceWarning)
-        kernel[grid, block, _stream()](*args)
-
-
-def put_rows(src, src_pitch: int, num_pairs: int, fanout: int, num_ranks: int, dst_rank, dst_row, sym_local,
-             dst_offset: int, dst_pitch: int, row_bytes: int) -> None:
-    """``gpu_copy.put_rows`` through ``nvshmem_put_nbi_block``; ``src`` is a C-contiguous device
-    array (any dtype) and ``sym_local`` this rank's uint8 symmetric buffer (the symmetric address)."""
-    import cupy
-
-    if num_pairs == 0 or row_bytes == 0:
-        return
-    put_rows_kernel, _ = _kernels()
-    has_rank = dst_rank is not None
-    ranks = dst_rank if has_rank else cupy.zeros(1, dtype=cupy.int32)
-    src_bytes = src.reshape(-1).view(cupy.uint8)
-    grid = max(1, min(num_pairs, 65535))
-    _launch(put_rows_kernel, grid, PUT_THREADS,
-            _numba(src_bytes), np.int64(src_pitch), np.int64(num_pairs), np.int64(fanout), np.int64(num_ranks),
-            _numba(ranks), has_rank, _numba(dst_row), _numba(sym_local), np.int64(dst_offset), np.int64(dst_pitch),
-            np.int64(row_bytes))
-
-
-def signal_peers(signals_local, num_ranks: int, me: int, seq: int) -> None:
-    """After every earlier put on the stream: ``signal[me] = seq`` on every PE (``signals_local``:
-    this rank's int64 ``signal[R]`` view, the symmetric address)."""
+def signal_peers(stream, signals, num_ranks: int, me: int, seq: int, counts=None, count_words=None) -> None:
+    """After every earlier put on the stream: ``signal[me] = seq`` on every PE (``signals``: this rank's
+    int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R]``), first
+    ``count_words[me] = counts[r]`` on PE ``r`` (``count_words``: int64 ``[R]`` symmetric words)."""
     _, signal_kernel = _kernels()
-    _launch(signal_kernel, 1, max(32, -(-num_ranks // 32) * 32),
-            _numba(signals_local), np.int64(num_ranks), np.int64(me), np.int64(seq))
+    has_counts = counts is not None
+    signal_kernel[1, max(32, -(-num_ranks // 32) * 32), stream](
+        signals, count_words if has_counts else signals, counts if has_counts else signals, has_counts,
+        np.int64(num_ranks), np.int64(me), np.int64(seq))

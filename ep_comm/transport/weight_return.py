@@ -1,0 +1,79 @@
+"""The return route of the top-k weights in a combine (only when the caller passes ``topk_weights``).
+
+Expert side (``send_weights``): each received row writes its K weights into the weight columns
+``1 + K ..`` of the meta row it came from, ``metas[src][parity, my_rank, slot]`` (a tuple of per-rank
+meta views, as the kernels of ``ep_comm.kernels`` take them). Source side (``gather_weights``):
+entry ``k`` of token ``t`` reads weight ``k`` of the row sent back by the rank owning its expert
+(0 where the entry is masked). Weights travel as raw float32 bits (int32). One thread per entry.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+THREADS = 256
+
+
+@cuda.jit
+def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_rank, parity, metas):
+    """``weight_bits``: compact ``[N, K]``, expand ``[M, 1]`` (the weight of each expanded row)."""
+    num_topk = recv_src_metadata.shape[1] - 2
+    max_tokens = metas[0].shape[2]
+    num_entries = rank_psum[rank_psum.shape[0] - 1] * num_topk
+    start = cuda.grid(1)
+    for j in range(start, num_entries, cuda.gridsize(1)):
+        row = j // num_topk
+        k = j - row * num_topk
+        src = recv_src_metadata[row, 0] // max_tokens
+        slot = recv_src_metadata[row, 1] - src * max_tokens
+        if expand:
+            expanded = recv_src_metadata[row, 2 + k]
+            bits = weight_bits[expanded, 0] if expanded >= 0 else 0
+        else:
+            bits = weight_bits[row, k]
+        metas[src][parity, my_rank, slot, 1 + num_topk + k] = bits
+
+
+@cuda.jit
+def gather_weights_kernel(meta, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits):
+    """``meta [R, max_tokens, 1 + 2K]`` int32: this rank's meta rows of the combine's parity."""
+    num_tokens, num_topk = topk_idx.shape
+    max_tokens = meta.shape[1]
+    start = cuda.grid(1)
+    for j in range(start, num_tokens * num_topk, cuda.gridsize(1)):
+        t = j // num_topk
+        k = j - t * num_topk
+        expert = np.int64(topk_idx[t, k])
+        bits = np.int32(0)
+        if expert >= 0:
+            rank = expert // experts_per_rank
+            for kk in range(num_topk):  # the token's first entry on that rank holds the slot
+                other = np.int64(topk_idx[t, kk])
+                if other >= 0 and other // experts_per_rank == rank and slot_idx[t, kk] >= 0:
+                    bits = meta[rank, slot_idx[t, kk] - my_rank * max_tokens, 1 + num_topk + k]
+                    break
+        out_bits[t, k] = bits
+
+
+def _grid(work: int, cap: int) -> int:
+    return max(1, min(-(-work // THREADS), cap))
+
+
+def send_weights(stream, weight_bits, expand: bool, recv_src_metadata, rank_psum, metas, *, my_rank: int,
+                 parity: int, max_blocks: int) -> None:
+    """Expert side; ``recv_src_metadata [N_out, 2 + K]`` int32 and ``rank_psum [R]`` int32 from the
+    dispatch handle; ``weight_bits`` int32 (see the kernel); ``metas``: tuple of ``[P, R, max_tokens,
+    1 + 2K]`` int32 views, one per rank. At most ``max_blocks`` CTAs on Numba stream ``stream``."""
+    work = recv_src_metadata.shape[0] * (recv_src_metadata.shape[1] - 2)
+    send_weights_kernel[_grid(work, max_blocks), THREADS, stream](
+        weight_bits, expand, recv_src_metadata, rank_psum, my_rank, parity, tuple(metas))
+
+
+def gather_weights(stream, meta, slot_idx, topk_idx, out_bits, *, experts_per_rank: int, my_rank: int,
+                   max_blocks: int) -> None:
+    """Source side into ``out_bits [T, K]`` int32 (float32 bits); ``slot_idx``/``topk_idx`` ``[T, K]``
+    from the dispatch."""
+    if out_bits.shape[0] == 0:
+        return
+    gather_weights_kernel[_grid(out_bits.shape[0] * out_bits.shape[1], max_blocks), THREADS, stream](
+        meta, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits)
