@@ -89,7 +89,6 @@ class NvshmemTransport:
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: Optional[bool]):
         import cupy
-        from numba import cuda
 
         from ..kernels.api import symmetric_views
         from ..transport import gpu_copy
@@ -118,7 +117,6 @@ class NvshmemTransport:
             rows, meta = tuple(v.rows for v in peers), tuple(v.meta for v in peers)
         self.rows = tuple(dev(v) for v in rows)
         self.meta = tuple(dev(v) for v in meta)
-        self._cuda = cuda
 
     def send_parity(self, parity: int) -> int:
         return 0 if self.use_puts else parity
