@@ -14,6 +14,37 @@ from numba import cuda, float32, int32
 from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
+SPAN = 8  # elements per lane per pass over a row: SPAN loads in flight per term instead of one
+
+
+@cuda.jit(device=True)
+def clear_span(acc):
+    """Zero a span's float32 accumulators ``acc[SPAN]`` (a local array)."""
+    for u in range(SPAN):
+        acc[u] = np.float32(0.0)
+
+
+@cuda.jit(device=True)
+def add_span(acc, vals, row, h, is_bf16, scale, scaled):
+    """``acc[u] += (scale *) row[h + u * 32]`` for the lane's span, each operation rounded.
+
+    All SPAN loads go into ``vals`` before any add, so they are in flight together; elements
+    past the row's end add 0 (their accumulators are never stored).
+    """
+    for u in range(SPAN):
+        j = h + u * WARP
+        vals[u] = load_f32(row, j, is_bf16) if j < row.shape[0] else np.float32(0.0)
+    for u in range(SPAN):
+        acc[u] = add_rn(acc[u], mul_rn(scale, vals[u]) if scaled else vals[u])
+
+
+@cuda.jit(device=True)
+def store_span(row, h, acc, is_bf16):
+    """``row[h + u * 32] = acc[u]`` rounded to the row's payload type, inside the row."""
+    for u in range(SPAN):
+        if h + u * WARP < row.shape[0]:
+            store_f32(row, h + u * WARP, acc[u], is_bf16)
+
 
 @cuda.jit(device=True)
 def return_address(recv_src_metadata, row, max_tokens):
@@ -61,20 +92,19 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
     terms = cuda.shared.array(0, int32)[first: first + num_topk]
     scales_first = cuda.blockDim.x // WARP * num_topk + first
     scales = cuda.shared.array(0, float32)[scales_first: scales_first + num_topk]
+    acc = cuda.local.array(SPAN, float32)
+    vals = cuda.local.array(SPAN, float32)
     lane = lane_id()
     warp, num_warps = global_warp()
     for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
         src, slot = return_address(recv_src_metadata, row, max_tokens)
         dst = rows[src][parity, my_rank, slot]
         count = gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales)
-        for h in range(lane, hidden, WARP):
-            acc = np.float32(0.0)
+        for h in range(lane, hidden, SPAN * WARP):
+            clear_span(acc)
             for j in range(count):
-                term = load_f32(y[terms[j]], h, y_is_bf16)
-                if has_weights:
-                    term = mul_rn(scales[j], term)
-                acc = add_rn(acc, term)
-            store_f32(dst, h, acc, y_is_bf16)
+                add_span(acc, vals, y[terms[j]], h, y_is_bf16, scales[j], has_weights)
+            store_span(dst, h, acc, y_is_bf16)
         cuda.syncwarp(FULL_MASK)
 
 
@@ -110,17 +140,20 @@ def combine_reduce_kernel(rows, rows_is_bf16, slot_idx, topk_idx, experts_per_ra
     src_base = my_rank * rows.shape[1]
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
+    acc = cuda.local.array(SPAN, float32)
+    vals = cuda.local.array(SPAN, float32)
+    one = np.float32(1.0)
     lane = lane_id()
     warp, num_warps = global_warp()
     for token in range(warp, num_tokens, num_warps):
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
-        for h in range(lane, hidden, WARP):
-            acc = np.float32(0.0)
+        for h in range(lane, hidden, SPAN * WARP):
+            clear_span(acc)
             if num_bias > 0:
-                acc = add_rn(acc, load_f32(bias0[token], h, bias0_is_bf16))
+                add_span(acc, vals, bias0[token], h, bias0_is_bf16, one, False)
             if num_bias > 1:
-                acc = add_rn(acc, load_f32(bias1[token], h, bias1_is_bf16))
+                add_span(acc, vals, bias1[token], h, bias1_is_bf16, one, False)
             for j in range(reached):
-                acc = add_rn(acc, load_f32(rows[order[j], order[num_topk + j]], h, rows_is_bf16))
-            store_f32(out[token], h, acc, out_is_bf16)
+                add_span(acc, vals, rows[order[j], order[num_topk + j]], h, rows_is_bf16, one, False)
+            store_span(out[token], h, acc, out_is_bf16)
         cuda.syncwarp(FULL_MASK)
