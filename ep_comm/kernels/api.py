@@ -21,7 +21,8 @@ buffer, see :func:`symmetric_views`)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -109,6 +110,41 @@ def symmetric_views(buffer: Array, layout: SymmetricLayout, word: np.dtype) -> S
     )
 
 
+class DeviceViews:
+    """Numba device arrays for the CUDA arrays a launch gets, made once per memory descriptor.
+
+    Numba turns each ``__cuda_array_interface__`` argument into a device array on every launch
+    (tens of microseconds of Python each, plus a stream sync when the interface names a stream);
+    a Numba device array launches at almost no cost. The views are keyed by (pointer, shape,
+    strides, type) and hold no reference to the memory: a hit describes the caller's array
+    exactly, and the array is alive while its launch runs. No stream sync: every argument must be
+    ready in stream order on the launch stream, as for CuPy's own kernels.
+    """
+
+    def __init__(self, capacity: int = 1024):
+        self._views: "OrderedDict[tuple, Array]" = OrderedDict()
+        self._capacity = capacity
+
+    def __call__(self, a: Any) -> Any:
+        """``a`` as a launch argument: tuples element-wise, CUDA arrays as cached Numba views, the rest as is."""
+        if isinstance(a, tuple):
+            return tuple(self(item) for item in a)
+        desc = getattr(a, "__cuda_array_interface__", None)
+        if desc is None or hasattr(a, "copy_to_host"):  # not a CUDA array, or a Numba one already
+            return a
+        key = (desc["data"][0], tuple(desc["shape"]), desc.get("strides"), desc["typestr"])
+        view = self._views.get(key)
+        if view is None:
+            view = cuda.from_cuda_array_interface({k: v for k, v in desc.items() if k != "stream"}, owner=None,
+                                                  sync=False)
+            self._views[key] = view
+            if len(self._views) > self._capacity:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
+        return view
+
+
 def _payload(x: Array) -> tuple[Array, bool]:
     """A payload array as Numba can type it, and whether it holds bfloat16 bits."""
     if x.dtype in (np.float32, np.float16):
@@ -125,7 +161,9 @@ class Kernels:
     ``num_blocks`` x ``warps_per_block`` warps run each kernel. Tokens are cut into one unit per
     warp (count and scatter agree on the cut); received rows into ``recv_units`` units (default:
     ``num_blocks``), fewer because the stable expand placement scans its per-unit counts once per
-    local expert. ``stream`` is a Numba stream (or 0).
+    local expert. The row-streaming kernels (receive rows, combine) need no unit cut and run on
+    ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
+    NVLink busy. ``stream`` is a Numba stream (or 0).
     """
 
     xp: Any
@@ -137,6 +175,8 @@ class Kernels:
     warps_per_block: int = 8
     recv_units: int = 0
     stream: Any = 0
+    stream_blocks: int = 0
+    device_views: DeviceViews = field(default_factory=DeviceViews)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -146,24 +186,24 @@ class Kernels:
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
         self.recv_units = self.recv_units or self.num_blocks
+        self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
         self.threads = self.warps_per_block * WARP
-        # Numba device arrays (on a GPU) launch cheaper than CuPy arrays: no interface parsing per call.
-        dev = (lambda a: a) if xp is np else cuda.as_cuda_array
-        self._counters = dev(xp.zeros(max(e + r, self.num_local), dtype=np.int64))
-        self._ticket = dev(xp.zeros(1, dtype=np.uint32))
-        self._rank_cursor = dev(xp.zeros(r, dtype=np.int32))
-        self._expert_cursor = dev(xp.zeros(self.num_local, dtype=np.int32))
-        self._send_units = dev(xp.zeros((self.num_units, r), dtype=np.int32))
-        self._recv_cursor = dev(xp.zeros((self.recv_units, self.num_local), dtype=np.int32))
-        self._no_weights = dev(xp.zeros((1, self.num_topk), dtype=np.int32))
-        self._no_bias = dev(xp.zeros((1, 1), dtype=np.float32))
+        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
+        self._ticket = xp.zeros(1, dtype=np.uint32)
+        self._rank_cursor = xp.zeros(r, dtype=np.int32)
+        self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
+        self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
+        self._recv_cursor = xp.zeros((self.recv_units, self.num_local), dtype=np.int32)
+        self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
+        self._no_bias = xp.zeros((1, 1), dtype=np.float32)
 
     @property
     def num_local(self) -> int:
         return self.num_experts // self.num_ranks
 
-    def _launch(self, kernel, shared_bytes: int = 0):
-        return kernel[self.num_blocks, self.threads, self.stream, shared_bytes]
+    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0):
+        configured = kernel[blocks or self.num_blocks, self.threads, self.stream, shared_bytes]
+        return lambda *args: configured(*(self.device_views(a) for a in args))
 
     def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
@@ -236,8 +276,8 @@ class Kernels:
             rank_psum, meta, expand, mode, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
             alignment, recv_topk_idx.reshape(-1, width), recv_topk_weights.view(np.int32).reshape(-1, width),
             recv_src_metadata)
-        self._launch(receive_rows_kernel)(rank_psum, rows, expand, zero_padding, expert_psum, alignment,
-                                          recv_src_metadata, payload_words(recv_x))
+        self._launch(receive_rows_kernel, blocks=self.stream_blocks)(
+            rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, payload_words(recv_x))
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, parity: int, expand: bool, weights: Optional[Array] = None) -> None:
@@ -250,12 +290,12 @@ class Kernels:
         weighted by ``weights [M]`` float32 when given.
         """
         if not expand:
-            self._launch(combine_copy_kernel)(payload_words(y), recv_src_metadata, rank_psum, my_rank, parity,
-                                              tuple(rows))
+            self._launch(combine_copy_kernel, blocks=self.stream_blocks)(
+                payload_words(y), recv_src_metadata, rank_psum, my_rank, parity, tuple(rows))
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
-        self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk)(
+        self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, self.stream_blocks)(
             y_raw, is_bf16, weights if has_weights else self._no_bias[0], has_weights, recv_src_metadata, rank_psum,
             my_rank, parity, tuple(payload_rows(v, y.dtype) for v in rows))
 
@@ -272,7 +312,7 @@ class Kernels:
         out_raw, out_bf16 = _payload(out)
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
-        self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk)(
+        self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk, self.stream_blocks)(
             payload_rows(rows, out.dtype), out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
             *padded[1], len(terms), out_raw, out_bf16)
 
