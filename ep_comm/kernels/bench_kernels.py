@@ -5,6 +5,8 @@ DeepSeek-V3 prefill shape by default (T=4096, H=7168 bfloat16, top-8 of 256 expe
 writes into all of them, receiver 0 runs the epilogue. Per kernel: GPU time from CUDA events
 around each launch (median and p99 over ``--iters`` after ``--warmup``), host time of the launch
 call itself (median, nothing waited for), and bytes moved per GPU time where that means something.
+The timed launches queue up behind a sleeping kernel, so the events time the kernels alone, not
+the host preparing each launch on an idle GPU (that cost is the host column).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 from typing import Callable
 
 import numpy as np
+from numba import cuda
 
 from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
                                  Kernels, symmetric_views, to_host, word_dtype)
@@ -42,11 +45,22 @@ def uniform_routing(rng: np.random.Generator, tokens: int, experts: int, topk: i
     return np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk].astype(np.int64)
 
 
+HOLD_US_PER_ITER = 2000  # longer than any launch call takes on the host
+
+
+@cuda.jit
+def sleep_kernel(microseconds):
+    """Keep the GPU busy for about ``microseconds`` (one thread)."""
+    for _ in range(microseconds):
+        cuda.nanosleep(1000)
+
+
 def time_launch(cp, launch: Callable[[], None], warmup: int, iters: int) -> dict:
     """GPU time (events around each launch) and host time of the call, in microseconds."""
     for _ in range(warmup):
         launch()
     cp.cuda.runtime.deviceSynchronize()
+    sleep_kernel[1, 1](iters * HOLD_US_PER_ITER)
     events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
     host = []
     for start, end in events:
