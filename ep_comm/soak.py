@@ -545,16 +545,20 @@ class Run:
     args: argparse.Namespace
     shape: Shape
     backend: str
-    io: ArrayIO
     base: np.ndarray  # [2 * max_tokens, H] host payload rows
     probe: MemoryProbe
     progress: Progress
+    io: Optional[ArrayIO] = None  # made with the first Buffer, which picks this rank's GPU
 
     def buffer(self, deterministic: bool) -> Buffer:
+        """A Buffer of the run's shape (and, the first time, the run's ArrayIO on its device)."""
         s = self.shape
-        return Buffer(self.comm, num_experts=s.num_experts, hidden=s.hidden, num_topk=s.num_topk,
-                      num_max_tokens_per_rank=s.max_tokens, dtype=s.dtype, backend=self.backend,
-                      deterministic=deterministic, timeout_s=self.args.timeout)
+        buf = Buffer(self.comm, num_experts=s.num_experts, hidden=s.hidden, num_topk=s.num_topk,
+                     num_max_tokens_per_rank=s.max_tokens, dtype=s.dtype, backend=self.backend,
+                     deterministic=deterministic, timeout_s=self.args.timeout)
+        if self.io is None:
+            self.io = ArrayIO(buf.backend, self.base)
+        return buf
 
 
 def describe_error(exc: BaseException) -> str:
@@ -589,13 +593,13 @@ def soak_phase(run: Run) -> Dict[str, Any]:
     warmup = args.warmup if args.warmup is not None else min(max(FORCED_STEPS, args.iters // 10), 200)
     failures: List[str] = []
     track, modes = MemoryTrack(), {}
-    track.add(run.probe.sample(), is_baseline=warmup == 0)
     run.progress.begin("soak", args.iters)
     start = time.perf_counter()
     current: List[Step] = []  # the step running, for the failure line of an exception
 
     def body() -> None:
         with run.buffer(args.deterministic) as buf:
+            track.add(run.probe.sample(), is_baseline=warmup == 0)
             for i in range(args.iters):
                 step = plan_step(args.seed, i, args.check_every, args.alignments)
                 current[:] = [step]
@@ -814,7 +818,7 @@ def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> i
         return EXIT_USAGE
     base = base_payload(shape, args.seed)
     show = comm.rank == 0 and not args.quiet
-    run = Run(comm, args, shape, backend, ArrayIO(backend, base), base, MemoryProbe(gpu=backend == "nvshmem"),
+    run = Run(comm, args, shape, backend, base, MemoryProbe(gpu=backend == "nvshmem"),
               Progress(show, live=args.progress or sys.stderr.isatty()))
     phases = {}
     for name, count, phase in (("soak", args.iters, soak_phase), ("determinism", args.repeat_deterministic,
