@@ -21,8 +21,8 @@ every array we pass was made on, or handed in for, that same stream. The host wa
 reports a timeout. With ``cpu_sync=False`` nothing waits on the host: outputs have the contract's
 worst-case rows, the true counts stay on the device, and a timeout is reported by the next call.
 
-``EP_COMM_PROFILE=1``: per-phase host time (perf_counter) and GPU time (CUDA events); rank 0
-prints the medians when the buffer closes.
+``EP_COMM_PROFILE=1``: per-phase host time (perf_counter) and GPU time (CUDA events); every rank
+prints its medians when the buffer closes (ranks differ: a rank's wait includes its peers' lag).
 
 Inputs: CuPy arrays, or any GPU array with DLPack / ``__cuda_array_interface__`` (PyTorch
 tensors, zero copy). Outputs: CuPy arrays.
@@ -551,8 +551,8 @@ class NvshmemBackend:
                 clean = True
         finally:
             self.device.synchronize()
-            if self.profile.enabled and self.rank == 0:
-                print(f"[ep_comm profile, rank 0, nvshmem backend, use_puts={self.transport.use_puts}]\n"
+            if self.profile.enabled:
+                print(f"[ep_comm profile, rank {self.rank}, nvshmem backend, use_puts={self.transport.use_puts}]\n"
                       f"{self.profile.report()}", flush=True)
             self.transport.close(collective=clean)
             self.transport = None
