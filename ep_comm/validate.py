@@ -57,16 +57,26 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry) -> None:
         raise ValueError(f"topk_idx has {shape[0]} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
     if shape[0] == 0:
         return
-    idx = topk_idx.astype(xp.int64)
-    top = int(idx.max())
+    top, twice = _topk_values(xp, topk_idx)
     if top >= geo.num_experts:
         raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} (negative = none)")
-    if geo.num_topk > 1:
-        ordered = xp.sort(idx, axis=1)
-        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if bool(repeated.any()):
-            token = int(xp.nonzero(repeated.any(axis=1))[0][0])
-            raise ValueError(f"topk_idx row {token} names the same expert twice: each token picks distinct experts")
+    if twice >= 0:
+        raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
+
+
+def _topk_values(xp, topk_idx: Any) -> tuple:
+    """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing.
+
+    No sort and a single device-to-host read: on the GPU this is a handful of small launches and
+    one synchronisation per new routing.
+    """
+    valid = topk_idx >= 0
+    equal = (topk_idx[:, :, None] == topk_idx[:, None, :]) & valid[:, None, :]
+    repeated = (equal.sum(axis=2) > 1).any(axis=1)  # [T]: an entry equals another valid entry
+    first = repeated.argmax()
+    summary = xp.stack([topk_idx.max().astype(xp.int64), xp.where(repeated[first], first, -1).astype(xp.int64)])
+    top, twice = (summary.get() if hasattr(summary, "get") else summary).tolist()
+    return int(top), int(twice)
 
 
 def check_payload(x: Any, name: str, rows: int, geo: Geometry, row_name: str) -> None:
