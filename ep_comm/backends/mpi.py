@@ -7,19 +7,18 @@ the default where there is no GPU and the executable reference the GPU backend i
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import layout as lay
-from ..errors import BufferUnusableError, TimeoutError
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..reduce import combine_rows, expand_partials
 from ..symmetric import SymmetricLayout
 from ..transport.mpi_window import MpiWindow, step_word
 from ..validate import Geometry
+from .steps import Steps
 
 
 class MpiBackend:
@@ -36,8 +35,7 @@ class MpiBackend:
         self.timeout_s = timeout_s
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
         self.window = MpiWindow(self.comm, self.sym)
-        self.seq = 0
-        self.unusable: Optional[str] = None
+        self.steps = Steps(self.rank, timeout_s)
 
     # ------------------------------------------------------------------ inputs
     def as_array(self, obj, name: str) -> np.ndarray:
@@ -54,27 +52,10 @@ class MpiBackend:
         return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
 
     # ---------------------------------------------------------------- protocol
-    @contextmanager
-    def _collective(self, what: str) -> Iterator[tuple]:
-        """Number the next collective step and yield ``(seq, parity)``; a step that fails midway
-        leaves the peers out of step, so the buffer is marked unusable."""
-        if self.unusable:
-            raise BufferUnusableError(f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
-        self.seq += 1
-        try:
-            yield self.seq, self.seq % 2
-        except BaseException as exc:
-            if not self.unusable:
-                self.unusable = f"{what} #{self.seq} failed midway ({type(exc).__name__}: {exc})"
-            raise
-
     def _wait_all(self, what: str, seq: int) -> None:
         missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
         if missing:
-            self.unusable = f"{what} #{seq} timed out waiting for ranks {missing}"
-            raise TimeoutError(
-                f"rank {self.rank}: {what} #{seq} timed out after {self.timeout_s:g} s waiting for ranks "
-                f"{missing} (every rank must call {what} collectively)", missing)
+            raise self.steps.timed_out(what, seq, missing)
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
@@ -110,7 +91,7 @@ class MpiBackend:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
                  zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
-        with self._collective("dispatch") as step:
+        with self.steps.collective("dispatch") as step:
             return self._dispatch(step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding,
                                   cpu_sync, stats)
 
@@ -231,7 +212,7 @@ class MpiBackend:
 
     # ----------------------------------------------------------------- combine
     def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence[np.ndarray]) -> CombineOutput:
-        with self._collective("combine") as step:
+        with self.steps.collective("combine") as step:
             return self._combine(step, y, handle, topk_weights, bias_terms)
 
     def _combine(self, step, y, handle: EPHandle, topk_weights, bias_terms) -> CombineOutput:
@@ -283,15 +264,15 @@ class MpiBackend:
         """Collective close with a bounded wait; after a timeout, release local resources only."""
         if self.window is None:
             return
-        if self.unusable:
+        if self.steps.unusable:
             self.window.free(collective=False)
         else:
             try:
-                with self._collective("close") as (seq, _):
+                with self.steps.collective("close") as (seq, _):
                     self.window.signal(range(self.geo.num_ranks), step_word(seq, "close"))
                     self._wait_all("close", seq)
             finally:
-                self.window.free(collective=not self.unusable)
-                if not self.unusable:
+                self.window.free(collective=not self.steps.unusable)
+                if not self.steps.unusable:
                     self.comm.Free()
         self.window = None

@@ -39,10 +39,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import layout as lay
-from ..errors import BufferUnusableError, TimeoutError
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..symmetric import SymmetricLayout
 from ..validate import Geometry
+from .steps import Steps
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 _SIGNAL_KIND = {"dispatch": 1, "combine": 2, "close": 3}
@@ -289,8 +289,7 @@ class NvshmemBackend:
         self._own_counts = tuple(_device_array(xp, own.counts[p]) for p in range(2))
         self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
         self.profile = Profile(os.environ.get(PROFILE_ENV, "") == "1", device)
-        self.seq = 0
-        self.unusable: Optional[str] = None
+        self.steps = Steps(self.rank, timeout_s)
 
     @property
     def xp(self):
@@ -328,28 +327,18 @@ class NvshmemBackend:
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[tuple]:
-        """Number the next collective step and yield ``(seq, parity)``; a step that fails midway
-        leaves the peers out of step, so the buffer is marked unusable (as the mpi backend does)."""
-        if self.unusable:
-            raise BufferUnusableError(f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
-        self._raise_if_timed_out("an earlier operation", self.seq)
-        self.seq += 1
-        try:
-            with self.profile.phase(what, "total"), self._launching():
-                yield self.seq, self.seq % 2
-        except BaseException as exc:
-            if not self.unusable:
-                self.unusable = f"{what} #{self.seq} failed midway ({type(exc).__name__}: {exc})"
-            raise
+        """The next collective step ``(seq, parity)``, on the caller's stream, after raising any timeout
+        an earlier asynchronous wait recorded."""
+        if not self.steps.unusable:
+            self._raise_if_timed_out("an earlier operation", self.steps.seq)
+        with self.steps.collective(what) as step, self.profile.phase(what, "total"), self._launching():
+            yield step
 
     def _raise_if_timed_out(self, what: str, seq: int) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
         missing = self.transport.missing_ranks()
         if missing:
-            self.unusable = f"{what} #{seq} timed out waiting for ranks {missing}"
-            raise TimeoutError(
-                f"rank {self.rank}: {what} (#{seq}) timed out after {self.timeout_s:g} s waiting for ranks {missing} "
-                f"(every rank must call dispatch/combine collectively)", missing)
+            raise self.steps.timed_out(what, seq, missing)
 
     def _signal_and_wait(self, what: str, seq: int, parity: int, counts=None) -> None:
         """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``), then enqueue
@@ -544,7 +533,7 @@ class NvshmemBackend:
             return
         clean = False
         try:
-            if not self.unusable:
+            if not self.steps.unusable:
                 with self._collective("close") as (seq, parity):
                     self._signal_and_wait("close", seq, parity)
                     self._sync_and_check("close", seq)
