@@ -5,17 +5,20 @@
 #
 #   launch/gpu_selftest.sh [OUT_DIR [STEP...]]   (default: results/selftest, every step)
 #
-# Steps: bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests
+# Steps: bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak
+#        determinism examples
 #
 # On the device machines: source .device-kit/setup.sh first.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$repo/results/selftest}
 shift || true
-steps=${*:-bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests}
+steps=${*:-bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak determinism examples}
 mkdir -p "$out"
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# one kernel cache for every step and rank; the randomized contract test at a GPU-sized example count
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/ep_comm_numba_cache} EP_COMM_RANDOMIZED_EXAMPLES=${EP_COMM_RANDOMIZED_EXAMPLES:-20}
 log="$out/selftest.log"
 : > "$log"
 failed=0
@@ -45,6 +48,13 @@ for name in $steps; do
                            python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py ;;
         kernels) step "$name" 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
         gpu-tests) step "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+        soak) step "$name" 240 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters "${SOAK_ITERS:-10000}" \
+                  --check-every 100 --create-close 100 --json "$out/soak.json" ;;
+        determinism) step "$name" 120 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 0 \
+                         --create-close 0 --repeat-deterministic 100 --json "$out/determinism.json" ;;
+        examples) step "$name" 180 sh -c 'launch/mpirun_gpu.sh 2 examples.moe_layer --dtype bfloat16 --tokens 4096 \
+                      --hidden 2048 --ffn 1024 --experts 32 --topk 8 --alignment 128 &&
+                      launch/mpirun_gpu.sh 2 examples.torch_moe_layer --dtype bfloat16' ;;
         *) echo "unknown step $name" >&2; failed=$((failed + 1)) ;;
     esac
 done
