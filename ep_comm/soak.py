@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import layout as lay
-from .bench.__main__ import _int_at_least
+from .cli import int_at_least, int_list
 from .bench.measure import first_mismatch, to_host
 from .bench.routing import KINDS, make_routing
 from .buffer import Buffer
@@ -702,39 +702,29 @@ GPU_SHAPE = dict(experts=256, hidden=7168, topk=8, max_tokens=512)  # DeepSeek-V
 CPU_SHAPE = dict(experts_per_rank=8, hidden=128, topk=4, max_tokens=48)
 
 
-def _alignments(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a list of expert alignments >= 1, e.g. 1,2,8")
-    return values
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ep_comm.soak", description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 every check passed on every rank, 1 a check failed or an error was raised, "
                "2 bad options. Shapes default by backend (see the module docstring).")
     p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
-    p.add_argument("--iters", type=_int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
-    p.add_argument("--check-every", type=_int_at_least(1), default=100,
+    p.add_argument("--iters", type=int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
+    p.add_argument("--check-every", type=int_at_least(1), default=100,
                    help="full check and memory sample every k-th iteration (default: 100)")
-    p.add_argument("--warmup", type=_int_at_least(0),
+    p.add_argument("--warmup", type=int_at_least(0),
                    help="iterations before the memory baseline (default: iters/10, at least 4, at most 200)")
-    p.add_argument("--create-close", type=_int_at_least(0), default=100,
+    p.add_argument("--create-close", type=int_at_least(0), default=100,
                    help="Buffers to create, use once and close (default: 100; 0 skips)")
-    p.add_argument("--repeat-deterministic", type=_int_at_least(0), default=0,
+    p.add_argument("--repeat-deterministic", type=int_at_least(0), default=0,
                    help="identical deterministic rounds whose outputs must be bitwise equal (default: 0 = skip)")
     p.add_argument("--deterministic", action="store_true", help="soak on a deterministic=True Buffer (order checked too)")
-    p.add_argument("--experts", type=_int_at_least(1), help="global experts (default: GPU 256, CPU 8 per rank)")
-    p.add_argument("--hidden", type=_int_at_least(1), help="hidden size (default: GPU 7168, CPU 128)")
-    p.add_argument("--topk", type=_int_at_least(1), help="top-k (default: GPU 8, CPU 4)")
-    p.add_argument("--max-tokens", type=_int_at_least(1), help="num_max_tokens_per_rank (default: GPU 512, CPU 48)")
+    p.add_argument("--experts", type=int_at_least(1), help="global experts (default: GPU 256, CPU 8 per rank)")
+    p.add_argument("--hidden", type=int_at_least(1), help="hidden size (default: GPU 7168, CPU 128)")
+    p.add_argument("--topk", type=int_at_least(1), help="top-k (default: GPU 8, CPU 4)")
+    p.add_argument("--max-tokens", type=int_at_least(1), help="num_max_tokens_per_rank (default: GPU 512, CPU 48)")
     p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16", help="payload dtype (default: bfloat16)")
-    p.add_argument("--alignments", type=_alignments, default=[1, 2, 8], help="expand alignments to draw from (default: 1,2,8)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of every plan and input (default: 0)")
+    p.add_argument("--alignments", type=int_list("expert alignments", 1, "1,2,8"), default=[1, 2, 8], help="expand alignments to draw from (default: 1,2,8)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of every plan and input (default: 0)")
     p.add_argument("--timeout", type=float, default=60.0, help="Buffer timeout_s (default: 60)")
     p.add_argument("--mem-tolerance-mib", type=float, default=64.0,
                    help="allowed memory growth after warm-up, per metric (default: 64 MiB)")

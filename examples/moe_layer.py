@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ep_comm
-from ep_comm.bench.__main__ import _int_at_least
+from ep_comm.cli import int_at_least
 from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.layout import align_up
 
@@ -262,18 +262,18 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="MoE layer on ep_comm (gate, expand dispatch, expert "
                                 "MLPs, combine) checked against a dense reference. Run under mpirun, one "
                                 "process per rank (GPU). Exit status: 0 ok, 1 check failed, 2 bad options.")
-    p.add_argument("--tokens", type=_int_at_least(0), default=256, help="tokens per rank (default: 256)")
-    p.add_argument("--hidden", type=_int_at_least(1), default=256, help="hidden size H (default: 256)")
-    p.add_argument("--ffn", type=_int_at_least(1), default=512, help="expert MLP width F (default: 512)")
-    p.add_argument("--experts", type=_int_at_least(1), default=16,
+    p.add_argument("--tokens", type=int_at_least(0), default=256, help="tokens per rank (default: 256)")
+    p.add_argument("--hidden", type=int_at_least(1), default=256, help="hidden size H (default: 256)")
+    p.add_argument("--ffn", type=int_at_least(1), default=512, help="expert MLP width F (default: 512)")
+    p.add_argument("--experts", type=int_at_least(1), default=16,
                    help="experts E, divisible by the number of ranks (default: 16)")
-    p.add_argument("--topk", type=_int_at_least(1), default=4, help="experts per token K (default: 4)")
-    p.add_argument("--alignment", type=_int_at_least(1), default=8,
+    p.add_argument("--topk", type=int_at_least(1), default=4, help="experts per token K (default: 4)")
+    p.add_argument("--alignment", type=int_at_least(1), default=8,
                    help="expert_alignment: rows per expert block rounded up to it (default: 8)")
     p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16", help="payload dtype (default: bfloat16)")
     p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto",
                    help="ep_comm backend: auto = nvshmem where a GPU stack is found, else mpi (default: auto)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of weights and tokens (default: 0)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of weights and tokens (default: 0)")
     return p
 
 

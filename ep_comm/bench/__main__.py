@@ -6,30 +6,9 @@ import sys
 from typing import List, Optional
 
 from ep_comm.bench.routing import KINDS
+from ep_comm.cli import int_at_least, int_list
 
-
-def _int_at_least(minimum: int):
-    """argparse type: an integer >= ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= {minimum}")
-        return value
-
-    return parse
-
-
-def _token_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a list of positive token counts, e.g. 128,512,4096")
-    return values
+token_list = int_list("token counts", 1, "128,512,4096")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,17 +18,17 @@ def parser() -> argparse.ArgumentParser:
                     "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config.")
     p.add_argument("--config", default="cpu_demo", help="config name in configs/ or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
-    p.add_argument("--seed", type=_int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
-    p.add_argument("--tokens", type=_int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")
-    p.add_argument("--sweep", type=_token_list, help="comma-separated tokens per rank to run one after another")
-    p.add_argument("--iters", type=_int_at_least(1), default=20, help="timed iterations per point (default: 20)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
+    p.add_argument("--seed", type=int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
+    p.add_argument("--tokens", type=int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")
+    p.add_argument("--sweep", type=token_list, help="comma-separated tokens per rank to run one after another")
+    p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per point (default: 20)")
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
-    p.add_argument("--alignment", type=_int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
+    p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
     p.add_argument("--timeout", type=float, default=100.0, help="Buffer timeout_s in seconds (default: 100)")
-    p.add_argument("--num-sms", type=_int_at_least(1), help="SMs for the GPU kernels (recorded; passed on once the Buffer takes it)")
+    p.add_argument("--num-sms", type=int_at_least(1), help="SMs for the GPU kernels (recorded; passed on once the Buffer takes it)")
     p.add_argument("--no-baselines", action="store_true", help="GPU: skip the NCCL baselines")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
