@@ -28,8 +28,12 @@ step() {  # step NAME TIMEOUT_S COMMAND...
     shift 2
     start=$(date +%s)
     echo "===== $name: $*" >> "$log"
-    timeout "$limit" "$@" >> "$log" 2>&1
+    timeout -k 5 "$limit" "$@" >> "$log" 2>&1
     rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # mpirun's ranks can outlive a killed launcher: end them
+        pkill -9 -f 'mpirun|orted|python3 -m' 2>/dev/null
+        sleep 1
+    fi
     [ $rc -eq 0 ] || failed=$((failed + 1))
     printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - start ))" \
         "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)" | tee -a "$log"
@@ -43,9 +47,9 @@ for name in $steps; do
                           --iters 200 --warmup 10 --json "$out/decode.json" ;;
         kernel-bench) step "$name" 120 python3 -m ep_comm.kernels.bench_kernels --out "$out/kernels.json" ;;
         contract-stores) step "$name" 240 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=0 \
-                             python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py ;;
+                             python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py -k "${CONTRACT_RANKS:-1 or 2}" ;;
         contract-puts) step "$name" 240 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=1 \
-                           python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py ;;
+                           python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py -k "${CONTRACT_RANKS:-1 or 2}" ;;
         kernels) step "$name" 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
         gpu-tests) step "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
         soak) step "$name" 240 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters "${SOAK_ITERS:-10000}" \
