@@ -54,6 +54,15 @@ def torch_distributed(comm: MPI.Comm):
     return dist
 
 
+def close_torch_distributed() -> None:
+    """Tear down the NCCL process group, if one was made, so that its watchdog does not outlive it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _to_torch(arr: np.ndarray, device):
     """Host array (float32/float16/ml_dtypes bfloat16, or int64) -> torch tensor on ``device``."""
     import torch

@@ -147,6 +147,10 @@ def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
                 lat = points[-1]["latency_us"]
                 progress.finish(f"{'ok' if points[-1]['check_passed'] else 'FAILED'}, dispatch p50 "
                                 f"{lat['dispatch']['p50']:.1f} us, combine p50 {lat['combine']['p50']:.1f} us")
+        if nccl is not None:
+            from .baselines import close_torch_distributed
+
+            close_torch_distributed()
     passed = all(p["check_passed"] for p in points) if is_root else None
     if is_root:
         _write_outputs(args, meta, points)
