@@ -33,6 +33,7 @@ from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                       receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
+from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
 from ep_comm.symmetric import SymmetricLayout
 
@@ -87,6 +88,17 @@ def payload_words(x: Array) -> Array:
         if row_bytes % np.dtype(word).itemsize == 0:
             return raw.view(word)
     raise AssertionError("unreachable: rows hold a whole number of 16-bit elements")
+
+
+def wide_rows(*arrays: Array) -> bool:
+    """Whether a row copy between these word arrays (rows on the last axis) may move 16 bytes per access:
+    64-bit words, an even number per row, and every row 16-byte aligned."""
+    for a in arrays:
+        desc = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+        row_strides = a.strides[:-1]
+        if a.dtype.itemsize != 8 or a.shape[-1] % 2 or desc["data"][0] % 16 or any(st % 16 for st in row_strides):
+            return False
+    return True
 
 
 def word_dtype(hidden: int, itemsize: int) -> np.dtype:
@@ -158,12 +170,15 @@ def _payload(x: Array) -> tuple[Array, bool]:
 class Kernels:
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
 
-    ``num_blocks`` x ``warps_per_block`` warps run each kernel. Tokens are cut into one unit per
-    warp (count and scatter agree on the cut); received rows into ``recv_units`` units (default:
-    ``num_blocks``), fewer because the stable expand placement scans its per-unit counts once per
-    local expert. The row-streaming kernels (receive rows, combine) need no unit cut and run on
-    ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
-    NVLink busy. ``stream`` is a Numba stream (or 0).
+    ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
+    one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
+    (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
+    tokens on as few blocks as that needs. Received rows are cut into units of about
+    ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
+    stable expand placement scans its per-unit counts once per local expert. The row-streaming
+    kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
+    ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy. ``stream`` is a Numba
+    stream (or 0).
     """
 
     xp: Any
@@ -177,6 +192,8 @@ class Kernels:
     stream: Any = 0
     stream_blocks: int = 0
     device_views: DeviceViews = field(default_factory=DeviceViews)
+    count_tokens_per_warp: int = 16
+    recv_rows_per_unit: int = 64
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -193,6 +210,7 @@ class Kernels:
         self._rank_cursor = xp.zeros(r, dtype=np.int32)
         self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
         self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
+        self._send_groups = xp.zeros((self.num_units, r), dtype=np.int32)
         self._recv_cursor = xp.zeros((self.recv_units, self.num_local), dtype=np.int32)
         self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
         self._no_bias = xp.zeros((1, 1), dtype=np.float32)
@@ -204,6 +222,14 @@ class Kernels:
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0):
         configured = kernel[blocks or self.num_blocks, self.threads, self.stream, shared_bytes]
         return lambda *args: configured(*(self.device_views(a) for a in args))
+
+    def token_cut(self, num_tokens: int) -> tuple[int, int]:
+        """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
+        consecutive units one count warp walks."""
+        step = WARP // self.num_topk
+        per_unit = -(-max(num_tokens, 1) // self.num_units)
+        per_unit = -(-per_unit // step) * step
+        return units_for(num_tokens, per_unit, self.num_units), max(1, self.count_tokens_per_warp // per_unit)
 
     def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
@@ -217,9 +243,12 @@ class Kernels:
         out = SendLayout(xp.empty(r, np.int32), xp.empty(e, np.int32), xp.empty(r, np.int32),
                          xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
                          xp.empty((num_tokens, self.num_topk), np.int32))
-        self._launch(count_kernel, 4 * (e + r))(
-            topk_idx, self.num_local, self.num_units, stable, self._counters, self._ticket, self._send_units,
-            self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
+        num_units, units_per_warp = self.token_cut(num_tokens)
+        count_warps = -(-num_units // units_per_warp)
+        blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
+        self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
+            topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
+            self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
@@ -235,10 +264,12 @@ class Kernels:
         if x.shape[0] == 0:
             return
         weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
+        num_units, units_per_warp = self.token_cut(x.shape[0])
+        x_words = payload_words(x)
         self._launch(scatter_kernel)(
-            payload_words(x), topk_idx, weights, topk_weights is not None, self.num_local, src_rank, parity, mode,
-            self.num_units, self._rank_cursor, self._send_units, slot_idx, tuple(rows),
-            tuple(metas))
+            x_words, wide_rows(x_words, *rows), topk_idx, weights, topk_weights is not None, self.num_local,
+            src_rank, parity, mode, num_units, units_per_warp, self._rank_cursor, self._send_units,
+            self._send_groups, slot_idx, tuple(rows), tuple(metas))
 
     def receive_count(self, src_counts: Array, meta: Array, *, alignment: int, expand: bool,
                       stable: bool) -> ReceiveCounts:
@@ -250,9 +281,11 @@ class Kernels:
         xp, r, local = self.xp, self.num_ranks, self.num_local
         out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
                             xp.empty(local, np.int32), xp.empty(2, np.int32))
-        self._launch(receive_count_kernel, 4 * (r + local))(
-            src_counts, meta, alignment, expand, stable and expand, self.recv_units, self._counters[:local],
-            self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
+        worst_units = units_for(meta.shape[0] * meta.shape[1], self.recv_rows_per_unit, self.recv_units)
+        blocks = min(self.num_blocks, -(-worst_units // self.warps_per_block))
+        self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks)(
+            src_counts, meta, alignment, expand, stable and expand, self.recv_rows_per_unit, self.recv_units,
+            self._counters[:local], self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
             out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)
         return out
 
@@ -272,12 +305,15 @@ class Kernels:
         if not expand:
             mode = PLACE_ATOMIC  # compact rows keep their arrival order: nothing to place
         width = recv_topk_idx.shape[1] if recv_topk_idx.ndim == 2 else 1
+        rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
         self._launch(receive_place_kernel)(
-            rank_psum, meta, expand, mode, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
+            rank_psum, meta, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
             alignment, recv_topk_idx.reshape(-1, width), recv_topk_weights.view(np.int32).reshape(-1, width),
             recv_src_metadata)
+        recv_words = payload_words(recv_x)
         self._launch(receive_rows_kernel, blocks=self.stream_blocks)(
-            rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, payload_words(recv_x))
+            rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
+            wide_rows(recv_words, rows))
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, parity: int, expand: bool, weights: Optional[Array] = None) -> None:
@@ -290,8 +326,9 @@ class Kernels:
         weighted by ``weights [M]`` float32 when given.
         """
         if not expand:
+            y_words = payload_words(y)
             self._launch(combine_copy_kernel, blocks=self.stream_blocks)(
-                payload_words(y), recv_src_metadata, rank_psum, my_rank, parity, tuple(rows))
+                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, parity, tuple(rows))
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None

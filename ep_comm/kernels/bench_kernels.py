@@ -2,9 +2,11 @@
 
 DeepSeek-V3 prefill shape by default (T=4096, H=7168 bfloat16, top-8 of 256 experts), with
 ``--ranks`` simulated ranks whose symmetric buffers all live on this GPU: every source's scatter
-writes into all of them, receiver 0 runs the epilogue. Per kernel: GPU time from CUDA events
-around each launch (median and p99 over ``--iters`` after ``--warmup``), host time of the launch
-call itself (median, nothing waited for), and bytes moved per GPU time where that means something.
+writes into all of them, receiver 0 runs the epilogue. The count also runs on the first
+``--decode-tokens`` tokens (decode). Per kernel: GPU time from CUDA events around each launch
+(median and p99 over ``--iters`` after ``--warmup``), host time of the launch call itself in
+microseconds per launch (median, nothing waited for), and bytes moved per GPU time where that
+means something.
 The timed launches queue up behind a sleeping kernel, so the events time the kernels alone, not
 the host preparing each launch on an idle GPU (that cost is the host column).
 """
@@ -20,12 +22,14 @@ from numba import cuda
 
 from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
                                  Kernels, symmetric_views, to_host, word_dtype)
+from ep_comm.kernels.jit import kernel
 from ep_comm.symmetric import SymmetricLayout
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens of the extra count measurements")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
@@ -48,7 +52,7 @@ def uniform_routing(rng: np.random.Generator, tokens: int, experts: int, topk: i
 HOLD_US_PER_ITER = 2000  # longer than any launch call takes on the host
 
 
-@cuda.jit
+@kernel
 def sleep_kernel(microseconds):
     """Keep the GPU busy for about ``microseconds`` (one thread)."""
     for _ in range(microseconds):
@@ -141,9 +145,12 @@ class Bench:
         y_expand = expand_out[0]
         weights = self.cp.ones(self.num_expanded, self.cp.float32)
         out = self.cp.empty((a.tokens, a.hidden), self.cp.uint16)
+        decode = self.cp.ascontiguousarray(self.topk[0][: a.decode_tokens])
         return {
             "count (stable)": (lambda: k.count(self.topk[0], stable=True), 0),
             "count (atomic)": (lambda: k.count(self.topk[0], stable=False), 0),
+            f"count (stable) T={a.decode_tokens}": (lambda: k.count(decode, stable=True), 0),
+            f"count (atomic) T={a.decode_tokens}": (lambda: k.count(decode, stable=False), 0),
             "count + scatter (stable)": (scatter(SLOT_STABLE), pairs * row_bytes),
             "count + scatter (atomic)": (scatter(SLOT_ATOMIC), pairs * row_bytes),
             "scatter (cached)": (scatter(SLOT_CACHED), pairs * row_bytes),

@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
+from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
 SPAN = 8  # elements per lane per pass over a row: SPAN loads in flight per term instead of one
@@ -53,14 +54,14 @@ def return_address(recv_src_metadata, row, max_tokens):
     return src, recv_src_metadata[row, 1] - src * max_tokens
 
 
-@cuda.jit
-def combine_copy_kernel(y_words, recv_src_metadata, rank_psum, my_rank, parity, rows):
+@kernel
+def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, parity, rows):
     """See :func:`ep_comm.kernels.api.Kernels.combine_send` (compact)."""
     max_tokens = rows[0].shape[2]
     warp, num_warps = global_warp()
     for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
         src, slot = return_address(recv_src_metadata, row, max_tokens)
-        copy_row(rows[src][parity, my_rank, slot], y_words[row], y_words.shape[1])
+        copy_row(rows[src][parity, my_rank, slot], y_words[row], y_words.shape[1], wide)
 
 
 @cuda.jit(device=True)
@@ -81,7 +82,7 @@ def gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales):
     return count_lanes(valid)
 
 
-@cuda.jit
+@kernel
 def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, parity, rows):
     """See :func:`ep_comm.kernels.api.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
     int32 then ``[warps * K]`` float32."""
@@ -131,7 +132,7 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
     return reached
 
 
-@cuda.jit
+@kernel
 def combine_reduce_kernel(rows, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0, bias0_is_bf16,
                           bias1, bias1_is_bf16, num_bias, out, out_is_bf16):
     """See :func:`ep_comm.kernels.api.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""

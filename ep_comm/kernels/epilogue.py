@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
-from ep_comm.kernels.units import lane_entry, source_of_row, unit_range
+from ep_comm.kernels.units import lane_entry, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
 
 PLACE_ATOMIC = 0
@@ -44,23 +45,13 @@ def lane_local_expert(meta, rank_psum, first_row, end, lane):
     return row, k, active, src, slot, expert
 
 
-@cuda.jit
-def receive_count_kernel(src_counts, meta, alignment, expand, stable, num_units, counters, ticket, unit_counts,
-                         rank_psum, unaligned, aligned, expert_psum, expert_cursor, totals):
-    """See :func:`ep_comm.kernels.api.Kernels.receive_count`; dynamic shared memory: int32 ``[R + L]``."""
-    num_ranks = src_counts.shape[0]
-    num_local = unaligned.shape[0]
+@cuda.jit(device=True)
+def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
+    """Count received entries per local expert into the block histogram ``hist [L]`` (shared) and, with
+    ``stable``, per unit into ``unit_counts [units, L]``; ``psum [R]``: inclusive rows per source."""
     num_topk = (meta.shape[2] - 1) // 2
-    smem = cuda.shared.array(0, int32)
-    psum = smem[:num_ranks]
-    hist = smem[num_ranks: num_ranks + num_local]
-    for i in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
-        hist[i] = 0
-    if cuda.threadIdx.x < WARP:
-        warp_scan(src_counts, psum, num_ranks, False, 0)
-    cuda.syncthreads()
-
-    num_rows = psum[num_ranks - 1]
+    num_local = hist.shape[0]
+    num_rows = psum[psum.shape[0] - 1]
     lane = lane_id()
     group = WARP // num_topk
     warp, num_warps = global_warp()
@@ -76,6 +67,31 @@ def receive_count_kernel(src_counts, meta, alignment, expand, stable, num_units,
                 cuda.atomic.add(hist, expert, 1)
                 if stable:
                     cuda.atomic.add(unit_counts, (unit, expert), 1)
+
+
+@kernel
+def receive_count_kernel(src_counts, meta, alignment, expand, stable, rows_per_unit, max_units, counters, ticket,
+                         unit_counts, rank_psum, unaligned, aligned, expert_psum, expert_cursor, totals):
+    """See :func:`ep_comm.kernels.api.Kernels.receive_count`; dynamic shared memory: int32 ``[R + 2L]``.
+
+    The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
+    :func:`receive_place_kernel` repeats from the same arguments.
+    """
+    num_ranks = src_counts.shape[0]
+    num_local = unaligned.shape[0]
+    smem = cuda.shared.array(0, int32)
+    psum = smem[:num_ranks]
+    hist = smem[num_ranks: num_ranks + num_local]
+    start = smem[num_ranks + num_local: num_ranks + 2 * num_local]
+    for i in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+        hist[i] = 0
+    if cuda.threadIdx.x < WARP:
+        warp_scan(src_counts, psum, num_ranks, False, 0, True)
+    cuda.syncthreads()
+
+    num_rows = psum[num_ranks - 1]
+    num_units = units_for_device(num_rows, rows_per_unit, max_units)
+    count_local_experts(meta, psum, num_units, hist, stable, unit_counts)
     cuda.syncthreads()
 
     flush_counters(hist, counters)
@@ -85,23 +101,23 @@ def receive_count_kernel(src_counts, meta, alignment, expand, stable, num_units,
     for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
         unaligned[e] = hist[e]
         aligned[e] = align_up(hist[e], alignment)
+        start[e] = align_up(hist[e], alignment)
     for r in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):
         rank_psum[r] = psum[r]
-    cuda.threadfence()
     cuda.syncthreads()
     if cuda.threadIdx.x < WARP:
-        total = warp_scan(aligned, expert_cursor, num_local, True, 0)
-        if lane == 0:
+        total = warp_scan(start, start, num_local, True, 0, False)
+        if lane_id() == 0:
             totals[0] = num_rows
             totals[1] = total
-    cuda.threadfence()
     cuda.syncthreads()
     for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
-        expert_psum[e] = expert_cursor[e] + (hist[e] if expand else aligned[e])
+        expert_cursor[e] = start[e]
+        expert_psum[e] = start[e] + (hist[e] if expand else align_up(hist[e], alignment))
     if stable:
         for e in range(cuda.threadIdx.x // WARP, num_local, cuda.blockDim.x // WARP):
-            column = unit_counts[:, e]
-            warp_scan(column, column, num_units, True, expert_cursor[e])
+            column = unit_counts[:num_units, e]
+            warp_scan(column, column, num_units, True, start[e], True)
 
 
 @cuda.jit(device=True)
@@ -149,14 +165,19 @@ def mark_unused_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_
                 recv_weight_bits[row, 0] = 0
 
 
-@cuda.jit
-def receive_place_kernel(rank_psum, meta, expand, mode, num_units, expert_cursor, unit_cursor, expert_psum,
-                         alignment, recv_topk_idx, recv_weight_bits, recv_src_metadata):
-    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: everything but the payload rows."""
+@kernel
+def receive_place_kernel(rank_psum, meta, expand, mode, rows_per_unit, max_units, expert_cursor, unit_cursor,
+                         expert_psum, alignment, recv_topk_idx, recv_weight_bits, recv_src_metadata):
+    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: everything but the payload rows.
+
+    Rows are cut into ``units_for(N, rows_per_unit, max_units)`` units: the cut of
+    :func:`receive_count_kernel` in stable mode, any other cut else.
+    """
     num_ranks = rank_psum.shape[0]
     max_tokens = meta.shape[1]
     num_topk = (meta.shape[2] - 1) // 2
     num_rows = rank_psum[num_ranks - 1]
+    num_units = units_for_device(num_rows, rows_per_unit, max_units)
     lane = lane_id()
     group = WARP // num_topk
     warp, num_warps = global_warp()
@@ -184,11 +205,13 @@ def receive_place_kernel(rank_psum, meta, expand, mode, num_units, expert_cursor
                         expand)
 
 
-@cuda.jit
-def receive_rows_kernel(rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_x):
+@kernel
+def receive_rows_kernel(rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_x,
+                        wide):
     """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: the payload rows, one warp per compact row.
 
-    Runs after :func:`receive_place_kernel`, whose metadata says where each row goes.
+    Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
+    move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
     """
     max_tokens = rows.shape[1]
     num_topk = recv_src_metadata.shape[1] - 2
@@ -200,11 +223,11 @@ def receive_rows_kernel(rank_psum, rows, expand, zero_padding, expert_psum, alig
         src = recv_src_metadata[row, 1] // max_tokens
         slot = recv_src_metadata[row, 1] - src * max_tokens
         if not expand:
-            copy_row(recv_x[row], rows[src, slot], words)
+            copy_row(recv_x[row], rows[src, slot], words, wide)
         for k in range(num_topk if expand else 0):
             dst = recv_src_metadata[row, 2 + k]
             if dst >= 0:
-                copy_row(recv_x[dst], rows[src, slot], words)
+                copy_row(recv_x[dst], rows[src, slot], words, wide)
     if expand and zero_padding and alignment > 1:
         for job in range(warp, expert_psum.shape[0] * (alignment - 1), num_warps):
             end = expert_psum[job // (alignment - 1)]

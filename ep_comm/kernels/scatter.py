@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.units import lane_entry, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
@@ -52,10 +53,21 @@ def assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor, t, k, active
     return slot
 
 
-@cuda.jit
-def scatter_kernel(x_words, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, parity, mode,
-                   num_units, rank_cursor, unit_cursor, slot_idx, rows, metas):
-    """See :func:`ep_comm.kernels.api.Kernels.scatter`."""
+@cuda.jit(device=True)
+def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
+    """Turn unit ``unit``'s start inside its count group into its start inside each rank (``unit_cursor[unit]``)."""
+    num_ranks = unit_cursor.shape[1]
+    for r in range(lane, num_ranks, WARP):
+        unit_cursor[unit, r] += group_counts[unit // units_per_warp, r]
+    cuda.syncwarp(FULL_MASK)
+
+
+@kernel
+def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, parity, mode,
+                   num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, rows, metas):
+    """See :func:`ep_comm.kernels.api.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
+    :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
+    :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``."""
     num_tokens, num_topk = topk_idx.shape
     num_ranks = len(rows)
     max_tokens = rows[0].shape[2]
@@ -65,6 +77,8 @@ def scatter_kernel(x_words, topk_idx, weight_bits, has_weights, experts_per_rank
     warp, num_warps = global_warp()
     for unit in range(warp, num_units, num_warps):
         begin, end = unit_range(unit, num_units, num_tokens)
+        if mode == SLOT_STABLE:
+            start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane)
         for t0 in range(begin, end, group):
             t, k, active = lane_entry(t0, end, num_topk, lane)
             expert = np.int64(topk_idx[t, k]) if active else np.int64(-1)
@@ -79,6 +93,6 @@ def scatter_kernel(x_words, topk_idx, weight_bits, has_weights, experts_per_rank
                 pt = cuda.shfl_sync(FULL_MASK, t, src)
                 pr = cuda.shfl_sync(FULL_MASK, rank, src)
                 ps = cuda.shfl_sync(FULL_MASK, slot, src)
-                copy_row(rows[pr][parity, src_rank, ps], x_words[pt], x_words.shape[1])
+                copy_row(rows[pr][parity, src_rank, ps], x_words[pt], x_words.shape[1], wide)
                 write_meta(metas[pr][parity, src_rank, ps], topk_idx, weight_bits, has_weights, pt, pr,
                            experts_per_rank, lane)

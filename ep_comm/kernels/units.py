@@ -11,6 +11,14 @@ from numba import cuda
 from ep_comm.kernels.warp import WARP
 
 
+def units_for(num_items: int, items_per_unit: int, max_units: int) -> int:
+    """How many units cut ``num_items``: about ``items_per_unit`` each, at least 1, at most ``max_units``."""
+    return max(1, min(max_units, (num_items + items_per_unit - 1) // items_per_unit))
+
+
+units_for_device = cuda.jit(device=True)(units_for)
+
+
 @cuda.jit(device=True)
 def unit_range(unit, num_units, num_items):
     """``[begin, end)`` items of ``unit`` when ``num_items`` are cut into ``num_units`` even chunks."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ep_comm.kernels.vector import load_pair, store_pair
+
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
 COPY_UNROLL = 8
@@ -43,9 +45,12 @@ def warp_inclusive_sum(value, lane):
 
 
 @cuda.jit(device=True)
-def load_or_zero(src, i, n):
-    """``src[i]`` as int32 through ``ld.global.cv`` (written by other blocks in this launch), 0 past ``n``."""
-    return np.int32(cuda.ldcv(src, i)) if i < n else np.int32(0)
+def load_or_zero(src, i, n, coherent):
+    """``src[i]`` as int32, 0 past ``n``; ``coherent``: through ``ld.global.cv`` (global memory written by
+    other blocks in this launch), else a plain load (shared memory, or global written before the launch)."""
+    if i >= n:
+        return np.int32(0)
+    return np.int32(cuda.ldcv(src, i)) if coherent else np.int32(src[i])
 
 
 @cuda.jit(device=True)
@@ -58,22 +63,23 @@ def scan_chunk(value, i, n, dst, exclusive, carry, lane):
 
 
 @cuda.jit(device=True)
-def warp_scan(src, dst, n, exclusive, carry):
+def warp_scan(src, dst, n, exclusive, carry, coherent):
     """Prefix sum of ``src[:n]`` into ``dst[:n]`` by one warp, in chunks of 32 with a carried total.
 
     ``dst[i] = carry + src[0] + ... + src[i]`` (inclusive) or ``... + src[i-1]`` (exclusive).
-    ``src`` is a global integer array (possibly a strided view) that other blocks may have written
-    in this launch; ``dst`` is int32, global or shared, and may be ``src``. Four chunks are loaded
-    before they are scanned, so their load latencies overlap. Returns ``carry + sum(src[:n])`` on
-    every lane.
+    ``src`` is an integer array (possibly a strided view), global or shared; ``coherent`` when it is
+    global memory that other blocks may have written in this launch. ``dst`` is int32, global or
+    shared, and may be ``src``. Four chunks are loaded before they are scanned, so their load
+    latencies overlap: a scan of up to 128 values costs one memory round trip. Returns
+    ``carry + sum(src[:n])`` on every lane.
     """
     lane = lane_id()
     for first in range(0, n, 4 * WARP):  # the same trip count on every lane: the scans are collectives
         base = first + lane
-        v0 = load_or_zero(src, base, n)
-        v1 = load_or_zero(src, base + WARP, n)
-        v2 = load_or_zero(src, base + 2 * WARP, n)
-        v3 = load_or_zero(src, base + 3 * WARP, n)
+        v0 = load_or_zero(src, base, n, coherent)
+        v1 = load_or_zero(src, base + WARP, n, coherent)
+        v2 = load_or_zero(src, base + 2 * WARP, n, coherent)
+        v3 = load_or_zero(src, base + 3 * WARP, n, coherent)
         carry = scan_chunk(v0, base, n, dst, exclusive, carry, lane)
         carry = scan_chunk(v1, base + WARP, n, dst, exclusive, carry, lane)
         carry = scan_chunk(v2, base + 2 * WARP, n, dst, exclusive, carry, lane)
@@ -139,35 +145,54 @@ def stable_bucket_slots(cursor, bucket, active, lane):
 
 
 @cuda.jit(device=True)
-def copy_row(dst, src, n):
+def load_words(src, i, wide):
+    """``(src[i], src[i + 1])`` in one 2-word load when ``wide``, else ``(src[i], src[i])``."""
+    if wide:
+        return load_pair(src, i)
+    return src[i], src[i]
+
+
+@cuda.jit(device=True)
+def store_words(dst, i, words, wide):
+    """Store what :func:`load_words` loaded at ``i``: both words when ``wide``, else the first."""
+    if wide:
+        store_pair(dst, i, words[0], words[1])
+    else:
+        dst[i] = words[0]
+
+
+@cuda.jit(device=True)
+def copy_row(dst, src, n, wide):
     """Copy words ``src[:n]`` into ``dst[:n]`` with the lanes of one warp (coalesced).
 
-    Eight loads per lane are issued before their stores: the compiler cannot hoist loads above
-    stores to a possibly aliasing ``dst`` by itself, and one load in flight per warp is far too
-    few to keep HBM or NVLink busy.
+    ``wide``: every lane moves two adjacent words per access (16 bytes for 64-bit words); ``n``
+    must then be even and both rows aligned to two words. Eight loads per lane are issued before
+    their stores: the compiler cannot hoist loads above stores to a possibly aliasing ``dst`` by
+    itself, and one load in flight per warp is far too few to keep HBM or NVLink busy.
     """
-    lane = lane_id()
-    step = COPY_UNROLL * WARP
+    width = 2 if wide else 1
+    lane_step = WARP * width
+    step = COPY_UNROLL * lane_step
     full = n // step * step
-    for base in range(lane, full, step):
-        w0 = src[base]
-        w1 = src[base + WARP]
-        w2 = src[base + 2 * WARP]
-        w3 = src[base + 3 * WARP]
-        w4 = src[base + 4 * WARP]
-        w5 = src[base + 5 * WARP]
-        w6 = src[base + 6 * WARP]
-        w7 = src[base + 7 * WARP]
-        dst[base] = w0
-        dst[base + WARP] = w1
-        dst[base + 2 * WARP] = w2
-        dst[base + 3 * WARP] = w3
-        dst[base + 4 * WARP] = w4
-        dst[base + 5 * WARP] = w5
-        dst[base + 6 * WARP] = w6
-        dst[base + 7 * WARP] = w7
-    for w in range(full + lane, n, WARP):
-        dst[w] = src[w]
+    for base in range(lane_id() * width, full, step):
+        w0 = load_words(src, base, wide)
+        w1 = load_words(src, base + lane_step, wide)
+        w2 = load_words(src, base + 2 * lane_step, wide)
+        w3 = load_words(src, base + 3 * lane_step, wide)
+        w4 = load_words(src, base + 4 * lane_step, wide)
+        w5 = load_words(src, base + 5 * lane_step, wide)
+        w6 = load_words(src, base + 6 * lane_step, wide)
+        w7 = load_words(src, base + 7 * lane_step, wide)
+        store_words(dst, base, w0, wide)
+        store_words(dst, base + lane_step, w1, wide)
+        store_words(dst, base + 2 * lane_step, w2, wide)
+        store_words(dst, base + 3 * lane_step, w3, wide)
+        store_words(dst, base + 4 * lane_step, w4, wide)
+        store_words(dst, base + 5 * lane_step, w5, wide)
+        store_words(dst, base + 6 * lane_step, w6, wide)
+        store_words(dst, base + 7 * lane_step, w7, wide)
+    for w in range(full + lane_id() * width, n, lane_step):
+        store_words(dst, w, load_words(src, w, wide), wide)
 
 
 @cuda.jit(device=True)

@@ -3,7 +3,8 @@
 Run as ``python tests/kernels/compile_check.py OUT_DIR`` outside the simulator: ``Kernels`` methods
 are called with NumPy arrays and a launcher that records instead of launching; each recorded
 launch is compiled to PTX, written to ``OUT_DIR/<kernel>.ptx``. This type-checks the real kernels
-(the simulator runs them as Python) and lets tests inspect the generated code.
+(the simulator runs them as Python) and lets tests inspect the generated code. Every kernel must
+also be disk-cached under the package's sources digest (``ep_comm/kernels/jit.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numba.cuda.dispatcher
 from numba import cuda, typeof
 
 from ep_comm.kernels.api import PLACE_STABLE, SLOT_STABLE, Kernels, symmetric_views, word_dtype
+from ep_comm.kernels.jit import SOURCES_DIGEST
 from ep_comm.symmetric import SymmetricLayout
 
 CC = (9, 0)
@@ -63,6 +65,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         for kernel, args in record_all(dtype):
+            assert kernel._cache._cache_file._source_stamp == SOURCES_DIGEST, f"{kernel} is not cached by sources"
             ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
             (out / f"{kernel.py_func.__name__}.{dtype.name}.ptx").write_text(ptx)
 

@@ -9,13 +9,13 @@ from numba import cuda
 from ep_comm import layout as ref
 from ep_comm.kernels.convert import load_f32, store_f32
 from ep_comm.kernels.warp import ballot, copy_row, pop_lowest, stable_bucket_slots, warp_scan
-from ep_comm.kernels.api import to_host
+from ep_comm.kernels.api import to_host, wide_rows
 
 
 @cuda.jit
 def scan_kernel(src, inclusive_out, exclusive_out, totals):
-    totals[0] = warp_scan(src, inclusive_out, src.shape[0], False, 0)
-    totals[1] = warp_scan(src, exclusive_out, src.shape[0], True, 5)
+    totals[0] = warp_scan(src, inclusive_out, src.shape[0], False, 0, True)
+    totals[1] = warp_scan(src, exclusive_out, src.shape[0], True, 5, False)
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 70, 129, 300])
@@ -64,16 +64,27 @@ def test_float32_to_payload_rounds_like_numpy(xp, dtype):
 
 
 @cuda.jit
-def copy_kernel(dst, src, n):
-    copy_row(dst, src, n)
+def copy_kernel(dst, src, n, wide):
+    copy_row(dst, src, n, wide)
 
 
-@pytest.mark.parametrize("n", [0, 5, 256, 300, 600])
-def test_copy_row_unrolled_and_tail(xp, n):
+@pytest.mark.parametrize("n, wide", [(0, False), (5, False), (256, False), (300, False), (600, False), (0, True),
+                                     (6, True), (512, True), (600, True), (1200, True)])
+def test_copy_row_unrolled_and_tail(xp, n, wide):
     src = np.arange(1, n + 1, dtype=np.uint64)
     dst = xp.zeros(n + 3, np.uint64)
-    copy_kernel[1, 32](dst, xp.asarray(src), n)
+    copy_kernel[1, 32](dst, xp.asarray(src), n, wide)
     np.testing.assert_array_equal(to_host(dst), np.concatenate([src, np.zeros(3, np.uint64)]))
+
+
+def test_wide_rows_needs_64_bit_words_even_rows_and_16_byte_alignment():
+    words = np.zeros(80, np.uint64)
+    aligned = words[words.ctypes.data % 16 // 8:][:64]
+    assert wide_rows(aligned.reshape(8, 8))
+    assert not wide_rows(aligned[1:57].reshape(7, 8))  # rows start 8 bytes off
+    assert not wide_rows(aligned[:63].reshape(9, 7))  # odd words per row
+    assert not wide_rows(aligned.view(np.uint32).reshape(8, 16))
+    assert not wide_rows(aligned.reshape(8, 8), aligned[1:57].reshape(7, 8))
 
 
 @cuda.jit
