@@ -175,7 +175,9 @@ class Kernels:
     (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
     tokens on as few blocks as that needs. Received rows are cut into units of about
     ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
-    stable expand placement scans its per-unit counts once per local expert. The row-streaming
+    stable expand placement scans its per-unit counts once per local expert; the receive count
+    runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
+    whose last block does those scans (one column per warp at a time). The row-streaming
     kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
     ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy. ``stream`` is a Numba
     stream (or 0).
@@ -193,7 +195,8 @@ class Kernels:
     stream_blocks: int = 0
     device_views: DeviceViews = field(default_factory=DeviceViews)
     count_tokens_per_warp: int = 16
-    recv_rows_per_unit: int = 64
+    recv_rows_per_unit: int = 32
+    recv_count_warps_per_block: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -203,6 +206,7 @@ class Kernels:
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
         self.recv_units = self.recv_units or self.num_blocks
+        self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
         self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
         self.threads = self.warps_per_block * WARP
         self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
@@ -219,8 +223,9 @@ class Kernels:
     def num_local(self) -> int:
         return self.num_experts // self.num_ranks
 
-    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0):
-        configured = kernel[blocks or self.num_blocks, self.threads, self.stream, shared_bytes]
+    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
+        threads = WARP * warps_per_block if warps_per_block else self.threads
+        configured = kernel[blocks or self.num_blocks, threads, self.stream, shared_bytes]
         return lambda *args: configured(*(self.device_views(a) for a in args))
 
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
@@ -282,8 +287,9 @@ class Kernels:
         out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
                             xp.empty(local, np.int32), xp.empty(2, np.int32))
         worst_units = units_for(meta.shape[0] * meta.shape[1], self.recv_rows_per_unit, self.recv_units)
-        blocks = min(self.num_blocks, -(-worst_units // self.warps_per_block))
-        self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks)(
+        warps = self.recv_count_warps_per_block
+        blocks = min(self.num_blocks, -(-worst_units // warps))
+        self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks, warps)(
             src_counts, meta, alignment, expand, stable and expand, self.recv_rows_per_unit, self.recv_units,
             self._counters[:local], self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
             out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)

@@ -46,9 +46,21 @@ def lane_local_expert(meta, rank_psum, first_row, end, lane):
 
 
 @cuda.jit(device=True)
+def add_local_expert(expert, hist, stable, unit_counts, unit):
+    """Count one entry's local expert (-1: none) in ``hist`` and, with ``stable``, in ``unit_counts[unit]``."""
+    if expert >= 0:
+        cuda.atomic.add(hist, expert, 1)
+        if stable:
+            cuda.atomic.add(unit_counts, (unit, expert), 1)
+
+
+@cuda.jit(device=True)
 def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
     """Count received entries per local expert into the block histogram ``hist [L]`` (shared) and, with
-    ``stable``, per unit into ``unit_counts [units, L]``; ``psum [R]``: inclusive rows per source."""
+    ``stable``, per unit into ``unit_counts [units, L]``; ``psum [R]``: inclusive rows per source.
+
+    Each step reads four row groups' metadata before counting, so four loads are in flight.
+    """
     num_topk = (meta.shape[2] - 1) // 2
     num_local = hist.shape[0]
     num_rows = psum[psum.shape[0] - 1]
@@ -61,12 +73,15 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
             for e in range(lane, num_local, WARP):
                 unit_counts[unit, e] = 0
             cuda.syncwarp(FULL_MASK)
-        for r0 in range(begin, end, group):
-            _, _, _, _, _, expert = lane_local_expert(meta, psum, r0, end, lane)
-            if expert >= 0:
-                cuda.atomic.add(hist, expert, 1)
-                if stable:
-                    cuda.atomic.add(unit_counts, (unit, expert), 1)
+        for r0 in range(begin, end, 4 * group):
+            e0 = lane_local_expert(meta, psum, r0, end, lane)[5]
+            e1 = lane_local_expert(meta, psum, r0 + group, end, lane)[5]
+            e2 = lane_local_expert(meta, psum, r0 + 2 * group, end, lane)[5]
+            e3 = lane_local_expert(meta, psum, r0 + 3 * group, end, lane)[5]
+            add_local_expert(e0, hist, stable, unit_counts, unit)
+            add_local_expert(e1, hist, stable, unit_counts, unit)
+            add_local_expert(e2, hist, stable, unit_counts, unit)
+            add_local_expert(e3, hist, stable, unit_counts, unit)
 
 
 @kernel

@@ -32,7 +32,7 @@ class Recorder(Kernels):
         super().__post_init__()
         self.launches = []
 
-    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0):
+    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         return lambda *args: self.launches.append((kernel, args))
 
 
