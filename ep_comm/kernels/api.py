@@ -253,7 +253,8 @@ class Kernels:
         blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
         self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
             topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
-            self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
+            self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
+            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
