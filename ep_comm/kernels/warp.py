@@ -10,13 +10,14 @@ raw intrinsics' results int32 and widens any arithmetic on them to int64, which 
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32
 
 from ep_comm.kernels.vector import load_pair, store_pair
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
 COPY_UNROLL = 8
+SCAN_CHUNKS = 8
 
 
 @cuda.jit(device=True)
@@ -69,21 +70,17 @@ def warp_scan(src, dst, n, exclusive, carry, coherent):
     ``dst[i] = carry + src[0] + ... + src[i]`` (inclusive) or ``... + src[i-1]`` (exclusive).
     ``src`` is an integer array (possibly a strided view), global or shared; ``coherent`` when it is
     global memory that other blocks may have written in this launch. ``dst`` is int32, global or
-    shared, and may be ``src``. Four chunks are loaded before they are scanned, so their load
-    latencies overlap: a scan of up to 128 values costs one memory round trip. Returns
+    shared, and may be ``src``. ``SCAN_CHUNKS`` chunks are loaded before they are scanned, so their
+    load latencies overlap: a scan of up to 256 values costs one memory round trip. Returns
     ``carry + sum(src[:n])`` on every lane.
     """
     lane = lane_id()
-    for first in range(0, n, 4 * WARP):  # the same trip count on every lane: the scans are collectives
-        base = first + lane
-        v0 = load_or_zero(src, base, n, coherent)
-        v1 = load_or_zero(src, base + WARP, n, coherent)
-        v2 = load_or_zero(src, base + 2 * WARP, n, coherent)
-        v3 = load_or_zero(src, base + 3 * WARP, n, coherent)
-        carry = scan_chunk(v0, base, n, dst, exclusive, carry, lane)
-        carry = scan_chunk(v1, base + WARP, n, dst, exclusive, carry, lane)
-        carry = scan_chunk(v2, base + 2 * WARP, n, dst, exclusive, carry, lane)
-        carry = scan_chunk(v3, base + 3 * WARP, n, dst, exclusive, carry, lane)
+    values = cuda.local.array(SCAN_CHUNKS, int32)
+    for first in range(0, n, SCAN_CHUNKS * WARP):  # the same trip count on every lane: the scans are collectives
+        for c in range(SCAN_CHUNKS):
+            values[c] = load_or_zero(src, first + c * WARP + lane, n, coherent)
+        for c in range(SCAN_CHUNKS):
+            carry = scan_chunk(values[c], first + c * WARP + lane, n, dst, exclusive, carry, lane)
     return carry
 
 
