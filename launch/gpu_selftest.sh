@@ -3,7 +3,7 @@
 # the nvshmem backend with 1 and 2 ranks (peer stores and nvshmem puts) and the GPU tests. Each step's
 # output goes to one log; a summary line per step is printed. Exit status: number of failed steps.
 #
-#   launch/gpu_selftest.sh [OUT_DIR [STEP...]]   (default: results/selftest, every step)
+#   launch/gpu_selftest.sh [OUT_DIR [STEP[:SECONDS]...]]   (default: results/selftest, every step)
 #
 # Steps: bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak
 #        determinism examples
@@ -23,8 +23,8 @@ log="$out/selftest.log"
 : > "$log"
 failed=0
 
-step() {  # step NAME TIMEOUT_S COMMAND...
-    local name=$1 limit=$2 start rc
+step() {  # step NAME TIMEOUT_S COMMAND...   (a STEP:SECONDS argument overrides TIMEOUT_S)
+    local name=$1 limit=${override:-$2} start rc
     shift 2
     start=$(date +%s)
     echo "===== $name: $*" >> "$log"
@@ -39,7 +39,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...
         "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)" | tee -a "$log"
 }
 
-for name in $steps; do
+for item in $steps; do
+    name=${item%%:*} override=
+    [ "$item" = "$name" ] || override=${item#*:}
     case $name in
         bench-prefill) step "$name" 150 launch/mpirun_gpu.sh 2 ep_comm.bench --config deepseek_v3_prefill \
                            --iters 50 --warmup 5 --json "$out/prefill.json" --plot "$out/prefill.png" ;;
