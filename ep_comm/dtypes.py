@@ -13,7 +13,13 @@ PAYLOAD_DTYPES = {
 
 def payload_dtype(dtype) -> np.dtype:
     """Resolve ``dtype`` (a name or a NumPy dtype) to one of the supported payload dtypes."""
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", str(dtype))
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:  # NumPy dtypes and scalar types (np.float32, ml_dtypes.bfloat16), torch-style objects by name
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(getattr(dtype, "name", dtype)).replace("torch.", "")
     name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(name, name)
     if name not in PAYLOAD_DTYPES:
         raise TypeError(f"dtype={dtype!r} is not supported: use one of {sorted(PAYLOAD_DTYPES)}")
