@@ -3,8 +3,9 @@
 Both transports (MPI one-sided windows, NVSHMEM symmetric heap) allocate the same layout so
 that a peer's region is addressed by the same offsets everywhere:
 
-* ``signal[R]`` int64: the sequence number of the last operation source rank ``s`` finished
-  writing into this rank (monotone; a waiter wants ``signal[s] >= seq``);
+* ``signal[R]`` int64: the step word ``seq << 2 | kind`` (kind 1 dispatch, 2 combine, 3 close) of
+  the last collective step source rank ``s`` finished writing into this rank (monotone; a waiter
+  wants ``signal[s]`` equal to its own step's word, or a later step number);
 * ``counts[2][R]`` int64: rows source ``s`` wrote in the operation of that parity;
 * ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
 * ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
