@@ -48,15 +48,15 @@ for item in $steps; do
         bench-decode) step "$name" 90 launch/mpirun_gpu.sh 2 ep_comm.bench --config deepseek_v3_decode \
                           --iters 200 --warmup 10 --json "$out/decode.json" ;;
         kernel-bench) step "$name" 120 python3 -m ep_comm.kernels.bench_kernels --out "$out/kernels.json" ;;
-        contract-stores) step "$name" 240 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=0 \
+        contract-stores) step "$name" 360 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=0 \
                              python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py -k "${CONTRACT_RANKS:-1 or 2}" ;;
-        contract-puts) step "$name" 240 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=1 \
+        contract-puts) step "$name" 360 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=1 \
                            python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py -k "${CONTRACT_RANKS:-1 or 2}" ;;
         kernels) step "$name" 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
         gpu-tests) step "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
         soak) step "$name" 240 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters "${SOAK_ITERS:-10000}" \
                   --check-every 100 --create-close 100 --json "$out/soak.json" ;;
-        determinism) step "$name" 120 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 0 \
+        determinism) step "$name" 180 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 0 \
                          --create-close 0 --repeat-deterministic 100 --json "$out/determinism.json" ;;
         examples) step "$name" 180 sh -c 'launch/mpirun_gpu.sh 2 examples.moe_layer --dtype bfloat16 --tokens 4096 \
                       --hidden 2048 --ffn 1024 --experts 32 --topk 8 --alignment 128 &&
