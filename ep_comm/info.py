@@ -92,19 +92,14 @@ def environment() -> Dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
 
 
-def auto_backend() -> str:
-    from ep_comm.backends import gpu_available
-
-    return "nvshmem" if gpu_available() else "mpi"
-
-
 def report() -> str:
     """The whole text printed by ``python -m ep_comm.info``."""
+    from ep_comm.backends import resolve_backend
     from ep_comm.config import available_configs
 
     lines = ["ep_comm info", "", "versions:"]
     lines += [f"  {k:<12} {v}" for k, v in versions().items()]
-    lines += ["", f"backend='auto' resolves to: {auto_backend()}", "", "GPUs:", gpus(), "",
+    lines += ["", f"backend='auto' resolves to: {resolve_backend('auto')}", "", "GPUs:", gpus(), "",
               "environment (NVSHMEM_*, NCCL_*, NUMBA_*, binding):"]
     env = environment()
     lines += [f"  {k}={v}" for k, v in env.items()] or ["  (none set)"]

@@ -50,6 +50,7 @@ from . import layout as lay
 from .cli import int_at_least, int_list
 from .bench.measure import first_mismatch, to_host
 from .bench.routing import KINDS, make_routing
+from .backends import BACKENDS, resolve_backend
 from .buffer import Buffer
 from .dtypes import PAYLOAD_DTYPES, payload_dtype
 from .reduce import combine_rows, expand_partials
@@ -707,7 +708,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m ep_comm.soak", description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 every check passed on every rank, 1 a check failed or an error was raised, "
                "2 bad options. Shapes default by backend (see the module docstring).")
-    p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
     p.add_argument("--iters", type=int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
     p.add_argument("--check-every", type=int_at_least(1), default=100,
                    help="full check and memory sample every k-th iteration (default: 100)")
@@ -732,15 +733,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action="store_true", help="redraw the progress line in place even without a TTY")
     p.add_argument("--quiet", action="store_true", help="no progress lines (failures and the summary still print)")
     return p
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``nvshmem`` where a GPU stack is present, else ``mpi`` (as ``Buffer`` decides)."""
-    if name != "auto":
-        return name
-    from .backends import gpu_available
-
-    return "nvshmem" if gpu_available() else "mpi"
 
 
 def shape_of(args: argparse.Namespace, backend: str, num_ranks: int) -> Shape:

@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ep_comm
+from ep_comm.backends import BACKENDS
 from ep_comm.cli import int_at_least
 from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.layout import align_up
@@ -271,7 +272,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int_at_least(1), default=8,
                    help="expert_alignment: rows per expert block rounded up to it (default: 8)")
     p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16", help="payload dtype (default: bfloat16)")
-    p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="ep_comm backend: auto = nvshmem where a GPU stack is found, else mpi (default: auto)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of weights and tokens (default: 0)")
     return p

@@ -19,12 +19,18 @@ def gpu_available() -> bool:
         return False
 
 
-def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
-    """Instantiate backend ``name``; ``auto`` picks ``nvshmem`` where a GPU stack is present."""
+def resolve_backend(name: str) -> str:
+    """``"mpi"`` or ``"nvshmem"``: ``auto`` picks ``nvshmem`` where a GPU stack is present, else ``mpi``."""
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")
     if name == "auto":
-        name = "nvshmem" if gpu_available() else "mpi"
+        return "nvshmem" if gpu_available() else "mpi"
+    return name
+
+
+def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
+    """Instantiate backend ``name`` (resolved by :func:`resolve_backend`)."""
+    name = resolve_backend(name)
     if name == "mpi":
         from .mpi import MpiBackend
 

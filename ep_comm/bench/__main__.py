@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from ep_comm.backends import BACKENDS
 from ep_comm.bench.routing import KINDS
 from ep_comm.cli import int_at_least, int_list
 
@@ -23,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=token_list, help="comma-separated tokens per rank to run one after another")
     p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per point (default: 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
-    p.add_argument("--backend", choices=("auto", "mpi", "nvshmem"), default="auto", help="ep_comm backend (default: auto)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
