@@ -32,7 +32,7 @@ import ep_comm
 from ep_comm.backends import BACKENDS
 from ep_comm.cli import int_at_least
 from ep_comm.dtypes import PAYLOAD_DTYPES
-from ep_comm.layout import align_up
+from ep_comm.layout import expert_starts
 
 Array = Any  # numpy.ndarray, cupy.ndarray or torch.Tensor, as the ArrayOps in use makes them
 
@@ -134,9 +134,9 @@ def expert_mlp(ops: ArrayOps, rows: Array, w1: Array, w2: Array) -> Array:
 def expert_segments(handle: ep_comm.EPHandle) -> List[Tuple[int, int]]:
     """``(start, count)`` of each local expert's rows in an expand dispatch's ``recv_x``:
     ``start_e = align(psum[e-1], A)``, ``count_e = psum[e] - start_e`` (needs ``cpu_sync=True``)."""
-    ends = [int(v) for v in handle.psum_num_recv_tokens_per_expert.tolist()]
-    starts = [align_up(end, handle.expert_alignment) for end in [0] + ends[:-1]]
-    return [(start, end - start) for start, end in zip(starts, ends)]
+    ends = np.asarray(handle.psum_num_recv_tokens_per_expert.tolist(), dtype=np.int64)
+    starts = expert_starts(ends, handle.expert_alignment)
+    return [(int(start), int(end - start)) for start, end in zip(starts, ends)]
 
 
 @dataclass(frozen=True)
