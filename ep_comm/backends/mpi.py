@@ -157,8 +157,8 @@ class MpiBackend:
             psum_e, num_expanded = np.asarray(handle.psum_num_recv_tokens_per_expert), int(handle.num_expanded_tokens)
         if stats is not None:
             stats += unaligned.astype(stats.dtype)
-        out_rows = self._out_rows(n, num_expanded, expand, alignment, cpu_sync)
-        metadata = np.full((self._out_rows(n, 0, False, 1, cpu_sync), 2 + k), -1, dtype=np.int32)
+        meta_rows, out_rows = self._out_rows(n, num_expanded, expand, alignment, cpu_sync)
+        metadata = np.full((meta_rows, 2 + k), -1, dtype=np.int32)
         metadata[:n, 0] = src_rank * geo.max_tokens + meta[:, 0]
         metadata[:n, 1] = src_rank * geo.max_tokens + slot
         metadata[:n, 2:] = expanded_row
@@ -188,14 +188,16 @@ class MpiBackend:
         )
         return DispatchOutput(recv_x, recv_idx, recv_w, new_handle)
 
-    def _out_rows(self, n: int, num_expanded: int, expand: bool, alignment: int, cpu_sync: bool) -> int:
-        """Rows of ``recv_x``: exact when ``cpu_sync``, else the worst case of the contract."""
+    def _out_rows(self, n: int, num_expanded: int, expand: bool, alignment: int, cpu_sync: bool) -> tuple:
+        """``(rows of recv_src_metadata, rows of recv_x)``: exact when ``cpu_sync``, else the contract's worst cases."""
         geo = self.geo
         if cpu_sync:
-            return num_expanded if expand else n
+            return n, (num_expanded if expand else n)
+        worst = lay.worst_case_recv_rows(geo.num_ranks, geo.max_tokens)
         if expand:
-            return lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, geo.num_topk, geo.experts_per_rank, alignment)
-        return lay.worst_case_recv_rows(geo.num_ranks, geo.max_tokens)
+            return worst, lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, geo.num_topk,
+                                                       geo.experts_per_rank, alignment)
+        return worst, worst
 
     def _expand(self, rows, local_ids, weights, expanded_row, out_rows) -> tuple:
         """Expert scatter: one output row per (row, local expert); padding rows stay zero."""
