@@ -80,6 +80,7 @@ class Buffer:
         if handle is not None:
             if not isinstance(handle, EPHandle):
                 raise TypeError(f"handle must be an EPHandle from an earlier dispatch, got {type(handle).__name__}")
+            chk.check_handle(handle, geo)
             num_tokens, idx = handle.num_tokens, handle.topk_idx
             expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
         else:
@@ -113,6 +114,7 @@ class Buffer:
         geo = self.geometry
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
+        chk.check_handle(handle, geo)
         y = be.as_array(y, "y")
         chk.check_payload(y, "y", handle.num_out_rows, geo, "rows of the dispatch's recv_x")
         if topk_weights is not None:

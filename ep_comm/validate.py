@@ -101,6 +101,25 @@ def check_weights(weights: Optional[Any], name: str, shape: tuple) -> None:
         raise ValueError(f"{name} has shape {got}: must be {list(shape)}")
 
 
+def check_handle(handle: Any, geo: Geometry) -> None:
+    """A handle must come from a dispatch of a Buffer of this geometry (ranks, experts, top-k, capacity)."""
+    local = geo.experts_per_rank
+    rules = (
+        ("topk_idx", tuple(handle.topk_idx.shape), (handle.num_tokens, geo.num_topk)),
+        ("is_token_in_rank", tuple(handle.is_token_in_rank.shape), (handle.num_tokens, geo.num_ranks)),
+        ("dst_buffer_slot_idx", tuple(handle.dst_buffer_slot_idx.shape), (handle.num_tokens, geo.num_topk)),
+        ("psum_num_recv_tokens_per_rank", tuple(handle.psum_num_recv_tokens_per_rank.shape), (geo.num_ranks,)),
+        ("num_unaligned_recv_tokens_per_expert", tuple(handle.num_unaligned_recv_tokens_per_expert.shape), (local,)),
+        ("recv_src_metadata", tuple(handle.recv_src_metadata.shape[1:]), (2 + geo.num_topk,)),
+    )
+    for name, got, want in rules:
+        if got != want:
+            raise ValueError(f"handle.{name} has shape {got}, this Buffer needs {want}: the handle comes from a "
+                             "dispatch of another Buffer (ranks, experts, top-k or capacity differ)")
+    if handle.num_tokens > geo.max_tokens:
+        raise ValueError(f"handle has {handle.num_tokens} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
+
+
 def check_alignment(expert_alignment: Any) -> None:
     if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, (int, np.integer)) or expert_alignment < 1:
         raise ValueError(f"expert_alignment={expert_alignment!r}: must be an integer >= 1")

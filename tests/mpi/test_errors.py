@@ -4,6 +4,7 @@ Collective like the rest of ``tests/mpi``: every rank passes the same bad argume
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -74,6 +75,23 @@ def test_error_messages_name_the_argument(world, buf):
         buf.dispatch(to_device(world.x[RANK]), to_device(idx))
     with pytest.raises(TypeError, match="x"):
         buf.dispatch(to_device(world.x[RANK].astype(np.float64)), to_device(world.topk_idx[RANK]))
+
+
+def test_handle_of_another_buffer_raises_before_sending(world, buf):
+    """A handle whose shapes do not fit this Buffer (top-k width, ranks, local experts) is refused up front."""
+    out = dispatch(buf, world)
+    h = out.handle
+    foreign = [dataclasses.replace(h, topk_idx=h.topk_idx[:, :-1]),
+               dataclasses.replace(h, is_token_in_rank=h.is_token_in_rank[:, :1].repeat(WORLD + 1, axis=1)),
+               dataclasses.replace(h, recv_src_metadata=h.recv_src_metadata[:, :-1]),
+               dataclasses.replace(h, num_unaligned_recv_tokens_per_expert=h.num_unaligned_recv_tokens_per_expert[:-1])]
+    for bad in foreign:
+        with pytest.raises(ValueError, match="handle"):
+            buf.dispatch(to_device(world.x[RANK]), handle=bad)
+        with pytest.raises(ValueError, match="handle"):
+            buf.combine(out.recv_x, bad)
+    res = buf.combine(buf.dispatch(to_device(world.x[RANK]), handle=h).recv_x, h)  # still usable
+    assert to_host(res.x).shape == world.x[RANK].shape
 
 
 def test_bad_combine_input_raises_and_buffer_stays_usable(world, buf):
