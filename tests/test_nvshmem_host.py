@@ -92,14 +92,13 @@ def test_nvshmem_backend_without_gpu_stack_names_what_is_missing():
         make_backend("nvshmem", MPI.COMM_SELF, geo, True, 1.0)
 
 
-def test_signal_kinds_make_close_wait_for_close():
-    from ep_comm.backends import nvshmem as nv
+def test_step_words_are_monotone_and_tell_kinds_apart():
+    from ep_comm.backends.steps import STEP_KINDS, step_word
 
-    kinds = nv._SIGNAL_KIND
-    assert kinds["close"] > max(kinds["dispatch"], kinds["combine"]) and max(kinds.values()) < 4
-    assert np.all(np.diff(sorted(kinds.values())) > 0)
-
-
+    assert max(STEP_KINDS.values()) < 4 and len(set(STEP_KINDS.values())) == len(STEP_KINDS)
+    words = [step_word(seq, kind) for seq in range(1, 5) for kind in STEP_KINDS]
+    assert words == sorted(words) and len(set(words)) == len(words)
+    assert all(step_word(seq, kind) < (seq + 1) << 2 for seq in range(1, 5) for kind in STEP_KINDS)
 
 
 # ------------------------------------------------------------ the call sequence in the simulator

@@ -16,9 +16,9 @@ from .. import layout as lay
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..reduce import combine_rows, expand_partials
 from ..symmetric import SymmetricLayout
-from ..transport.mpi_window import MpiWindow, step_word
+from ..transport.mpi_window import MpiWindow
 from ..validate import Geometry
-from .steps import Steps
+from .steps import Steps, step_word
 
 
 class MpiBackend:

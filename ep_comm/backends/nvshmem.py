@@ -7,7 +7,7 @@ deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispat
 2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
    of the destination's symmetric buffer (stores through peer views; with ``use_puts`` into a
    local staging block that ``nvshmem_puts.put_blocks`` sends);
-3. signal ``4 * seq + kind`` to every rank, carrying this rank's per-destination counts (new
+3. signal ``step_word(seq, kind)`` to every rank, carrying this rank's per-destination counts (new
    routing), then a bounded GPU wait for every rank's signal (``gpu_copy``);
 4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
 
@@ -42,10 +42,9 @@ from .. import layout as lay
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..symmetric import SymmetricLayout
 from ..validate import Geometry
-from .steps import Steps
+from .steps import Steps, step_word
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
-_SIGNAL_KIND = {"dispatch": 1, "combine": 2, "close": 3}
 PROFILE_ENV = "EP_COMM_PROFILE"
 
 
@@ -344,13 +343,13 @@ class NvshmemBackend:
         """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``), then enqueue
         the bounded wait for every rank's signal (the received counts of a missing rank become 0).
 
-        The signal word is ``4 * seq + kind`` (monotone). A peer has arrived when its word equals
+        The signal word is ``step_word(seq, what)`` (monotone). A peer has arrived when its word equals
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
-        value = 4 * seq + _SIGNAL_KIND[what]
+        value = step_word(seq, what)
         with self.profile.phase(what, "signal+wait"):
             self.transport.signal(self.kernels.stream, parity, value, counts)
-            self.transport.wait(value, 4 * (seq + 1), self.timeout_s,
+            self.transport.wait(value, (seq + 1) << 2, self.timeout_s,
                                 None if counts is None else self.transport.own.counts[parity])
 
     def _sync_and_check(self, what: str, seq: int) -> None:

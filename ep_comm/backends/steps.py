@@ -12,6 +12,19 @@ from typing import Iterator, Optional, Sequence
 from ..errors import BufferUnusableError, TimeoutError
 
 
+STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}
+
+
+def step_word(seq: int, what: str) -> int:
+    """The signal word of step number ``seq`` of kind ``what``: ``seq << 2 | kind`` (monotone in ``seq``).
+
+    A peer has arrived at a step when its word equals the step's word or it reached the next step
+    (``step_word(seq + 1, ...) >= (seq + 1) << 2``); a peer in another kind of step with the same
+    number (closing while this rank dispatches) has not.
+    """
+    return seq << 2 | STEP_KINDS[what]
+
+
 class Steps:
     """The step counter of one Buffer on one rank."""
 

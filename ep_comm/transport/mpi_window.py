@@ -16,14 +16,6 @@ from mpi4py import MPI
 from ..symmetric import SymmetricLayout
 
 
-STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}
-
-
-def step_word(seq: int, what: str) -> int:
-    """The signal word of collective step number ``seq`` of kind ``what``."""
-    return seq << 2 | STEP_KINDS[what]
-
-
 class MpiWindow:
     """A rank's symmetric buffer and one-sided access to its peers' buffers."""
 
@@ -64,7 +56,7 @@ class MpiWindow:
         """Poll until every source's signal shows it reached step ``word``; return the sources still
         missing at ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived.
 
-        Signal words are ``seq << 2 | kind`` (see ``step_word``): a source has arrived when its
+        Signal words are ``seq << 2 | kind`` (see ``ep_comm.backends.steps.step_word``): a source has arrived when its
         word equals ``word`` or it has moved past ``seq``. A peer in another kind of step with
         the same number (closing while we dispatch) has not arrived.
         """
