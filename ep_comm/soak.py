@@ -48,6 +48,7 @@ from mpi4py import MPI
 
 from . import layout as lay
 from .cli import int_at_least, int_list
+from .progress import Progress
 from .bench.measure import first_mismatch, to_host
 from .bench.routing import KINDS, make_routing
 from .backends import BACKENDS, resolve_backend
@@ -511,31 +512,10 @@ def run_step(buf: Buffer, io: ArrayIO, shape: Shape, step: Step, base: np.ndarra
 
 
 # ------------------------------------------------------------------ phases
-class Progress:
-    """Rank 0's progress on stderr: one line redrawn in place (``live``), else a line per 10 %."""
-
-    def __init__(self, show: bool, live: bool, stream=sys.stderr):
-        self.show, self.live, self.stream = show, live, stream
-        self.label, self.total, self.start, self.last = "", 0, 0.0, -1.0
-
-    def begin(self, label: str, total: int) -> None:
-        self.label, self.total, self.start, self.last = label, total, time.perf_counter(), -1.0
-
-    def tick(self, done: int, failures: int, memory: Dict[str, int]) -> None:
-        if not self.show or not self.total:
-            return
-        now = time.perf_counter()
-        milestone = done == self.total or done * 10 // self.total != (done - 1) * 10 // self.total
-        if (self.live and now - self.last < 0.5 and done != self.total) or (not self.live and not milestone):
-            return
-        self.last = now
-        rate = done / max(now - self.start, 1e-9)
-        mem = " ".join(f"{k.replace('_bytes', '')}={v / MIB:.0f}MiB" for k, v in memory.items())
-        line = f"[ep_comm.soak] {self.label} {done}/{self.total} {rate:.1f}/s failures={failures} {mem}"
-        self.stream.write(f"\r\033[K{line}" if self.live else f"{line}\n")
-        if self.live and done == self.total:
-            self.stream.write("\n")
-        self.stream.flush()
+def progress_detail(failures: int, memory: Dict[str, int]) -> str:
+    """The tail of a progress line: failures so far and the last memory sample."""
+    mem = " ".join(f"{k.replace('_bytes', '')}={v / MIB:.0f}MiB" for k, v in memory.items())
+    return f"failures={failures} {mem}"
 
 
 @dataclass
@@ -594,7 +574,7 @@ def soak_phase(run: Run) -> Dict[str, Any]:
     warmup = args.warmup if args.warmup is not None else min(max(FORCED_STEPS, args.iters // 10), 200)
     failures: List[str] = []
     track, modes = MemoryTrack(), {}
-    run.progress.begin("soak", args.iters)
+    run.progress.start("soak", args.iters)
     start = time.perf_counter()
     current: List[Step] = []  # the step running, for the failure line of an exception
 
@@ -608,7 +588,7 @@ def soak_phase(run: Run) -> Dict[str, Any]:
                 count_modes(modes, step)
                 if i + 1 == warmup or (i + 1) % args.check_every == 0 or i + 1 == args.iters:
                     track.add(run.probe.sample(), is_baseline=i + 1 == warmup)
-                run.progress.tick(i + 1, len(failures), track.samples[-1])
+                run.progress.tick(i + 1, progress_detail(len(failures), track.samples[-1]))
 
     guarded(failures, lambda: f"rank {run.comm.rank}: soak" + (f", {current[0].describe()}" if current else ""), body)
     elapsed = time.perf_counter() - start
@@ -624,7 +604,7 @@ def create_close_phase(run: Run) -> Dict[str, Any]:
     failures: List[str] = []
     track = MemoryTrack()
     track.add(run.probe.sample())
-    run.progress.begin("create/close", n)
+    run.progress.start("create/close", n)
     start = time.perf_counter()
 
     def body() -> None:
@@ -633,7 +613,7 @@ def create_close_phase(run: Run) -> Dict[str, Any]:
                 step = plan_step(args.seed + 1, i, 1, args.alignments)  # the worst cases first
                 failures.extend(run_step(buf, run.io, run.shape, step, run.base, args.seed + 1))
             track.add(run.probe.sample(), is_baseline=i + 1 == min(FORCED_STEPS, n))
-            run.progress.tick(i + 1, len(failures), track.samples[-1])
+            run.progress.tick(i + 1, progress_detail(len(failures), track.samples[-1]))
 
     guarded(failures, lambda: f"rank {run.comm.rank}: create/close, buffer {len(track.samples) - 1}", body)
     elapsed = time.perf_counter() - start
@@ -676,7 +656,7 @@ def determinism_phase(run: Run) -> Dict[str, Any]:
     modes = {"compact": (False, 1), "expand": (True, max(args.alignments))}
     first: Dict[str, Dict[str, Any]] = {}
     differing: Dict[str, int] = {}
-    run.progress.begin("determinism", n)
+    run.progress.start("determinism", n)
     start = time.perf_counter()
 
     def body() -> None:
@@ -689,7 +669,7 @@ def determinism_phase(run: Run) -> Dict[str, Any]:
                     for name in got:
                         if not run.io.equal_bits(got[name], first[mode][name]):
                             differing[f"{mode}.{name}"] = differing.get(f"{mode}.{name}", 0) + 1
-                run.progress.tick(i + 1, len(differing), {})
+                run.progress.tick(i + 1, progress_detail(len(differing), {}))
 
     guarded(failures, lambda: f"rank {run.comm.rank}: determinism", body)
     failures += [f"rank {run.comm.rank}: determinism: {name} differed from the first round in {count} of {n - 1} "
@@ -801,7 +781,8 @@ def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> i
     base = base_payload(shape, args.seed)
     show = comm.rank == 0 and not args.quiet
     run = Run(comm, args, shape, backend, base, MemoryProbe(gpu=backend == "nvshmem"),
-              Progress(show, live=args.progress or sys.stderr.isatty()))
+              Progress("ep_comm.soak", "{label} {done}/{total} {rate:.1f}/s {detail}",
+                       live=show and (args.progress or sys.stderr.isatty()), periodic=show, redraw_s=0.5))
     phases = {}
     for name, count, phase in (("soak", args.iters, soak_phase), ("determinism", args.repeat_deterministic,
                                                                    determinism_phase),

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm import progress
+
 from .measure import RankSample
 
 EP_OPS = ("dispatch", "combine")
@@ -187,28 +189,9 @@ def write_plot(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]
     plt.close(fig)
 
 
-class Progress:
-    """A one-line live progress display on stderr (rank 0).
-
-    ``live`` redraws the line in place (only sensible on a TTY); ``final`` prints one closing line
-    per point. Both off is ``--quiet``.
-    """
+class Progress(progress.Progress):
+    """``ep_comm.bench``'s progress line: live (a TTY or ``--progress``) shows the iteration of the
+    point; ``final`` prints one closing line per point. Both off is ``--quiet``."""
 
     def __init__(self, live: bool, final: bool, stream: TextIO = sys.stderr):
-        self.live, self.final, self.stream = live, final, stream
-        self.label, self.total = "", 0
-
-    def start(self, label: str, total: int) -> None:
-        self.label, self.total = label, total
-
-    def tick(self, done: int) -> None:
-        if self.live:
-            self.stream.write(f"\r[ep_comm.bench] {self.label}: iteration {done}/{self.total}")
-            self.stream.flush()
-
-    def finish(self, message: str) -> None:
-        if self.live:
-            self.stream.write("\r\033[K")
-        if self.final:
-            self.stream.write(f"[ep_comm.bench] {self.label}: {message}\n")
-        self.stream.flush()
+        super().__init__("ep_comm.bench", "{label}: iteration {done}/{total}", live=live, final=final, stream=stream)
