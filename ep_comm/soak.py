@@ -49,12 +49,11 @@ from mpi4py import MPI
 from . import layout as lay
 from .cli import int_at_least, int_list
 from .progress import Progress
-from .bench.measure import first_mismatch, to_host
+from .bench.measure import expected_round_trip, first_mismatch, to_host
 from .bench.routing import KINDS, make_routing
 from .backends import BACKENDS, resolve_backend
 from .buffer import Buffer
 from .dtypes import PAYLOAD_DTYPES, payload_dtype
-from .reduce import combine_rows, expand_partials
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MIB = 1 << 20
@@ -428,17 +427,8 @@ def expected_combine(x: np.ndarray, topk_idx: np.ndarray, weights: Optional[np.n
                      num_experts: int, num_ranks: int, expand: bool) -> np.ndarray:
     """``[T, H]``: the combine of ``expert_output(recv_x)`` for tokens ``x [T, H]`` routed by ``topk_idx [T, K]``,
     in ``ep_comm.reduce``'s float32 order; expand partials weighted by ``weights [T, K]`` when given."""
-    reached = lay.is_token_in_rank(topk_idx, num_experts, num_ranks)
-    bias_terms = () if bias is None else (bias,)
-    if not expand:
-        return combine_rows([expert_output(np, x, r, False) for r in range(num_ranks)], reached, bias_terms, x.dtype)
-    num_tokens, k = topk_idx.shape
-    ranks = lay.entry_ranks(topk_idx, num_experts // num_ranks)
-    entry = np.arange(num_tokens * k).reshape(num_tokens, k)  # one row of np.repeat(x, k) per (token, entry)
-    flat_w = None if weights is None else weights.reshape(-1)
-    partials = [expand_partials(np.repeat(x, k, axis=0), np.where(ranks == r, entry, -1), flat_w, x.dtype)
-                for r in range(num_ranks)]
-    return combine_rows(partials, reached, bias_terms, x.dtype)
+    return expected_round_trip(x, topk_idx, num_experts, num_ranks, expand, weights=weights, bias=bias,
+                               sent_back=lambda r, rows: expert_output(np, rows, r, expand))
 
 
 def check_combine(step: Step, mine: RankInputs, x: np.ndarray, bias: Optional[np.ndarray], res, num_ranks: int,

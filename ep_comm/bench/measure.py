@@ -89,20 +89,29 @@ def make_inputs(spec: PointSpec, rank: int) -> Tuple[np.ndarray, Routing]:
     return x, routing
 
 
-def expected_round_trip(x: np.ndarray, topk_idx: np.ndarray, num_experts: int, num_ranks: int,
-                        expand: bool) -> np.ndarray:
-    """``[T, H]`` payload dtype: what an unweighted ``combine(dispatch(x).recv_x)`` must return.
+def expected_round_trip(x: np.ndarray, topk_idx: np.ndarray, num_experts: int, num_ranks: int, expand: bool,
+                        weights: Optional[np.ndarray] = None, bias: Optional[np.ndarray] = None,
+                        sent_back: Optional[Callable[[int, np.ndarray], np.ndarray]] = None) -> np.ndarray:
+    """``[T, H]`` payload dtype: what ``combine(dispatch(x).recv_x)`` must return (unweighted, no bias by default).
 
-    Rank ``r``'s partial for token ``t`` is ``x[t]`` (compact) or ``x[t]`` summed once per entry
-    of ``t`` on ``r`` in top-k order (expand); partials are summed in rank order.
+    Rank ``r``'s partial for token ``t`` is ``sent_back(r, x)[t]`` (compact; ``sent_back`` defaults to
+    ``x`` unchanged) or ``x[t]`` summed once per entry of ``t`` on ``r`` in top-k order, times the
+    entry's weight when ``weights [T, K]`` is given (expand); partials are summed in rank order
+    after ``bias``, in ``ep_comm.reduce``'s float32 order.
     """
     reached = lay.is_token_in_rank(topk_idx, num_experts, num_ranks)
+    bias_terms = () if bias is None else (bias,)
     if not expand:
-        return combine_rows([x] * num_ranks, reached, (), x.dtype)
+        rows = [x if sent_back is None else sent_back(r, x) for r in range(num_ranks)]
+        return combine_rows(rows, reached, bias_terms, x.dtype)
     ranks = lay.entry_ranks(topk_idx, num_experts // num_ranks)
-    token = np.arange(len(x))[:, None]
-    partials = [expand_partials(x, np.where(ranks == r, token, -1), None, x.dtype) for r in range(num_ranks)]
-    return combine_rows(partials, reached, (), x.dtype)
+    if weights is None:  # each entry reads its token's row of x
+        y, row, flat_w = x, np.broadcast_to(np.arange(len(x))[:, None], topk_idx.shape), None
+    else:  # one row of np.repeat(x, K) per (token, entry), so that each has its own weight
+        num_tokens, k = topk_idx.shape
+        y, row, flat_w = np.repeat(x, k, axis=0), np.arange(num_tokens * k).reshape(num_tokens, k), weights.reshape(-1)
+    partials = [expand_partials(y, np.where(ranks == r, row, -1), flat_w, x.dtype) for r in range(num_ranks)]
+    return combine_rows(partials, reached, bias_terms, x.dtype)
 
 
 def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
