@@ -191,6 +191,15 @@ def expert_output(xp, rows, rank: int, expand: bool):
 
 
 # ------------------------------------------------------------------ arrays and memory
+def same_bytes(a, b, xp=np) -> bool:
+    """Both None, or equal shapes and bytes; ``xp`` (NumPy or CuPy) compares where the arrays live."""
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = xp.asarray(a), xp.asarray(b)
+    return a.shape == b.shape and bool(xp.array_equal(xp.ascontiguousarray(a).reshape(-1).view(xp.uint8),
+                                                      xp.ascontiguousarray(b).reshape(-1).view(xp.uint8)))
+
+
 class ArrayIO:
     """Host <-> backend arrays. The payload base lives on the backend as raw bytes ``[rows, H*itemsize]``
     uint8 and is gathered there by row (CuPy kernels need no bfloat16 support for that)."""
@@ -212,12 +221,7 @@ class ArrayIO:
 
     def equal_bits(self, a, b) -> bool:
         """Shape and bytes equal (on the backend, no copy to the host)."""
-        if a is None or b is None:
-            return a is None and b is None
-        xp = self.xp
-        a, b = xp.asarray(a), xp.asarray(b)
-        return a.shape == b.shape and bool(xp.array_equal(xp.ascontiguousarray(a).reshape(-1).view(xp.uint8),
-                                                          xp.ascontiguousarray(b).reshape(-1).view(xp.uint8)))
+        return same_bytes(a, b, self.xp)
 
 
 class MemoryProbe:
@@ -339,12 +343,6 @@ def expected_receive(shape: Shape, world: Sequence[RankInputs], payloads: Sequen
                               for w, s in zip(world, sent)]),
         weights=np.concatenate([w.topk_weights[s] for w, s in zip(world, sent)]),
     )
-
-
-def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal shapes and bytes."""
-    return a.shape == b.shape and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
-                                                 np.ascontiguousarray(b).view(np.uint8))
 
 
 def match_rows(want: Expected, got: HostDispatch, max_tokens: int, deterministic: bool) -> tuple:
