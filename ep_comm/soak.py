@@ -49,11 +49,12 @@ from mpi4py import MPI
 from . import layout as lay
 from .cli import int_at_least, int_list
 from .progress import Progress
-from .bench.measure import expected_round_trip, first_mismatch, to_host
+from .bench.measure import expected_round_trip, first_mismatch
 from .bench.routing import KINDS, make_routing
 from .backends import BACKENDS, resolve_backend
 from .buffer import Buffer
 from .dtypes import PAYLOAD_DTYPES, payload_dtype
+from .host import to_host
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MIB = 1 << 20

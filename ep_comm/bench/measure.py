@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from ep_comm import layout as lay
 from ep_comm.dtypes import payload_dtype
+from ep_comm.host import to_host
 from ep_comm.reduce import combine_rows, expand_partials
 
 from .routing import Routing, make_routing
@@ -73,11 +74,6 @@ def cuda_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
     end.record()
     end.synchronize()
     return result, cupy.cuda.get_elapsed_time(start, end) / 1e3
-
-
-def to_host(arr: Any) -> np.ndarray:
-    """A NumPy copy of a NumPy or CuPy array (or a host list/int)."""
-    return arr.get() if hasattr(arr, "__cuda_array_interface__") else np.asarray(arr)
 
 
 def make_inputs(spec: PointSpec, rank: int) -> Tuple[np.ndarray, Routing]:
