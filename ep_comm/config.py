@@ -61,7 +61,7 @@ class Config:
     hidden: int
     num_topk: int
     tokens_per_rank: int
-    dtype: str = "bfloat16"
+    dtype: str  # required in the file (no default: see _TOP_RULES)
     description: str = ""
     routing: RoutingDefaults = field(default_factory=RoutingDefaults)
     path: str = ""
