@@ -121,7 +121,7 @@ class MpiBackend:
         else:
             counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0).tolist()
         blocks = [self._read_block(parity, s, c) for s, c in enumerate(counts)]
-        rows = np.concatenate([b[0] for b in blocks]) if blocks else np.zeros((0, geo.hidden), geo.dtype)
+        rows = np.concatenate([b[0] for b in blocks])  # one block per source rank, possibly empty
         meta = np.concatenate([b[1] for b in blocks])
         return self._assemble(rows, meta, counts, handle, topk_idx, topk_weights, in_rank, slot_idx,
                               expand, alignment, zero_padding, cpu_sync, stats)
@@ -240,7 +240,7 @@ class MpiBackend:
     def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
         """Source side: gather each token's row from every rank it reached, sum in rank order."""
         geo = self.geo
-        slots = self._slots_from_handle(handle) if handle.num_tokens else np.zeros((0, geo.num_ranks), np.int64)
+        slots = self._slots_from_handle(handle)
         counts = handle.is_token_in_rank.sum(axis=0)
         rows_from_rank, weights_from_rank = [], []
         for r in range(geo.num_ranks):
