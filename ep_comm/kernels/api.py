@@ -21,6 +21,7 @@ buffer, see :func:`symmetric_views`)::
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
@@ -32,6 +33,7 @@ from ep_comm.kernels.combine import combine_copy_kernel, combine_expand_kernel, 
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                       receive_place_kernel, receive_rows_kernel)
+from ep_comm.kernels.launcher import BoundLaunch
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
@@ -180,7 +182,8 @@ class Kernels:
     whose last block does those scans (one column per warp at a time). The row-streaming
     kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
     ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy. ``stream`` is a Numba
-    stream (or 0).
+    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.kernels.launcher`);
+    ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
     """
 
     xp: Any
@@ -197,6 +200,7 @@ class Kernels:
     count_tokens_per_warp: int = 16
     recv_rows_per_unit: int = 32
     recv_count_warps_per_block: int = 0
+    _bound: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -225,8 +229,12 @@ class Kernels:
 
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
-        configured = kernel[blocks or self.num_blocks, threads, self.stream, shared_bytes]
-        return lambda *args: configured(*(self.device_views(a) for a in args))
+        bound = self._bound.get(kernel)
+        if bound is None:
+            prebound = self.xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1"
+            bound = self._bound[kernel] = BoundLaunch(kernel, self.device_views, enabled=prebound)
+        grid, stream = blocks or self.num_blocks, self.stream
+        return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
 
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
