@@ -6,14 +6,14 @@
 #   launch/gpu_selftest.sh [OUT_DIR [STEP[:SECONDS]...]]   (default: results/selftest, every step)
 #
 # Steps: bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak
-#        determinism examples
+#        create-close determinism examples
 #
 # On the device machines: source .device-kit/setup.sh first.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$repo/results/selftest}
 shift || true
-steps=${*:-bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak determinism examples}
+steps=${*:-bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak create-close determinism examples}
 mkdir -p "$out"
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -24,9 +24,9 @@ log="$out/selftest.log"
 failed=0
 
 step() {  # step NAME TIMEOUT_S COMMAND...   (a STEP:SECONDS argument overrides TIMEOUT_S)
-    local name=$1 limit=${override:-$2} start rc
+    local name=$1 limit=${override:-$2} start rc first
     shift 2
-    start=$(date +%s)
+    start=$(date +%s) first=$(wc -l < "$log")
     echo "===== $name: $*" >> "$log"
     timeout -k 5 "$limit" "$@" >> "$log" 2>&1
     rc=$?
@@ -36,7 +36,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...   (a STEP:SECONDS argument overrides 
     fi
     [ $rc -eq 0 ] || failed=$((failed + 1))
     printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - start ))" \
-        "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)" | tee -a "$log"
+        "$(tail -n +$((first + 1)) "$log" | grep -E '[0-9]+ (passed|failed)' | tail -1)" | tee -a "$log"
 }
 
 for item in $steps; do
@@ -55,7 +55,9 @@ for item in $steps; do
         kernels) step "$name" 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
         gpu-tests) step "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
         soak) step "$name" 240 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters "${SOAK_ITERS:-10000}" \
-                  --check-every 100 --create-close 100 --json "$out/soak.json" ;;
+                  --check-every 100 --create-close 0 --json "$out/soak.json" ;;
+        create-close) step "$name" 150 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 0 \
+                          --create-close 100 --json "$out/create_close.json" ;;
         determinism) step "$name" 180 launch/mpirun_gpu.sh 2 ep_comm.soak --backend nvshmem --iters 0 \
                          --create-close 0 --repeat-deterministic 100 --json "$out/determinism.json" ;;
         examples) step "$name" 180 sh -c 'launch/mpirun_gpu.sh 2 examples.moe_layer --dtype bfloat16 --tokens 4096 \
