@@ -19,22 +19,34 @@ class Buffer:
     worst case of ``R * num_max_tokens_per_rank`` rows. Every rank must call ``dispatch`` and
     ``combine`` collectively; a rank that does not arrive within ``timeout_s`` makes the others
     raise ``ep_comm.TimeoutError`` naming it.
+
+    ``num_sms`` (keyword-only, an extension of the contract, like DeepEP's ``Buffer.set_num_sms``):
+    how many SMs the GPU kernels' grids are sized for; None (default) = all SMs of the device.
+    An integer >= 1 (TypeError for another type, bool included; ValueError below 1). On
+    ``nvshmem`` the kernels run ``2 * num_sms`` blocks (``8 * num_sms`` for the row-streaming
+    ones), and a value above the SM count of any rank's GPU raises ValueError on every rank.
+    On ``mpi`` it is accepted and has no effect (there are no kernels). Give every rank the same
+    value. ``buf.num_sms`` is the SM count in effect: an int on ``nvshmem`` (the device's SM count
+    for None), None on ``mpi``.
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, num_experts: int, hidden: int, num_topk: int,
                  num_max_tokens_per_rank: int, dtype: Any = "bfloat16", backend: str = "auto",
-                 deterministic: bool = False, timeout_s: float = 100.0):
+                 deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an mpi4py communicator or None, got {type(comm).__name__}")
         chk.check_geometry(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
+        chk.check_num_sms(num_sms)
         self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
                                      int(num_max_tokens_per_rank), payload_dtype(dtype))
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
-        self._backend = make_backend(backend, comm, self.geometry, self.deterministic, self.timeout_s)
+        self._backend = make_backend(backend, comm, self.geometry, self.deterministic, self.timeout_s,
+                                     None if num_sms is None else int(num_sms))
+        self.num_sms: Optional[int] = self._backend.num_sms
         self.rank = comm.rank
         self.num_ranks = comm.size
 

@@ -6,7 +6,7 @@ value checks on device arrays cost one small reduction each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -37,6 +37,27 @@ def check_geometry(num_ranks: int, num_experts: int, hidden: int, num_topk: int,
         raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks ({num_ranks})")
     if num_topk > num_experts:
         raise ValueError(f"num_topk={num_topk} must not exceed num_experts={num_experts}")
+
+
+def check_num_sms(num_sms: Any) -> None:
+    """``num_sms``: None (all SMs of the device) or an integer >= 1 (bool refused)."""
+    if num_sms is None:
+        return
+    if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)):
+        raise TypeError(f"num_sms={num_sms!r}: must be an integer >= 1 or None (all SMs of the device), "
+                        f"got {type(num_sms).__name__}")
+    if num_sms < 1:
+        raise ValueError(f"num_sms={num_sms!r}: must be an integer >= 1 or None (all SMs of the device)")
+
+
+def check_num_sms_fits(num_sms: Optional[int], sms_per_rank: Sequence[int]) -> None:
+    """``num_sms`` must not exceed the SM count of any rank's GPU (``sms_per_rank [R]``, every rank's)."""
+    if num_sms is None:
+        return
+    fewest = min(range(len(sms_per_rank)), key=lambda r: sms_per_rank[r])
+    if num_sms > sms_per_rank[fewest]:
+        raise ValueError(f"num_sms={num_sms}: must not exceed the GPU's SM count; rank {fewest}'s GPU has "
+                         f"{sms_per_rank[fewest]} SMs (use None for all of them)")
 
 
 def _shape(arr: Any, name: str) -> tuple:

@@ -104,7 +104,9 @@ def test_progress_prints_only_a_final_line_off_a_tty_and_nothing_when_quiet():
 
 
 @pytest.mark.parametrize("argv", [["--sweep", "12,x"], ["--sweep", "0"], ["--iters", "0"], ["--routing", "bursty"],
-                                  ["--backend", "tpu"], ["--tokens", "8", "--sweep", "8,16"]])
+                                  ["--backend", "tpu"], ["--tokens", "8", "--sweep", "8,16"], ["--num-sms", "0"],
+                                  ["--num-sms", "16,x"], ["--num-sms", "16,16"], ["--num-sms", "all,ALL"],
+                                  ["--num-sms", ""], ["--num-sms", "-4"], ["--num-sms", "1.5"]])
 def test_cli_rejects_bad_options(argv, capsys):
     from ep_comm.bench.__main__ import main
 
@@ -116,6 +118,46 @@ def test_cli_rejects_bad_options(argv, capsys):
 
 def test_cli_parses_sweep_lists():
     assert parser().parse_args(["--sweep", "128, 512,4096"]).sweep == [128, 512, 4096]
+
+
+def test_cli_parses_sm_counts_with_all_as_none():
+    assert parser().parse_args([]).num_sms == [None], "default: all SMs only"
+    assert parser().parse_args(["--num-sms", "16,32,all"]).num_sms == [16, 32, None]
+    assert parser().parse_args(["--num-sms", "All 8"]).num_sms == [None, 8]
+
+
+def test_bad_sm_count_message_names_the_option_and_the_rule(capsys):
+    from ep_comm.bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--num-sms", "16,0"])
+    err = capsys.readouterr().err
+    assert "--num-sms" in err and "'16,0'" in err and "distinct SM counts >= 1 or 'all'" in err
+
+
+def test_summary_and_csv_carry_the_sm_count():
+    samples = [_sample(0, 8, 3), _sample(1, 16, 9)]
+    everything = summarize(samples, row_bytes=100)
+    assert everything["num_sms"] == "all" and everything["num_sms_in_effect"] is None
+    sixteen = summarize(samples, row_bytes=100, num_sms=16, num_sms_in_effect=16)
+    assert (sixteen["num_sms"], sixteen["num_sms_in_effect"]) == (16, 16)
+    row = csv_row(sixteen)
+    assert list(row)[:3] == ["tokens_per_rank", "num_sms", "num_sms_in_effect"] and row["num_sms"] == 16
+    assert csv_row(everything)["num_sms_in_effect"] == ""
+
+
+def test_report_names_the_sm_count_of_each_point_and_compares_them():
+    from ep_comm.bench.report import format_report
+
+    samples = [_sample(0, 8, 3), _sample(1, 16, 9)]
+    gpu = [summarize(samples, 100, 16, 16), summarize(samples, 100, None, 132)]
+    text = format_report({"backend": "nvshmem"}, gpu)
+    assert "== 10 tokens/rank, num_sms=16: round trip OK" in text
+    assert "== 10 tokens/rank, num_sms=all (132 SMs): round trip OK" in text
+    table = text[text.index("== per SM count"):].splitlines()
+    assert len(table) == 4 and table[2].split()[:2] == ["10", "16"] and table[3].split()[:3] == ["10", "all", "(132)"]
+    cpu = format_report({"backend": "mpi"}, [summarize(samples, 100, 16, None)])
+    assert "num_sms=16 (no effect on mpi)" in cpu and "per SM count" not in cpu, "one SM count: no comparison"
 
 
 def test_routing_used_by_bench_is_seeded_per_rank():
@@ -130,7 +172,7 @@ def _check_json(path: Path, nranks: int, tokens: int, hidden: int = 256, itemsiz
     assert meta["ranks"] == nranks and meta["backend"] == "mpi" and meta["config"] == "cpu_demo"
     for point in points:
         assert point["check_passed"], point["failures"]
-        assert point["tokens_per_rank"] == tokens
+        assert tokens is None or point["tokens_per_rank"] == tokens
         assert sum(point["rows_sent"]) == sum(point["recv_rows"])
         assert all(peers <= recv for peers, recv in zip(point["recv_from_peers"], point["recv_rows"]))
         assert point["logical_bytes"] == [r * hidden * itemsize for r in point["recv_rows"]]
@@ -148,7 +190,7 @@ def test_bench_smoke_two_ranks(tmp_path):
     _, points = _check_json(out, 2, 256)
     assert len(points) == 1
     assert "round trip OK" in done.stdout
-    assert (tmp_path / "bench.csv").read_text().startswith("tokens_per_rank,check_passed,")
+    assert (tmp_path / "bench.csv").read_text().startswith("tokens_per_rank,num_sms,num_sms_in_effect,check_passed,")
 
 
 def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
@@ -163,6 +205,25 @@ def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
     for point in points:
         assert point["check_passed"], point["failures"]
         assert all(e % 4 == 0 and e >= r for e, r in zip(point["expanded_rows"], point["recv_rows"]))
+
+
+def test_bench_runs_every_point_per_sm_count(tmp_path):
+    """On mpi the SM counts run the same CPU path (no kernels); each point still says which count it was."""
+    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
+    done = run_bench(2, "--config", "cpu_demo", "--sweep", "16,32", "--num-sms", "16,all", "--iters", "2",
+                     "--warmup", "0", "--json", str(out), "--csv", str(table))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not used" not in done.stderr
+    meta, points = _check_json(out, 2, None)
+    assert meta["num_sms"] == "16,all"
+    assert [(p["num_sms"], p["tokens_per_rank"]) for p in points] == [(16, 16), (16, 32), ("all", 16), ("all", 32)]
+    assert all(p["num_sms_in_effect"] is None for p in points)
+    rows = table.read_text().splitlines()
+    assert rows[0].startswith("tokens_per_rank,num_sms,num_sms_in_effect,")
+    assert [r.split(",")[:2] for r in rows[1:]] == [["16", "16"], ["32", "16"], ["16", "all"], ["32", "all"]]
+    assert "== 32 tokens/rank, num_sms=16 (no effect on mpi): round trip OK" in done.stdout
+    assert "== per SM count" in done.stdout
+    assert "32 tokens/rank, num_sms=all: ok, dispatch p50/p99 " in done.stderr  # the one line per point
 
 
 def test_bench_one_token_leaves_some_ranks_without_rows(tmp_path):

@@ -1,6 +1,8 @@
 """Backends run the protocol: ``mpi`` (CPU, NumPy over MPI windows) and ``nvshmem`` (GPU)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from mpi4py import MPI
 
 from ..validate import Geometry
@@ -28,8 +30,13 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
-    """Instantiate backend ``name`` (resolved by :func:`resolve_backend`)."""
+def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float,
+                 num_sms: Optional[int] = None):
+    """Instantiate backend ``name`` (resolved by :func:`resolve_backend`).
+
+    ``num_sms`` (validated by the caller: None or an int >= 1) sizes the ``nvshmem`` kernels' grids
+    (None: all SMs of the device); the ``mpi`` backend has no kernels and ignores it.
+    """
     name = resolve_backend(name)
     if name == "mpi":
         from .mpi import MpiBackend
@@ -37,4 +44,4 @@ def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, 
         return MpiBackend(comm, geo, deterministic, timeout_s)
     from .nvshmem import NvshmemBackend
 
-    return NvshmemBackend(comm, geo, deterministic, timeout_s)
+    return NvshmemBackend(comm, geo, deterministic, timeout_s, num_sms=num_sms)

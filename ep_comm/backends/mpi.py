@@ -26,6 +26,7 @@ class MpiBackend:
 
     name = "mpi"
     xp = np
+    num_sms: Optional[int] = None  # no kernels: Buffer(num_sms=...) has no effect here
 
     def __init__(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
         self.comm = comm.Dup()

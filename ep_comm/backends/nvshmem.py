@@ -41,7 +41,7 @@ from mpi4py import MPI
 from .. import layout as lay
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..symmetric import SymmetricLayout
-from ..validate import Geometry
+from ..validate import Geometry, check_num_sms_fits
 from .steps import Steps, step_word
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
@@ -77,6 +77,31 @@ def staged_destinations(rows_stage, meta_stage, num_ranks: int) -> Tuple[tuple, 
 
     return (tuple(view(rows_stage, r) for r in range(num_ranks)),
             tuple(view(meta_stage, r) for r in range(num_ranks)))
+
+
+BLOCKS_PER_SM = 2  # blocks of the unit-cut kernels (count, scatter, receive count/place) per SM
+STREAM_BLOCKS_PER_SM = 8  # blocks of the row-streaming kernels (receive rows, combine) per SM
+
+
+def device_sm_count(cp, device: int) -> int:
+    """The number of SMs (``MultiProcessorCount``) of CUDA device ``device``, e.g. 132 on an H200."""
+    return int(cp.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def sms_in_effect(comm: MPI.Comm, num_sms: Optional[int], device_sms: int) -> int:
+    """The SM count the kernels use on this rank: ``num_sms``, or ``device_sms`` (this rank's GPU) for None.
+
+    Collective: every rank learns every rank's SM count, so a ``num_sms`` above any rank's raises
+    the same ValueError (naming ``num_sms``, the value and the fewest SMs) on every rank.
+    """
+    check_num_sms_fits(num_sms, comm.allgather(int(device_sms)))
+    return device_sms if num_sms is None else int(num_sms)
+
+
+def grid_shape(num_sms: int) -> Dict[str, int]:
+    """``Kernels`` launch shape for ``num_sms`` SMs: ``num_blocks = 2 * num_sms`` (unit-cut kernels) and
+    ``stream_blocks = 8 * num_sms`` (row-streaming kernels); 132 SMs (H200) give 264 / 1056."""
+    return dict(num_blocks=BLOCKS_PER_SM * num_sms, stream_blocks=STREAM_BLOCKS_PER_SM * num_sms)
 
 
 class NvshmemTransport:
@@ -261,14 +286,22 @@ class NvshmemBackend:
     name = "nvshmem"
 
     def __init__(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float,
-                 use_puts: Optional[bool] = None):
+                 use_puts: Optional[bool] = None, num_sms: Optional[int] = None):
+        """``num_sms``: SMs the kernels' grids are sized for (None: all of the device's; see :func:`grid_shape`)."""
         cp = _import_gpu_stack()
         from ..kernels.api import word_dtype
 
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
         transport = NvshmemTransport(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
-        self._setup(comm, geo, deterministic, timeout_s, cp, transport, CupyDevice(cp, geo.experts_per_rank), {})
+        try:
+            self.num_sms = sms_in_effect(comm, num_sms, device_sm_count(cp, transport.device))
+        except ValueError:  # raised on every rank alike: the collective release cannot hang
+            transport.close(collective=True)
+            comm.Free()
+            raise
+        self._setup(comm, geo, deterministic, timeout_s, cp, transport, CupyDevice(cp, geo.experts_per_rank),
+                    grid_shape(self.num_sms))
 
     def _setup(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float, xp, transport, device,
                launch: Dict[str, int]) -> None:

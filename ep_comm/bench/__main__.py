@@ -6,10 +6,30 @@ import sys
 from typing import List, Optional
 
 from ep_comm.backends import BACKENDS
+from ep_comm.bench.report import ALL_SMS
 from ep_comm.bench.routing import KINDS
 from ep_comm.cli import int_at_least, int_list
 
 token_list = int_list("token counts", 1, "128,512,4096")
+
+
+def sm_counts(text: str) -> List[Optional[int]]:
+    """argparse type of ``--num-sms``: comma- or space-separated SM counts >= 1 or ``all``, each at most
+    once; ``all`` becomes None (the Buffer's default: every SM of the device). ``"16,32,all"`` ->
+    ``[16, 32, None]``."""
+    items = text.replace(",", " ").split()
+    rule = f"{text!r}: must be a list of distinct SM counts >= 1 or '{ALL_SMS}', e.g. 16,32,{ALL_SMS}"
+    values: List[Optional[int]] = []
+    for item in items:
+        if item.lower() == ALL_SMS:
+            values.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            values.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(rule)
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(rule)
+    return values
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,7 +49,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
     p.add_argument("--timeout", type=float, default=100.0, help="Buffer timeout_s in seconds (default: 100)")
-    p.add_argument("--num-sms", type=int_at_least(1), help="SMs for the GPU kernels (recorded; passed on once the Buffer takes it)")
+    p.add_argument("--num-sms", type=sm_counts, default=[None], metavar="LIST",
+                   help="SM counts for the GPU kernels, comma-separated, 'all' = every SM (Buffer(num_sms=None)); "
+                        "every point runs once per count, on a Buffer of that count (default: all). The mpi "
+                        "backend has no kernels: each count runs the same CPU path")
     p.add_argument("--no-baselines", action="store_true", help="GPU: skip the NCCL baselines")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")

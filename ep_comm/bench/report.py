@@ -7,7 +7,10 @@ Conventions (printed in the report header too):
 * logical bytes = all compact rows a rank received (DeepEP's convention); NVLink bytes = the rows
   received from other ranks; GB/s = a rank's bytes / its p50, averaged over ranks;
 * tokens/s = tokens of all ranks / aggregate p50 of dispatch + combine;
-* imbalance = max / mean of received rows over ranks.
+* imbalance = max / mean of received rows over ranks;
+* every point carries its SM count: ``num_sms`` as asked (an int, or ``"all"``) and
+  ``num_sms_in_effect`` (``Buffer.num_sms``: the kernels' SM count on ``nvshmem``, None on ``mpi``,
+  which has no kernels and ignores it).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from ep_comm import progress
 from .measure import RankSample
 
 EP_OPS = ("dispatch", "combine")
+ALL_SMS = "all"  # --num-sms value (and point["num_sms"]) for Buffer(num_sms=None): every SM of the device
 HEADER = ("latency: slowest rank's p50/p99; GB/s: per-rank bytes / p50, mean over ranks; "
           "logical = all received rows, NVLink = rows from peers")
 
@@ -39,8 +43,18 @@ def _stats(times_per_rank: Sequence[Sequence[float]]) -> Dict[str, Any]:
     return {"p50": max(p50), "p99": max(p99), "p50_per_rank": p50, "p99_per_rank": p99}
 
 
-def summarize(samples: Sequence[RankSample], row_bytes: int) -> Dict[str, Any]:
-    """JSON-ready summary of one point from all ranks' samples; ``row_bytes = hidden * itemsize``."""
+def sms_label(num_sms: Optional[int]) -> str:
+    """How the command line and the report name an SM count: ``"all"`` for None, else the number."""
+    return ALL_SMS if num_sms is None else str(num_sms)
+
+
+def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[int] = None,
+              num_sms_in_effect: Optional[int] = None) -> Dict[str, Any]:
+    """JSON-ready summary of one point from all ranks' samples; ``row_bytes = hidden * itemsize``.
+
+    ``num_sms``: the SM count the point ran with as asked (None: all, stored as ``"all"``);
+    ``num_sms_in_effect``: ``Buffer.num_sms`` (None on the mpi backend).
+    """
     recv = np.array([s.recv_rows for s in samples], dtype=np.float64)
     peers = recv - np.array([s.recv_from_self for s in samples])
     ops = {op: [s.times[op] for s in samples] for op in samples[0].times}
@@ -54,6 +68,8 @@ def summarize(samples: Sequence[RankSample], row_bytes: int) -> Dict[str, Any]:
     dispatch_p50 = latency["dispatch"]["p50"]
     return {
         "tokens_per_rank": samples[0].num_tokens,
+        "num_sms": ALL_SMS if num_sms is None else int(num_sms),
+        "num_sms_in_effect": num_sms_in_effect,
         "check_passed": not any(s.failures for s in samples),
         "failures": [f"rank {s.rank}: {f}" for s in samples for f in s.failures],
         "rows_sent": [s.rows_sent for s in samples],
@@ -79,11 +95,25 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+def point_sms(point: Dict[str, Any]) -> str:
+    """``num_sms=...`` of a point: ``num_sms=all (132 SMs)``, ``num_sms=16``, or on the mpi backend
+    (no kernels) ``num_sms=16 (no effect on mpi)``."""
+    asked, used = point["num_sms"], point["num_sms_in_effect"]
+    if used is None:
+        return f"num_sms={asked}" + ("" if asked == ALL_SMS else " (no effect on mpi)")
+    return f"num_sms={asked}" + (f" ({used} SMs)" if asked == ALL_SMS else "")
+
+
+def point_title(point: Dict[str, Any]) -> str:
+    """``256 tokens/rank, num_sms=all``: what names a point in the report, progress and failures."""
+    return f"{point['tokens_per_rank']} tokens/rank, {point_sms(point)}"
+
+
 def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
     """The text block of one point: per-rank rows, then the aggregates."""
     lat = point["latency_us"]
     status = "OK" if point["check_passed"] else "FAILED"
-    lines = [f"== {point['tokens_per_rank']} tokens/rank: round trip {status}",
+    lines = [f"== {point_title(point)}: round trip {status}",
              f"  {'rank':>4} {'sent':>8} {'recv':>8} {'peers':>8} {'dispatch p50/p99 us':>21} {'combine p50/p99 us':>20}"]
     for r, (sent, recv, peer) in enumerate(zip(point["rows_sent"], point["recv_rows"], point["recv_from_peers"])):
         d = f"{lat['dispatch']['p50_per_rank'][r]:.1f}/{lat['dispatch']['p99_per_rank'][r]:.1f}"
@@ -106,11 +136,27 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
     return "\n".join(lines)
 
 
+def format_sms_table(points: Sequence[Dict[str, Any]]) -> str:
+    """Dispatch and combine p50/p99 (slowest rank) per (tokens, SM count): the ``--num-sms`` comparison."""
+    lines = ["== per SM count (slowest rank, us)",
+             f"  {'tokens':>7} {'num_sms':>14} {'dispatch p50/p99':>20} {'combine p50/p99':>20}  check"]
+    for p in sorted(points, key=lambda p: p["tokens_per_rank"]):
+        lat = p["latency_us"]
+        sms = p["num_sms"] if p["num_sms_in_effect"] in (None, p["num_sms"]) else f"all ({p['num_sms_in_effect']})"
+        d = f"{lat['dispatch']['p50']:.1f}/{lat['dispatch']['p99']:.1f}"
+        c = f"{lat['combine']['p50']:.1f}/{lat['combine']['p99']:.1f}"
+        lines.append(f"  {p['tokens_per_rank']:>7} {sms!s:>14} {d:>20} {c:>20}  {'ok' if p['check_passed'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
 def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str:
-    """The whole report: a header line with the run's parameters, then one block per point."""
+    """The whole report: a header line with the run's parameters, one block per point, and a table of
+    dispatch/combine latency per SM count when the run had more than one."""
     head = " ".join(f"{k}={v}" for k, v in meta.items() if k not in ("versions",) and v is not None)
     ceiling = meta.get("nvlink_ceiling_gbps")
     blocks = [f"ep_comm.bench {head}", f"({HEADER})"] + [format_point(p, ceiling) for p in points]
+    if len({p["num_sms"] for p in points}) > 1:
+        blocks.append(format_sms_table(points))
     return "\n".join(blocks)
 
 
@@ -123,6 +169,8 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
     """One flat CSV row of a point."""
     row = {
         "tokens_per_rank": point["tokens_per_rank"],
+        "num_sms": point["num_sms"],
+        "num_sms_in_effect": "" if point["num_sms_in_effect"] is None else point["num_sms_in_effect"],
         "check_passed": point["check_passed"],
         "rows_sent": sum(point["rows_sent"]),
         "recv_rows_max": max(point["recv_rows"]),
@@ -158,25 +206,38 @@ def matplotlib_missing() -> Optional[str]:
     return None
 
 
+def _sms_groups(points: Sequence[Dict[str, Any]]) -> Dict[Any, List[Dict[str, Any]]]:
+    """Points grouped by ``num_sms``, in the order the run met them."""
+    groups: Dict[Any, List[Dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault(p["num_sms"], []).append(p)
+    return groups
+
+
 def write_plot(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
-    """Bandwidth and latency against tokens per rank, one figure with two panels."""
+    """Bandwidth and latency against tokens per rank, one figure with two panels; one set of lines per
+    SM count (``sms=...`` in the legend when the run had more than one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tokens = [p["tokens_per_rank"] for p in points]
+    groups = _sms_groups(points)
     fig, (bw_ax, lat_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for op, color in zip(EP_OPS, ("C0", "C1")):
-        for kind, style in (("logical", "-o"), ("nvlink", "--o")):
-            bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in points], style, color=color,
-                       label=f"{op} {kind}")
+    ops = list(points[0]["latency_us"])
+    for g, (sms, group) in enumerate(groups.items()):
+        tokens = [p["tokens_per_rank"] for p in group]
+        tag = f" sms={sms}" if len(groups) > 1 else ""
+        for i, op in enumerate(EP_OPS):
+            for kind, style in (("logical", "-o"), ("nvlink", "--o")):
+                bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in group], style,
+                           color=f"C{g * len(EP_OPS) + i}", label=f"{op} {kind}{tag}")
+        for i, op in enumerate(ops):
+            for stat, style in (("p50", "-o"), ("p99", ":")):
+                lat_ax.plot(tokens, [p["latency_us"][op][stat] for p in group], style,
+                            color=f"C{g * len(ops) + i}", label=f"{op} {stat}{tag}")
     if meta.get("nvlink_ceiling_gbps"):
         bw_ax.axhline(meta["nvlink_ceiling_gbps"], color="gray", linestyle=":", label="NVLink ceiling")
-    for i, op in enumerate(points[0]["latency_us"]):
-        for stat, style in (("p50", "-o"), ("p99", ":")):
-            lat_ax.plot(tokens, [p["latency_us"][op][stat] for p in points], style, color=f"C{i}",
-                        label=f"{op} {stat}")
     for ax, ylabel in ((bw_ax, "GB/s per rank"), (lat_ax, "us (slowest rank)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank")

@@ -1,4 +1,6 @@
-"""The benchmark run: build a Buffer, run every point (and the GPU baselines), report on rank 0.
+"""The benchmark run: a Buffer per SM count of ``--num-sms``, every point on each (and the GPU
+baselines), report on rank 0. On the ``mpi`` backend the SM counts have no effect (no kernels): each
+count runs the same CPU path, and the report says so.
 
 Every rank runs :func:`run` with the same options; decisions that could differ between ranks
 (a missing optional package) are taken on rank 0 and broadcast, so all ranks stop together.
@@ -92,7 +94,7 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec
         "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden, "num_experts": cfg.num_experts,
         "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
-        "warmup": args.warmup, "timer": timer_name, "num_sms": args.num_sms,
+        "warmup": args.warmup, "timer": timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
     }
 
 
@@ -105,7 +107,7 @@ def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[
     else:
         for point in points:
             for failure in point["failures"]:
-                print(f"ep_comm.bench: {point['tokens_per_rank']} tokens/rank: FAILED {failure}", file=sys.stderr)
+                print(f"ep_comm.bench: {report.point_title(point)}: FAILED {failure}", file=sys.stderr)
     if args.json:
         report.write_json(args.json, meta, points)
     if args.csv:
@@ -114,43 +116,98 @@ def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[
         report.write_plot(args.plot, meta, points)
 
 
-def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
-    """Run the benchmark the options describe; every rank returns the same exit code."""
+def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
+                 num_sms: Optional[int]) -> Buffer:
+    """The Buffer of one SM count (None: all), sized for the largest point; a ValueError of its
+    constructor (e.g. ``num_sms`` above the GPU's SM count, raised on every rank) is a UsageError."""
     try:
-        cfg = _load(comm, args)
-    except UsageError as exc:
-        if comm.rank == 0:
-            print(f"ep_comm.bench: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    specs = _point_specs(cfg, args)
-    is_root = comm.rank == 0
-    shown = is_root and not args.quiet
-    progress = report.Progress(live=shown and (args.progress or sys.stderr.isatty()), final=shown)
-    if is_root and args.num_sms is not None:
-        print("ep_comm.bench: --num-sms is recorded but not used: the Buffer takes no SM count yet", file=sys.stderr)
-    with Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
-                num_max_tokens_per_rank=max(s.num_tokens for s in specs), dtype=cfg.dtype, backend=args.backend,
-                deterministic=args.deterministic, timeout_s=args.timeout) as buf:
-        timer, device, timer_name = _device_path(buf)
-        meta = _meta(comm, cfg, args, specs[0], buf, timer_name)
-        nccl = _gpu_extras(comm, args, timer, meta) if buf.backend == "nvshmem" else None
-        row_bytes = cfg.hidden * payload_dtype(cfg.dtype).itemsize
-        points = []
-        for spec in specs:
-            progress.start(f"{spec.num_tokens} tokens/rank", spec.warmup + spec.iters)
-            sample, (x, routing) = run_point(comm, buf, spec, timer, device, progress.tick)
-            if nccl is not None:
-                sample.times.update(nccl(spec, x, routing.topk_idx))
-            samples: Optional[List[RankSample]] = report.gather_samples(comm, sample)
-            if is_root:
-                points.append(report.summarize(samples, row_bytes))
-                lat = points[-1]["latency_us"]
-                progress.finish(f"{'ok' if points[-1]['check_passed'] else 'FAILED'}, dispatch p50 "
-                                f"{lat['dispatch']['p50']:.1f} us, combine p50 {lat['combine']['p50']:.1f} us")
-        if nccl is not None:
+        return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
+                      num_max_tokens_per_rank=max(s.num_tokens for s in specs), dtype=cfg.dtype,
+                      backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms)
+    except ValueError as exc:
+        raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
+
+
+class _Session:
+    """What every Buffer of a run shares: timer, host->device copy, NCCL baselines, meta and points."""
+
+    def __init__(self, comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
+                 progress: report.Progress):
+        self.comm, self.cfg, self.args, self.specs, self.progress = comm, cfg, args, specs, progress
+        self.meta: Dict[str, Any] = {}
+        self.points: List[Dict[str, Any]] = []
+        self.nccl: Optional[Callable] = None
+        self.timer: Callable = host_timer
+        self.device: Callable[[np.ndarray], Any] = lambda a: a
+
+    def start(self, buf: Buffer) -> None:
+        """On the first Buffer: pick the timer, fill ``meta``, measure the GPU extras."""
+        self.timer, self.device, timer_name = _device_path(buf)
+        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, timer_name)
+        if buf.backend == "nvshmem":
+            self.nccl = _gpu_extras(self.comm, self.args, self.timer, self.meta)
+
+    def run_points(self, buf: Buffer, num_sms: Optional[int]) -> None:
+        """Every point on ``buf`` (SM count ``num_sms`` as asked); rank 0 keeps the summaries."""
+        row_bytes = self.cfg.hidden * payload_dtype(self.cfg.dtype).itemsize
+        for spec in self.specs:
+            self.progress.start(f"{spec.num_tokens} tokens/rank, num_sms={report.sms_label(num_sms)}",
+                                spec.warmup + spec.iters)
+            sample, (x, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick)
+            if self.nccl is not None:
+                sample.times.update(self.nccl(spec, x, routing.topk_idx))
+            samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
+            if self.comm.rank == 0:
+                self.points.append(report.summarize(samples, row_bytes, num_sms, buf.num_sms))
+                self.progress.finish(_summary_line(self.points[-1]))
+
+    def close(self) -> None:
+        if self.nccl is not None:
             from .baselines import close_torch_distributed
 
             close_torch_distributed()
+
+
+def _summary_line(point: Dict[str, Any]) -> str:
+    """The one line per point: check, SMs in effect, dispatch and combine p50/p99 of the slowest rank."""
+    lat = point["latency_us"]
+    used, asked = point["num_sms_in_effect"], point["num_sms"]
+    sms = f"{used} SMs, " if used is not None else ("" if asked == report.ALL_SMS else "no effect on mpi, ")
+    return (f"{'ok' if point['check_passed'] else 'FAILED'}, {sms}dispatch p50/p99 {lat['dispatch']['p50']:.1f}/"
+            f"{lat['dispatch']['p99']:.1f} us, combine p50/p99 {lat['combine']['p50']:.1f}/{lat['combine']['p99']:.1f} us")
+
+
+def _measure(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
+             progress: report.Progress) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Every point once per SM count of ``--num-sms``, each count on its own Buffer, in the order given;
+    returns ``(meta, points)`` (points on rank 0 only)."""
+    session = _Session(comm, cfg, args, specs, progress)
+    try:
+        for num_sms in args.num_sms:
+            with _open_buffer(comm, cfg, args, specs, num_sms) as buf:
+                if not session.meta:
+                    session.start(buf)
+                session.run_points(buf, num_sms)
+    except UsageError:  # raised on every rank alike: the collective teardown is safe
+        session.close()
+        raise
+    session.close()
+    return session.meta, session.points
+
+
+def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+    """Run the benchmark the options describe; every rank returns the same exit code."""
+    is_root = comm.rank == 0
+    try:
+        cfg = _load(comm, args)
+        specs = _point_specs(cfg, args)
+        shown = is_root and not args.quiet
+        progress = report.Progress(live=shown and (args.progress or sys.stderr.isatty()), final=shown)
+        meta, points = _measure(comm, cfg, args, specs, progress)
+    except UsageError as exc:
+        if is_root:
+            print(f"ep_comm.bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     passed = all(p["check_passed"] for p in points) if is_root else None
     if is_root:
         _write_outputs(args, meta, points)
