@@ -67,7 +67,7 @@ class Buffer:
     def _topk_idx(self, topk_idx: Any):
         be = self._live()
         topk_idx = be.as_array(topk_idx, "topk_idx")
-        chk.check_topk_idx(be.xp, topk_idx, self.geometry)
+        chk.check_topk_idx(be.xp, topk_idx, self.geometry, getattr(be, "routing_summary", None))
         return topk_idx
 
     def get_dispatch_layout(self, topk_idx: Any) -> DispatchLayout:

@@ -6,7 +6,7 @@ value checks on device arrays cost one small reduction each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -67,8 +67,11 @@ def _shape(arr: Any, name: str) -> tuple:
     return tuple(shape)
 
 
-def check_topk_idx(xp, topk_idx: Any, geo: Geometry) -> None:
-    """``topk_idx``: integer ``[T, K]``, ``T <= max_tokens``, entries ``< num_experts``, no expert twice per token."""
+def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callable[[Any], tuple]] = None) -> None:
+    """``topk_idx``: integer ``[T, K]``, ``T <= max_tokens``, entries ``< num_experts``, no expert twice per token.
+
+    ``summarize(topk_idx)`` (a backend's one-launch version of :func:`_topk_values`, for signed
+    integer ids) replaces the array code when given."""
     shape = _shape(topk_idx, "topk_idx")
     if not np.issubdtype(np.dtype(topk_idx.dtype), np.integer):
         raise TypeError(f"topk_idx has dtype {topk_idx.dtype}: expert ids must be integers")
@@ -78,7 +81,8 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry) -> None:
         raise ValueError(f"topk_idx has {shape[0]} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
     if shape[0] == 0:
         return
-    top, twice = _topk_values(xp, topk_idx)
+    signed = np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger)
+    top, twice = summarize(topk_idx) if summarize is not None and signed else _topk_values(xp, topk_idx)
     if top >= geo.num_experts:
         raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} (negative = none)")
     if twice >= 0:

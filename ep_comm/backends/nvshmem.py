@@ -343,6 +343,15 @@ class NvshmemBackend:
                             "(CuPy, PyTorch CUDA tensors, anything with __cuda_array_interface__ or DLPack)")
         raise TypeError(f"{name} must be a GPU array, got {type(obj).__name__}")
 
+    def routing_summary(self, topk_idx) -> Tuple[int, int]:
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty signed-int routing:
+        one kernel and one read (``validate.check_topk_idx``)."""
+        from ..kernels.api import to_host
+
+        with self._launching():
+            top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
+        return int(top), int(twice)
+
     def dispatch_layout(self, topk_idx) -> lay.DispatchLayout:
         """``ep_comm.layout.dispatch_layout`` by the count kernel (no host synchronisation)."""
         with self._launching():

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 from numba import cuda
 
+from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
@@ -215,6 +216,7 @@ class Kernels:
         self.threads = self.warps_per_block * WARP
         self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
         self._ticket = xp.zeros(1, dtype=np.uint32)
+        self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))
         self._rank_cursor = xp.zeros(r, dtype=np.int32)
         self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
         self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
@@ -243,6 +245,14 @@ class Kernels:
         per_unit = -(-max(num_tokens, 1) // self.num_units)
         per_unit = -(-per_unit // step) * step
         return units_for(num_tokens, per_unit, self.num_units), max(1, self.count_tokens_per_warp // per_unit)
+
+    def check_routing(self, topk_idx: Array) -> Array:
+        """``[2]`` int64 on the device: the largest id in ``topk_idx [T, K]`` (signed ints, T >= 1) or -1,
+        and the first token (row) that names an expert twice or -1."""
+        out = self.xp.empty(2, np.int64)
+        blocks = min(self.num_blocks, -(-topk_idx.shape[0] // self.threads))
+        self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out)
+        return out
 
     def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.

@@ -1,0 +1,41 @@
+"""The routing check kernel against ``ep_comm.validate``'s array code: largest id, first repeated row."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ep_comm.kernels.api import Kernels, to_host
+from ep_comm.validate import _topk_values
+
+
+def kernels(xp, topk: int) -> Kernels:
+    return Kernels(xp, num_ranks=2, num_experts=16, num_topk=topk, max_tokens=300, num_blocks=3, warps_per_block=2)
+
+
+def routing(seed: int, tokens: int, topk: int, dtype) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    idx = np.array([rng.choice(16, topk, replace=False) for _ in range(tokens)]).reshape(tokens, topk)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    return idx.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_check_matches_the_array_code_and_resets_between_launches(xp, dtype, tokens):
+    k = kernels(xp, 4)
+    clean = routing(tokens, tokens, 4, dtype)
+    bad = clean.copy()
+    bad[tokens // 2, 0] = 99  # out of range
+    if tokens > 2:
+        bad[tokens - 1, 1:3] = [7, 7]  # a repeat, and one more at an earlier row
+        bad[2, 2:4] = [5, 5]
+    bad[-1, 0] = -1
+    for case in (clean, bad, clean, np.full((tokens, 4), -1, dtype)):
+        got = to_host(k.check_routing(xp.asarray(case))).tolist()
+        assert got == list(_topk_values(np, case)), case
+
+
+def test_masked_repeats_are_not_repeats(xp):
+    k = kernels(xp, 3)
+    case = np.array([[-1, -1, 3], [4, -1, -1], [2, 2, -1]], np.int64)
+    assert to_host(k.check_routing(xp.asarray(case))).tolist() == [4, 2]
