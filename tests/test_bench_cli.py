@@ -205,6 +205,7 @@ def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
     for point in points:
         assert point["check_passed"], point["failures"]
         assert all(e % 4 == 0 and e >= r for e, r in zip(point["expanded_rows"], point["recv_rows"]))
+        assert point["first_round_trip_s"] > 0
 
 
 def test_bench_runs_every_point_per_sm_count(tmp_path):

@@ -55,6 +55,7 @@ class RankSample:
     expanded_rows: int  # rows of the expand layout (padding included); 0 in compact mode
     failures: List[str] = field(default_factory=list)
     times: Dict[str, List[float]] = field(default_factory=dict)  # seconds per iteration, by operation
+    first_round_trip_s: float = 0.0  # host wall clock of the point's first dispatch + combine (kernel loads included)
 
 
 def host_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
@@ -171,7 +172,9 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
         return t_dispatch, t_combine
 
     # check the round trip on fresh buffers and again after every reuse (both parities, many sequence numbers)
+    start = time.perf_counter()
     body()
+    first_s = time.perf_counter() - start
     failures = _round_trip_failures(last["res"].x, want, "first")
     times = sample_times(comm, body, spec.warmup, spec.iters, tick)
     failures += _round_trip_failures(last["res"].x, want, "last")
@@ -183,7 +186,7 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
         rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
         recv_from_self=int(recv_per_source[comm.rank]),
         expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
-        times={"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()},
+        times={"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()}, first_round_trip_s=first_s,
     )
     return sample, (x, routing)
 

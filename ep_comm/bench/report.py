@@ -82,6 +82,7 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         "latency_us": latency,
         "bandwidth_gbps": bandwidth,
         "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
+        "first_round_trip_s": max(s.first_round_trip_s for s in samples),
         "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
                                   for op in latency if op not in EP_OPS + ("round_trip",)},
     }
@@ -129,7 +130,8 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
         of_ceiling = f" ({bw['nvlink'] / ceiling_gbps:.0%} of the NVLink ceiling)" if ceiling_gbps else ""
         lines.append(f"  {op:<8} p50 {lat[op]['p50']:.1f} us  p99 {lat[op]['p99']:.1f} us  "
                      f"logical {bw['logical']:.2f} GB/s  NVLink {bw['nvlink']:.2f} GB/s{of_ceiling}")
-    lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s")
+    lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s; "
+                 f"first round trip on this Buffer {point.get('first_round_trip_s', 0.0):.3f} s (slowest rank)")
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")
     lines += [f"  FAILED {f}" for f in point["failures"]]
