@@ -74,7 +74,10 @@ def _array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
     """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
     ptr = getattr(getattr(a, "data", None), "ptr", None)
     if ptr is not None:  # CuPy: attributes, no interface dict
-        return ptr, a.shape, a.strides, a.itemsize
+        shape = a.shape
+        # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
+        strides = c_strides(shape, a.itemsize) if a.flags.c_contiguous else a.strides
+        return ptr, shape, strides, a.itemsize
     return _described(a)[0]
 
 
