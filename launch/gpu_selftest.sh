@@ -31,7 +31,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...   (a STEP:SECONDS argument overrides 
     timeout -k 5 "$limit" "$@" >> "$log" 2>&1
     rc=$?
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # mpirun's ranks can outlive a killed launcher: end them
-        pkill -9 -f 'mpirun|orted|python3 -m' 2>/dev/null
+        pkill -9 -f 'mpirun|orted|python3 -m (ep_comm|pytest|examples)' 2>/dev/null
         sleep 1
     fi
     [ $rc -eq 0 ] || failed=$((failed + 1))
