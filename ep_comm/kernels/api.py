@@ -34,7 +34,7 @@ from ep_comm.kernels.combine import combine_copy_kernel, combine_expand_kernel, 
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                       receive_place_kernel, receive_rows_kernel)
-from ep_comm.kernels.launcher import BoundLaunch
+from ep_comm.kernels.launcher import BoundLaunch, array_fields
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
@@ -97,9 +97,11 @@ def wide_rows(*arrays: Array) -> bool:
     """Whether a row copy between these word arrays (rows on the last axis) may move 16 bytes per access:
     64-bit words, an even number per row, and every row 16-byte aligned."""
     for a in arrays:
-        desc = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-        row_strides = a.strides[:-1]
-        if a.dtype.itemsize != 8 or a.shape[-1] % 2 or desc["data"][0] % 16 or any(st % 16 for st in row_strides):
+        if isinstance(a, np.ndarray):
+            ptr, strides = a.__array_interface__["data"][0], a.strides
+        else:
+            ptr, _, strides, _ = array_fields(a)
+        if a.dtype.itemsize != 8 or a.shape[-1] % 2 or ptr % 16 or any(st % 16 for st in strides[:-1]):
             return False
     return True
 

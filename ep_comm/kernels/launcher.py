@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["BoundLaunch", "arg_kind", "flattener", "c_strides"]
+__all__ = ["BoundLaunch", "arg_kind", "array_fields", "flattener", "c_strides"]
 
 Flatten = Callable[[Any, List[Any]], None]
 
@@ -50,6 +50,10 @@ class _Described:
         self._held: "OrderedDict[int, Tuple[Any, tuple, tuple]]" = OrderedDict()
         self._capacity = capacity
 
+    def knows(self, a: Any) -> bool:
+        held = self._held.get(id(a))
+        return held is not None and held[0] is a
+
     def __call__(self, a: Any) -> Tuple[tuple, tuple]:
         """``((pointer, shape, byte strides, itemsize), arg kind)`` of ``a``."""
         held = self._held.get(id(a))
@@ -70,35 +74,52 @@ class _Described:
 _described = _Described()
 
 
-def _array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
+_SCALARS = (bool, int, float, np.bool_, np.integer, np.floating)
+_ROLES: Dict[type, str] = {}
+
+
+def _role(t: type) -> str:
+    """How arguments of type ``t`` are read: "cupy" (attributes), "scalar", "tuple" or "other"
+    (``__cuda_array_interface__``, remembered per object). Decided once per type: asking an object
+    for its interface builds a dict (microseconds each, many per launch)."""
+    role = _ROLES.get(t)
+    if role is None:
+        if issubclass(t, tuple):
+            role = "tuple"
+        elif issubclass(t, _SCALARS):
+            role = "scalar"
+        elif getattr(t, "__module__", "").split(".")[0] == "cupy" and hasattr(t, "data") and hasattr(t, "flags"):
+            role = "cupy"
+        else:
+            role = "other"
+        _ROLES[t] = role
+    return role
+
+
+def array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
     """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
-    ptr = getattr(getattr(a, "data", None), "ptr", None)
-    if ptr is not None:  # CuPy: attributes, no interface dict
+    if _role(type(a)) == "cupy":
         shape = a.shape
         # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
         strides = c_strides(shape, a.itemsize) if a.flags.c_contiguous else a.strides
-        return ptr, shape, strides, a.itemsize
+        return a.data.ptr, shape, strides, a.itemsize
     return _described(a)[0]
-
-
-def _array_layout_kind(a: Any) -> Tuple[Any, ...]:
-    """What Numba's typing of a CUDA array depends on: dtype, rank, C and F contiguity."""
-    if getattr(getattr(a, "data", None), "ptr", None) is not None:
-        flags = a.flags
-        return ("array", a.dtype, a.ndim, flags.c_contiguous, flags.f_contiguous)
-    return _described(a)[1]
 
 
 def arg_kind(a: Any) -> Optional[Tuple[Any, ...]]:
     """A hashable key that decides how Numba types ``a`` (None: not a kind this module binds)."""
-    if isinstance(a, tuple):
+    role = _role(type(a))
+    if role == "cupy":
+        flags = a.flags
+        return ("array", a.dtype, a.ndim, flags.c_contiguous, flags.f_contiguous)
+    if role == "scalar":
+        return ("scalar", type(a))
+    if role == "tuple":
         items = tuple(arg_kind(item) for item in a)
         return None if any(item is None for item in items) else ("tuple",) + items
-    if hasattr(a, "__cuda_array_interface__"):
-        return _array_layout_kind(a)
-    if isinstance(a, (bool, int, float, np.bool_, np.integer, np.floating)):
-        return ("scalar", type(a))
-    return None
+    if not _described.knows(a) and not hasattr(a, "__cuda_array_interface__"):
+        return None
+    return _described(a)[1]
 
 
 def _expected_layout(kind: Tuple[Any, ...]) -> str:
@@ -107,7 +128,7 @@ def _expected_layout(kind: Tuple[Any, ...]) -> str:
 
 def _array_flattener(ndim: int) -> Flatten:
     def flatten(a: Any, out: List[Any]) -> None:
-        ptr, shape, strides, itemsize = _array_fields(a)
+        ptr, shape, strides, itemsize = array_fields(a)
         size = 1
         for extent in shape:
             size *= extent
