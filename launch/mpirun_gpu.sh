@@ -7,7 +7,8 @@
 # Loads launch/nvshmem.env (values already set win), puts the repository on PYTHONPATH, forwards
 # the NVSHMEM/NCCL/Numba/CUDA variables with -x (Open MPI does not forward the environment) and
 # binds each rank to its GPU with launch/bind_gpu.sh. MPIRUN (default: mpirun) must be Open MPI's,
-# the MPI that mpi4py is built against on the GPU machines; PYTHON defaults to python3.
+# the MPI that mpi4py is built against on the GPU machines; PYTHON defaults to python3; BIND_TO
+# (default none) is passed to --bind-to.
 # On the device machines: source .device-kit/setup.sh first (the GPU machine kit's README says why).
 set -euo pipefail
 
@@ -44,5 +45,8 @@ if [ "$(id -u)" -eq 0 ]; then
     root=(--allow-run-as-root)
 fi
 
-exec "$mpirun_bin" "${root[@]}" -np "$nranks" "${forward[@]}" \
+# Open MPI binds each rank to one core when np <= 2: the Python thread, the NVSHMEM proxy and
+# Open MPI's own progress then share that core, and the host-bound launch path stalls for whole
+# scheduler slices (ms). Unbound by default; BIND_TO=core (or socket, numa) restores a binding.
+exec "$mpirun_bin" "${root[@]}" -np "$nranks" --bind-to "${BIND_TO:-none}" "${forward[@]}" \
     "$launch/bind_gpu.sh" "${PYTHON:-python3}" -m "$module" "$@"
