@@ -260,3 +260,18 @@ def test_call_sequence_matches_the_mpi_backend(dtype, expand, alignment, cpu_syn
         _same("combine.topk_weights", cm.topk_weights, cn.topk_weights)
     nv.close()
     mpi.close()
+
+
+class _OnGpu1(np.ndarray):
+    """A device array that says it lives on GPU 1 (as a CuPy array there would)."""
+
+    device = type("Gpu1", (), {"id": 1})()
+
+
+def test_arrays_on_another_gpu_are_refused_naming_both_gpus():
+    be = simulated_backend(Geometry(1, 6, 12, 3, 9, payload_dtype("float32")), False, False)
+    be.transport.device = 0
+    with pytest.raises(ValueError, match=r"x is on GPU 1: this rank's Buffer works on GPU 0"):
+        be.as_array(np.zeros((2, 12), np.float32).view(_OnGpu1), "x")
+    mine = np.zeros((2, 12), np.float32)
+    assert be.as_array(mine, "x") is mine

@@ -333,15 +333,24 @@ class NvshmemBackend:
         """A CuPy view of GPU array ``obj`` (zero copy); host arrays raise TypeError naming ``name``."""
         cp = self._cp
         if isinstance(obj, cp.ndarray):
-            return obj
+            return self._on_my_gpu(obj, name)
         on_gpu = (int(obj.__dlpack_device__()[0]) in (_DL_CUDA, _DL_CUDA_MANAGED)
                   if hasattr(obj, "__dlpack_device__") else hasattr(obj, "__cuda_array_interface__"))
         if on_gpu:
-            return cp.from_dlpack(obj) if hasattr(obj, "__dlpack__") else cp.asarray(obj)
+            return self._on_my_gpu(cp.from_dlpack(obj) if hasattr(obj, "__dlpack__") else cp.asarray(obj), name)
         if hasattr(obj, "__dlpack__") or hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
             raise TypeError(f"{name} is a host array ({type(obj).__name__}): the nvshmem backend takes GPU arrays "
                             "(CuPy, PyTorch CUDA tensors, anything with __cuda_array_interface__ or DLPack)")
         raise TypeError(f"{name} must be a GPU array, got {type(obj).__name__}")
+
+    def _on_my_gpu(self, a, name: str):
+        """``a`` if it lives on this rank's GPU; ValueError naming ``name`` and both GPUs otherwise."""
+        mine = getattr(self.transport, "device", None)
+        where = getattr(getattr(a, "device", None), "id", mine)
+        if mine is not None and where != mine:
+            raise ValueError(f"{name} is on GPU {where}: this rank's Buffer works on GPU {mine} "
+                             "(each rank's arrays must live on its own GPU)")
+        return a
 
     def routing_summary(self, topk_idx) -> Tuple[int, int]:
         """``(largest id, first row naming an expert twice or -1)`` of a non-empty signed-int routing:
