@@ -160,8 +160,13 @@ class HostDevice:
     def launching(self):
         return nullcontext()
 
+    capturing_now = False
+
     def synchronize(self) -> None:
         pass
+
+    def capturing(self) -> bool:
+        return self.capturing_now
 
     def read_int32(self, totals, per_expert):
         return np.array(totals), np.array(per_expert)
@@ -275,3 +280,19 @@ def test_arrays_on_another_gpu_are_refused_naming_both_gpus():
         be.as_array(np.zeros((2, 12), np.float32).view(_OnGpu1), "x")
     mine = np.zeros((2, 12), np.float32)
     assert be.as_array(mine, "x") is mine
+
+
+def test_calls_under_cuda_graph_capture_are_refused_and_the_buffer_stays_usable():
+    geo = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))
+    be = simulated_backend(geo, False, False)
+    x = np.ones((2, geo.hidden), np.float32)
+    idx = np.array([[0, 1, -1], [2, -1, -1]], np.int64)
+    be.device.capturing_now = True
+    with pytest.raises(RuntimeError, match="captured into a CUDA graph"):
+        be.routing_summary(idx)
+    with pytest.raises(RuntimeError, match="captured into a CUDA graph"):
+        be.dispatch(x, idx, None, None, False, 1, False, True, None)
+    assert be.steps.seq == 0 and not be.steps.unusable
+    be.device.capturing_now = False
+    out = be.dispatch(x, idx, None, None, False, 1, False, True, None)
+    assert out.recv_x.shape == (2, geo.hidden)

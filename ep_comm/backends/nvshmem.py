@@ -226,6 +226,11 @@ class CupyDevice:
     def synchronize(self) -> None:
         self._cp.cuda.get_current_stream().synchronize()
 
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph (the legacy stream never is)."""
+        ptr = self._cp.cuda.get_current_stream().ptr
+        return ptr != 0 and self._cp.cuda.runtime.streamIsCapturing(ptr) != 0
+
     def read_int32(self, totals, per_expert) -> Tuple[np.ndarray, np.ndarray]:
         """Host copies of int32 ``totals [2]`` and ``per_expert [L]``: two async copies, one synchronisation."""
         cp = self._cp
@@ -357,6 +362,7 @@ class NvshmemBackend:
         one kernel and one read (``validate.check_topk_idx``)."""
         from ..kernels.api import to_host
 
+        self._refuse_capture("dispatch")
         with self._launching():
             top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
         return int(top), int(twice)
@@ -379,10 +385,21 @@ class NvshmemBackend:
     def _collective(self, what: str) -> Iterator[tuple]:
         """The next collective step ``(seq, parity)``, on the caller's stream, after raising any timeout
         an earlier asynchronous wait recorded."""
+        self._refuse_capture(what)
         if not self.steps.unusable:
             self._raise_if_timed_out("an earlier operation", self.steps.seq)
         with self.steps.collective(what) as step, self.profile.phase(what, "total"), self._launching():
             yield step
+
+    def _refuse_capture(self, what: str) -> None:
+        """RuntimeError when the caller's stream is being captured into a CUDA graph (nothing is enqueued,
+        the buffer stays usable): the step's signal word and buffer parity are host values baked into the
+        launches, so replays of the graph would take a peer's earlier signal for a new one and race."""
+        if self.device.capturing():
+            raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA "
+                               "graph: ep_comm does not support graph capture yet (its step numbers and buffer "
+                               "parities are host values, so replays would race with the peers); call it "
+                               "outside the capture")
 
     def _raise_if_timed_out(self, what: str, seq: int) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
