@@ -43,6 +43,8 @@ def record_all(dtype: np.dtype) -> list:
     topk = np.zeros((T, K), np.int64)
     x = np.zeros((T, H), dtype)
     slot_idx = np.zeros((T, K), np.int32)
+    k.check_routing(topk)
+    k.check_routing(topk.astype(np.int32))
     k.count(topk, stable=True)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
               src_rank=0, parity=0, mode=SLOT_STABLE)
