@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -162,6 +162,19 @@ class DeviceViews:
         return view
 
 
+_DEVICE_VIEWS = DeviceViews()
+_BOUND: dict = {}
+
+
+def bound_launch(kernel: Any, prebound: bool) -> BoundLaunch:
+    """The process's one :class:`BoundLaunch` of ``kernel``: its plans depend only on the kernel and the
+    argument kinds, so every ``Kernels`` (every Buffer) shares them and binds each kind once."""
+    bound = _BOUND.get((kernel, prebound))
+    if bound is None:
+        bound = _BOUND[kernel, prebound] = BoundLaunch(kernel, _DEVICE_VIEWS, enabled=prebound)
+    return bound
+
+
 def _payload(x: Array) -> tuple[Array, bool]:
     """A payload array as Numba can type it, and whether it holds bfloat16 bits."""
     if x.dtype in (np.float32, np.float16):
@@ -199,11 +212,9 @@ class Kernels:
     recv_units: int = 0
     stream: Any = 0
     stream_blocks: int = 0
-    device_views: DeviceViews = field(default_factory=DeviceViews)
     count_tokens_per_warp: int = 16
     recv_rows_per_unit: int = 32
     recv_count_warps_per_block: int = 0
-    _bound: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -233,10 +244,7 @@ class Kernels:
 
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
-        bound = self._bound.get(kernel)
-        if bound is None:
-            prebound = self.xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1"
-            bound = self._bound[kernel] = BoundLaunch(kernel, self.device_views, enabled=prebound)
+        bound = bound_launch(kernel, prebound=self.xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1")
         grid, stream = blocks or self.num_blocks, self.stream
         return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
 
