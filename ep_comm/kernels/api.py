@@ -166,12 +166,14 @@ _DEVICE_VIEWS = DeviceViews()
 _BOUND: dict = {}
 
 
-def bound_launch(kernel: Any, prebound: bool) -> BoundLaunch:
-    """The process's one :class:`BoundLaunch` of ``kernel``: its plans depend only on the kernel and the
-    argument kinds, so every ``Kernels`` (every Buffer) shares them and binds each kind once."""
-    bound = _BOUND.get((kernel, prebound))
+def bound_launch(kernel: Any, device: Optional[int]) -> BoundLaunch:
+    """The process's one :class:`BoundLaunch` of ``kernel`` on CUDA device ``device`` (None: launches
+    through Numba, as in the simulator). Its plans depend only on the kernel, the device (a compiled
+    function belongs to one device's context) and the argument kinds, so every ``Kernels`` (every
+    Buffer) shares them and binds each kind once."""
+    bound = _BOUND.get((kernel, device))
     if bound is None:
-        bound = _BOUND[kernel, prebound] = BoundLaunch(kernel, _DEVICE_VIEWS, enabled=prebound)
+        bound = _BOUND[kernel, device] = BoundLaunch(kernel, _DEVICE_VIEWS, enabled=device is not None)
     return bound
 
 
@@ -244,7 +246,8 @@ class Kernels:
 
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
-        bound = bound_launch(kernel, prebound=self.xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1")
+        prebound = self.xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1"
+        bound = bound_launch(kernel, self.xp.cuda.runtime.getDevice() if prebound else None)
         grid, stream = blocks or self.num_blocks, self.stream
         return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
 
