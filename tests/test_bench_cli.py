@@ -206,6 +206,8 @@ def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
         assert point["check_passed"], point["failures"]
         assert all(e % 4 == 0 and e >= r for e, r in zip(point["expanded_rows"], point["recv_rows"]))
         assert point["first_round_trip_s"] > 0
+        assert set(point["host_us"]) == {"dispatch_cached_async", "combine"}
+        assert all(len(v["p50_per_rank"]) == 4 and v["p50"] > 0 for v in point["host_us"].values())
 
 
 def test_bench_runs_every_point_per_sm_count(tmp_path):
@@ -238,3 +240,12 @@ def test_bench_rejects_experts_not_divisible_by_ranks():
     done = run_bench(3, "--config", "cpu_demo", "--iters", "1")
     assert done.returncode == 2
     assert "num_experts = 16 is not divisible by the 3 ranks" in done.stderr
+
+
+def test_bench_output_that_cannot_be_written_ends_every_rank(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    done = run_bench(2, "--config", "cpu_demo", "--iters", "2", "--warmup", "0", "--quiet",
+                     "--json", str(blocker / "bench.json"), timeout=120)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "writing the results failed" in done.stderr

@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ep_comm.bench",
         description="Dispatch + combine benchmark with a round-trip check. Run under mpirun, one process per "
-                    "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config.")
+                    "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config, "
+                    "3 the results could not be written.")
     p.add_argument("--config", default="cpu_demo", help="config name in configs/ or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
     p.add_argument("--seed", type=int_at_least(0), help="routing/input seed (default: the config's routing.seed)")

@@ -83,6 +83,7 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         "bandwidth_gbps": bandwidth,
         "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
         "first_round_trip_s": max(s.first_round_trip_s for s in samples),
+        "host_us": {op: _stats([s.host_times[op] for s in samples]) for op in samples[0].host_times},
         "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
                                   for op in latency if op not in EP_OPS + ("round_trip",)},
     }
@@ -132,6 +133,10 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
                      f"logical {bw['logical']:.2f} GB/s  NVLink {bw['nvlink']:.2f} GB/s{of_ceiling}")
     lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s; "
                  f"first round trip on this Buffer {point.get('first_round_trip_s', 0.0):.3f} s (slowest rank)")
+    host = point.get("host_us", {})
+    if host:
+        lines.append("  host time per call, no host wait (cached dispatch with cpu_sync=False, combine): "
+                     + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in host.items()))
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")
     lines += [f"  FAILED {f}" for f in point["failures"]]
@@ -185,6 +190,8 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"{op}_p50_us"], row[f"{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, bw in point["bandwidth_gbps"].items():
         row[f"{op}_logical_gbps"], row[f"{op}_nvlink_gbps"] = bw["logical"], bw["nvlink"]
+    for op, lat in point.get("host_us", {}).items():
+        row[f"host_{op}_p50_us"], row[f"host_{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, ratio in point["baseline_over_ep_comm"].items():
         row[f"{op}_over_ep_comm"] = ratio
     return row

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -21,7 +22,7 @@ from ep_comm.dtypes import payload_dtype
 from . import report
 from .measure import PointSpec, RankSample, cuda_timer, host_timer, run_point
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 3
 
 
 class UsageError(Exception):
@@ -208,7 +209,13 @@ def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
         if is_root:
             print(f"ep_comm.bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    passed = all(p["check_passed"] for p in points) if is_root else None
+    verdict = None
     if is_root:
-        _write_outputs(args, meta, points)
-    return EXIT_OK if comm.bcast(passed, root=0) else EXIT_CHECK_FAILED
+        verdict = EXIT_OK if all(p["check_passed"] for p in points) else EXIT_CHECK_FAILED
+        try:
+            _write_outputs(args, meta, points)
+        except Exception:  # the other ranks wait for the verdict: report, never leave them hanging
+            traceback.print_exc()
+            print("ep_comm.bench: writing the results failed (see above)", file=sys.stderr)
+            verdict = EXIT_OUTPUT_FAILED
+    return comm.bcast(verdict, root=0)
