@@ -129,6 +129,8 @@ def check_torch_and_nondeterministic() -> None:
     ref = ep_comm.Buffer(backend="mpi", deterministic=True, **kw)
     idx = routing(99, 12, kw["num_experts"], 2, masked=False)
     x = np.random.default_rng(RANK).standard_normal((12, 64)).astype(ml_dtypes.bfloat16)
+    mine = cp.cuda.Device().id  # the Buffer's GPU: torch must put its tensors there too
+    torch.cuda.set_device(mine)
     xt = torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
     out = buf.dispatch(xt, torch.from_numpy(idx).cuda())
     assert isinstance(out.recv_x, cp.ndarray)
@@ -142,9 +144,18 @@ def check_torch_and_nondeterministic() -> None:
         assert str(exc).startswith("x is a host array"), exc
     else:
         raise AssertionError("a NumPy x must raise TypeError on the nvshmem backend")
+    if torch.cuda.device_count() > 1:
+        other = (mine + 1) % torch.cuda.device_count()
+        try:
+            buf.dispatch(xt.to(f"cuda:{other}"), torch.from_numpy(idx).cuda())
+        except ValueError as exc:
+            assert str(exc).startswith(f"x is on GPU {other}: this rank's Buffer works on GPU {mine}"), exc
+        else:
+            raise AssertionError("an x on another GPU must raise ValueError")
     buf.close()
     ref.close()
-    print(f"RANK {RANK} OK torch tensors in, non-deterministic combine bit-exact, host arrays refused", flush=True)
+    print(f"RANK {RANK} OK torch tensors in, non-deterministic combine bit-exact, host and other-GPU arrays refused",
+          flush=True)
 
 
 def check_timeout() -> None:
