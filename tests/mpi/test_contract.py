@@ -265,6 +265,25 @@ def test_cpu_sync_false_gives_worst_case_outputs(buffers, expand):
     assert bits(to_host(res.x)).tobytes() == bits(to_host(res_ref.x)).tobytes()
 
 
+@pytest.mark.parametrize("expand", [False, True])
+def test_cached_dispatch_without_cpu_sync_replays_at_worst_case_size(buffers, expand):
+    """The path a CUDA graph would replay: a handle's routing, no host wait, worst-case outputs."""
+    world = make_world("masked")
+    buf = buffers(world)
+    first = dispatch(buf, world, expand=expand, expert_alignment=4, zero_padding=True)
+    x2 = (world.x[RANK].astype(np.float32) * 3 - 1).astype(world.dtype)
+    exact = buf.dispatch(to_device(x2), handle=first.handle)
+    lazy = buf.dispatch(to_device(x2), handle=first.handle, cpu_sync=False)
+    n = exact.recv_x.shape[0]
+    assert lazy.recv_x.shape[0] >= n
+    assert bits(to_host(lazy.recv_x)[:n]).tobytes() == bits(to_host(exact.recv_x)).tobytes()
+    np.testing.assert_array_equal(to_host(lazy.recv_topk_idx)[:n], to_host(exact.recv_topk_idx))
+    assert (to_host(lazy.recv_topk_idx)[n:] == -1).all()
+    res_lazy = buf.combine(lazy.recv_x, lazy.handle)
+    res_exact = buf.combine(exact.recv_x, exact.handle)
+    assert bits(to_host(res_lazy.x)).tobytes() == bits(to_host(res_exact.x)).tobytes()
+
+
 def test_stats_accumulate_received_counts(buffers):
     world = make_world("hot")
     buf = buffers(world)
