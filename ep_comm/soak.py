@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import layout as lay
-from .cli import int_at_least, int_list
+from .cli import exit_collectively, int_at_least, int_list
 from .progress import Progress
 from .bench.measure import expected_round_trip, first_mismatch
 from .bench.routing import KINDS, make_routing
@@ -791,4 +791,4 @@ def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_collectively(main)

@@ -21,7 +21,6 @@ experts' weights from a shared seed) and exits 1 when an error exceeds its bound
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -30,7 +29,7 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.backends import BACKENDS
-from ep_comm.cli import int_at_least
+from ep_comm.cli import exit_collectively, int_at_least
 from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.layout import expert_starts
 
@@ -326,4 +325,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_collectively(main)

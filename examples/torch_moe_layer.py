@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a file (python examples/torch_moe_layer.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ep_comm
+from ep_comm.cli import exit_collectively
 from examples.moe_layer import ArrayOps, parse_args, run
 
 try:
@@ -101,4 +102,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_collectively(main)

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
 from ep_comm.backends import BACKENDS
 from ep_comm.bench.report import ALL_SMS
 from ep_comm.bench.routing import KINDS
-from ep_comm.cli import int_at_least, int_list
+from ep_comm.cli import exit_collectively, int_at_least, int_list
 
 token_list = int_list("token counts", 1, "128,512,4096")
 
@@ -75,4 +74,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_collectively(main)
