@@ -362,7 +362,7 @@ class NvshmemBackend:
         one kernel and one read (``validate.check_topk_idx``)."""
         from ..kernels.api import to_host
 
-        self._refuse_capture("dispatch")
+        self._refuse_capture("the topk_idx check of dispatch / get_dispatch_layout")
         with self._launching():
             top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
         return int(top), int(twice)

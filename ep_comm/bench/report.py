@@ -132,8 +132,8 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
         lines.append(f"  {op:<8} p50 {lat[op]['p50']:.1f} us  p99 {lat[op]['p99']:.1f} us  "
                      f"logical {bw['logical']:.2f} GB/s  NVLink {bw['nvlink']:.2f} GB/s{of_ceiling}")
     lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s; "
-                 f"first round trip on this Buffer {point.get('first_round_trip_s', 0.0):.3f} s (slowest rank)")
-    host = point.get("host_us", {})
+                 f"first round trip on this Buffer {point['first_round_trip_s']:.3f} s (slowest rank)")
+    host = point["host_us"]
     if host:
         lines.append("  host time per call, no host wait (cached dispatch with cpu_sync=False, combine): "
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in host.items()))
@@ -190,7 +190,7 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"{op}_p50_us"], row[f"{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, bw in point["bandwidth_gbps"].items():
         row[f"{op}_logical_gbps"], row[f"{op}_nvlink_gbps"] = bw["logical"], bw["nvlink"]
-    for op, lat in point.get("host_us", {}).items():
+    for op, lat in point["host_us"].items():
         row[f"host_{op}_p50_us"], row[f"host_{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, ratio in point["baseline_over_ep_comm"].items():
         row[f"{op}_over_ep_comm"] = ratio

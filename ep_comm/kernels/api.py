@@ -229,6 +229,9 @@ class Kernels:
         self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
         self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
         self.threads = self.warps_per_block * WARP
+        # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
+        prebound = xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1"
+        self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
         self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
         self._ticket = xp.zeros(1, dtype=np.uint32)
         self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))
@@ -246,8 +249,7 @@ class Kernels:
 
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
-        prebound = self.xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1"
-        bound = bound_launch(kernel, self.xp.cuda.runtime.getDevice() if prebound else None)
+        bound = bound_launch(kernel, self._launch_device)
         grid, stream = blocks or self.num_blocks, self.stream
         return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
 

@@ -126,16 +126,14 @@ def _expected_layout(kind: Tuple[Any, ...]) -> str:
     return "C" if kind[3] else "F" if kind[4] else "A"
 
 
-def _array_flattener(ndim: int) -> Flatten:
-    def flatten(a: Any, out: List[Any]) -> None:
-        ptr, shape, strides, itemsize = array_fields(a)
-        size = 1
-        for extent in shape:
-            size *= extent
-        out += (0, 0, size, itemsize, ptr)
-        out += shape
-        out += strides
-    return flatten
+def _flatten_array(a: Any, out: List[Any]) -> None:
+    ptr, shape, strides, itemsize = array_fields(a)
+    size = 1
+    for extent in shape:
+        size *= extent
+    out += (0, 0, size, itemsize, ptr)
+    out += shape
+    out += strides
 
 
 def _scalar_flattener(ty: Any) -> Optional[Flatten]:
@@ -163,7 +161,7 @@ def flattener(ty: Any, kind: Tuple[Any, ...]) -> Optional[Flatten]:
     if isinstance(ty, types.Array):
         if kind[0] != "array" or ty.ndim != kind[2] or ty.layout != _expected_layout(kind):
             return None
-        return _array_flattener(ty.ndim)
+        return _flatten_array
     if isinstance(ty, types.BaseTuple):
         if kind[0] != "tuple" or len(ty) != len(kind) - 1:
             return None
