@@ -113,6 +113,8 @@ class LoopbackTransport:
         self.buffer = np.zeros(sym.total_bytes + (staging_bytes(sym) if use_puts else 0), np.uint8)
         self.own = symmetric_views(self.buffer[: sym.total_bytes], sym, word)
         self.missing = []
+        self.step = np.zeros(1, np.int64)
+        self.send_step = np.zeros(1, np.int64) if use_puts else self.step
         if use_puts:
             t = sym.max_tokens
             stage = self.buffer[sym.total_bytes:]
@@ -123,8 +125,8 @@ class LoopbackTransport:
         else:
             self.rows, self.meta = (self.own.rows,), (self.own.meta,)
 
-    def send_parity(self, parity: int) -> int:
-        return 0 if self.use_puts else parity
+    def advance(self) -> None:
+        self.step[0] += 1
 
     def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
         """What ``put_blocks`` does for one rank: staged block 0 -> region [parity][0]."""
@@ -134,14 +136,20 @@ class LoopbackTransport:
             if with_meta:
                 self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
 
-    def signal(self, stream, parity: int, value: int, counts=None) -> None:
-        if counts is not None:
-            self.own.counts[parity, 0] = counts[0]
-        self.own.signal[0] = value
+    def signal(self, stream, seq: int, what: str, counts=None) -> None:
+        from ep_comm.backends.steps import step_word
 
-    def wait(self, want: int, ahead: int, timeout_s: float, counts=None) -> None:
+        assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
+        if counts is not None:
+            self.own.counts[seq % 2, 0] = counts[0]
+        self.own.signal[0] = step_word(int(self.step[0]), what)
+
+    def wait(self, what: str, timeout_s: float, with_counts: bool) -> None:
+        from ep_comm.backends.steps import step_word
+
+        seq = int(self.step[0])
         got = int(self.own.signal[0])
-        if not (got == want or got >= ahead):
+        if not (got == step_word(seq, what) or got >= (seq + 1) << 2):
             self.missing = [0]
 
     def missing_ranks(self):
@@ -282,17 +290,90 @@ def test_arrays_on_another_gpu_are_refused_naming_both_gpus():
     assert be.as_array(mine, "x") is mine
 
 
-def test_calls_under_cuda_graph_capture_are_refused_and_the_buffer_stays_usable():
-    geo = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))
-    be = simulated_backend(geo, False, False)
-    x = np.ones((2, geo.hidden), np.float32)
-    idx = np.array([[0, 1, -1], [2, -1, -1]], np.int64)
+CAPTURE_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))
+CAPTURE_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)
+
+
+def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_usable():
+    be = simulated_backend(CAPTURE_GEO, False, False)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    out = be.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, True, None)
     be.device.capturing_now = True
-    with pytest.raises(RuntimeError, match="captured into a CUDA graph"):
-        be.routing_summary(idx)
-    with pytest.raises(RuntimeError, match="captured into a CUDA graph"):
-        be.dispatch(x, idx, None, None, False, 1, False, True, None)
-    assert be.steps.seq == 0 and not be.steps.unusable
+    with pytest.raises(RuntimeError, match="new routing .* captured into a CUDA graph"):
+        be.routing_summary(CAPTURE_IDX)
+    with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
+        be.dispatch(x, None, None, out.handle, False, 1, False, True, None)
+    with pytest.raises(RuntimeError, match="combine was called while .* waits on the host"):
+        be.combine(out.recv_x, out.handle, None, ())
+    assert be.steps.seq == 1 and int(be.transport.step[0]) == 1 and not be.steps.unusable
     be.device.capturing_now = False
-    out = be.dispatch(x, idx, None, None, False, 1, False, True, None)
-    assert out.recv_x.shape == (2, geo.hidden)
+    again = be.dispatch(x, None, None, out.handle, False, 1, False, True, None)
+    np.testing.assert_array_equal(again.recv_x, out.recv_x)
+    puts = simulated_backend(CAPTURE_GEO, False, True)
+    first = puts.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, False, None)
+    puts.device.capturing_now = True
+    with pytest.raises(RuntimeError, match="puts transport"):
+        puts.dispatch(x, None, None, first.handle, False, 1, False, False, None)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("expand", [False, True])
+def test_a_captured_cached_dispatch_and_combine_give_the_eager_results_and_hold_their_scratch(expand):
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
+    first = be.dispatch(x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
+    eager = be.dispatch(x * 2, None, None, first.handle, expand, 2, True, False, None)
+    eager_sum = be.combine(eager.recv_x, eager.handle, None, ())
+    be.device.capturing_now = True
+    captured = be.dispatch(x * 2, None, None, first.handle, expand, 2, True, False, None)
+    captured_sum = be.combine(captured.recv_x, captured.handle, None, ())
+    be.device.capturing_now = False
+    assert be._held, "the weights scratch of a captured dispatch is held for the graph"
+    rows = int(first.handle.num_expanded_tokens if expand else first.handle.num_recv_tokens)
+    np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
+    np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
+    np.testing.assert_array_equal(captured.handle.num_recv_tokens_per_expert, first.handle.num_recv_tokens_per_expert)
+    assert int(captured.handle.num_expanded_tokens) == int(first.handle.num_expanded_tokens)
+    np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
+    be.close()
+    assert not be._held
+
+
+def _launch_log(monkeypatch) -> list:
+    """Every kernel launch's grid and non-array arguments, in order."""
+    from ep_comm.kernels import launcher
+
+    log, launch = [], launcher.BoundLaunch.__call__
+
+    def recording(self, grid, block, stream, shared_bytes, *args):
+        scalars = tuple(a if isinstance(a, (bool, int, float, np.integer, np.floating)) else type(a).__name__
+                        for a in args)
+        log.append((self.dispatcher.__name__, grid, block, shared_bytes, scalars))
+        return launch(self, grid, block, stream, shared_bytes, *args)
+
+    monkeypatch.setattr(launcher.BoundLaunch, "__call__", recording)
+    return log
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch):
+    """What a CUDA graph replay relies on: a cached dispatch launches the same kernels with the same
+    shapes and scalars at an even step as at an odd one, and so does a combine (the buffer parity
+    comes from the device step counter)."""
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    first = be.dispatch(x, CAPTURE_IDX, None, None, True, 2, False, False, None)
+    log = _launch_log(monkeypatch)
+
+    def launches(call) -> list:
+        start = len(log)
+        call()
+        return log[start:]
+
+    dispatches = [launches(lambda: be.dispatch(x, None, None, first.handle, True, 2, False, False, None))
+                  for _ in range(2)]
+    combines = [launches(lambda: be.combine(first.recv_x, first.handle, None, ())) for _ in range(2)]
+    assert dispatches[0] and dispatches[0] == dispatches[1]
+    assert combines[0] and combines[0] == combines[1]
+    assert int(be.transport.step[0]) == 5

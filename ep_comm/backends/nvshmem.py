@@ -11,6 +11,12 @@ deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispat
    routing), then a bounded GPU wait for every rank's signal (``gpu_copy``);
 4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
 
+Every step starts with ``advance_step`` on the device step counter (``ep_comm.kernels.step``): the
+kernels read the step number and buffer parity from it, not from the host. The launches of a step
+are therefore the same at every step, and the ``cpu_sync=False`` calls (a cached dispatch, a
+combine) can be captured into a CUDA graph and replayed, with peer stores (the puts path computes
+its offsets on the host and refuses capture).
+
 Combine runs ``combine_send`` back into the sources' buffers (plus the weights' return route when
 weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias.
 
@@ -42,7 +48,7 @@ from .. import layout as lay
 from ..handle import CombineOutput, DispatchOutput, EPHandle
 from ..symmetric import SymmetricLayout
 from ..validate import Geometry, check_num_sms_fits
-from .steps import Steps, step_word
+from .steps import STEP_KINDS, Steps, step_word
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 PROFILE_ENV = "EP_COMM_PROFILE"
@@ -108,7 +114,8 @@ class NvshmemTransport:
     """How bytes reach the peers: stores through NVSHMEM peer views, or staging + NVSHMEM puts.
 
     ``rows``/``meta``: per-rank destination views for the kernels (Numba device arrays, made once);
-    ``send_parity(p)``: the parity index the kernels write at (0 into staging with puts).
+    ``step``: the device step counter (int64 ``[1]``); ``send_step``: the counter the sending kernels
+    take their parity from (a constant 0 with puts: the staging area has one half).
     """
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: Optional[bool]):
@@ -125,6 +132,8 @@ class NvshmemTransport:
         self.heap = NvshmemHeap(comm, sym.total_bytes + extra, self.use_puts)
         self.rank, self.device = self.heap.rank, self.heap.device
         self.status = gpu_copy.WaitStatus(sym.num_ranks, self.device)
+        self.step = cupy.zeros(1, dtype=cupy.int64)
+        self.send_step = cupy.zeros(1, dtype=cupy.int64) if self.use_puts else self.step
         dev = _numba_view
         self.own = symmetric_views(self.heap.local, sym, word)
         if self.use_puts:
@@ -142,8 +151,9 @@ class NvshmemTransport:
         self.rows = tuple(dev(v) for v in rows)
         self.meta = tuple(dev(v) for v in meta)
 
-    def send_parity(self, parity: int) -> int:
-        return 0 if self.use_puts else parity
+    def advance(self) -> None:
+        """Enqueue ``step += 1`` on the current stream: the start of a collective step."""
+        self._gpu_copy.advance_step(self.step)
 
     def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
         """Puts only: send each destination ``r`` its staged ``psum[r] - psum[r-1]`` rows (and meta rows)."""
@@ -159,23 +169,26 @@ class NvshmemTransport:
             nvshmem_puts.put_blocks(stream, self._stage_meta, me, sym.max_tokens * meta_bytes, self._sym,
                                     sym.meta_at(parity, me), meta_bytes, psum)
 
-    def signal(self, stream, parity: int, value: int, counts=None) -> None:
-        """``signal[me] = value`` in every rank, after ``counts`` (int32 ``[R]``) went to their count words."""
+    def signal(self, stream, seq: int, what: str, counts=None) -> None:
+        """``signal[me] = step_word(step, what)`` in every rank, after ``counts`` (int32 ``[R]``) went to
+        their count words of the step's parity. Peer stores read the step from the device counter; puts
+        use the host's ``seq`` (equal to it: the puts path is never captured into a graph)."""
         sym, me = self.sym, self.rank
         if self.use_puts:
             from ..transport import nvshmem_puts
 
-            nvshmem_puts.signal_peers(stream, _numba_view(self.own.signal), sym.num_ranks, me, value,
+            nvshmem_puts.signal_peers(stream, _numba_view(self.own.signal), sym.num_ranks, me, step_word(seq, what),
                                       None if counts is None else _numba_view(counts),
-                                      _numba_view(self.own.counts[parity]))
+                                      _numba_view(self.own.counts[seq % 2]))
         else:
-            self._gpu_copy.signal_peers(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, value, counts,
-                                        sym.count_at(parity, 0))
+            self._gpu_copy.signal_peers(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, self.step,
+                                        STEP_KINDS[what], counts, sym.counts_offset)
 
-    def wait(self, want: int, ahead: int, timeout_s: float, counts=None) -> None:
-        """Enqueue the bounded wait for every rank's signal; ``counts`` of missing ranks are zeroed."""
-        self._gpu_copy.wait_signals(self.own.signal, self.sym.num_ranks, want, ahead, timeout_s, self.status.device,
-                                    counts)
+    def wait(self, what: str, timeout_s: float, with_counts: bool) -> None:
+        """Enqueue the bounded wait for every rank's signal of this step; with ``with_counts`` the
+        received count words of missing ranks are zeroed."""
+        self._gpu_copy.wait_signals(self.own.signal, self.sym.num_ranks, self.step, STEP_KINDS[what], timeout_s,
+                                    self.status.device, self.own.counts if with_counts else None)
 
     def missing_ranks(self) -> List[int]:
         return self.status.read().missing_ranks
@@ -321,10 +334,12 @@ class NvshmemBackend:
         self.kernels = Kernels(xp, num_ranks=geo.num_ranks, num_experts=geo.num_experts, num_topk=geo.num_topk,
                                max_tokens=geo.max_tokens, **launch)
         own = transport.own
-        self._own_rows = tuple(_device_array(xp, own.rows[p]) for p in range(2))
-        self._own_meta = tuple(_device_array(xp, own.meta[p]) for p in range(2))
-        self._own_counts = tuple(_device_array(xp, own.counts[p]) for p in range(2))
+        self._own_rows = _device_array(xp, own.rows)
+        self._own_meta = _device_array(xp, own.meta)
+        self._own_counts = _device_array(xp, own.counts)
         self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
+        self._capturing = False  # the current call is being captured into a CUDA graph
+        self._held: List[Any] = []  # arrays captured calls made and did not return: graph replays use them
         self.profile = Profile(os.environ.get(PROFILE_ENV, "") == "1", device)
         self.steps = Steps(self.rank, timeout_s)
 
@@ -362,7 +377,11 @@ class NvshmemBackend:
         one kernel and one read (``validate.check_topk_idx``)."""
         from ..kernels.api import to_host
 
-        self._refuse_capture("the topk_idx check of dispatch / get_dispatch_layout")
+        if self.device.capturing():
+            raise RuntimeError("a dispatch with a new routing (or get_dispatch_layout) was called while the current "
+                               "stream is being captured into a CUDA graph: its topk_idx check reads a result back "
+                               "to the host, which a capture cannot hold; capture a cached dispatch (handle=..., "
+                               "cpu_sync=False) and the combine instead, or call it outside the capture")
         with self._launching():
             top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
         return int(top), int(twice)
@@ -382,24 +401,43 @@ class NvshmemBackend:
             yield
 
     @contextmanager
-    def _collective(self, what: str) -> Iterator[tuple]:
-        """The next collective step ``(seq, parity)``, on the caller's stream, after raising any timeout
-        an earlier asynchronous wait recorded."""
-        self._refuse_capture(what)
+    def _collective(self, what: str, host_wait: bool) -> Iterator[int]:
+        """The next collective step's host number ``seq``, on the caller's stream, after raising any
+        timeout an earlier asynchronous wait recorded; the device step counter is advanced first.
+        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold."""
+        self._capturing = self.device.capturing()
+        self._refuse_capture(what, host_wait)
         if not self.steps.unusable:
             self._raise_if_timed_out("an earlier operation", self.steps.seq)
-        with self.steps.collective(what) as step, self.profile.phase(what, "total"), self._launching():
-            yield step
+        with self.steps.collective(what) as (seq, _), self.profile.phase(what, "total"), self._launching():
+            self.transport.advance()
+            yield seq
 
-    def _refuse_capture(self, what: str) -> None:
-        """RuntimeError when the caller's stream is being captured into a CUDA graph (nothing is enqueued,
-        the buffer stays usable): the step's signal word and buffer parity are host values baked into the
-        launches, so replays of the graph would take a peer's earlier signal for a new one and race."""
-        if self.device.capturing():
-            raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA "
-                               "graph: ep_comm does not support graph capture yet (its step numbers and buffer "
-                               "parities are host values, so replays would race with the peers); call it "
-                               "outside the capture")
+    def _refuse_capture(self, what: str, host_wait: bool) -> None:
+        """RuntimeError, before anything is enqueued (the buffer stays usable), when the caller's stream is
+        being captured into a CUDA graph and this step cannot be: it waits on the host, or the puts
+        transport computes its offsets from the host's step number (a replay would reuse them)."""
+        if not self._capturing:
+            return
+        why = ("it waits on the host (cpu_sync=True, or a combine of a cpu_sync=True dispatch's handle)"
+               if host_wait else "the puts transport (EP_COMM_NVSHMEM_PUTS=1) takes its buffer offsets from the host"
+               if self.transport.use_puts else None)
+        if why:
+            raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA graph, "
+                               f"and {why}: a capture can hold a dispatch with handle=... and cpu_sync=False and "
+                               "the combine of its handle, over peer stores; call it outside the capture")
+
+    def _made(self, made, given=None):
+        """``made``, an array this call allocated (``given``: the array it derives from, when it may be the
+        same object). An array a captured call allocates and does not hand back is held until the Buffer
+        closes: the graph's replays write or read it, so its memory must not go back to the pool."""
+        if self._capturing and made is not given:
+            self._held.append(made)
+        return made
+
+    def _contiguous(self, a):
+        """``a`` C-contiguous (a copy only when it is not)."""
+        return None if a is None else self._made(self._cp.ascontiguousarray(a), a)
 
     def _raise_if_timed_out(self, what: str, seq: int) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
@@ -407,18 +445,16 @@ class NvshmemBackend:
         if missing:
             raise self.steps.timed_out(what, seq, missing)
 
-    def _signal_and_wait(self, what: str, seq: int, parity: int, counts=None) -> None:
+    def _signal_and_wait(self, what: str, seq: int, counts=None) -> None:
         """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``), then enqueue
         the bounded wait for every rank's signal (the received counts of a missing rank become 0).
 
         The signal word is ``step_word(seq, what)`` (monotone). A peer has arrived when its word equals
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
-        value = step_word(seq, what)
         with self.profile.phase(what, "signal+wait"):
-            self.transport.signal(self.kernels.stream, parity, value, counts)
-            self.transport.wait(value, (seq + 1) << 2, self.timeout_s,
-                                None if counts is None else self.transport.own.counts[parity])
+            self.transport.signal(self.kernels.stream, seq, what, counts)
+            self.transport.wait(what, self.timeout_s, counts is not None)
 
     def _sync_and_check(self, what: str, seq: int) -> None:
         """Block until the stream is done (bounded by the GPU wait), then raise on a timeout."""
@@ -429,37 +465,35 @@ class NvshmemBackend:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
                  zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
-        with self._collective("dispatch") as step:
+        with self._collective("dispatch", cpu_sync) as seq:
             if handle is None:
-                return self._dispatch_new(step, x, topk_idx, topk_weights, expand, alignment, zero_padding,
+                return self._dispatch_new(seq, x, topk_idx, topk_weights, expand, alignment, zero_padding,
                                           cpu_sync, stats)
-            return self._dispatch_cached(step, x, handle, topk_weights, cpu_sync, stats)
+            return self._dispatch_cached(seq, x, handle, topk_weights, cpu_sync, stats)
 
-    def _send(self, parity: int, x, topk_idx, topk_weights, slot_idx, mode: int, psum) -> None:
+    def _send(self, seq: int, x, topk_idx, topk_weights, slot_idx, mode: int, psum) -> None:
         """Rank scatter of rows and meta rows into every destination (then the puts, if any)."""
-        cp, t = self._cp, self.transport
-        weights = None if topk_weights is None else cp.ascontiguousarray(topk_weights)
+        t = self.transport
         with self.profile.phase("dispatch", "scatter"):
-            self.kernels.scatter(cp.ascontiguousarray(x), topk_idx, weights, slot_idx, t.rows, t.meta,
-                                 src_rank=self.rank, parity=t.send_parity(parity), mode=mode)
-            t.flush(self.kernels.stream, parity, psum, with_meta=True)
+            self.kernels.scatter(self._contiguous(x), topk_idx, self._contiguous(topk_weights), slot_idx, t.rows,
+                                 t.meta, src_rank=self.rank, step=t.send_step, mode=mode)
+            t.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
 
-    def _dispatch_new(self, step, x, topk_idx, topk_weights, expand, alignment, zero_padding, cpu_sync,
+    def _dispatch_new(self, seq: int, x, topk_idx, topk_weights, expand, alignment, zero_padding, cpu_sync,
                       stats) -> DispatchOutput:
         from ..kernels.api import PLACE_ATOMIC, PLACE_STABLE, SLOT_ATOMIC, SLOT_STABLE
 
-        seq, parity = step
-        k = self.kernels
+        k, step = self.kernels, self.transport.step
         with self.profile.phase("dispatch", "count"):
             send = k.count(topk_idx, stable=self.deterministic)
-        self._send(parity, x, topk_idx, topk_weights, send.slot_idx,
+        self._send(seq, x, topk_idx, topk_weights, send.slot_idx,
                    SLOT_STABLE if self.deterministic else SLOT_ATOMIC, send.rank_psum)
-        self._signal_and_wait("dispatch", seq, parity, send.num_tokens_per_rank)
+        self._signal_and_wait("dispatch", seq, send.num_tokens_per_rank)
         with self.profile.phase("dispatch", "receive_count"):
-            recv = k.receive_count(self._own_counts[parity], self._own_meta[parity], alignment=alignment,
+            recv = k.receive_count(self._own_counts, self._own_meta, step, alignment=alignment,
                                    expand=expand, stable=self.deterministic)
         if stats is not None:
-            stats += recv.num_unaligned_per_expert.astype(stats.dtype)
+            _add_counts(self._cp, stats, recv.num_unaligned_per_expert)
         if cpu_sync:
             with self.profile.phase("dispatch", "host sync"):
                 (num_recv, num_expanded), aligned = self.device.read_int32(recv.totals, recv.num_aligned_per_expert)
@@ -467,7 +501,7 @@ class NvshmemBackend:
             counts = (int(num_recv), int(num_expanded), [int(c) for c in aligned])
         else:
             counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
-        outputs = self._receive(parity, recv.rank_psum, recv.expert_psum, None, topk_weights is not None, expand,
+        outputs = self._receive(recv.rank_psum, recv.expert_psum, None, topk_weights is not None, expand,
                                 alignment, zero_padding, cpu_sync, counts[:2],
                                 PLACE_STABLE if self.deterministic else PLACE_ATOMIC)
         handle = EPHandle(
@@ -480,26 +514,24 @@ class NvshmemBackend:
             cpu_sync=cpu_sync, num_out_rows=int(outputs[0].shape[0]))
         return DispatchOutput(outputs[0], outputs[1], outputs[2], handle)
 
-    def _dispatch_cached(self, step, x, h: EPHandle, topk_weights, cpu_sync, stats) -> DispatchOutput:
+    def _dispatch_cached(self, seq: int, x, h: EPHandle, topk_weights, cpu_sync, stats) -> DispatchOutput:
         """Replay ``h``'s routing: recorded slots and layout, no counting, no count exchange."""
         from ..kernels.api import PLACE_CACHED, SLOT_CACHED
 
         cp = self._cp
-        seq, parity = step
         psum = h.psum_num_recv_tokens_per_rank
         send_psum = (cp.cumsum(h.is_token_in_rank.sum(axis=0, dtype=cp.int32), dtype=cp.int32)
                      if self.transport.use_puts else None)
-        self._send(parity, x, h.topk_idx, topk_weights, h.dst_buffer_slot_idx, SLOT_CACHED, send_psum)
-        self._signal_and_wait("dispatch", seq, parity)
+        self._send(seq, x, h.topk_idx, topk_weights, h.dst_buffer_slot_idx, SLOT_CACHED, send_psum)
+        self._signal_and_wait("dispatch", seq)
         if stats is not None:
-            stats += cp.asarray(h.num_unaligned_recv_tokens_per_expert).astype(stats.dtype)
+            _add_counts(cp, stats, h.num_unaligned_recv_tokens_per_expert)
         if cpu_sync:
             self._sync_and_check("dispatch", seq)
             counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens), [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
-            counts = (psum[-1], _on_device(cp, h.num_expanded_tokens, cp.int64),
-                      _on_device(cp, h.num_recv_tokens_per_expert, cp.int32))
-        outputs = self._receive(parity, psum, h.psum_num_recv_tokens_per_expert, h.recv_src_metadata,
+            counts = (psum[-1],) + _device_counts(cp, h)
+        outputs = self._receive(psum, h.psum_num_recv_tokens_per_expert, h.recv_src_metadata,
                                 topk_weights is not None, h.expand, h.expert_alignment, h.zero_padding, cpu_sync,
                                 counts[:2], PLACE_CACHED)
         handle = EPHandle(
@@ -525,7 +557,7 @@ class NvshmemBackend:
         return n, lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, geo.num_topk, geo.experts_per_rank,
                                                alignment)
 
-    def _receive(self, parity: int, rank_psum, expert_psum, recorded, with_weights: bool, expand: bool,
+    def _receive(self, rank_psum, expert_psum, recorded, with_weights: bool, expand: bool,
                  alignment: int, zero_padding: bool, cpu_sync: bool, exact: Tuple[Any, Any], mode: int) -> tuple:
         """Allocate the outputs and copy the received rows into them.
 
@@ -544,49 +576,51 @@ class NvshmemBackend:
                 m = min(n_out, recorded.shape[0])
                 metadata[:m] = recorded[:m]
         with self.profile.phase("dispatch", "receive_copy"):
-            self.kernels.receive_copy(rank_psum, self._own_rows[parity], self._own_meta[parity], recv_x, recv_idx,
+            self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, recv_x, recv_idx,
                                       recv_w, metadata, expand=expand, mode=mode, expert_psum=expert_psum,
                                       alignment=alignment, zero_padding=zero_padding)
         return recv_x, recv_idx, recv_w if with_weights else None, metadata
 
     def _scratch_weights(self, shape: tuple):
-        """A reused float32 array of ``shape`` for the weights the kernels write when nobody asked for them."""
+        """A float32 array of ``shape`` for the weights the kernels write when nobody asked for them: one
+        reused array, or a new one held for the graph when captured (a later growth of the reused one
+        would free it under the graph)."""
         size = int(np.prod(shape))
+        if self._capturing:
+            return self._made(self._cp.empty(shape, dtype=np.float32))
         if self._scratch.size < size:
             self._scratch = self._cp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
 
     # ----------------------------------------------------------------- combine
     def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence) -> CombineOutput:
-        with self._collective("combine") as step:
-            return self._combine(step, y, handle, topk_weights, bias_terms)
+        with self._collective("combine", handle.cpu_sync) as seq:
+            return self._combine(seq, y, handle, topk_weights, bias_terms)
 
-    def _combine(self, step, y, h: EPHandle, topk_weights, bias_terms) -> CombineOutput:
+    def _combine(self, seq: int, y, h: EPHandle, topk_weights, bias_terms) -> CombineOutput:
         from ..transport import weight_return
 
         cp, geo, t, k = self._cp, self.geo, self.transport, self.kernels
-        seq, parity = step
-        send_parity = t.send_parity(parity)
-        weights = None if topk_weights is None else cp.ascontiguousarray(topk_weights)
+        weights = self._contiguous(topk_weights)
         with self.profile.phase("combine", "send"):
-            k.combine_send(cp.ascontiguousarray(y), h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows,
-                           my_rank=self.rank, parity=send_parity, expand=h.expand,
+            k.combine_send(self._contiguous(y), h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows,
+                           my_rank=self.rank, step=t.send_step, expand=h.expand,
                            weights=weights if h.expand else None)
             if weights is not None:
                 bits = weights.view(cp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
                 weight_return.send_weights(k.stream, bits, h.expand, h.recv_src_metadata,
                                            h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
-                                           parity=send_parity, max_blocks=k.num_blocks)
-            t.flush(k.stream, parity, h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
-        self._signal_and_wait("combine", seq, parity)
+                                           step=t.send_step, max_blocks=k.num_blocks)
+            t.flush(k.stream, seq % 2, h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
+        self._signal_and_wait("combine", seq)
         with self.profile.phase("combine", "reduce"):
             x = cp.empty((h.num_tokens, geo.hidden), dtype=geo.dtype)
-            k.combine_reduce(self._own_rows[parity], h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
-                             bias=[_bias_term(cp, b) for b in bias_terms])
+            k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
+                             bias=[self._made(_bias_term(cp, b), b) for b in bias_terms])
             back = None
             if weights is not None:
                 back = cp.empty((h.num_tokens, geo.num_topk), dtype=cp.float32)
-                weight_return.gather_weights(k.stream, self._own_meta[parity], h.dst_buffer_slot_idx, h.topk_idx,
+                weight_return.gather_weights(k.stream, self._own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
                                              back.view(cp.int32), experts_per_rank=geo.experts_per_rank,
                                              my_rank=self.rank, max_blocks=k.num_blocks)
         if h.cpu_sync:
@@ -601,8 +635,8 @@ class NvshmemBackend:
         clean = False
         try:
             if not self.steps.unusable:
-                with self._collective("close") as (seq, parity):
-                    self._signal_and_wait("close", seq, parity)
+                with self._collective("close", host_wait=True) as seq:
+                    self._signal_and_wait("close", seq)
                     self._sync_and_check("close", seq)
                 clean = True
         finally:
@@ -612,6 +646,7 @@ class NvshmemBackend:
                       f"{self.profile.report()}", flush=True)
             self.transport.close(collective=clean)
             self.transport = None
+            self._held.clear()
             if clean:
                 self.comm.Free()
 
@@ -626,12 +661,29 @@ def _host(values) -> Sequence:
     return values.get() if hasattr(values, "get") else values
 
 
-def _on_device(cp, value, dtype):
-    """``value`` (host int/list or device array) as a device array of ``dtype``, without a host round trip
-    for device values."""
-    if isinstance(value, (int, list, np.integer)):
-        return cp.asarray(np.asarray(value, dtype=dtype))
-    return value
+def _device_counts(cp, h: EPHandle) -> tuple:
+    """``(num_expanded_tokens, num_recv_tokens_per_expert)`` of handle ``h`` as device arrays, for the
+    outputs of a ``cpu_sync=False`` replay. A ``cpu_sync=True`` handle holds them as host values: they
+    are derived on the device from its unaligned counts (no host-to-device copy, which a CUDA graph
+    capture cannot hold): the aligned counts, and their sum (expanded rows, padding included)."""
+    if not h.cpu_sync:
+        return h.num_expanded_tokens, h.num_recv_tokens_per_expert
+    aligned = _align_up(h.num_unaligned_recv_tokens_per_expert.astype(cp.int32), h.expert_alignment)
+    return aligned.sum(dtype=cp.int64), aligned
+
+
+def _align_up(values, alignment: int):
+    """``values`` (a new device array, changed in place: no temporaries) rounded up to ``alignment``."""
+    if alignment > 1:
+        values += alignment - 1
+        values //= alignment
+        values *= alignment
+    return values
+
+
+def _add_counts(xp, stats, counts) -> None:
+    """``stats += counts`` in ``stats``'s dtype, without a temporary (a captured call must not free one)."""
+    xp.add(stats, counts, out=stats, casting="unsafe")
 
 
 def _bias_term(cp, b):

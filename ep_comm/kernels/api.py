@@ -11,13 +11,16 @@ buffer, see :func:`symmetric_views`)::
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
     send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
     k.scatter(x, topk_idx, topk_weights, send.slot_idx, [v.rows for v in views],
-              [v.meta for v in views], src_rank=me, parity=p, mode=SLOT_STABLE)
-    recv = k.receive_count(own.counts[p], own.meta[p], alignment=a, expand=e, stable=d)
-    k.receive_copy(recv.rank_psum, own.rows[p], own.meta[p], recv_x, recv_topk_idx, recv_topk_weights,
+              [v.meta for v in views], src_rank=me, step=step, mode=SLOT_STABLE)
+    recv = k.receive_count(own.counts, own.meta, step, alignment=a, expand=e, stable=d)
+    k.receive_copy(recv.rank_psum, own.rows, own.meta, step, recv_x, recv_topk_idx, recv_topk_weights,
                    recv_src_metadata, expand=e, mode=PLACE_STABLE, expert_psum=recv.expert_psum,
                    alignment=a, zero_padding=z)
-    # combine: k.combine_send(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views], my_rank=me,
-    #          parity=q, expand=e, weights=w); transport signal; k.combine_reduce(own.rows[q], ...)
+    # combine (next step): k.combine_send(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views],
+    #          my_rank=me, step=step, expand=e, weights=w); transport signal; k.combine_reduce(own.rows, step, ...)
+
+``step`` is the step counter (int64 ``[1]`` on the device, ``ep_comm.kernels.step``): every kernel
+reads the buffer parity ``step[0] % 2`` from it, so a launch takes the same arguments at every step.
 """
 from __future__ import annotations
 
@@ -291,11 +294,12 @@ class Kernels:
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
-                rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, parity: int, mode: int) -> None:
+                rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int) -> None:
         """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
 
         ``rows[r]``/``metas[r]``: rank r's ``SymmetricViews.rows``/``.meta`` (``[2, R, max_tokens, ...]``,
-        peer views on a GPU); row ``slot`` of this source goes to ``[parity, src_rank, slot]``.
+        peer views on a GPU); row ``slot`` of this source goes to ``[parity, src_rank, slot]``, ``parity``
+        that of ``step``.
         ``topk_weights [T, K]`` float32 or None. ``slot_idx [T, K]`` int32 is written
         (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot`` on the first entry per rank, else
         -1), or read with ``mode=SLOT_CACHED``. SLOT_ATOMIC/SLOT_STABLE need :meth:`count` just before.
@@ -307,32 +311,33 @@ class Kernels:
         x_words = payload_words(x)
         self._launch(scatter_kernel)(
             x_words, wide_rows(x_words, *rows), topk_idx, weights, topk_weights is not None, self.num_local,
-            src_rank, parity, mode, num_units, units_per_warp, self._rank_cursor, self._send_units,
+            src_rank, step, mode, num_units, units_per_warp, self._rank_cursor, self._send_units,
             self._send_groups, slot_idx, tuple(rows), tuple(metas))
 
-    def receive_count(self, src_counts: Array, meta: Array, *, alignment: int, expand: bool,
+    def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool) -> ReceiveCounts:
-        """Count what arrived: ``src_counts [R]`` rows per source (int64, ``SymmetricViews.counts[parity]``),
-        ``meta [R, max_tokens, 1 + 2K]`` int32 (``SymmetricViews.meta[parity]``).
+        """Count what arrived at the parity of ``step``: ``src_counts [2, R]`` rows per source (int64,
+        ``SymmetricViews.counts``), ``meta [2, R, max_tokens, 1 + 2K]`` int32 (``SymmetricViews.meta``).
 
         Also prepares the expand placement that :meth:`receive_copy` consumes next.
         """
         xp, r, local = self.xp, self.num_ranks, self.num_local
         out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
                             xp.empty(local, np.int32), xp.empty(2, np.int32))
-        worst_units = units_for(meta.shape[0] * meta.shape[1], self.recv_rows_per_unit, self.recv_units)
+        worst_units = units_for(meta.shape[1] * meta.shape[2], self.recv_rows_per_unit, self.recv_units)
         warps = self.recv_count_warps_per_block
         blocks = min(self.num_blocks, -(-worst_units // warps))
         self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks, warps)(
-            src_counts, meta, alignment, expand, stable and expand, self.recv_rows_per_unit, self.recv_units,
+            src_counts, meta, step, alignment, expand, stable and expand, self.recv_rows_per_unit, self.recv_units,
             self._counters[:local], self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
             out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)
         return out
 
-    def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, recv_x: Array, recv_topk_idx: Array,
-                     recv_topk_weights: Array, recv_src_metadata: Array, *, expand: bool, mode: int,
-                     expert_psum: Array, alignment: int, zero_padding: bool) -> None:
-        """Copy received rows out of this rank's buffer (``rows``/``meta``: ``SymmetricViews.rows/meta[parity]``).
+    def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, step: Array, recv_x: Array,
+                     recv_topk_idx: Array, recv_topk_weights: Array, recv_src_metadata: Array, *, expand: bool,
+                     mode: int, expert_psum: Array, alignment: int, zero_padding: bool) -> None:
+        """Copy received rows out of this rank's buffer at the parity of ``step`` (``rows``/``meta``:
+        ``SymmetricViews.rows/meta``, ``[2, R, max_tokens, ...]``).
 
         Compact: ``recv_x [N_out, H]`` rows grouped by source ascending, ``recv_topk_idx [N_out, K]``
         (any int dtype) local ids or -1, ``recv_topk_weights [N_out, K]`` float32. Expand:
@@ -347,17 +352,18 @@ class Kernels:
         width = recv_topk_idx.shape[1] if recv_topk_idx.ndim == 2 else 1
         rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
         self._launch(receive_place_kernel)(
-            rank_psum, meta, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
+            rank_psum, meta, step, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
             alignment, recv_topk_idx.reshape(-1, width), recv_topk_weights.view(np.int32).reshape(-1, width),
             recv_src_metadata)
         recv_words = payload_words(recv_x)
         self._launch(receive_rows_kernel, blocks=self.stream_blocks)(
-            rank_psum, rows, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
+            rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
             wide_rows(recv_words, rows))
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
-                     my_rank: int, parity: int, expand: bool, weights: Optional[Array] = None) -> None:
-        """Send expert outputs back: row ``i`` goes to ``rows[src][parity, my_rank, slot]`` of its source.
+                     my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None) -> None:
+        """Send expert outputs back: row ``i`` goes to ``rows[src][parity, my_rank, slot]`` of its source
+        (``parity`` that of ``step``).
 
         ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
         ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
@@ -368,19 +374,19 @@ class Kernels:
         if not expand:
             y_words = payload_words(y)
             self._launch(combine_copy_kernel, blocks=self.stream_blocks)(
-                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, parity, tuple(rows))
+                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, step, tuple(rows))
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
         self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, self.stream_blocks)(
             y_raw, is_bf16, weights if has_weights else self._no_bias[0], has_weights, recv_src_metadata, rank_psum,
-            my_rank, parity, tuple(payload_rows(v, y.dtype) for v in rows))
+            my_rank, step, tuple(payload_rows(v, y.dtype) for v in rows))
 
-    def combine_reduce(self, rows: Array, slot_idx: Array, topk_idx: Array, out: Array, *, my_rank: int,
-                       bias: Optional[Sequence[Array]] = None) -> None:
+    def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
+                       my_rank: int, bias: Optional[Sequence[Array]] = None) -> None:
         """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
 
-        ``rows``: this rank's ``[R, max_tokens, ...]`` rows of the combine's parity (words or payload
+        ``rows``: this rank's ``[2, R, max_tokens, ...]`` rows, read at the parity of ``step`` (words or payload
         view); ``slot_idx``/``topk_idx`` ``[T, K]`` from the dispatch; ``bias``: up to two ``[T, H]``
         arrays of any payload dtype.
         """
@@ -390,7 +396,7 @@ class Kernels:
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
         self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk, self.stream_blocks)(
-            payload_rows(rows, out.dtype), out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
+            payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
             *padded[1], len(terms), out_raw, out_bf16)
 
 

@@ -98,16 +98,18 @@ class Bench:
         self.topk = [cp.asarray(uniform_routing(rng, a.tokens, a.experts, a.topk)) for _ in range(a.ranks)]
         self.x = cp.asarray(rng.standard_normal((a.tokens, a.hidden), np.float32).astype(np.float16).view(np.uint16))
         self.w = cp.asarray(rng.random((a.tokens, a.topk), np.float32))
+        self.dispatch_step = cp.ones(1, np.int64)  # step 1 (parity 1); the combine runs at step 2 (parity 0)
+        self.combine_step = cp.full(1, 2, np.int64)
         self.sent = [self.dispatch_source(s, SLOT_STABLE) for s in range(a.ranks)]
-        self.recv = self.k.receive_count(self.views[0].counts[1], self.views[0].meta[1], alignment=a.alignment,
-                                         expand=True, stable=True)
+        self.recv = self.k.receive_count(self.views[0].counts, self.views[0].meta, self.dispatch_step,
+                                         alignment=a.alignment, expand=True, stable=True)
         self.num_rows, self.num_expanded = (int(v) for v in to_host(self.recv.totals))
 
     def dispatch_source(self, s: int, mode: int):
         """Count and scatter source ``s`` (parity 1), and write its counts where receivers read them."""
         lay = self.k.count(self.topk[s], stable=mode == SLOT_STABLE)
-        self.k.scatter(self.x, self.topk[s], self.w, lay.slot_idx, self.rows, self.metas, src_rank=s, parity=1,
-                       mode=mode)
+        self.k.scatter(self.x, self.topk[s], self.w, lay.slot_idx, self.rows, self.metas, src_rank=s,
+                       step=self.dispatch_step, mode=mode)
         for d, view in enumerate(self.views):
             view.counts[1, s] = int(to_host(lay.num_tokens_per_rank)[d])
         return lay
@@ -130,13 +132,13 @@ class Bench:
             def run():
                 if mode != SLOT_CACHED:
                     k.count(self.topk[0], stable=mode == SLOT_STABLE)
-                k.scatter(self.x, self.topk[0], self.w, lay.slot_idx, self.rows, self.metas, src_rank=0, parity=1,
-                          mode=mode)
+                k.scatter(self.x, self.topk[0], self.w, lay.slot_idx, self.rows, self.metas, src_rank=0,
+                          step=self.dispatch_step, mode=mode)
             return run
 
         def receive_copy(expand: bool, mode: int, out: tuple) -> Callable[[], None]:
-            return lambda: k.receive_copy(self.recv.rank_psum, own.rows[1], own.meta[1], *out, expand=expand,
-                                          mode=mode, expert_psum=self.recv.expert_psum, alignment=a.alignment,
+            return lambda: k.receive_copy(self.recv.rank_psum, own.rows, own.meta, self.dispatch_step, *out,
+                                          expand=expand, mode=mode, expert_psum=self.recv.expert_psum, alignment=a.alignment,
                                           zero_padding=True)
 
         receive_copy(False, PLACE_ATOMIC, compact_out)()  # metadata that the cached and combine runs use
@@ -155,19 +157,21 @@ class Bench:
             "count + scatter (atomic)": (scatter(SLOT_ATOMIC), pairs * row_bytes),
             "scatter (cached)": (scatter(SLOT_CACHED), pairs * row_bytes),
             "receive_count (expand, stable)": (lambda: k.receive_count(
-                own.counts[1], own.meta[1], alignment=a.alignment, expand=True, stable=True), 0),
+                own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True), 0),
             "receive_copy (compact)": (receive_copy(False, PLACE_ATOMIC, compact_out), self.num_rows * row_bytes),
             "receive_count + copy (expand, atomic)": (self.with_count(receive_copy(True, PLACE_ATOMIC, expand_out)),
                                                       self.num_expanded * row_bytes),
             "receive_copy (expand, cached)": (receive_copy(True, PLACE_CACHED, expand_out),
                                               self.num_expanded * row_bytes),
             "combine_send (compact copy)": (lambda: k.combine_send(
-                y_compact, compact_out[3], self.recv.rank_psum, self.rows, my_rank=0, parity=0, expand=False),
+                y_compact, compact_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
+                expand=False),
                 self.num_rows * row_bytes),
             "combine_send (expand reduce)": (lambda: k.combine_send(
-                y_expand, expand_out[3], self.recv.rank_psum, self.rows, my_rank=0, parity=0, expand=True,
-                weights=weights), self.num_expanded * row_bytes),
-            "combine_reduce": (lambda: k.combine_reduce(own.rows[0], lay.slot_idx, self.topk[0], out, my_rank=0),
+                y_expand, expand_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
+                expand=True, weights=weights), self.num_expanded * row_bytes),
+            "combine_reduce": (lambda: k.combine_reduce(own.rows, self.combine_step, lay.slot_idx, self.topk[0], out,
+                                                        my_rank=0),
                                pairs * row_bytes),
         }
 
@@ -176,7 +180,8 @@ class Bench:
         own = self.views[0]
 
         def run():
-            self.k.receive_count(own.counts[1], own.meta[1], alignment=self.a.alignment, expand=True, stable=False)
+            self.k.receive_count(own.counts, own.meta, self.dispatch_step, alignment=self.a.alignment, expand=True,
+                                 stable=False)
             copy()
         return run
 

@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda
 
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.step import step_parity
 from ep_comm.kernels.units import lane_entry, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
@@ -63,12 +64,13 @@ def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
 
 
 @kernel
-def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, parity, mode,
+def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, mode,
                    num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, rows, metas):
     """See :func:`ep_comm.kernels.api.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``."""
     num_tokens, num_topk = topk_idx.shape
+    parity = step_parity(step)
     num_ranks = len(rows)
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens

@@ -1,14 +1,17 @@
 """GPU side of the symmetric-buffer protocol: signals (carrying the count exchange) and bounded waits.
 
 Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer views) or through
-``nvshmem_puts``. Two small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached,
-~10 us launch):
+``nvshmem_puts``. Three small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached,
+~10 us launch), all reading the step number from the Buffer's device step counter (int64 ``[1]``,
+see ``ep_comm.kernels.step``) so that a CUDA graph can replay them:
 
-* ``signal_peers``: optionally this rank's per-destination counts into every peer's count words,
-  then a system-scope fence and ``signal[me] = seq`` in every peer with a ``st.release.sys``
-  store: a receiver that acquires the signal sees every row and count sent before it;
+* ``advance_step``: ``step += 1``, first in every collective step;
+* ``signal_peers``: optionally this rank's per-destination counts into every peer's count words of
+  the step's parity, then a system-scope fence and ``signal[me] = step << 2 | kind`` in every peer
+  with a ``st.release.sys`` store: a receiver that acquires the signal sees every row and count
+  sent before it;
 * ``wait_signals``: one CTA polls the local ``signal[s]`` words with ``ld.acquire.sys`` until each
-  equals the awaited value or passed the next step's threshold (a peer at most one step ahead),
+  equals the step's word or passed the next step's threshold (a peer at most one step ahead),
   or a ``%globaltimer`` deadline passes, and records the outcome in a sticky status record.
 
 The status record (``WaitStatus``) lives in pinned host memory mapped into the device, so the
@@ -45,20 +48,31 @@ __device__ __forceinline__ void store_release_sys(i64* p, i64 v) {
     asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
-// counts (or NULL): counts[r] goes to counts_offset[me] of rank r before its signal
-extern "C" __global__ void signal_peers(const u64* peers, int num_ranks, int me, i64 signal_offset, i64 seq,
-                                        const int* counts, i64 counts_offset) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (counts && r < num_ranks) ((volatile i64*)(peers[r] + counts_offset))[me] = counts[r];
-    __threadfence_system();
-    if (r < num_ranks) store_release_sys((i64*)(peers[r] + signal_offset) + me, seq);
+extern "C" __global__ void advance_step(i64* step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) step[0] += 1;
 }
 
-// One CTA. Rank s arrived when signal[s] == want (this step) or >= ahead (its next step).
-// status: [want, missing total (sticky), missing flag per rank (sticky)]; counts (or NULL) of a rank
-// that did not arrive are zeroed so that later kernels see an empty, well-formed block.
-extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, i64 want, i64 ahead, u64 timeout_ns,
-                                        i64* status, i64* counts) {
+// counts (or NULL): counts[r] goes to word me of the step's parity row of the int64 [2][R] count words
+// at counts_offset of rank r, before the signal
+extern "C" __global__ void signal_peers(const u64* peers, int num_ranks, int me, i64 signal_offset, const i64* step,
+                                        int kind, const int* counts, i64 counts_offset) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 seq = step[0];
+    if (counts && r < num_ranks)
+        ((volatile i64*)(peers[r] + counts_offset))[(seq & 1) * num_ranks + me] = counts[r];
+    __threadfence_system();
+    if (r < num_ranks) store_release_sys((i64*)(peers[r] + signal_offset) + me, seq << 2 | kind);
+}
+
+// One CTA. Rank s arrived when signal[s] == step << 2 | kind (this step) or >= (step + 1) << 2 (its next).
+// status: [want, missing total (sticky), missing flag per rank (sticky)]; counts (or NULL: int64 [2][R],
+// the step's parity row) of a rank that did not arrive are zeroed so that later kernels see an empty,
+// well-formed block.
+extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const i64* step, int kind, u64 timeout_ns,
+                                        i64* status, i64* counts_by_parity) {
+    const i64 seq = step[0];
+    const i64 want = seq << 2 | kind, ahead = (seq + 1) << 2;
+    i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks : 0;
     __shared__ int missing;
     __shared__ int poisoned;
     if (threadIdx.x == 0) {
@@ -112,22 +126,29 @@ def _or_null(arr):
     return np.uint64(0) if arr is None else arr
 
 
-def signal_peers(peer_ptrs, num_ranks: int, me: int, signal_offset: int, seq: int, counts=None,
+def advance_step(step) -> None:
+    """Enqueue ``step[0] += 1`` (int64 ``[1]`` device array): the start of a collective step."""
+    _kernel("advance_step")((1,), (32,), (step,))
+
+
+def signal_peers(peer_ptrs, num_ranks: int, me: int, signal_offset: int, step, kind: int, counts=None,
                  counts_offset: int = 0) -> None:
-    """After every earlier write on the stream: ``signal[me] = seq`` in every rank's buffer (release,
-    system scope). With ``counts`` (int32 ``[R]`` device array), first ``counts[r]`` goes to the int64
-    word ``me`` at byte ``counts_offset`` of rank ``r``'s buffer (the count exchange rides on the signal)."""
+    """After every earlier write on the stream: ``signal[me] = step[0] << 2 | kind`` in every rank's
+    buffer (release, system scope; ``step``: the device step counter). With ``counts`` (int32 ``[R]``
+    device array), first ``counts[r]`` goes to word ``me`` of the step's parity row of the int64
+    ``[2, R]`` count words at byte ``counts_offset`` of rank ``r``'s buffer (the count exchange rides on
+    the signal)."""
     _kernel("signal_peers")((1,), (max(32, -(-num_ranks // 32) * 32),),
-                            (peer_ptrs, np.int32(num_ranks), np.int32(me), np.int64(signal_offset), np.int64(seq),
-                             _or_null(counts), np.int64(counts_offset)))
+                            (peer_ptrs, np.int32(num_ranks), np.int32(me), np.int64(signal_offset), step,
+                             np.int32(kind), _or_null(counts), np.int64(counts_offset)))
 
 
-def wait_signals(signals, num_ranks: int, want: int, ahead: int, timeout_s: float, status, counts=None) -> None:
-    """Enqueue the bounded wait until ``signals[s] == want or >= ahead`` (int64 device view) for every
-    ``s``; ``status`` is the mapped ``WaitStatus`` record; ``counts`` (int64 [R] or None) of missing
-    ranks are zeroed."""
+def wait_signals(signals, num_ranks: int, step, kind: int, timeout_s: float, status, counts=None) -> None:
+    """Enqueue the bounded wait until ``signals[s] == step[0] << 2 | kind`` or ``>= (step[0] + 1) << 2``
+    (int64 device views) for every ``s``; ``status`` is the mapped ``WaitStatus`` record; ``counts``
+    (int64 ``[2, R]`` or None): the step's parity row of a missing rank is zeroed."""
     _kernel("wait_signals")((1,), (WAIT_THREADS,),
-                            (signals, np.int32(num_ranks), np.int64(want), np.int64(ahead),
+                            (signals, np.int32(num_ranks), step, np.int32(kind),
                              np.uint64(int(timeout_s * 1e9)), status, _or_null(counts)))
 
 

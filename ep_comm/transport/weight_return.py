@@ -2,7 +2,8 @@
 
 Expert side (``send_weights``): each received row writes its K weights into the weight columns
 ``1 + K ..`` of the meta row it came from, ``metas[src][parity, my_rank, slot]`` (a tuple of per-rank
-meta views, as the kernels of ``ep_comm.kernels`` take them). Source side (``gather_weights``):
+meta views, as the kernels of ``ep_comm.kernels`` take them; the parity comes from the step counter,
+``ep_comm.kernels.step``). Source side (``gather_weights``):
 entry ``k`` of token ``t`` reads weight ``k`` of the row sent back by the rank owning its expert
 (0 where the entry is masked). Weights travel as raw float32 bits (int32). One thread per entry.
 """
@@ -11,12 +12,15 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ..kernels.step import step_parity
+
 THREADS = 256
 
 
 @cuda.jit
-def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_rank, parity, metas):
+def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, metas):
     """``weight_bits``: compact ``[N, K]``, expand ``[M, 1]`` (the weight of each expanded row)."""
+    parity = step_parity(step)
     num_topk = recv_src_metadata.shape[1] - 2
     max_tokens = metas[0].shape[2]
     num_entries = rank_psum[rank_psum.shape[0] - 1] * num_topk
@@ -35,8 +39,10 @@ def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_ra
 
 
 @cuda.jit
-def gather_weights_kernel(meta, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits):
-    """``meta [R, max_tokens, 1 + 2K]`` int32: this rank's meta rows of the combine's parity."""
+def gather_weights_kernel(meta_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits):
+    """``meta_by_parity [2, R, max_tokens, 1 + 2K]`` int32: this rank's meta rows; the combine's parity is
+    read from ``step``."""
+    meta = meta_by_parity[step_parity(step)]
     num_tokens, num_topk = topk_idx.shape
     max_tokens = meta.shape[1]
     start = cuda.grid(1)
@@ -60,20 +66,22 @@ def _grid(work: int, cap: int) -> int:
 
 
 def send_weights(stream, weight_bits, expand: bool, recv_src_metadata, rank_psum, metas, *, my_rank: int,
-                 parity: int, max_blocks: int) -> None:
+                 step, max_blocks: int) -> None:
     """Expert side; ``recv_src_metadata [N_out, 2 + K]`` int32 and ``rank_psum [R]`` int32 from the
     dispatch handle; ``weight_bits`` int32 (see the kernel); ``metas``: tuple of ``[P, R, max_tokens,
-    1 + 2K]`` int32 views, one per rank. At most ``max_blocks`` CTAs on Numba stream ``stream``."""
+    1 + 2K]`` int32 views, one per rank, written at the parity of ``step`` (int64 ``[1]``). At most
+    ``max_blocks`` CTAs on Numba stream ``stream``."""
     work = recv_src_metadata.shape[0] * (recv_src_metadata.shape[1] - 2)
     send_weights_kernel[_grid(work, max_blocks), THREADS, stream](
-        weight_bits, expand, recv_src_metadata, rank_psum, my_rank, parity, tuple(metas))
+        weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, tuple(metas))
 
 
-def gather_weights(stream, meta, slot_idx, topk_idx, out_bits, *, experts_per_rank: int, my_rank: int,
-                   max_blocks: int) -> None:
-    """Source side into ``out_bits [T, K]`` int32 (float32 bits); ``slot_idx``/``topk_idx`` ``[T, K]``
-    from the dispatch."""
+def gather_weights(stream, meta_by_parity, step, slot_idx, topk_idx, out_bits, *, experts_per_rank: int,
+                   my_rank: int, max_blocks: int) -> None:
+    """Source side into ``out_bits [T, K]`` int32 (float32 bits) from this rank's meta rows
+    ``[2, R, max_tokens, 1 + 2K]`` at the parity of ``step``; ``slot_idx``/``topk_idx`` ``[T, K]`` from
+    the dispatch."""
     if out_bits.shape[0] == 0:
         return
     gather_weights_kernel[_grid(out_bits.shape[0] * out_bits.shape[1], max_blocks), THREADS, stream](
-        meta, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits)
+        meta_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits)

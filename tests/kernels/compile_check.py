@@ -43,21 +43,22 @@ def record_all(dtype: np.dtype) -> list:
     topk = np.zeros((T, K), np.int64)
     x = np.zeros((T, H), dtype)
     slot_idx = np.zeros((T, K), np.int32)
+    step = np.ones(1, np.int64)
     k.check_routing(topk)
     k.check_routing(topk.astype(np.int32))
     k.count(topk, stable=True)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
-              src_rank=0, parity=0, mode=SLOT_STABLE)
-    counts = k.receive_count(views[0].counts[0], views[0].meta[0], alignment=1, expand=True, stable=True)
+              src_rank=0, step=step, mode=SLOT_STABLE)
+    counts = k.receive_count(views[0].counts, views[0].meta, step, alignment=1, expand=True, stable=True)
     for expand, ids_shape in ((False, (R * T, K)), (True, (R * T * K,))):
-        k.receive_copy(counts.rank_psum, views[0].rows[0], views[0].meta[0], np.zeros((ids_shape[0], H), dtype),
+        k.receive_copy(counts.rank_psum, views[0].rows, views[0].meta, step, np.zeros((ids_shape[0], H), dtype),
                        np.zeros(ids_shape, np.int64), np.zeros(ids_shape, np.float32),
                        np.zeros((R * T, 2 + K), np.int32), expand=expand, mode=PLACE_STABLE,
                        expert_psum=counts.expert_psum, alignment=1, zero_padding=True)
         k.combine_send(np.zeros((ids_shape[0], H), dtype), np.zeros((R * T, 2 + K), np.int32), counts.rank_psum,
-                       [v.rows for v in views], my_rank=0, parity=0, expand=expand,
+                       [v.rows for v in views], my_rank=0, step=step, expand=expand,
                        weights=np.zeros(ids_shape[0], np.float32) if expand else None)
-    k.combine_reduce(views[0].rows[0], slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
+    k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
                      bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)])
     return k.launches
 

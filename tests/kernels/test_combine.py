@@ -45,7 +45,7 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
         ys.append(random_payload(rng, (rows, world.hidden), world.dtype))
         weights.append(rng.standard_normal(rows).astype(np.float32) if weighted and expand else None)
         k.combine_send(world.device_payload(ys[d]), xp.asarray(received[d].recv_src_metadata),
-                       received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, parity=PARITY,
+                       received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, step=world.step(PARITY),
                        expand=expand, weights=world.dev(weights[d]))
     bias_terms = []
     for s in range(world.num_ranks):
@@ -55,7 +55,7 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
     want = expected_combine(world, sent, received, ys, weights, bias_terms, expand)
     for s in range(world.num_ranks):
         out = xp.full((world.topk[s].shape[0], world.hidden), 3, world.device_payload(world.x[s]).dtype)
-        k.combine_reduce(world.views[s].rows[PARITY], xp.asarray(sent[s].slot_idx), world.dev(world.topk[s]), out,
+        k.combine_reduce(world.views[s].rows, world.step(PARITY), xp.asarray(sent[s].slot_idx), world.dev(world.topk[s]), out,
                          my_rank=s, bias=[world.device_payload(b) for b in bias_terms[s]])
         np.testing.assert_array_equal(bits(to_host(out)), bits(want[s]))
 

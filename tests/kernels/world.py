@@ -86,6 +86,11 @@ class World:
     def dev(self, a):
         return None if a is None else self.xp.asarray(a)
 
+    def step(self, parity: int):
+        """A device step counter whose parity is ``parity`` (a step number past the first two, as after a
+        few operations)."""
+        return self.xp.asarray(np.array([4 + parity], np.int64))
+
     def device_payload(self, a: np.ndarray):
         """Payloads go to the device as raw bits when the array module has no bfloat16."""
         if self.xp is np:
@@ -105,7 +110,8 @@ class World:
             else:
                 lay, slot_idx, mode = None, self.dev(cached[s]), SLOT_CACHED
             k.scatter(self.device_payload(self.x[s]), topk, self.dev(self.w[s]), slot_idx,
-                      [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, parity=parity, mode=mode)
+                      [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, step=self.step(parity),
+                      mode=mode)
             sent.append(Sent(to_host(slot_idx), lay))
         for s, item in enumerate(sent):
             per_rank = ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks).num_tokens_per_rank
@@ -118,7 +124,7 @@ class World:
         """Receiver ``d``'s epilogue; outputs at worst-case size when ``worst_case`` (cpu_sync=False)."""
         k, view, xp = self.kernels, self.views[d], self.xp
         if cached is None:
-            counts = k.receive_count(view.counts[parity], view.meta[parity], alignment=alignment, expand=expand,
+            counts = k.receive_count(view.counts, view.meta, self.step(parity), alignment=alignment, expand=expand,
                                      stable=deterministic)
             mode = PLACE_STABLE if deterministic else PLACE_ATOMIC
             num_rows, num_expanded = (int(v) for v in to_host(counts.totals))
@@ -138,7 +144,7 @@ class World:
         metadata = xp.full((num_rows, 2 + self.num_topk), 99, dtype=np.int32)
         if cached is not None:
             metadata[: cached.recv_src_metadata.shape[0]] = xp.asarray(cached.recv_src_metadata)
-        k.receive_copy(counts.rank_psum, view.rows[parity], view.meta[parity], recv_x, topk_idx, weights, metadata,
+        k.receive_copy(counts.rank_psum, view.rows, view.meta, self.step(parity), recv_x, topk_idx, weights, metadata,
                        expand=expand, mode=mode, expert_psum=counts.expert_psum, alignment=alignment,
                        zero_padding=zero_padding)
         host_x = to_host(recv_x)
