@@ -70,8 +70,8 @@ def _shape(arr: Any, name: str) -> tuple:
 def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callable[[Any], tuple]] = None) -> None:
     """``topk_idx``: integer ``[T, K]``, ``T <= max_tokens``, entries ``< num_experts``, no expert twice per token.
 
-    ``summarize(topk_idx)`` (a backend's one-launch version of :func:`_topk_values`, for signed
-    integer ids) replaces the array code when given."""
+    ``summarize(topk_idx)`` (a backend's version of :func:`topk_values`, e.g. one launch) replaces the
+    array code when given."""
     shape = _shape(topk_idx, "topk_idx")
     if not np.issubdtype(np.dtype(topk_idx.dtype), np.integer):
         raise TypeError(f"topk_idx has dtype {topk_idx.dtype}: expert ids must be integers")
@@ -81,15 +81,14 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
         raise ValueError(f"topk_idx has {shape[0]} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
     if shape[0] == 0:
         return
-    signed = np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger)
-    top, twice = summarize(topk_idx) if summarize is not None and signed else _topk_values(xp, topk_idx)
+    top, twice = summarize(topk_idx) if summarize is not None else topk_values(xp, topk_idx)
     if top >= geo.num_experts:
         raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} (negative = none)")
     if twice >= 0:
         raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
 
 
-def _topk_values(xp, topk_idx: Any) -> tuple:
+def topk_values(xp, topk_idx: Any) -> tuple:
     """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing.
 
     No sort and a single device-to-host read: on the GPU this is a handful of small launches and

@@ -373,15 +373,18 @@ class NvshmemBackend:
         return a
 
     def routing_summary(self, topk_idx) -> Tuple[int, int]:
-        """``(largest id, first row naming an expert twice or -1)`` of a non-empty signed-int routing:
-        one kernel and one read (``validate.check_topk_idx``)."""
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty integer routing
+        (``validate.check_topk_idx``): one kernel and one read for signed ids, CuPy code for unsigned."""
         from ..kernels.api import to_host
+        from ..validate import topk_values
 
         if self.device.capturing():
             raise RuntimeError("a dispatch with a new routing (or get_dispatch_layout) was called while the current "
                                "stream is being captured into a CUDA graph: its topk_idx check reads a result back "
                                "to the host, which a capture cannot hold; capture a cached dispatch (handle=..., "
                                "cpu_sync=False) and the combine instead, or call it outside the capture")
+        if not np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger):
+            return topk_values(self._cp, topk_idx)
         with self._launching():
             top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
         return int(top), int(twice)

@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
                         "every point runs once per count, on a Buffer of that count (default: all). The mpi "
                         "backend has no kernels: each count runs the same CPU path")
     p.add_argument("--no-baselines", action="store_true", help="GPU: skip the NCCL baselines")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="GPU: skip the CUDA graph replays of the cached cpu_sync=False dispatch and its combine "
+                        "(needed with EP_COMM_NVSHMEM_PUTS=1, which cannot be captured)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")

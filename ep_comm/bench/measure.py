@@ -57,6 +57,7 @@ class RankSample:
     times: Dict[str, List[float]] = field(default_factory=dict)  # seconds per iteration, by operation
     first_round_trip_s: float = 0.0  # host wall clock of the point's first dispatch + combine (kernel loads included)
     host_times: Dict[str, List[float]] = field(default_factory=dict)  # host seconds per call, no wait, by operation
+    graph_times: Dict[str, List[float]] = field(default_factory=dict)  # GPU seconds per CUDA graph replay, by operation
 
 
 def host_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
@@ -154,11 +155,14 @@ def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: in
 
 
 def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: Callable[[np.ndarray], Any],
-              tick: Optional[Callable[[int], None]] = None) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
+              tick: Optional[Callable[[int], None]] = None,
+              graphs: bool = False) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
     """Dispatch + combine ``spec.warmup + spec.iters`` times on ``buf``; check the first and last round trip.
 
-    ``device`` moves a host array to where the backend wants it (identity on CPU). Returns this
-    rank's sample and its host inputs (the baselines reuse them).
+    ``device`` moves a host array to where the backend wants it (identity on CPU). With ``graphs``
+    (GPU), the cached ``cpu_sync=False`` path is also captured into CUDA graphs and replayed
+    (:func:`graph_replay_times`). Returns this rank's sample and its host inputs (the baselines
+    reuse them).
     """
     x, routing = make_inputs(spec, comm.rank)
     dx, didx, dw = device(x), device(routing.topk_idx), device(routing.topk_weights)
@@ -185,12 +189,17 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
     recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
     failures += check_counts(comm, sent, recv_per_source, out, spec.expand)
+    graph: Dict[str, Any] = {}
+    if graphs:
+        graph = graph_replay_times(comm, buf, dx, out.handle, spec)
+        failures += _round_trip_failures(graph.pop("result"), want, "CUDA graph replay")
+        host.update(graph.pop("host"))
     sample = RankSample(
         rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
         recv_from_self=int(recv_per_source[comm.rank]),
         expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
         times={"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()}, first_round_trip_s=first_s,
-        host_times=host,
+        host_times=host, graph_times=graph,
     )
     return sample, (x, routing)
 
@@ -211,6 +220,55 @@ def host_call_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, timer: Timer
 
     rows = sample_times(comm, lambda: timer(calls)[0], spec.warmup, spec.iters)
     return {"dispatch_cached_async": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "result": last["x"]}
+
+
+def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, spec: PointSpec) -> Dict[str, Any]:
+    """GPU seconds per CUDA graph replay of the path that never waits on the host: the cached
+    dispatch with ``cpu_sync=False`` captured into one graph, its combine into another, on a side
+    stream (each graph is one collective step: the buffer parity comes from the device). Both are
+    replayed ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events.
+    Returns ``{"dispatch": [...], "combine": [...], "host": {"graph_launch_dispatch": [...],
+    "graph_launch_combine": [...]} (host seconds per replay launch), "result": last combine's x}``."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        warm = buf.dispatch(dx, handle=handle, cpu_sync=False)  # every launch bound before the capture
+        buf.combine(warm.recv_x, warm.handle)
+        stream.synchronize()
+        out, dispatch_graph = _captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
+        res, combine_graph = _captured(stream, lambda: buf.combine(out.recv_x, out.handle))
+    marks = [cupy.cuda.Event() for _ in range(3)]
+
+    def replay() -> Tuple[float, float, float, float]:
+        marks[0].record(stream)
+        t0 = time.perf_counter()
+        dispatch_graph.launch(stream)
+        t1 = time.perf_counter()
+        marks[1].record(stream)
+        t2 = time.perf_counter()
+        combine_graph.launch(stream)
+        t3 = time.perf_counter()
+        marks[2].record(stream)
+        marks[2].synchronize()
+        return (cupy.cuda.get_elapsed_time(marks[0], marks[1]) / 1e3,
+                cupy.cuda.get_elapsed_time(marks[1], marks[2]) / 1e3, t1 - t0, t3 - t2)
+
+    rows = sample_times(comm, replay, spec.warmup, spec.iters)
+    return {"dispatch": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(),
+            "host": {"graph_launch_dispatch": rows[:, 2].tolist(), "graph_launch_combine": rows[:, 3].tolist()},
+            "result": res.x}
+
+
+def _captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:
+    """``(result, graph)``: ``call`` captured into a CUDA graph on ``stream``; the capture is ended even
+    when ``call`` raises."""
+    stream.begin_capture()
+    try:
+        result = call()
+    finally:
+        graph = stream.end_capture()
+    return result, graph
 
 
 def _round_trip_failures(got: Any, want: np.ndarray, which: str) -> List[str]:

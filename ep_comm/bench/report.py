@@ -84,6 +84,7 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
         "first_round_trip_s": max(s.first_round_trip_s for s in samples),
         "host_us": {op: _stats([s.host_times[op] for s in samples]) for op in samples[0].host_times},
+        "graph_us": {op: _stats([s.graph_times[op] for s in samples]) for op in samples[0].graph_times},
         "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
                                   for op in latency if op not in EP_OPS + ("round_trip",)},
     }
@@ -137,6 +138,10 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
     if host:
         lines.append("  host time per call, no host wait (cached dispatch with cpu_sync=False, combine): "
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in host.items()))
+    graph = point.get("graph_us")
+    if graph:
+        lines.append("  CUDA graph replay (cached dispatch with cpu_sync=False, combine; GPU time per replay): "
+                     + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in graph.items()))
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")
     lines += [f"  FAILED {f}" for f in point["failures"]]
@@ -192,6 +197,8 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"{op}_logical_gbps"], row[f"{op}_nvlink_gbps"] = bw["logical"], bw["nvlink"]
     for op, lat in point["host_us"].items():
         row[f"host_{op}_p50_us"], row[f"host_{op}_p99_us"] = lat["p50"], lat["p99"]
+    for op, lat in point.get("graph_us", {}).items():
+        row[f"graph_{op}_p50_us"], row[f"graph_{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, ratio in point["baseline_over_ep_comm"].items():
         row[f"{op}_over_ep_comm"] = ratio
     return row

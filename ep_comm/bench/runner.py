@@ -154,7 +154,8 @@ class _Session:
         for spec in self.specs:
             self.progress.start(f"{spec.num_tokens} tokens/rank, num_sms={report.sms_label(num_sms)}",
                                 spec.warmup + spec.iters)
-            sample, (x, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick)
+            sample, (x, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick,
+                                             graphs=buf.backend == "nvshmem" and not self.args.no_graphs)
             if self.nccl is not None:
                 sample.times.update(self.nccl(spec, x, routing.topk_idx))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)

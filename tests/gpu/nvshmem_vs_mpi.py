@@ -2,7 +2,7 @@
 
 Both backends run the same routings on the same inputs; every output, handle field and combine
 result must match bit for bit (deterministic mode). Then: PyTorch tensors in (DLPack), a
-non-deterministic buffer (combine still bit-exact), and last a timeout: rank 1 skips a dispatch,
+non-deterministic buffer (combine still bit-exact), CUDA graph replays, and last a timeout: rank 1 skips a dispatch,
 rank 0 must raise ep_comm.TimeoutError naming rank 1, and everyone must get out without a hang.
 Prints ``RANK r OK`` lines and exits non-zero on the first mismatch.
 """
@@ -158,6 +158,75 @@ def check_torch_and_nondeterministic() -> None:
           flush=True)
 
 
+def captured(stream, call):
+    """``(result, graph)``: ``call`` captured into a CUDA graph on ``stream``."""
+    stream.begin_capture()
+    try:
+        result = call()
+    finally:
+        graph = stream.end_capture()
+    return result, graph
+
+
+def check_graph_replay() -> None:
+    """A cached dispatch (cpu_sync=False) captured into one CUDA graph and its combine into another,
+    replayed alternately with new payloads copied into the captured input: every replay equals the
+    mpi backend bit for bit; eager calls in between keep working (host and device steps agree); a
+    new routing, or a cpu_sync=True step, under capture is refused and the buffer stays usable."""
+    kw = dict(num_experts=4 * WORLD, hidden=64, num_topk=3, num_max_tokens_per_rank=24, dtype="bfloat16",
+              deterministic=True, timeout_s=20.0)
+    nv, ref = ep_comm.Buffer(backend="nvshmem", **kw), ep_comm.Buffer(backend="mpi", **kw)
+    stream = cp.cuda.Stream(non_blocking=True)
+    replays = 0
+    for expand, alignment, weighted in ((False, 1, True), (True, 4, False)):
+        idx = routing(41 + expand, 20, kw["num_experts"], 3, masked=True)
+        rng = np.random.default_rng(5 + RANK)
+        x0 = rng.standard_normal((20, 64)).astype(ml_dtypes.bfloat16)
+        w = rng.random((20, 3)).astype(np.float32) if weighted else None
+        opts = dict(expand=expand, expert_alignment=alignment, zero_padding=True)
+        first_n = nv.dispatch(cp.asarray(x0), cp.asarray(idx), None if w is None else cp.asarray(w), **opts)
+        first_m = ref.dispatch(x0, idx, w, **opts)
+        x_in = cp.asarray(x0)
+        with stream:
+            warm = nv.dispatch(x_in, handle=first_n.handle, cpu_sync=False)
+            nv.combine(warm.recv_x, warm.handle)
+            stream.synchronize()
+            idx_dev = cp.asarray(idx)
+            for bad in (lambda: nv.dispatch(x_in, idx_dev), lambda: nv.dispatch(x_in, handle=first_n.handle)):
+                try:
+                    captured(stream, bad)
+                except RuntimeError as exc:
+                    assert "captured into a CUDA graph" in str(exc), exc
+                else:
+                    raise AssertionError("a new routing / cpu_sync=True dispatch must be refused under capture")
+            out, d_graph = captured(stream, lambda: nv.dispatch(x_in, handle=first_n.handle, cpu_sync=False))
+            res, c_graph = captured(stream, lambda: nv.combine(out.recv_x, out.handle))
+        for i in range(4):
+            xi = (x0.astype(np.float32) * (i + 2) - i).astype(ml_dtypes.bfloat16)
+            COMM.Barrier()
+            with stream:
+                x_in[...] = cp.asarray(xi)
+                d_graph.launch(stream)
+                c_graph.launch(stream)
+                stream.synchronize()
+            rm = ref.dispatch(xi, handle=first_m.handle)
+            cm = ref.combine(rm.recv_x, rm.handle)
+            rows = int(rm.handle.num_expanded_tokens if expand else rm.handle.num_recv_tokens)
+            tag = f"[graph replay {i} expand={expand}]"
+            same(f"{tag} recv_x", rm.recv_x[:rows], out.recv_x[:rows])
+            same(f"{tag} recv_topk_idx", rm.recv_topk_idx, out.recv_topk_idx[:len(rm.recv_topk_idx)])
+            same(f"{tag} combine.x", cm.x, res.x)
+            replays += 1
+            if i == 1:  # an eager round trip between replays
+                e = nv.dispatch(cp.asarray(xi), handle=first_n.handle)
+                same(f"{tag} eager recv_x", rm.recv_x, e.recv_x)
+                same(f"{tag} eager combine.x", cm.x, nv.combine(e.recv_x, e.handle).x)
+    nv.close()
+    ref.close()
+    print(f"RANK {RANK} OK CUDA graph replays of a cached dispatch and its combine == mpi bit for bit "
+          f"({replays} replays, eager calls in between, uncapturable calls refused)", flush=True)
+
+
 def check_timeout() -> None:
     buf = ep_comm.Buffer(num_experts=2 * WORLD, hidden=16, num_topk=1, num_max_tokens_per_rank=4, dtype="float32",
                          backend="nvshmem", timeout_s=2.0)
@@ -194,6 +263,7 @@ def main() -> int:
     check_against_mpi(use_puts)
     if not use_puts:
         check_torch_and_nondeterministic()
+        check_graph_replay()
     COMM.Barrier()
     check_timeout()
     print(f"RANK {RANK} ALL OK", flush=True)

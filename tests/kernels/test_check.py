@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ep_comm.kernels.api import Kernels, to_host
-from ep_comm.validate import _topk_values
+from ep_comm.validate import topk_values
 
 
 def kernels(xp, topk: int) -> Kernels:
@@ -32,7 +32,7 @@ def test_check_matches_the_array_code_and_resets_between_launches(xp, dtype, tok
     bad[-1, 0] = -1
     for case in (clean, bad, clean, np.full((tokens, 4), -1, dtype)):
         got = to_host(k.check_routing(xp.asarray(case))).tolist()
-        assert got == list(_topk_values(np, case)), case
+        assert got == list(topk_values(np, case)), case
 
 
 def test_masked_repeats_are_not_repeats(xp):
