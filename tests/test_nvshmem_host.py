@@ -115,6 +115,7 @@ class LoopbackTransport:
         self.missing = []
         self.step = np.zeros(1, np.int64)
         self.send_step = np.zeros(1, np.int64) if use_puts else self.step
+        self.send_ahead = 0 if use_puts else 1
         if use_puts:
             t = sym.max_tokens
             stage = self.buffer[sym.total_bytes:]
@@ -124,9 +125,6 @@ class LoopbackTransport:
             self.rows, self.meta = staged_destinations(self.stage_rows, self.stage_meta, 1)
         else:
             self.rows, self.meta = (self.own.rows,), (self.own.meta,)
-
-    def advance(self) -> None:
-        self.step[0] += 1
 
     def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
         """What ``put_blocks`` does for one rank: staged block 0 -> region [parity][0]."""
@@ -139,6 +137,7 @@ class LoopbackTransport:
     def signal(self, stream, seq: int, what: str, counts=None) -> None:
         from ep_comm.backends.steps import step_word
 
+        self.step[0] += 1
         assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
         if counts is not None:
             self.own.counts[seq % 2, 0] = counts[0]

@@ -11,8 +11,9 @@ deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispat
    routing), then a bounded GPU wait for every rank's signal (``gpu_copy``);
 4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
 
-Every step starts with ``advance_step`` on the device step counter (``ep_comm.kernels.step``): the
-kernels read the step number and buffer parity from it, not from the host. The launches of a step
+Every step's signal advances the device step counter (``ep_comm.kernels.step``): the kernels read
+the step number and buffer parity from it, not from the host (the senders, before the signal, one
+step ahead). The launches of a step
 are therefore the same at every step, and the ``cpu_sync=False`` calls (a cached dispatch, a
 combine) can be captured into a CUDA graph and replayed, with peer stores (the puts path computes
 its offsets on the host and refuses capture).
@@ -114,8 +115,9 @@ class NvshmemTransport:
     """How bytes reach the peers: stores through NVSHMEM peer views, or staging + NVSHMEM puts.
 
     ``rows``/``meta``: per-rank destination views for the kernels (Numba device arrays, made once);
-    ``step``: the device step counter (int64 ``[1]``); ``send_step``: the counter the sending kernels
-    take their parity from (a constant 0 with puts: the staging area has one half).
+    ``step``: the device step counter (int64 ``[1]``); ``send_step`` and ``send_ahead``: where the
+    sending kernels take their parity from, ``step[0] + 1`` (they run before the signal that advances
+    the counter), or a constant 0 with puts (the staging area has one half).
     """
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: Optional[bool]):
@@ -134,6 +136,7 @@ class NvshmemTransport:
         self.status = gpu_copy.WaitStatus(sym.num_ranks, self.device)
         self.step = cupy.zeros(1, dtype=cupy.int64)
         self.send_step = cupy.zeros(1, dtype=cupy.int64) if self.use_puts else self.step
+        self.send_ahead = 0 if self.use_puts else 1
         dev = _numba_view
         self.own = symmetric_views(self.heap.local, sym, word)
         if self.use_puts:
@@ -151,10 +154,6 @@ class NvshmemTransport:
         self.rows = tuple(dev(v) for v in rows)
         self.meta = tuple(dev(v) for v in meta)
 
-    def advance(self) -> None:
-        """Enqueue ``step += 1`` on the current stream: the start of a collective step."""
-        self._gpu_copy.advance_step(self.step)
-
     def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
         """Puts only: send each destination ``r`` its staged ``psum[r] - psum[r-1]`` rows (and meta rows)."""
         if not self.use_puts:
@@ -170,13 +169,15 @@ class NvshmemTransport:
                                     sym.meta_at(parity, me), meta_bytes, psum)
 
     def signal(self, stream, seq: int, what: str, counts=None) -> None:
-        """``signal[me] = step_word(step, what)`` in every rank, after ``counts`` (int32 ``[R]``) went to
-        their count words of the step's parity. Peer stores read the step from the device counter; puts
-        use the host's ``seq`` (equal to it: the puts path is never captured into a graph)."""
+        """Advance the device step counter, then ``signal[me] = step_word(step, what)`` in every rank,
+        after ``counts`` (int32 ``[R]``) went to their count words of the step's parity. Peer stores
+        read the step from the device counter; puts use the host's ``seq`` (equal to it: the puts path
+        is never captured into a graph)."""
         sym, me = self.sym, self.rank
         if self.use_puts:
             from ..transport import nvshmem_puts
 
+            self._gpu_copy.advance_step(self.step)
             nvshmem_puts.signal_peers(stream, _numba_view(self.own.signal), sym.num_ranks, me, step_word(seq, what),
                                       None if counts is None else _numba_view(counts),
                                       _numba_view(self.own.counts[seq % 2]))
@@ -406,14 +407,13 @@ class NvshmemBackend:
     @contextmanager
     def _collective(self, what: str, host_wait: bool) -> Iterator[int]:
         """The next collective step's host number ``seq``, on the caller's stream, after raising any
-        timeout an earlier asynchronous wait recorded; the device step counter is advanced first.
+        timeout an earlier asynchronous wait recorded (the step's signal advances the device counter).
         ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold."""
         self._capturing = self.device.capturing()
         self._refuse_capture(what, host_wait)
         if not self.steps.unusable:
             self._raise_if_timed_out("an earlier operation", self.steps.seq)
         with self.steps.collective(what) as (seq, _), self.profile.phase(what, "total"), self._launching():
-            self.transport.advance()
             yield seq
 
     def _refuse_capture(self, what: str, host_wait: bool) -> None:
@@ -479,7 +479,7 @@ class NvshmemBackend:
         t = self.transport
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(self._contiguous(x), topk_idx, self._contiguous(topk_weights), slot_idx, t.rows,
-                                 t.meta, src_rank=self.rank, step=t.send_step, mode=mode)
+                                 t.meta, src_rank=self.rank, step=t.send_step, ahead=t.send_ahead, mode=mode)
             t.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
 
     def _dispatch_new(self, seq: int, x, topk_idx, topk_weights, expand, alignment, zero_padding, cpu_sync,
@@ -607,13 +607,13 @@ class NvshmemBackend:
         weights = self._contiguous(topk_weights)
         with self.profile.phase("combine", "send"):
             k.combine_send(self._contiguous(y), h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows,
-                           my_rank=self.rank, step=t.send_step, expand=h.expand,
+                           my_rank=self.rank, step=t.send_step, ahead=t.send_ahead, expand=h.expand,
                            weights=weights if h.expand else None)
             if weights is not None:
                 bits = weights.view(cp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
                 weight_return.send_weights(k.stream, bits, h.expand, h.recv_src_metadata,
                                            h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
-                                           step=t.send_step, max_blocks=k.num_blocks)
+                                           step=t.send_step, ahead=t.send_ahead, max_blocks=k.num_blocks)
             t.flush(k.stream, seq % 2, h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
         self._signal_and_wait("combine", seq)
         with self.profile.phase("combine", "reduce"):

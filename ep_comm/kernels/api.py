@@ -11,16 +11,18 @@ buffer, see :func:`symmetric_views`)::
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
     send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
     k.scatter(x, topk_idx, topk_weights, send.slot_idx, [v.rows for v in views],
-              [v.meta for v in views], src_rank=me, step=step, mode=SLOT_STABLE)
+              [v.meta for v in views], src_rank=me, step=step, ahead=1, mode=SLOT_STABLE)
     recv = k.receive_count(own.counts, own.meta, step, alignment=a, expand=e, stable=d)
     k.receive_copy(recv.rank_psum, own.rows, own.meta, step, recv_x, recv_topk_idx, recv_topk_weights,
                    recv_src_metadata, expand=e, mode=PLACE_STABLE, expert_psum=recv.expert_psum,
                    alignment=a, zero_padding=z)
     # combine (next step): k.combine_send(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views],
-    #          my_rank=me, step=step, expand=e, weights=w); transport signal; k.combine_reduce(own.rows, step, ...)
+    #          my_rank=me, step=step, ahead=1, expand=e, weights=w); transport signal;
+    #          k.combine_reduce(own.rows, step, ...)
 
 ``step`` is the step counter (int64 ``[1]`` on the device, ``ep_comm.kernels.step``): every kernel
-reads the buffer parity ``step[0] % 2`` from it, so a launch takes the same arguments at every step.
+reads the buffer parity from it (the senders, which run before the signal that advances it, with
+``ahead=1``), so a launch takes the same arguments at every step.
 """
 from __future__ import annotations
 
@@ -256,6 +258,11 @@ class Kernels:
         grid, stream = blocks or self.num_blocks, self.stream
         return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
 
+    def _blocks_for(self, warps: int, cap: int) -> int:
+        """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride
+        kernel needs no more, and idle blocks cost launch time that small (decode) calls feel."""
+        return max(1, min(cap, -(-warps // self.warps_per_block)))
+
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
         consecutive units one count warp walks."""
@@ -294,12 +301,13 @@ class Kernels:
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
-                rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int) -> None:
+                rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int,
+                ahead: int = 0) -> None:
         """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
 
         ``rows[r]``/``metas[r]``: rank r's ``SymmetricViews.rows``/``.meta`` (``[2, R, max_tokens, ...]``,
         peer views on a GPU); row ``slot`` of this source goes to ``[parity, src_rank, slot]``, ``parity``
-        that of ``step``.
+        that of step ``step[0] + ahead`` (``ahead=1`` before the step's signal advances the counter).
         ``topk_weights [T, K]`` float32 or None. ``slot_idx [T, K]`` int32 is written
         (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot`` on the first entry per rank, else
         -1), or read with ``mode=SLOT_CACHED``. SLOT_ATOMIC/SLOT_STABLE need :meth:`count` just before.
@@ -309,9 +317,9 @@ class Kernels:
         weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
         num_units, units_per_warp = self.token_cut(x.shape[0])
         x_words = payload_words(x)
-        self._launch(scatter_kernel)(
+        self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
             x_words, wide_rows(x_words, *rows), topk_idx, weights, topk_weights is not None, self.num_local,
-            src_rank, step, mode, num_units, units_per_warp, self._rank_cursor, self._send_units,
+            src_rank, step, ahead, mode, num_units, units_per_warp, self._rank_cursor, self._send_units,
             self._send_groups, slot_idx, tuple(rows), tuple(metas))
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
@@ -351,19 +359,22 @@ class Kernels:
             mode = PLACE_ATOMIC  # compact rows keep their arrival order: nothing to place
         width = recv_topk_idx.shape[1] if recv_topk_idx.ndim == 2 else 1
         rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
-        self._launch(receive_place_kernel)(
+        max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
+        place_units = units_for(max_rows, rows_per_unit, self.recv_units)
+        self._launch(receive_place_kernel, blocks=self._blocks_for(place_units, self.num_blocks))(
             rank_psum, meta, step, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
             alignment, recv_topk_idx.reshape(-1, width), recv_topk_weights.view(np.int32).reshape(-1, width),
             recv_src_metadata)
         recv_words = payload_words(recv_x)
-        self._launch(receive_rows_kernel, blocks=self.stream_blocks)(
+        self._launch(receive_rows_kernel, blocks=self._blocks_for(max_rows, self.stream_blocks))(
             rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
             wide_rows(recv_words, rows))
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
-                     my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None) -> None:
+                     my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None,
+                     ahead: int = 0) -> None:
         """Send expert outputs back: row ``i`` goes to ``rows[src][parity, my_rank, slot]`` of its source
-        (``parity`` that of ``step``).
+        (``parity`` that of step ``step[0] + ahead``, as in :meth:`scatter`).
 
         ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
         ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
@@ -371,16 +382,18 @@ class Kernels:
         (expand, see :func:`payload_rows`). Expand reduces the row's expanded rows in top-k order,
         weighted by ``weights [M]`` float32 when given.
         """
+        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         if not expand:
             y_words = payload_words(y)
-            self._launch(combine_copy_kernel, blocks=self.stream_blocks)(
-                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, step, tuple(rows))
+            self._launch(combine_copy_kernel, blocks=blocks)(
+                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, step, ahead,
+                tuple(rows))
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
-        self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, self.stream_blocks)(
+        self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, blocks)(
             y_raw, is_bf16, weights if has_weights else self._no_bias[0], has_weights, recv_src_metadata, rank_psum,
-            my_rank, step, tuple(payload_rows(v, y.dtype) for v in rows))
+            my_rank, step, ahead, tuple(payload_rows(v, y.dtype) for v in rows))
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
                        my_rank: int, bias: Optional[Sequence[Array]] = None) -> None:
@@ -395,7 +408,8 @@ class Kernels:
         out_raw, out_bf16 = _payload(out)
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
-        self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk, self.stream_blocks)(
+        self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk,
+                     self._blocks_for(out.shape[0], self.stream_blocks))(
             payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
             *padded[1], len(terms), out_raw, out_bf16)
 

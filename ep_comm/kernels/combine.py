@@ -56,9 +56,9 @@ def return_address(recv_src_metadata, row, max_tokens):
 
 
 @kernel
-def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, rows):
+def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, rows):
     """See :func:`ep_comm.kernels.api.Kernels.combine_send` (compact)."""
-    parity = step_parity(step)
+    parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     warp, num_warps = global_warp()
     for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
@@ -85,10 +85,11 @@ def gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales):
 
 
 @kernel
-def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, rows):
+def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
+                          rows):
     """See :func:`ep_comm.kernels.api.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
     int32 then ``[warps * K]`` float32."""
-    parity = step_parity(step)
+    parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     hidden = y.shape[1]
     num_topk = recv_src_metadata.shape[1] - 2
@@ -139,7 +140,7 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
 def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0,
                           bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out, out_is_bf16):
     """See :func:`ep_comm.kernels.api.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""
-    rows = rows_by_parity[step_parity(step)]
+    rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     hidden = out.shape[1]
     src_base = my_rank * rows.shape[1]

@@ -94,8 +94,8 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, expa
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
     :func:`receive_place_kernel` repeats from the same arguments.
     """
-    src_counts = counts_by_parity[step_parity(step)]
-    meta = meta_by_parity[step_parity(step)]
+    src_counts = counts_by_parity[step_parity(step, 0)]
+    meta = meta_by_parity[step_parity(step, 0)]
     num_ranks = src_counts.shape[0]
     num_local = unaligned.shape[0]
     smem = cuda.shared.array(0, int32)
@@ -192,7 +192,7 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, expand, mode, rows_per
     Rows are cut into ``units_for(N, rows_per_unit, max_units)`` units: the cut of
     :func:`receive_count_kernel` in stable mode, any other cut else.
     """
-    meta = meta_by_parity[step_parity(step)]
+    meta = meta_by_parity[step_parity(step, 0)]
     num_ranks = rank_psum.shape[0]
     max_tokens = meta.shape[1]
     num_topk = (meta.shape[2] - 1) // 2
@@ -233,7 +233,7 @@ def receive_rows_kernel(rank_psum, rows_by_parity, step, expand, zero_padding, e
     Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
     move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
     """
-    rows = rows_by_parity[step_parity(step)]
+    rows = rows_by_parity[step_parity(step, 0)]
     max_tokens = rows.shape[1]
     num_topk = recv_src_metadata.shape[1] - 2
     num_rows = rank_psum[rank_psum.shape[0] - 1]

@@ -64,13 +64,13 @@ def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
 
 
 @kernel
-def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, mode,
+def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead, mode,
                    num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, rows, metas):
     """See :func:`ep_comm.kernels.api.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``."""
     num_tokens, num_topk = topk_idx.shape
-    parity = step_parity(step)
+    parity = step_parity(step, ahead)
     num_ranks = len(rows)
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens

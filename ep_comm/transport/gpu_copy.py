@@ -1,15 +1,15 @@
 """GPU side of the symmetric-buffer protocol: signals (carrying the count exchange) and bounded waits.
 
 Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer views) or through
-``nvshmem_puts``. Three small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached,
+``nvshmem_puts``. Small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached,
 ~10 us launch), all reading the step number from the Buffer's device step counter (int64 ``[1]``,
 see ``ep_comm.kernels.step``) so that a CUDA graph can replay them:
 
-* ``advance_step``: ``step += 1``, first in every collective step;
-* ``signal_peers``: optionally this rank's per-destination counts into every peer's count words of
-  the step's parity, then a system-scope fence and ``signal[me] = step << 2 | kind`` in every peer
-  with a ``st.release.sys`` store: a receiver that acquires the signal sees every row and count
-  sent before it;
+* ``signal_peers``: advances the counter to this step, ``step + 1``; optionally sends this rank's
+  per-destination counts into every peer's count words of the step's parity, then a system-scope
+  fence and ``signal[me] = step << 2 | kind`` in every peer with a ``st.release.sys`` store: a
+  receiver that acquires the signal sees every row and count sent before it;
+* ``advance_step``: ``step += 1`` alone (the puts transport signals through NVSHMEM instead);
 * ``wait_signals``: one CTA polls the local ``signal[s]`` words with ``ld.acquire.sys`` until each
   equals the step's word or passed the next step's threshold (a peer at most one step ahead),
   or a ``%globaltimer`` deadline passes, and records the outcome in a sticky status record.
@@ -54,10 +54,13 @@ extern "C" __global__ void advance_step(i64* step) {
 
 // counts (or NULL): counts[r] goes to word me of the step's parity row of the int64 [2][R] count words
 // at counts_offset of rank r, before the signal
-extern "C" __global__ void signal_peers(const u64* peers, int num_ranks, int me, i64 signal_offset, const i64* step,
+// One CTA: every thread reads the counter before thread 0 advances it
+extern "C" __global__ void signal_peers(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step,
                                         int kind, const int* counts, i64 counts_offset) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 seq = step[0];
+    const int r = threadIdx.x;
+    const i64 seq = step[0] + 1;
+    __syncthreads();
+    if (r == 0) step[0] = seq;
     if (counts && r < num_ranks)
         ((volatile i64*)(peers[r] + counts_offset))[(seq & 1) * num_ranks + me] = counts[r];
     __threadfence_system();
@@ -89,7 +92,7 @@ extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const
             if (v == want || v >= ahead) { arrived = true; break; }
             if (global_ns() - start > timeout_ns) break;
             __nanosleep(pause);
-            if (pause < 4096) pause *= 2;
+            if (pause < 256) pause *= 2;  // a signal is seen within ~0.3 us: decode steps last tens of us
         }
         if (!arrived) {
             atomicAdd(&missing, 1);
@@ -133,11 +136,11 @@ def advance_step(step) -> None:
 
 def signal_peers(peer_ptrs, num_ranks: int, me: int, signal_offset: int, step, kind: int, counts=None,
                  counts_offset: int = 0) -> None:
-    """After every earlier write on the stream: ``signal[me] = step[0] << 2 | kind`` in every rank's
-    buffer (release, system scope; ``step``: the device step counter). With ``counts`` (int32 ``[R]``
-    device array), first ``counts[r]`` goes to word ``me`` of the step's parity row of the int64
-    ``[2, R]`` count words at byte ``counts_offset`` of rank ``r``'s buffer (the count exchange rides on
-    the signal)."""
+    """After every earlier write on the stream: ``step[0] += 1`` (the device step counter), then
+    ``signal[me] = step[0] << 2 | kind`` in every rank's buffer (release, system scope). With
+    ``counts`` (int32 ``[R]`` device array), first ``counts[r]`` goes to word ``me`` of the step's
+    parity row of the int64 ``[2, R]`` count words at byte ``counts_offset`` of rank ``r``'s buffer
+    (the count exchange rides on the signal)."""
     _kernel("signal_peers")((1,), (max(32, -(-num_ranks // 32) * 32),),
                             (peer_ptrs, np.int32(num_ranks), np.int32(me), np.int64(signal_offset), step,
                              np.int32(kind), _or_null(counts), np.int64(counts_offset)))

@@ -18,9 +18,9 @@ THREADS = 256
 
 
 @cuda.jit
-def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, metas):
+def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, ahead, metas):
     """``weight_bits``: compact ``[N, K]``, expand ``[M, 1]`` (the weight of each expanded row)."""
-    parity = step_parity(step)
+    parity = step_parity(step, ahead)
     num_topk = recv_src_metadata.shape[1] - 2
     max_tokens = metas[0].shape[2]
     num_entries = rank_psum[rank_psum.shape[0] - 1] * num_topk
@@ -42,7 +42,7 @@ def send_weights_kernel(weight_bits, expand, recv_src_metadata, rank_psum, my_ra
 def gather_weights_kernel(meta_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits):
     """``meta_by_parity [2, R, max_tokens, 1 + 2K]`` int32: this rank's meta rows; the combine's parity is
     read from ``step``."""
-    meta = meta_by_parity[step_parity(step)]
+    meta = meta_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = topk_idx.shape
     max_tokens = meta.shape[1]
     start = cuda.grid(1)
@@ -66,14 +66,15 @@ def _grid(work: int, cap: int) -> int:
 
 
 def send_weights(stream, weight_bits, expand: bool, recv_src_metadata, rank_psum, metas, *, my_rank: int,
-                 step, max_blocks: int) -> None:
+                 step, ahead: int, max_blocks: int) -> None:
     """Expert side; ``recv_src_metadata [N_out, 2 + K]`` int32 and ``rank_psum [R]`` int32 from the
     dispatch handle; ``weight_bits`` int32 (see the kernel); ``metas``: tuple of ``[P, R, max_tokens,
-    1 + 2K]`` int32 views, one per rank, written at the parity of ``step`` (int64 ``[1]``). At most
+    1 + 2K]`` int32 views, one per rank, written at the parity of step ``step[0] + ahead`` (``step``: int64
+    ``[1]``, see ``ep_comm.kernels.step``). At most
     ``max_blocks`` CTAs on Numba stream ``stream``."""
     work = recv_src_metadata.shape[0] * (recv_src_metadata.shape[1] - 2)
     send_weights_kernel[_grid(work, max_blocks), THREADS, stream](
-        weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, tuple(metas))
+        weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, ahead, tuple(metas))
 
 
 def gather_weights(stream, meta_by_parity, step, slot_idx, topk_idx, out_bits, *, experts_per_rank: int,
