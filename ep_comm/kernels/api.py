@@ -35,7 +35,8 @@ import numpy as np
 from numba import cuda
 
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
-from ep_comm.kernels.combine import combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
+from ep_comm.kernels.combine import (combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
+                                     combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                       receive_place_kernel, receive_rows_kernel)
@@ -407,9 +408,15 @@ class Kernels:
             return
         out_raw, out_bf16 = _payload(out)
         terms = [_payload(b) for b in (bias or ()) if b is not None]
+        shared = 4 * self.warps_per_block * 2 * self.num_topk
+        blocks = self._blocks_for(out.shape[0], self.stream_blocks)
+        out_words = payload_words(out)
+        if out_bf16 and not terms and wide_rows(out_words, rows):  # the common case, 16 bytes per access
+            self._launch(combine_reduce_bf16_kernel, shared, blocks)(
+                rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words)
+            return
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
-        self._launch(combine_reduce_kernel, 4 * self.warps_per_block * 2 * self.num_topk,
-                     self._blocks_for(out.shape[0], self.stream_blocks))(
+        self._launch(combine_reduce_kernel, shared, blocks)(
             payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
             *padded[1], len(terms), out_raw, out_bf16)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32
 
-from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
+from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, load_f32, mul_rn, store_f32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step import step_parity
+from ep_comm.kernels.vector import load_pair, store_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
 SPAN = 8  # elements per lane per pass over a row: SPAN loads in flight per term instead of one
@@ -162,4 +163,55 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
             for j in range(reached):
                 add_span(acc, vals, rows[order[j], order[num_topk + j]], h, rows_is_bf16, one, False)
             store_span(out[token], h, acc, out_is_bf16)
+        cuda.syncwarp(FULL_MASK)
+
+
+BF16_PER_WORD = 4  # bfloat16 elements in one 64-bit word
+BF16_PER_LANE = 8  # elements a lane sums per pass: one 16-byte access (two words)
+BF16_SHIFTS = (np.uint64(0), np.uint64(16), np.uint64(32), np.uint64(48))
+BF16_MASK = np.uint64(0xFFFF)
+
+
+@cuda.jit(device=True)
+def add_bf16_word(acc, first, word):
+    """``acc[first + i] += element i`` of the 4 bfloat16 in a 64-bit ``word``, each add rounded."""
+    for i in range(BF16_PER_WORD):
+        acc[first + i] = add_rn(acc[first + i], bf16_bits_to_f32((word >> BF16_SHIFTS[i]) & BF16_MASK))
+
+
+@cuda.jit(device=True)
+def bf16_word(acc, first):
+    """The 64-bit word of ``acc[first:first + 4]`` rounded to bfloat16."""
+    word = np.uint64(0)
+    for i in range(BF16_PER_WORD):
+        word |= np.uint64(f32_to_bf16_bits(acc[first + i])) << BF16_SHIFTS[i]
+    return word
+
+
+@kernel
+def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out):
+    """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
+
+    ``rows_by_parity [2, R, max_tokens, W]`` and ``out [T, W]`` are uint64 words of 4 bfloat16 each, W
+    even, rows 16-byte aligned. Each lane sums 8 elements per pass (two words), in the same float32
+    order as the general kernel (``0 + partial of each reached rank, ascending``): bit for bit the same.
+    """
+    rows = rows_by_parity[step_parity(step, 0)]
+    num_tokens, num_topk = slot_idx.shape
+    words = out.shape[1]
+    src_base = my_rank * rows.shape[1]
+    first = cuda.threadIdx.x // WARP * 2 * num_topk
+    order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
+    acc = cuda.local.array(BF16_PER_LANE, float32)
+    warp, num_warps = global_warp()
+    for token in range(warp, num_tokens, num_warps):
+        reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
+        for w in range(2 * lane_id(), words, 2 * WARP):
+            for u in range(BF16_PER_LANE):
+                acc[u] = np.float32(0.0)
+            for j in range(reached):
+                low, high = load_pair(rows[order[j], order[num_topk + j]], w)
+                add_bf16_word(acc, 0, low)
+                add_bf16_word(acc, BF16_PER_WORD, high)
+            store_pair(out[token], w, bf16_word(acc, 0), bf16_word(acc, BF16_PER_WORD))
         cuda.syncwarp(FULL_MASK)

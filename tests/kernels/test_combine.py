@@ -72,6 +72,25 @@ def test_compact_combine(xp, dtype):
     run_combine(world, expand=False, weighted=False, bias=1, deterministic=False)
 
 
+@pytest.mark.parametrize("expand", [False, True])
+def test_bfloat16_combine_without_bias_reduces_16_bytes_per_access(xp, monkeypatch, expand):
+    """The wide bfloat16 reduce (hidden a multiple of 8, no bias) is the one launched, and it is bit
+    for bit the reference sum, NaN and infinity rounding included (random payloads hold both)."""
+    from ep_comm.kernels import api
+
+    world = make_world(xp, seed=15, dtype="bfloat16", hidden=72, masked=0.2)
+    launched = []
+    launch = api.Kernels._launch
+
+    def spy(self, kernel, *args, **kwargs):
+        launched.append(kernel)
+        return launch(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(api.Kernels, "_launch", spy)
+    run_combine(world, expand=expand, weighted=expand, bias=0)
+    assert api.combine_reduce_bf16_kernel in launched and api.combine_reduce_kernel not in launched
+
+
 def test_expand_combine_unweighted_no_bias_many_ranks(xp):
     world = make_world(xp, seed=13, ranks=4, experts=16, topk=5, tokens=(9, 0, 12, 5), hidden=8)
     run_combine(world, expand=True, weighted=False, bias=0)
