@@ -1,7 +1,9 @@
 """``ep_comm.Buffer``: the public API. Checks every argument, then hands the work to a backend."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import functools
+from typing import Any, Callable, Optional
 
 from mpi4py import MPI
 
@@ -10,6 +12,15 @@ from .backends import make_backend
 from .dtypes import payload_dtype
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
+
+
+def _holds_captured_memory(method: Callable) -> Callable:
+    """Run a Buffer method inside the backend's :meth:`Buffer._captured_memory`."""
+    @functools.wraps(method)
+    def call(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
+        with self._captured_memory():
+            return method(self, *args, **kwargs)
+    return call
 
 
 class Buffer:
@@ -70,11 +81,13 @@ class Buffer:
         chk.check_topk_idx(be.xp, topk_idx, self.geometry, getattr(be, "routing_summary", None))
         return topk_idx
 
+    @_holds_captured_memory
     def get_dispatch_layout(self, topk_idx: Any) -> DispatchLayout:
         """Counts of a routing ``topk_idx [T, K]`` (local, no communication):
         ``num_tokens_per_rank [R]``, ``num_tokens_per_expert [E]``, ``is_token_in_rank [T, R]``."""
         return self._live().dispatch_layout(self._topk_idx(topk_idx))
 
+    @_holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
                  stats: Any = None) -> DispatchOutput:
@@ -113,6 +126,11 @@ class Buffer:
         return be.dispatch(x, idx, topk_weights, handle, bool(expand), int(expert_alignment), bool(zero_padding),
                            bool(cpu_sync), stats)
 
+    def _captured_memory(self):
+        """The backend's hold on what a call allocates while a CUDA graph is captured (GPU backends)."""
+        return getattr(self._live(), "captured_memory", contextlib.nullcontext)()
+
+    @_holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None) -> CombineOutput:
         """Bring expert outputs back and reduce them.
 

@@ -5,7 +5,7 @@ mpi backend, bit for bit, for peer stores and for the puts staging layout."""
 import os
 import shutil
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +172,15 @@ class HostDevice:
     def synchronize(self) -> None:
         pass
 
+    def mapped_int64(self, count: int, fill: int):
+        words = np.full(count, fill, np.int64)
+        return words, words
+
+    @contextmanager
+    def allocations_into(self, held):
+        held.append("the allocations of a captured call")
+        yield
+
     def capturing(self) -> bool:
         return self.capturing_now
 
@@ -298,8 +307,11 @@ def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_us
     x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
     out = be.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, True, None)
     be.device.capturing_now = True
-    with pytest.raises(RuntimeError, match="new routing .* captured into a CUDA graph"):
-        be.routing_summary(CAPTURE_IDX)
+    with pytest.raises(RuntimeError, match="topk_idx has dtype uint8: a dispatch captured into a CUDA graph needs "
+                                           "signed expert ids"):
+        be.routing_summary(CAPTURE_IDX.astype(np.uint8))
+    with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
+        be.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, True, None)
     with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
         be.dispatch(x, None, None, out.handle, False, 1, False, True, None)
     with pytest.raises(RuntimeError, match="combine was called while .* waits on the host"):
@@ -316,8 +328,33 @@ def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_us
 
 
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_a_captured_dispatch_with_a_bad_routing_is_reported_by_the_next_call_and_stays_in_bounds():
+    geo = CAPTURE_GEO
+    be = simulated_backend(geo, True, False)
+    x = np.arange(3 * geo.hidden, dtype=np.float32).reshape(3, geo.hidden)
+    bad = CAPTURE_IDX.copy()
+    bad[1, 1] = 40  # past the 6 experts: read as "no expert" by the kernels
+    be.device.capturing_now = True
+    with be.captured_memory():
+        assert be.routing_summary(bad) == (-1, -1)  # nothing can be read back under capture
+        captured = be.dispatch(x, bad, None, None, False, 1, False, False, None)
+    be.device.capturing_now = False
+    assert be._held, "the captured call's allocations are held for the graph"
+    masked = bad.copy()
+    masked[1, 1] = -1
+    with pytest.raises(ValueError, match="replayed from a CUDA graph was given a topk_idx holding expert id 40"):
+        be.dispatch(x, None, None, captured.handle, False, 1, False, False, None)
+    assert not be.steps.unusable
+    want = simulated_backend(geo, True, False).dispatch(x, masked, None, None, False, 1, False, True, None)
+    rows = int(want.handle.num_recv_tokens)
+    np.testing.assert_array_equal(captured.recv_x[:rows], want.recv_x)
+    np.testing.assert_array_equal(captured.recv_topk_idx[:rows], want.recv_topk_idx)
+    assert be.routing_summary(CAPTURE_IDX) == (5, -1)  # reported once: the record was cleared
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 @pytest.mark.parametrize("expand", [False, True])
-def test_a_captured_cached_dispatch_and_combine_give_the_eager_results_and_hold_their_scratch(expand):
+def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
     be = simulated_backend(CAPTURE_GEO, True, False)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
@@ -328,7 +365,6 @@ def test_a_captured_cached_dispatch_and_combine_give_the_eager_results_and_hold_
     captured = be.dispatch(x * 2, None, None, first.handle, expand, 2, True, False, None)
     captured_sum = be.combine(captured.recv_x, captured.handle, None, ())
     be.device.capturing_now = False
-    assert be._held, "the weights scratch of a captured dispatch is held for the graph"
     rows = int(first.handle.num_expanded_tokens if expand else first.handle.num_recv_tokens)
     np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
     np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)

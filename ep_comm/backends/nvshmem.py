@@ -240,6 +240,26 @@ class CupyDevice:
     def synchronize(self) -> None:
         self._cp.cuda.get_current_stream().synchronize()
 
+    def mapped_int64(self, count: int, fill: int) -> tuple:
+        """``(host, device)`` views of ``count`` int64 words of device-mapped pinned memory (``gpu_copy``)."""
+        from ..transport.gpu_copy import mapped_int64
+
+        return mapped_int64(count, fill=fill)
+
+    @contextmanager
+    def allocations_into(self, held: List[Any]) -> Iterator[None]:
+        """Every CuPy allocation made inside is also appended to ``held`` (through the current allocator)."""
+        cp = self._cp
+        allocate = cp.cuda.get_allocator()
+
+        def holding(size: int):
+            memory = allocate(size)
+            held.append(memory)
+            return memory
+
+        with cp.cuda.using_allocator(holding):
+            yield
+
     def capturing(self) -> bool:
         """Whether the current stream is being captured into a CUDA graph (the legacy stream never is)."""
         ptr = self._cp.cuda.get_current_stream().ptr
@@ -340,7 +360,9 @@ class NvshmemBackend:
         self._own_counts = _device_array(xp, own.counts)
         self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
         self._capturing = False  # the current call is being captured into a CUDA graph
-        self._held: List[Any] = []  # arrays captured calls made and did not return: graph replays use them
+        self._held: List[Any] = []  # memory captured calls allocated: graph replays use it
+        # routing checks of captured dispatches, [largest id, a repeated row], read after their replays
+        self._captured_checks_host, self._captured_checks = device.mapped_int64(2, fill=-1)
         self.profile = Profile(os.environ.get(PROFILE_ENV, "") == "1", device)
         self.steps = Steps(self.rank, timeout_s)
 
@@ -375,16 +397,25 @@ class NvshmemBackend:
 
     def routing_summary(self, topk_idx) -> Tuple[int, int]:
         """``(largest id, first row naming an expert twice or -1)`` of a non-empty integer routing
-        (``validate.check_topk_idx``): one kernel and one read for signed ids, CuPy code for unsigned."""
+        (``validate.check_topk_idx``): one kernel and one read for signed ids, CuPy code for unsigned.
+
+        Under CUDA graph capture nothing can be read back: the check kernel folds its result into a
+        record that the first call after the replays reads (:meth:`_raise_for_captured_checks`), and
+        ``(-1, -1)`` ("nothing wrong yet") is returned. The kernels read ids past the experts as "no
+        expert" meanwhile (``ep_comm.kernels.routing``)."""
         from ..kernels.api import to_host
         from ..validate import topk_values
 
+        signed = np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger)
         if self.device.capturing():
-            raise RuntimeError("a dispatch with a new routing (or get_dispatch_layout) was called while the current "
-                               "stream is being captured into a CUDA graph: its topk_idx check reads a result back "
-                               "to the host, which a capture cannot hold; capture a cached dispatch (handle=..., "
-                               "cpu_sync=False) and the combine instead, or call it outside the capture")
-        if not np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger):
+            if not signed:
+                raise RuntimeError(f"topk_idx has dtype {topk_idx.dtype}: a dispatch captured into a CUDA graph "
+                                   "needs signed expert ids (int32 or int64), whose check runs on the device")
+            with self._launching():
+                self.kernels.check_routing(topk_idx, into=self._captured_checks)
+            return -1, -1
+        self._raise_for_captured_checks()
+        if not signed:
             return topk_values(self._cp, topk_idx)
         with self._launching():
             top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
@@ -411,6 +442,8 @@ class NvshmemBackend:
         ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold."""
         self._capturing = self.device.capturing()
         self._refuse_capture(what, host_wait)
+        if not self._capturing and what != "close":
+            self._raise_for_captured_checks()
         if not self.steps.unusable:
             self._raise_if_timed_out("an earlier operation", self.steps.seq)
         with self.steps.collective(what) as (seq, _), self.profile.phase(what, "total"), self._launching():
@@ -427,20 +460,37 @@ class NvshmemBackend:
                if self.transport.use_puts else None)
         if why:
             raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA graph, "
-                               f"and {why}: a capture can hold a dispatch with handle=... and cpu_sync=False and "
-                               "the combine of its handle, over peer stores; call it outside the capture")
+                               f"and {why}: a capture can hold dispatches with cpu_sync=False (a new routing with "
+                               "int32/int64 ids, or handle=...) and the combines of their handles, over peer stores; "
+                               "call it outside the capture")
 
-    def _made(self, made, given=None):
-        """``made``, an array this call allocated (``given``: the array it derives from, when it may be the
-        same object). An array a captured call allocates and does not hand back is held until the Buffer
-        closes: the graph's replays write or read it, so its memory must not go back to the pool."""
-        if self._capturing and made is not given:
-            self._held.append(made)
-        return made
+    @contextmanager
+    def captured_memory(self) -> Iterator[None]:
+        """Around a whole ``Buffer`` call: while the caller's stream is being captured into a CUDA graph,
+        every allocation the call makes is held until the Buffer closes (the graph's replays use that
+        memory; back in the pool it would be handed out again). A no-op otherwise."""
+        if not self.device.capturing():
+            yield
+            return
+        with self.device.allocations_into(self._held):
+            yield
 
     def _contiguous(self, a):
         """``a`` C-contiguous (a copy only when it is not)."""
-        return None if a is None else self._made(self._cp.ascontiguousarray(a), a)
+        return None if a is None else self._cp.ascontiguousarray(a)
+
+    def _raise_for_captured_checks(self) -> None:
+        """ValueError naming the bad ``topk_idx`` that a dispatch replayed from a CUDA graph was given,
+        once (the record is cleared: the buffer stays usable, the ranks stayed in step). Read without
+        a synchronisation: a replay still running is reported by a later call."""
+        top, twice = (int(v) for v in self._captured_checks_host)
+        if top < self.geo.num_experts and twice < 0:
+            return
+        self._captured_checks_host[:] = -1
+        what = (f"expert id {top} (ids must be < num_experts={self.geo.num_experts})" if top >= self.geo.num_experts
+                else f"row {twice} naming the same expert twice")
+        raise ValueError(f"a dispatch replayed from a CUDA graph was given a topk_idx holding {what}; its kernels "
+                         "read ids past the experts as 'no expert', so that replay's outputs are not what was asked")
 
     def _raise_if_timed_out(self, what: str, seq: int) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
@@ -590,7 +640,7 @@ class NvshmemBackend:
         would free it under the graph)."""
         size = int(np.prod(shape))
         if self._capturing:
-            return self._made(self._cp.empty(shape, dtype=np.float32))
+            return self._cp.empty(shape, dtype=np.float32)
         if self._scratch.size < size:
             self._scratch = self._cp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
@@ -619,7 +669,7 @@ class NvshmemBackend:
         with self.profile.phase("combine", "reduce"):
             x = cp.empty((h.num_tokens, geo.hidden), dtype=geo.dtype)
             k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
-                             bias=[self._made(_bias_term(cp, b), b) for b in bias_terms])
+                             bias=[_bias_term(cp, b) for b in bias_terms])
             back = None
             if weights is not None:
                 back = cp.empty((h.num_tokens, geo.num_topk), dtype=cp.float32)

@@ -191,8 +191,9 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     failures += check_counts(comm, sent, recv_per_source, out, spec.expand)
     graph: Dict[str, Any] = {}
     if graphs:
-        graph = graph_replay_times(comm, buf, dx, out.handle, spec)
-        failures += _round_trip_failures(graph.pop("result"), want, "CUDA graph replay")
+        graph = graph_replay_times(comm, buf, dx, didx, out.handle, spec)
+        for got, which in zip(graph.pop("results"), ("cached", "new routing")):
+            failures += _round_trip_failures(got, want, f"CUDA graph replay, {which}")
         host.update(graph.pop("host"))
     sample = RankSample(
         rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
@@ -222,42 +223,47 @@ def host_call_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, timer: Timer
     return {"dispatch_cached_async": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "result": last["x"]}
 
 
-def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, spec: PointSpec) -> Dict[str, Any]:
-    """GPU seconds per CUDA graph replay of the path that never waits on the host: the cached
-    dispatch with ``cpu_sync=False`` captured into one graph, its combine into another, on a side
-    stream (each graph is one collective step: the buffer parity comes from the device). Both are
-    replayed ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events.
-    Returns ``{"dispatch": [...], "combine": [...], "host": {"graph_launch_dispatch": [...],
-    "graph_launch_combine": [...]} (host seconds per replay launch), "result": last combine's x}``."""
+def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any, spec: PointSpec) -> Dict[str, Any]:
+    """GPU seconds per CUDA graph replay of the path that never waits on the host, captured on a side
+    stream one call per graph (each graph is one collective step: the buffer parity comes from the
+    device): the cached dispatch with ``cpu_sync=False`` and its combine, then a dispatch of the
+    routing ``didx`` as new (count, count exchange and all) and its combine. All four are replayed
+    ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events. Returns
+    ``{"dispatch": [...], "combine": [...], "dispatch_new": [...], "combine_new": [...], "host":
+    {"graph_launch_dispatch": [...], "graph_launch_combine": [...]}`` (host seconds per replay
+    launch, cached pair), ``"results": (last cached combine's x, last new combine's x)}``."""
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        warm = buf.dispatch(dx, handle=handle, cpu_sync=False)  # every launch bound before the capture
+        warm = buf.dispatch(dx, didx, cpu_sync=False)  # every launch bound before the captures
+        buf.combine(warm.recv_x, warm.handle)
+        warm = buf.dispatch(dx, handle=handle, cpu_sync=False)
         buf.combine(warm.recv_x, warm.handle)
         stream.synchronize()
-        out, dispatch_graph = _captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
-        res, combine_graph = _captured(stream, lambda: buf.combine(out.recv_x, out.handle))
-    marks = [cupy.cuda.Event() for _ in range(3)]
+        cached, cached_dispatch = _captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
+        cached_sum, cached_combine = _captured(stream, lambda: buf.combine(cached.recv_x, cached.handle))
+        new, new_dispatch = _captured(stream, lambda: buf.dispatch(dx, didx, cpu_sync=False))
+        new_sum, new_combine = _captured(stream, lambda: buf.combine(new.recv_x, new.handle))
+    graphs = (cached_dispatch, cached_combine, new_dispatch, new_combine)
+    marks = [cupy.cuda.Event() for _ in range(len(graphs) + 1)]
 
-    def replay() -> Tuple[float, float, float, float]:
+    def replay() -> List[float]:
+        host = []
         marks[0].record(stream)
-        t0 = time.perf_counter()
-        dispatch_graph.launch(stream)
-        t1 = time.perf_counter()
-        marks[1].record(stream)
-        t2 = time.perf_counter()
-        combine_graph.launch(stream)
-        t3 = time.perf_counter()
-        marks[2].record(stream)
-        marks[2].synchronize()
-        return (cupy.cuda.get_elapsed_time(marks[0], marks[1]) / 1e3,
-                cupy.cuda.get_elapsed_time(marks[1], marks[2]) / 1e3, t1 - t0, t3 - t2)
+        for graph, mark in zip(graphs, marks[1:]):
+            start = time.perf_counter()
+            graph.launch(stream)
+            host.append(time.perf_counter() - start)
+            mark.record(stream)
+        marks[-1].synchronize()
+        return [cupy.cuda.get_elapsed_time(a, b) / 1e3 for a, b in zip(marks, marks[1:])] + host[:2]
 
     rows = sample_times(comm, replay, spec.warmup, spec.iters)
-    return {"dispatch": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(),
-            "host": {"graph_launch_dispatch": rows[:, 2].tolist(), "graph_launch_combine": rows[:, 3].tolist()},
-            "result": res.x}
+    return {"dispatch": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "dispatch_new": rows[:, 2].tolist(),
+            "combine_new": rows[:, 3].tolist(),
+            "host": {"graph_launch_dispatch": rows[:, 4].tolist(), "graph_launch_combine": rows[:, 5].tolist()},
+            "results": (cached_sum.x, new_sum.x)}
 
 
 def _captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:

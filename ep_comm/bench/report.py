@@ -140,7 +140,8 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in host.items()))
     graph = point.get("graph_us")
     if graph:
-        lines.append("  CUDA graph replay (cached dispatch with cpu_sync=False, combine; GPU time per replay): "
+        lines.append("  CUDA graph replay, GPU time per replay (cpu_sync=False; dispatch/combine: cached, "
+                     "dispatch_new/combine_new: the routing as new): "
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in graph.items()))
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")

@@ -272,12 +272,13 @@ class Kernels:
         per_unit = -(-per_unit // step) * step
         return units_for(num_tokens, per_unit, self.num_units), max(1, self.count_tokens_per_warp // per_unit)
 
-    def check_routing(self, topk_idx: Array) -> Array:
+    def check_routing(self, topk_idx: Array, into: Optional[Array] = None) -> Array:
         """``[2]`` int64 on the device: the largest id in ``topk_idx [T, K]`` (signed ints, T >= 1) or -1,
-        and the first token (row) that names an expert twice or -1."""
-        out = self.xp.empty(2, np.int64)
+        and the first token (row) that names an expert twice or -1. With ``into`` (int64 ``[2]``) the
+        two are folded into it (the larger of each) and ``into`` is returned."""
+        out = self.xp.empty(2, np.int64) if into is None else into
         blocks = min(self.num_blocks, -(-topk_idx.shape[0] // self.threads))
-        self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out)
+        self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out, into is not None)
         return out
 
     def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:

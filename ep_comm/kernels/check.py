@@ -4,7 +4,9 @@ array operations).
 
 One thread per token (grid-stride), a block-wide reduction in shared memory, one global atomic per
 block into a persistent accumulator, and the last block to arrive (``ticket.py``) moves the result
-out and resets the accumulator for the next launch.
+out and resets the accumulator for the next launch. With ``fold`` the result is folded into ``out``
+(the larger of each) instead: a sticky record for checks that nobody reads at once (a dispatch
+captured into a CUDA graph).
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ def token_check(topk_idx, t):
 
 
 @kernel
-def routing_check_kernel(topk_idx, acc, ticket, out):
+def routing_check_kernel(topk_idx, acc, ticket, out, fold):
     """``topk_idx [T, K]`` any signed int; ``acc`` int64[2] holding :data:`ACC_INIT` between launches;
-    ``ticket`` uint32[1]; ``out`` int64[2] := (largest id or -1, first repeated row or -1)."""
+    ``ticket`` uint32[1]; ``out`` int64[2] := (largest id or -1, first repeated row or -1), or with
+    ``fold`` the elementwise maximum of ``out`` and those."""
     block_top = cuda.shared.array(1, int64)
     block_first = cuda.shared.array(1, int64)
     if cuda.threadIdx.x == 0:
@@ -57,6 +60,8 @@ def routing_check_kernel(topk_idx, acc, ticket, out):
         cuda.atomic.max(acc, 0, block_top[0])
         cuda.atomic.min(acc, 1, block_first[0])
     if last_block_to_arrive(ticket) and cuda.threadIdx.x == 0:
-        out[0] = cuda.atomic.exch(acc, 0, np.int64(-1))
+        top = cuda.atomic.exch(acc, 0, np.int64(-1))
         found = cuda.atomic.exch(acc, 1, NO_ROW)
-        out[1] = found if found < NO_ROW else np.int64(-1)
+        first = found if found < NO_ROW else np.int64(-1)
+        out[0] = max(out[0], top) if fold else top
+        out[1] = max(out[1], first) if fold else first

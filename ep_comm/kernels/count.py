@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda, int32
 
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
 from ep_comm.kernels.units import lane_entry, unit_range
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, is_group_leader, lane_id, warp_scan
@@ -34,7 +35,7 @@ def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stabl
                 in_rank[t0 + j // num_ranks, j % num_ranks] = False
         cuda.syncwarp(FULL_MASK)
         t, k, active = lane_entry(t0, end, num_topk, lane)
-        expert = np.int64(topk_idx[t, k]) if active else np.int64(-1)
+        expert = routed_expert(topk_idx, t, k, num_experts) if active else np.int64(-1)
         valid = expert >= 0
         rank = expert // experts_per_rank if valid else np.int64(-1)
         key = (t - t0) * num_ranks + rank if valid else np.int64(-1 - lane)

@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda
 
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.step import step_parity
 from ep_comm.kernels.units import lane_entry, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
@@ -83,7 +84,7 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
             start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane)
         for t0 in range(begin, end, group):
             t, k, active = lane_entry(t0, end, num_topk, lane)
-            expert = np.int64(topk_idx[t, k]) if active else np.int64(-1)
+            expert = routed_expert(topk_idx, t, k, experts_per_rank * num_ranks) if active else np.int64(-1)
             rank = expert // experts_per_rank if expert >= 0 else np.int64(-1)
             key = (t - t0) * num_ranks + rank if expert >= 0 else np.int64(-1 - lane)
             first = is_group_leader(key, lane) and expert >= 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -170,20 +170,26 @@ def read_status(words: Sequence[int], num_ranks: int) -> WaitOutcome:
     return WaitOutcome(int(words[STATUS_SEQ]), missing)
 
 
+def mapped_int64(count: int, device: Optional[int] = None, fill: int = 0) -> Tuple[np.ndarray, object]:
+    """``(host, device)`` views of ``count`` int64 words of pinned host memory mapped into CUDA device
+    ``device`` (None: the current one), set to ``fill``: kernels write them with plain stores and the
+    host reads them without a copy, once those kernels finished."""
+    import cupy
+
+    pinned = cupy.cuda.alloc_pinned_memory(8 * count)
+    host = np.frombuffer(pinned, dtype=np.int64, count=count)  # keeps ``pinned`` alive
+    host[:] = fill
+    device = cupy.cuda.Device().id if device is None else device
+    mem = cupy.cuda.UnownedMemory(pinned.ptr, 8 * count, pinned, device)
+    return host, cupy.ndarray((count,), cupy.int64, cupy.cuda.MemoryPointer(mem, 0))
+
+
 class WaitStatus:
     """A status record in pinned, device-mapped host memory: ``2 + R`` int64 words, zero at start."""
 
     def __init__(self, num_ranks: int, device: Optional[int] = None):
-        import cupy
-
         self.num_ranks = num_ranks
-        nbytes = 8 * (STATUS_FLAGS + num_ranks)
-        self._pinned = cupy.cuda.alloc_pinned_memory(nbytes)
-        self.host = np.frombuffer(self._pinned, dtype=np.int64, count=STATUS_FLAGS + num_ranks)
-        self.host[:] = 0
-        device = cupy.cuda.Device().id if device is None else device
-        mem = cupy.cuda.UnownedMemory(self._pinned.ptr, nbytes, self._pinned, device)
-        self.device = cupy.ndarray((STATUS_FLAGS + num_ranks,), cupy.int64, cupy.cuda.MemoryPointer(mem, 0))
+        self.host, self.device = mapped_int64(STATUS_FLAGS + num_ranks, device)
 
     def read(self) -> WaitOutcome:
         """The record as the device last wrote it (no synchronisation)."""

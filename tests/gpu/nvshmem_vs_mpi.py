@@ -221,10 +221,62 @@ def check_graph_replay() -> None:
                 e = nv.dispatch(cp.asarray(xi), handle=first_n.handle)
                 same(f"{tag} eager recv_x", rm.recv_x, e.recv_x)
                 same(f"{tag} eager combine.x", cm.x, nv.combine(e.recv_x, e.handle).x)
+        replays += check_new_routing_replays(nv, ref, stream, x_in, opts, expand)
     nv.close()
     ref.close()
-    print(f"RANK {RANK} OK CUDA graph replays of a cached dispatch and its combine == mpi bit for bit "
-          f"({replays} replays, eager calls in between, uncapturable calls refused)", flush=True)
+    print(f"RANK {RANK} OK CUDA graph replays of cached and new-routing dispatches and their combines == mpi "
+          f"bit for bit ({replays} replays, eager calls in between, uncapturable calls refused, a bad captured "
+          "routing reported by the next call)", flush=True)
+
+
+def check_new_routing_replays(nv, ref, stream, x_in, opts: dict, expand: bool) -> int:
+    """A dispatch of a new routing (cpu_sync=False) and its combine captured once, replayed with a new
+    routing and payload copied into the captured inputs each time; then a replay with an expert id past
+    the experts, which the next eager call must raise as ValueError (the ranks stay in step)."""
+    experts, topk = nv.geometry.num_experts, nv.geometry.num_topk
+    idx_in = cp.asarray(routing(60, 20, experts, topk, masked=True))
+    with stream:
+        warm = nv.dispatch(x_in, idx_in, cpu_sync=False, **opts)
+        nv.combine(warm.recv_x, warm.handle)
+        stream.synchronize()
+        out, d_graph = captured(stream, lambda: nv.dispatch(x_in, idx_in, cpu_sync=False, **opts))
+        res, c_graph = captured(stream, lambda: nv.combine(out.recv_x, out.handle))
+    for i in range(3):
+        idx = routing(61 + i + 10 * expand, 20, experts, topk, masked=True)
+        xi = np.random.default_rng(90 + i + RANK).standard_normal((20, x_in.shape[1])).astype(ml_dtypes.bfloat16)
+        COMM.Barrier()
+        with stream:
+            x_in[...] = cp.asarray(xi)
+            idx_in[...] = cp.asarray(idx)
+            d_graph.launch(stream)
+            c_graph.launch(stream)
+            stream.synchronize()
+        rm = ref.dispatch(xi, idx, **opts)
+        cm = ref.combine(rm.recv_x, rm.handle)
+        rows = int(rm.handle.num_expanded_tokens if expand else rm.handle.num_recv_tokens)
+        tag = f"[new-routing graph replay {i} expand={expand}]"
+        same(f"{tag} recv_x", rm.recv_x[:rows], out.recv_x[:rows])
+        same(f"{tag} recv_topk_idx", rm.recv_topk_idx, out.recv_topk_idx[:len(rm.recv_topk_idx)])
+        same(f"{tag} num_recv_tokens", np.int64(rm.handle.num_recv_tokens), out.handle.num_recv_tokens.astype(cp.int64))
+        same(f"{tag} combine.x", cm.x, res.x)
+    bad = routing(70, 20, experts, topk, masked=False)
+    bad[3, 0] = experts + 5
+    COMM.Barrier()
+    with stream:
+        idx_in[...] = cp.asarray(bad)
+        d_graph.launch(stream)
+        c_graph.launch(stream)
+        stream.synchronize()
+    valid = cp.asarray(routing(71, 20, experts, topk, masked=True))
+    try:
+        nv.dispatch(x_in, valid, **opts)
+    except ValueError as exc:
+        assert f"replayed from a CUDA graph was given a topk_idx holding expert id {experts + 5}" in str(exc), exc
+    else:
+        raise AssertionError("a bad routing replayed from a graph must be raised by the next eager call")
+    ok = nv.dispatch(x_in, valid, **opts)  # reported once; the ranks stayed in step
+    nv.combine(ok.recv_x, ok.handle)
+    return 4
 
 
 def check_timeout() -> None:

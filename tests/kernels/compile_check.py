@@ -46,6 +46,7 @@ def record_all(dtype: np.dtype) -> list:
     step = np.ones(1, np.int64)
     k.check_routing(topk)
     k.check_routing(topk.astype(np.int32))
+    k.check_routing(topk, into=np.full(2, -1, np.int64))
     k.count(topk, stable=True)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
               src_rank=0, step=step, mode=SLOT_STABLE)

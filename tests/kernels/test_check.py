@@ -39,3 +39,17 @@ def test_masked_repeats_are_not_repeats(xp):
     k = kernels(xp, 3)
     case = np.array([[-1, -1, 3], [4, -1, -1], [2, 2, -1]], np.int64)
     assert to_host(k.check_routing(xp.asarray(case))).tolist() == [4, 2]
+
+
+def test_folded_checks_keep_the_worst_result_until_reset(xp):
+    """``into``: the sticky record of checks nobody reads at once (captured dispatches)."""
+    k = kernels(xp, 3)
+    record = xp.asarray(np.array([-1, -1], np.int64))
+    clean = np.array([[0, 1, 2], [3, -1, 4]], np.int64)
+    assert k.check_routing(xp.asarray(clean), into=record) is record
+    assert to_host(record).tolist() == [4, -1]
+    k.check_routing(xp.asarray(np.array([[40, 1, 1], [3, 3, 2], [0, 1, 2]], np.int64)), into=record)
+    assert to_host(record).tolist() == [40, 0]
+    k.check_routing(xp.asarray(clean), into=record)
+    assert to_host(record).tolist() == [40, 0]
+    assert to_host(k.check_routing(xp.asarray(clean))).tolist() == [4, -1]  # the accumulator was reset
