@@ -450,7 +450,7 @@ class NvshmemBackend:
             yield seq
 
     def _refuse_capture(self, what: str, host_wait: bool) -> None:
-        """RuntimeError, before anything is enqueued (the buffer stays usable), when the caller's stream is
+        """RuntimeError, before the step enqueues anything (the buffer stays usable), when the caller's stream is
         being captured into a CUDA graph and this step cannot be: it waits on the host, or the puts
         transport computes its offsets from the host's step number (a replay would reuse them)."""
         if not self._capturing:
