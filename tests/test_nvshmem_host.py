@@ -412,3 +412,28 @@ def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch):
     assert dispatches[0] and dispatches[0] == dispatches[1]
     assert combines[0] and combines[0] == combines[1]
     assert int(be.transport.step[0]) == 5
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("expand", [False, True])
+def test_non_contiguous_inputs_give_the_results_of_contiguous_ones(expand):
+    """Strided views and Fortran-order arrays (as slicing or a transpose hands them over) are read as
+    the arrays they show: x, topk_idx, topk_weights, the combine's y and its weights."""
+    geo = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))
+    rng = np.random.default_rng(21)
+    wide_x = rng.standard_normal((4, 2 * geo.hidden)).astype(np.float32)
+    x = wide_x[:, ::2]
+    idx = np.asfortranarray(np.array([[0, 4, -1], [5, 1, 2], [-1, -1, 3], [2, 0, 5]], np.int64))
+    w = rng.random((4, 2 * geo.num_topk)).astype(np.float32)[:, 1::2]
+    assert not (x.flags.c_contiguous or idx.flags.c_contiguous or w.flags.c_contiguous)
+    args = (expand, 2, True, True, None)
+    want_be, got_be = simulated_backend(geo, True, False), simulated_backend(geo, True, False)
+    want = want_be.dispatch(np.ascontiguousarray(x), np.ascontiguousarray(idx), np.ascontiguousarray(w), None, *args)
+    got = got_be.dispatch(x, idx, w, None, *args)
+    _compare("non-contiguous dispatch", want, got)
+    y = np.repeat(got.recv_x, 2, axis=1)[:, ::2]
+    y_weights = np.repeat(got.recv_topk_weights, 2, axis=-1)[..., ::2]
+    want_sum = want_be.combine(want.recv_x, want.handle, want.recv_topk_weights, ())
+    got_sum = got_be.combine(y, got.handle, y_weights, ())
+    _same("non-contiguous combine.x", want_sum.x, got_sum.x)
+    _same("non-contiguous combine.topk_weights", want_sum.topk_weights, got_sum.topk_weights)
