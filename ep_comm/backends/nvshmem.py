@@ -13,10 +13,9 @@ deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispat
 
 Every step's signal advances the device step counter (``ep_comm.kernels.step``): the kernels read
 the step number and buffer parity from it, not from the host (the senders, before the signal, one
-step ahead). The launches of a step
-are therefore the same at every step, and the ``cpu_sync=False`` calls (a cached dispatch, a
-combine) can be captured into a CUDA graph and replayed, with peer stores (the puts path computes
-its offsets on the host and refuses capture).
+step ahead). The launches of a step are therefore the same at every step, and the ``cpu_sync=False``
+calls (a dispatch of a new routing or of a handle, a combine) can be captured into a CUDA graph and
+replayed, with peer stores (the puts path computes its offsets on the host and refuses capture).
 
 Combine runs ``combine_send`` back into the sources' buffers (plus the weights' return route when
 weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias.
