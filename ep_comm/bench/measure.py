@@ -241,10 +241,10 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any
         warm = buf.dispatch(dx, handle=handle, cpu_sync=False)
         buf.combine(warm.recv_x, warm.handle)
         stream.synchronize()
-        cached, cached_dispatch = _captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
-        cached_sum, cached_combine = _captured(stream, lambda: buf.combine(cached.recv_x, cached.handle))
-        new, new_dispatch = _captured(stream, lambda: buf.dispatch(dx, didx, cpu_sync=False))
-        new_sum, new_combine = _captured(stream, lambda: buf.combine(new.recv_x, new.handle))
+        cached, cached_dispatch = captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
+        cached_sum, cached_combine = captured(stream, lambda: buf.combine(cached.recv_x, cached.handle))
+        new, new_dispatch = captured(stream, lambda: buf.dispatch(dx, didx, cpu_sync=False))
+        new_sum, new_combine = captured(stream, lambda: buf.combine(new.recv_x, new.handle))
     graphs = (cached_dispatch, cached_combine, new_dispatch, new_combine)
     marks = [cupy.cuda.Event() for _ in range(len(graphs) + 1)]
 
@@ -266,7 +266,7 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any
             "results": (cached_sum.x, new_sum.x)}
 
 
-def _captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:
+def captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:
     """``(result, graph)``: ``call`` captured into a CUDA graph on ``stream``; the capture is ended even
     when ``call`` raises."""
     stream.begin_capture()

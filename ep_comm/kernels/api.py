@@ -411,8 +411,8 @@ class Kernels:
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         shared = 4 * self.warps_per_block * 2 * self.num_topk
         blocks = self._blocks_for(out.shape[0], self.stream_blocks)
-        out_words = payload_words(out)
-        if out_bf16 and not terms and wide_rows(out_words, rows):  # the common case, 16 bytes per access
+        out_words = payload_words(out) if out_bf16 and not terms else None
+        if out_words is not None and wide_rows(out_words, rows):  # the common case, 16 bytes per access
             self._launch(combine_reduce_bf16_kernel, shared, blocks)(
                 rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words)
             return

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ep_comm
+from ep_comm.bench.measure import captured
 
 COMM = MPI.COMM_WORLD
 RANK, WORLD = COMM.rank, COMM.size
@@ -158,14 +159,16 @@ def check_torch_and_nondeterministic() -> None:
           flush=True)
 
 
-def captured(stream, call):
-    """``(result, graph)``: ``call`` captured into a CUDA graph on ``stream``."""
-    stream.begin_capture()
-    try:
-        result = call()
-    finally:
-        graph = stream.end_capture()
-    return result, graph
+def replay(stream, graphs, fills) -> None:
+    """After a barrier: copy each ``(captured input, host array)`` of ``fills`` into the input, launch
+    ``graphs`` in order on ``stream``, and wait for them."""
+    COMM.Barrier()
+    with stream:
+        for dst, src in fills:
+            dst[...] = cp.asarray(src)
+        for graph in graphs:
+            graph.launch(stream)
+        stream.synchronize()
 
 
 def check_graph_replay() -> None:
@@ -203,12 +206,7 @@ def check_graph_replay() -> None:
             res, c_graph = captured(stream, lambda: nv.combine(out.recv_x, out.handle))
         for i in range(4):
             xi = (x0.astype(np.float32) * (i + 2) - i).astype(ml_dtypes.bfloat16)
-            COMM.Barrier()
-            with stream:
-                x_in[...] = cp.asarray(xi)
-                d_graph.launch(stream)
-                c_graph.launch(stream)
-                stream.synchronize()
+            replay(stream, (d_graph, c_graph), [(x_in, xi)])
             rm = ref.dispatch(xi, handle=first_m.handle)
             cm = ref.combine(rm.recv_x, rm.handle)
             rows = int(rm.handle.num_expanded_tokens if expand else rm.handle.num_recv_tokens)
@@ -244,13 +242,7 @@ def check_new_routing_replays(nv, ref, stream, x_in, opts: dict, expand: bool) -
     for i in range(3):
         idx = routing(61 + i + 10 * expand, 20, experts, topk, masked=True)
         xi = np.random.default_rng(90 + i + RANK).standard_normal((20, x_in.shape[1])).astype(ml_dtypes.bfloat16)
-        COMM.Barrier()
-        with stream:
-            x_in[...] = cp.asarray(xi)
-            idx_in[...] = cp.asarray(idx)
-            d_graph.launch(stream)
-            c_graph.launch(stream)
-            stream.synchronize()
+        replay(stream, (d_graph, c_graph), [(x_in, xi), (idx_in, idx)])
         rm = ref.dispatch(xi, idx, **opts)
         cm = ref.combine(rm.recv_x, rm.handle)
         rows = int(rm.handle.num_expanded_tokens if expand else rm.handle.num_recv_tokens)
@@ -261,12 +253,7 @@ def check_new_routing_replays(nv, ref, stream, x_in, opts: dict, expand: bool) -
         same(f"{tag} combine.x", cm.x, res.x)
     bad = routing(70, 20, experts, topk, masked=False)
     bad[3, 0] = experts + 5
-    COMM.Barrier()
-    with stream:
-        idx_in[...] = cp.asarray(bad)
-        d_graph.launch(stream)
-        c_graph.launch(stream)
-        stream.synchronize()
+    replay(stream, (d_graph, c_graph), [(idx_in, bad)])
     valid = cp.asarray(routing(71, 20, experts, topk, masked=True))
     try:
         nv.dispatch(x_in, valid, **opts)
