@@ -1,5 +1,66 @@
-"""Test-session setup. ``tests/mpi`` holds suites that only make sense on every rank of an
-``mpirun`` job: ``tests/test_multirank.py`` launches them; a plain pytest run skips collecting them."""
-import os
+"""Test-session setup: the options that choose what the tests run on, the Hypothesis profiles, and the
+per-rank result files of the pytest sessions inside ``mpirun`` jobs.
 
-collect_ignore = [] if os.environ.get("EP_COMM_MPI_SUITE") else ["mpi"]
+Options (also session fixtures): ``--backend mpi|nvshmem`` (the backend of the collective suites),
+``--transport stores|puts`` (the nvshmem backend's transport), ``--ranks 1,2,4`` (job sizes of the
+multi-rank tests). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer examples), chosen with
+``--hypothesis-profile``.
+
+``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: a plain run collects them and skips them;
+``tests/test_multirank.py`` runs them with ``--with-mpi`` (pytest-mpi) on every rank of ``mpirun`` jobs.
+"""
+from typing import Tuple
+
+import pytest
+from hypothesis import settings
+
+from helpers import rank_results
+from helpers.options import BACKENDS, TRANSPORTS, SessionOptions, current, parse_ranks, record
+
+settings.register_profile("ci", max_examples=150, deadline=None, database=None)
+settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=20)
+settings.load_profile("ci")  # --hypothesis-profile, applied by Hypothesis's plugin after this, overrides it
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ep_comm", "what the ep_comm tests run on")
+    group.addoption("--backend", choices=BACKENDS, default="mpi",
+                    help="backend of the collective suites (tests/mpi): mpi (default) or nvshmem (GPUs)")
+    group.addoption("--transport", choices=TRANSPORTS, default="stores",
+                    help="the nvshmem backend's transport: stores (peer stores, default) or puts (nvshmem puts)")
+    group.addoption("--ranks", type=parse_ranks, default=None,
+                    help="job sizes of the multi-rank tests, e.g. 1,2,4 (default: 1,2,3,4 on mpi, 1,2 on nvshmem; "
+                         "2 for tests/gpu)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the junitxml plugin opens --junitxml's path
+def pytest_configure(config: pytest.Config) -> None:
+    record(SessionOptions(config.getoption("backend"), config.getoption("transport"), config.getoption("ranks"),
+                          config.getoption("--hypothesis-profile")))
+    xmlpath = getattr(config.option, "xmlpath", None)
+    if xmlpath:
+        config.option.xmlpath = rank_results.rank_path(xmlpath, rank_results.rank_from_environment())
+
+
+@pytest.fixture(scope="session")
+def session_options() -> SessionOptions:
+    """Every option of this session."""
+    return current()
+
+
+@pytest.fixture(scope="session")
+def backend(session_options: SessionOptions) -> str:
+    """``--backend``."""
+    return session_options.backend
+
+
+@pytest.fixture(scope="session")
+def transport(session_options: SessionOptions) -> str:
+    """``--transport``."""
+    return session_options.transport
+
+
+@pytest.fixture(scope="session")
+def ranks(session_options: SessionOptions) -> Tuple[int, ...]:
+    """Job sizes of the multi-rank contract jobs: ``--ranks``, else the backend's default."""
+    return session_options.job_sizes

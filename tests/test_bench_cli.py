@@ -5,7 +5,6 @@ Timings are printed and written, never asserted on.
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,22 +17,14 @@ from ep_comm.bench.measure import RankSample, expected_round_trip, first_mismatc
 from ep_comm.bench.report import Progress, csv_row, summarize
 from ep_comm.bench.routing import uniform_routing
 from ep_comm.dtypes import payload_dtype
+from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def mpirun_path() -> str:
-    beside = Path(sys.executable).parent / "mpirun"
-    found = str(beside) if beside.exists() else shutil.which("mpirun")
-    if found is None:
-        pytest.skip("no mpirun: install the package (pip install -e .) to get the mpich wheel's")
-    return found
-
-
 def run_bench(nranks: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [mpirun_path(), "-np", str(nranks), sys.executable, "-m", "ep_comm.bench", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_job(launcher(nranks, env) + [sys.executable, "-m", "ep_comm.bench", *args], env, timeout, cwd=REPO)
 
 
 # ------------------------------------------------------------------ in-process pieces

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpirun import launcher
+from helpers import mpirun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,7 @@ exit_collectively(lambda: 4)
 def run_job(code: str, nranks: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                UCX_LOG_LEVEL="error")
-    return subprocess.run(launcher(nranks, env) + [sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return mpirun.run_job(mpirun.launcher(nranks, env) + [sys.executable, "-c", code], env, timeout_s=120)
 
 
 def test_an_error_on_one_rank_aborts_the_job_instead_of_hanging():

@@ -13,10 +13,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from mpirun import launcher
 
 from examples import moe_layer
 from examples.moe_layer import ArrayOps, MoELayer, parse_args, run
+from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300
@@ -32,10 +32,7 @@ def run_example(cmd_tail: list, num_ranks: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1")
     cmd = (launcher(num_ranks, env) if num_ranks else []) + [sys.executable, *cmd_tail]
-    try:
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} did not finish within {JOB_TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}")
+    return run_job(cmd, env, JOB_TIMEOUT_S, cwd=REPO)
 
 
 def assert_ok(job: subprocess.CompletedProcess, name: str, num_ranks: int, dtype: str) -> None:

@@ -1,6 +1,6 @@
 """``Buffer(num_sms=...)`` in one process: the argument's rules, the mpi backend ignoring it, and how the
-nvshmem backend turns it into the kernels' grids (the GPU itself is exercised by ``tests/mpi/test_num_sms.py``
-under ``EP_COMM_TEST_BACKEND=nvshmem``)."""
+nvshmem backend turns it into the kernels' grids (the GPU itself is exercised by
+``tests/mpi/test_num_sms_collective.py`` under ``--backend nvshmem``)."""
 from __future__ import annotations
 
 import re

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mpirun import launcher
 
 from ep_comm import Buffer
 from ep_comm.bench.routing import KINDS
 from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.soak import (FORCED_STEPS, ArrayIO, MemoryTrack, Shape, base_payload, check_round_trip, main, negated,
                           plan_step, rank_inputs, round_trip)
+from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300
@@ -30,10 +29,7 @@ def test_short_soak_under_mpiexec(tmp_path):
     cmd = launcher(2, env) + [sys.executable, "-m", "ep_comm.soak", "--backend", "mpi", "--iters", "200",
                               "--check-every", "10", "--create-close", "10", "--repeat-deterministic", "10",
                               "--json", str(out)]
-    try:
-        run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} did not finish within {JOB_TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}")
+    run = run_job(cmd, env, JOB_TIMEOUT_S, cwd=REPO)
     assert run.returncode == 0, f"{' '.join(cmd)} exited {run.returncode}:\n{run.stdout[-10000:]}\n{run.stderr[-5000:]}"
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["failures"]["count"] == 0

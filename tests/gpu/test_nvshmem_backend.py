@@ -1,22 +1,24 @@
-"""GPU tests of the nvshmem backend: ``nvshmem_vs_mpi.py`` under ``mpirun -np 2`` (skipped without 2 GPUs).
+"""GPU tests of the nvshmem backend: ``nvshmem_vs_mpi.py --transport stores|puts`` under ``mpirun -n N`` for each
+N of ``--ranks`` (default 2; several ranks may share one GPU), skipped without a GPU stack (CuPy, nvshmem4py
+and a GPU).
 
 On the device kit: ``source .device-kit/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH pytest tests/gpu``.
-Open MPI needs the environment forwarded (``-x``); MPICH's mpirun forwards it by itself.
 """
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.mpirun import launcher, run_job
+from helpers.options import current
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("nvshmem_vs_mpi.py")
-FORWARD = ("PYTHONPATH", "NVSHMEM_DISABLE_NVLS", "NUMBA_CUDA_ENABLE_NRT", "NCCL_NVLS_ENABLE", "EP_COMM_NVSHMEM_PUTS",
-           "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+JOB_TIMEOUT_S = 420
+DEFAULT_JOB_SIZES = (2,)
 
 
 def gpu_count() -> int:
@@ -29,25 +31,20 @@ def gpu_count() -> int:
         return 0
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with CuPy and nvshmem4py")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU with CuPy and nvshmem4py")]
 
 
-def mpirun_command(nranks: int) -> list:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("no mpirun on PATH")
-    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
-    cmd = [mpirun, "-np", str(nranks)]
-    if "Open MPI" in version or "OpenRTE" in version:
-        cmd += ["--oversubscribe"] + [a for name in FORWARD if name in os.environ for a in ("-x", name)]
-    return cmd + [sys.executable, str(SCRIPT)]
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "num_ranks" in metafunc.fixturenames:
+        metafunc.parametrize("num_ranks", current().ranks or DEFAULT_JOB_SIZES)
 
 
-@pytest.mark.parametrize("use_puts", [False, True], ids=["peer-stores", "nvshmem-puts"])
-def test_nvshmem_matches_mpi_and_times_out_cleanly(use_puts):
+@pytest.mark.parametrize("transport", ["stores", "puts"], ids=["peer-stores", "nvshmem-puts"])
+def test_nvshmem_matches_mpi_and_times_out_cleanly(num_ranks, transport):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               EP_COMM_NVSHMEM_PUTS="1" if use_puts else "0", NUMBA_CUDA_ENABLE_NRT="1", NVSHMEM_DISABLE_NVLS="1")
-    proc = subprocess.run(mpirun_command(2), cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+               NUMBA_CUDA_ENABLE_NRT="1", NVSHMEM_DISABLE_NVLS="1")
+    cmd = launcher(num_ranks, env) + [sys.executable, str(SCRIPT), "--transport", transport]
+    proc = run_job(cmd, env, JOB_TIMEOUT_S, cwd=REPO)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ALL OK") == 2
+    assert proc.stdout.count("ALL OK") == num_ranks

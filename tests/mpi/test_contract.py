@@ -1,30 +1,22 @@
 """The public contract of DESIGN.md, checked on every rank of an ``mpirun`` job.
 
-Run by ``tests/test_multirank.py`` under ``mpirun -np 1..4``; the backend comes from
-``EP_COMM_TEST_BACKEND`` (``mpi`` by default, ``nvshmem`` on GPUs). Every test is collective.
+Run by ``tests/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and its
+transport come from ``--backend`` and ``--transport`` (``mpi`` by default, ``nvshmem`` on GPUs).
+Every test is collective.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-import ep_comm
-from oracle import (BACKEND, COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine,
-                    make_world, to_device, to_host)
+from ep_comm.host import to_host
+from helpers.collective import dispatch, make_buffer, to_device
+from helpers.oracle import (COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine,
+                            make_world)
+
+pytestmark = pytest.mark.mpi
 
 ROUTINGS = ["uniform", "masked", "hot", "zero_rank", "uneven", "full"]
-TIMEOUT_S = 30.0
-
-
-def make_buffer(world, deterministic=True, **kw):
-    return ep_comm.Buffer(num_experts=world.num_experts, hidden=world.hidden, num_topk=world.num_topk,
-                          num_max_tokens_per_rank=world.max_tokens, dtype=world.dtype.name, backend=BACKEND,
-                          deterministic=deterministic, timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
-
-
-def dispatch(buf, world, **kw):
-    return buf.dispatch(to_device(world.x[RANK]), to_device(world.topk_idx[RANK]),
-                        to_device(world.weights[RANK]), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 
 import ep_comm
-from oracle import BACKEND, COMM, RANK, WORLD, bits, expected_compact_combine, make_world, to_device, to_host
-from test_contract import dispatch, make_buffer
+from ep_comm.host import to_host
+from helpers.collective import dispatch, make_buffer, to_device
+from helpers.oracle import COMM, RANK, WORLD, bits, expected_compact_combine, make_world
+from helpers.options import current
+
+pytestmark = pytest.mark.mpi
+BACKEND = current().backend
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +127,7 @@ def test_bad_constructor_arguments(world):
         ep_comm.Buffer(num_experts=WORLD * 4, timeout_s=0, **common)
 
 
-@pytest.mark.skipif(WORLD < 2, reason="needs a peer that can go missing")
+@pytest.mark.mpi(min_size=2)  # a peer that can go missing
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_rank_raises_timeout_naming_it(world, op):
     timeout_s = 1.5
@@ -160,7 +165,7 @@ def _recv_and_handle(buf, world):
     return out.recv_x, out.handle
 
 
-@pytest.mark.skipif(WORLD < 2, reason="needs a peer that can go missing")
+@pytest.mark.mpi(min_size=2)  # a peer that can go missing
 def test_after_a_timeout_the_buffer_says_how_to_recover(world):
     """A rank skips a combine: the others' TimeoutError names it, then every call raises a
     BufferUnusableError naming the failed step and the way out; close is bounded and idempotent;
@@ -194,7 +199,7 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
         assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
 
 
-@pytest.mark.skipif(WORLD < 2, reason="needs a peer that can be late")
+@pytest.mark.mpi(min_size=2)  # a peer that can be late
 def test_a_late_rank_gets_a_bounded_answer(world):
     """A rank arrives at a combine after its peers timed out: its peers' rows were already there, so
     its combine may succeed, but its next step (here: close) raises TimeoutError naming the peers

@@ -12,26 +12,32 @@ Collective hypothesis needs every rank to draw the same examples and to fail the
   ``TIMEOUT_S``: never an endless hang.
 
 Expectations come from ``oracle.py`` (plain loops written from DESIGN.md).
-Run by ``tests/test_multirank.py`` under ``mpirun -np 1..4``; the backend from ``EP_COMM_TEST_BACKEND``.
+Run by ``tests/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and transport from
+``--backend`` and ``--transport``; the number of examples from the Hypothesis profile (``tests/conftest.py``:
+``ci`` 150, ``gpu`` 20), the same on every rank.
 """
 from __future__ import annotations
 
-import os
 import traceback
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ep_comm
 from ep_comm.bench.routing import KINDS, make_routing
-from oracle import (BACKEND, COMM, DTYPES, RANK, WORLD, World, align, bits, expected_compact_combine,
-                    expected_expand_combine, to_device, to_host)
+from ep_comm.host import to_host
+from helpers.collective import to_device
+from helpers.oracle import (COMM, DTYPES, RANK, WORLD, World, align, bits, expected_compact_combine,
+                            expected_expand_combine)
+from helpers.options import current
 
+pytestmark = pytest.mark.mpi
+BUFFER_KWARGS = current().buffer_kwargs()  # backend, and on nvshmem its transport
 TIMEOUT_S = 20.0
-MAX_EXAMPLES = int(os.environ.get("EP_COMM_RANDOMIZED_EXAMPLES", "150"))  # the same on every rank
 TOKEN_MODES = ("random", "some_empty", "full", "one", "all_empty")
 
 
@@ -333,8 +339,7 @@ def agree_on(case: Case) -> None:
         raise AssertionError("hypothesis drew different examples on different ranks:\n" + "\n".join(drawn))
 
 
-@settings(derandomize=True, database=None, deadline=None, max_examples=MAX_EXAMPLES,
-          suppress_health_check=list(HealthCheck), print_blob=False)
+@settings(derandomize=True, suppress_health_check=list(HealthCheck), print_blob=False)  # examples: the profile's
 @given(case=cases())
 def test_randomized_dispatch_combine(case: Case):
     agree_on(case)
@@ -344,7 +349,7 @@ def test_randomized_dispatch_combine(case: Case):
         rng = np.random.default_rng((case.seed, RANK, 2))
         bias = [payload(rng, world.x[RANK].shape, case.dtype) for _ in range(0 if case.expand else case.bias_terms)]
         with ep_comm.Buffer(num_experts=case.num_experts, hidden=case.hidden, num_topk=case.num_topk,
-                            num_max_tokens_per_rank=case.max_tokens, dtype=case.dtype, backend=BACKEND,
+                            num_max_tokens_per_rank=case.max_tokens, dtype=case.dtype, **BUFFER_KWARGS,
                             deterministic=case.deterministic, timeout_s=TIMEOUT_S) as buf:
             results = run_collective(buf, case, world, bias)
         check_case(case, world, results, bias)

@@ -8,8 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oracle import BACKEND, bits, expected_compact_combine, expected_expand_combine, make_world, to_host
-from test_contract import check_compact, dispatch, make_buffer
+from ep_comm.host import to_host
+from helpers.collective import dispatch, make_buffer
+from helpers.oracle import bits, expected_compact_combine, expected_expand_combine, make_world
+from helpers.options import current
+from test_contract import check_compact
+
+pytestmark = pytest.mark.mpi
+BACKEND = current().backend
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Test support for the multi-rank contract suite: the world's inputs and what the contract says comes out.
+"""What the contract says comes out of the collective suites of ``tests/mpi``: the world's inputs and expectations.
 
 Written from DESIGN.md with plain loops, independent of ``ep_comm.layout`` and ``ep_comm.reduce``,
 so that the suite checks the backends (and the reference) against the contract itself.
@@ -6,7 +6,6 @@ Every rank computes the same expectations from the allgathered inputs.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -14,22 +13,10 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm.host import to_host  # noqa: F401  (the suite's tests import it from here)
-
-BACKEND = os.environ.get("EP_COMM_TEST_BACKEND", "mpi")
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 COMM = MPI.COMM_WORLD
 RANK, WORLD = COMM.rank, COMM.size
-
-
-def to_device(a):
-    """Move a NumPy array to where the backend under test wants its inputs."""
-    if a is None or BACKEND == "mpi":
-        return a
-    import cupy
-
-    return cupy.asarray(a)
 
 
 def bits(a: np.ndarray) -> np.ndarray:

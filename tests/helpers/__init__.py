@@ -1,0 +1,5 @@
+"""Support code the test modules share: no tests and no fixtures here (fixtures live in ``tests/conftest.py``).
+
+``tests/conftest.py`` puts ``tests/`` on ``sys.path`` (pytest's default import mode), so the modules import
+these as ``helpers.<module>``.
+"""

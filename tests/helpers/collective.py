@@ -1,0 +1,39 @@
+"""The backend under test in the collective suites of ``tests/mpi``: Buffers for a ``World`` and its inputs.
+
+The backend and its transport are the session's ``--backend`` and ``--transport`` (``helpers.options``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+import ep_comm
+from helpers.oracle import RANK, World
+from helpers.options import current
+
+TIMEOUT_S = 30.0
+
+
+def to_device(a: Optional[np.ndarray]) -> Any:
+    """``a`` where the backend under test wants its inputs: as is on mpi, a CuPy copy on nvshmem."""
+    if a is None or current().backend == "mpi":
+        return a
+    import cupy  # only the nvshmem backend's runs have (and need) the GPU stack
+
+    return cupy.asarray(a)
+
+
+def make_buffer(world: World, deterministic: bool = True, **kw: Any) -> ep_comm.Buffer:
+    """A Buffer for ``world``'s geometry and dtype on the session's backend; ``kw`` goes to ``ep_comm.Buffer``
+    (``timeout_s`` defaults to ``TIMEOUT_S``)."""
+    return ep_comm.Buffer(num_experts=world.num_experts, hidden=world.hidden, num_topk=world.num_topk,
+                          num_max_tokens_per_rank=world.max_tokens, dtype=world.dtype.name,
+                          **current().buffer_kwargs(), deterministic=deterministic,
+                          timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+
+
+def dispatch(buf: ep_comm.Buffer, world: World, **kw: Any) -> ep_comm.DispatchOutput:
+    """This rank's tokens of ``world`` (payload, routing, weights) through ``buf.dispatch(..., **kw)``."""
+    return buf.dispatch(to_device(world.x[RANK]), to_device(world.topk_idx[RANK]),
+                        to_device(world.weights[RANK]), **kw)
