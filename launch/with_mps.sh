@@ -70,9 +70,10 @@ stop_daemon() {  # EXIT trap: quit our daemon, wait for it to go, say whether it
     fi
 }
 
-child=
+child='' interrupted=0
 # shellcheck disable=SC2329
 pass_on() {  # INT/TERM/HUP trap: end CMD; the main line then waits for it and exits
+    interrupted=1
     [ -z "$child" ] || kill -s TERM "$child" 2> /dev/null || true
 }
 
@@ -86,14 +87,13 @@ trap pass_on INT TERM HUP
 echo "with_mps.sh: MPS daemon at $CUDA_MPS_PIPE_DIRECTORY, $per_gpu rank(s) per GPU," \
      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" >&2
 
-# CMD runs in the background so that a trapped signal interrupts `wait` at once; a second wait
-# collects CMD's own status once it has ended.
+# CMD runs in the background so that a trapped signal interrupts `wait` at once; after a signal,
+# `wait` again collects CMD's own status once it has ended.
 "$@" <&0 &
 child=$!
-rc=0
-wait "$child" || rc=$?
-while kill -0 "$child" 2> /dev/null; do
-    rc=0
+while :; do
+    interrupted=0 rc=0
     wait "$child" || rc=$?
+    [ "$interrupted" -eq 1 ] || break
 done
 exit "$rc"
