@@ -153,7 +153,8 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
     try:
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                       num_max_tokens_per_rank=max(s.num_tokens for s in specs), dtype=cfg.dtype,
-                      backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms)
+                      backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
+                      transport=args.transport)
     except ValueError as exc:
         raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
 
