@@ -17,9 +17,10 @@ Three phases, each on its own Buffer(s):
    (token, expert) pair exactly once, byte-exact, in order when deterministic) with
    ``ep_comm.layout``, and the combine (bias, weights, the experts' output negated on odd ranks)
    bit for bit with ``ep_comm.reduce``. (With bfloat16 and two ranks the float32 sums are exact, so
-   the order of the rank terms cannot show: ``--dtype float32`` checks it.) Memory (host RSS; GPU:
-   CuPy pool bytes in use, device memory in use) is sampled; after ``--warmup`` iterations it must
-   stay within ``--mem-tolerance-mib`` of its value at the end of the warm-up.
+   the order of the rank terms cannot show: ``--dtype float32`` checks it.) The memory this process
+   holds (host RSS; GPU: CuPy pool bytes in use and this process's device memory per NVML, see
+   ``ep_comm.process_memory``; the GPU-wide figure is reported only) is sampled; after ``--warmup``
+   iterations it must stay within ``--mem-tolerance-mib`` of its value at the end of the warm-up.
 2. **determinism** (``--repeat-deterministic N``): a ``deterministic=True`` Buffer dispatches and
    combines the same inputs (hot expert, full ranks, compact and expand) N times; every output,
    handle field and combine result must be bitwise identical to the first repetition's.
@@ -35,12 +36,10 @@ check failed or an error was raised on some rank, 2 bad options.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -48,6 +47,7 @@ from mpi4py import MPI
 
 from . import layout as lay
 from .cli import exit_collectively, int_at_least, int_list
+from .process_memory import MIB, MemoryProbe, MemoryTrack, memory_failures
 from .progress import Progress
 from .bench.measure import expected_round_trip, first_mismatch
 from .bench.routing import KINDS, make_routing
@@ -57,7 +57,6 @@ from .dtypes import PAYLOAD_DTYPES, payload_dtype
 from .host import to_host
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-MIB = 1 << 20
 MAX_REPORTED_FAILURES = 20  # failure lines kept in the summary (all ranks; the count covers all)
 FORCED_STEPS = 4  # the first iterations run the worst cases, so warm-up reaches the peak memory
 
@@ -191,7 +190,7 @@ def expert_output(xp, rows, rank: int, expand: bool):
     return negated(xp, rows) if rank % 2 and not expand else rows
 
 
-# ------------------------------------------------------------------ arrays and memory
+# ------------------------------------------------------------------ arrays
 def same_bytes(a, b, xp=np) -> bool:
     """Both None, or equal shapes and bytes; ``xp`` (NumPy or CuPy) compares where the arrays live."""
     if a is None or b is None:
@@ -223,71 +222,6 @@ class ArrayIO:
     def equal_bits(self, a, b) -> bool:
         """Shape and bytes equal (on the backend, no copy to the host)."""
         return same_bytes(a, b, self.xp)
-
-
-class MemoryProbe:
-    """Memory of this process: host RSS; on the GPU also the CuPy pool's bytes in use and held and the
-    device memory in use outside the pool's free blocks (the pool's free blocks are released first)."""
-
-    def __init__(self, gpu: bool):
-        self.gpu = gpu
-        self.page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss_bytes(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def sample(self) -> Dict[str, int]:
-        gc.collect()
-        out = {"rss_bytes": self.rss_bytes()}
-        if self.gpu:
-            import cupy
-
-            cupy.cuda.get_current_stream().synchronize()
-            pool = cupy.get_default_memory_pool()
-            out["pool_used_bytes"] = int(pool.used_bytes())
-            out["pool_held_bytes"] = int(pool.total_bytes())
-            pool.free_all_blocks()
-            free, total = cupy.cuda.runtime.memGetInfo()
-            out["device_used_bytes"] = int(total - free)
-        return out
-
-
-WATCHED = ("rss_bytes", "pool_used_bytes", "device_used_bytes")  # pool_held_bytes is reported only
-
-
-@dataclass
-class MemoryTrack:
-    """Samples of one phase; ``baseline`` is the sample taken when the warm-up ended."""
-
-    samples: List[Dict[str, int]] = field(default_factory=list)
-    baseline: Optional[Dict[str, int]] = None
-
-    def add(self, sample: Dict[str, int], is_baseline: bool = False) -> None:
-        self.samples.append(sample)
-        if is_baseline:
-            self.baseline = sample
-
-    def summary(self, tolerance_bytes: int) -> Dict[str, Dict[str, Any]]:
-        """Per metric: start, baseline, end, max (after the baseline), growth and whether it stayed flat."""
-        out = {}
-        if not self.samples:
-            return out
-        base = self.baseline or self.samples[0]
-        after = self.samples[self.samples.index(base):]
-        for name in self.samples[0]:
-            peak = max(s[name] for s in after)
-            growth = peak - base[name]
-            out[name] = {"start": self.samples[0][name], "baseline": base[name], "end": self.samples[-1][name],
-                         "max": peak, "growth": growth,
-                         "ok": name not in WATCHED or growth <= tolerance_bytes}
-        return out
-
-
-def memory_failures(phase: str, summary: Dict[str, Dict[str, Any]], tolerance_bytes: int) -> List[str]:
-    return [f"{phase}: {name} grew by {m['growth'] / MIB:.1f} MiB after warm-up (baseline {m['baseline'] / MIB:.1f} "
-            f"MiB, max {m['max'] / MIB:.1f} MiB; tolerance {tolerance_bytes / MIB:g} MiB)"
-            for name, m in summary.items() if not m["ok"]]
 
 
 # ------------------------------------------------------------------ checks
@@ -525,7 +459,7 @@ class Run:
         s = self.shape
         buf = Buffer(self.comm, num_experts=s.num_experts, hidden=s.hidden, num_topk=s.num_topk,
                      num_max_tokens_per_rank=s.max_tokens, dtype=s.dtype, backend=self.backend,
-                     deterministic=deterministic, timeout_s=self.args.timeout)
+                     deterministic=deterministic, timeout_s=self.args.timeout, transport=self.args.transport)
         if self.io is None:
             self.io = ArrayIO(buf.backend, self.base)
         return buf
@@ -584,7 +518,7 @@ def soak_phase(run: Run) -> Dict[str, Any]:
     memory = track.summary(args.mem_tolerance_mib * MIB)
     failures += memory_failures("soak", memory, args.mem_tolerance_mib * MIB)
     return {"iters": args.iters, "warmup": warmup, "elapsed_s": elapsed, "iters_per_s": args.iters / max(elapsed, 1e-9),
-            "modes": modes, "memory": memory, "failures": failures}
+            "modes": modes, "memory": memory, "memory_notes": run.probe.notes(), "failures": failures}
 
 
 def create_close_phase(run: Run) -> Dict[str, Any]:
@@ -608,7 +542,8 @@ def create_close_phase(run: Run) -> Dict[str, Any]:
     elapsed = time.perf_counter() - start
     memory = track.summary(args.mem_tolerance_mib * MIB)
     failures += memory_failures("create/close", memory, args.mem_tolerance_mib * MIB)
-    return {"buffers": n, "elapsed_s": elapsed, "memory": memory, "failures": failures}
+    return {"buffers": n, "elapsed_s": elapsed, "memory": memory, "memory_notes": run.probe.notes(),
+            "failures": failures}
 
 
 def outputs_of(buf: Buffer, io: ArrayIO, mine: RankInputs, expand: bool, alignment: int) -> Dict[str, Any]:
@@ -670,6 +605,7 @@ def determinism_phase(run: Run) -> Dict[str, Any]:
 # ------------------------------------------------------------------ command line
 GPU_SHAPE = dict(experts=256, hidden=7168, topk=8, max_tokens=512)  # DeepSeek-V3 layer, up to 512 tokens
 CPU_SHAPE = dict(experts_per_rank=8, hidden=128, topk=4, max_tokens=48)
+TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem puts on the nvshmem backend
 
 
 def parser() -> argparse.ArgumentParser:
@@ -678,6 +614,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 every check passed on every rank, 1 a check failed or an error was raised, "
                "2 bad options. Shapes default by backend (see the module docstring).")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="stores",
+                   help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores)")
     p.add_argument("--iters", type=int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
     p.add_argument("--check-every", type=int_at_least(1), default=100,
                    help="full check and memory sample every k-th iteration (default: 100)")
@@ -687,13 +625,16 @@ def parser() -> argparse.ArgumentParser:
                    help="Buffers to create, use once and close (default: 100; 0 skips)")
     p.add_argument("--repeat-deterministic", type=int_at_least(0), default=0,
                    help="identical deterministic rounds whose outputs must be bitwise equal (default: 0 = skip)")
-    p.add_argument("--deterministic", action="store_true", help="soak on a deterministic=True Buffer (order checked too)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="soak on a deterministic=True Buffer (order checked too)")
     p.add_argument("--experts", type=int_at_least(1), help="global experts (default: GPU 256, CPU 8 per rank)")
     p.add_argument("--hidden", type=int_at_least(1), help="hidden size (default: GPU 7168, CPU 128)")
     p.add_argument("--topk", type=int_at_least(1), help="top-k (default: GPU 8, CPU 4)")
     p.add_argument("--max-tokens", type=int_at_least(1), help="num_max_tokens_per_rank (default: GPU 512, CPU 48)")
-    p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16", help="payload dtype (default: bfloat16)")
-    p.add_argument("--alignments", type=int_list("expert alignments", 1, "1,2,8"), default=[1, 2, 8], help="expand alignments to draw from (default: 1,2,8)")
+    p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16",
+                   help="payload dtype (default: bfloat16)")
+    p.add_argument("--alignments", type=int_list("expert alignments", 1, "1,2,8"), default=[1, 2, 8],
+                   help="expand alignments to draw from (default: 1,2,8)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of every plan and input (default: 0)")
     p.add_argument("--timeout", type=float, default=60.0, help="Buffer timeout_s (default: 60)")
     p.add_argument("--mem-tolerance-mib", type=float, default=64.0,
@@ -747,11 +688,14 @@ def print_summary(summary: Dict[str, Any]) -> None:
     for name in ("soak", "determinism", "create_close"):
         if name in summary:
             p = summary[name]
-            mem = "; ".join(f"{r}: " + ", ".join(f"{k.replace('_bytes', '')} {m['start'] / MIB:.0f}->{m['end'] / MIB:.0f} "
-                                                 f"(max {m['max'] / MIB:.0f}) MiB" for k, m in metrics.items())
+            mem = "; ".join(f"{r}: " + ", ".join(f"{k.replace('_bytes', '')} {m['start'] / MIB:.0f}->"
+                                                 f"{m['end'] / MIB:.0f} (max {m['max'] / MIB:.0f}) MiB"
+                                                 for k, m in metrics.items())
                             for r, metrics in p.get("memory", {}).items())
             print(f"[ep_comm.soak] {name}: {p['failures']} failures in {p['elapsed_s']:.1f} s"
                   f"{'; memory ' + mem if mem else ''}", flush=True)
+            for note in p.get("memory_notes", []):
+                print(f"[ep_comm.soak] {name}: memory: {note}", flush=True)
     for line in summary["failures"]["first"]:
         print(f"[ep_comm.soak] FAILED {line}", flush=True)
     print(f"[ep_comm.soak] {'OK' if summary['ok'] else 'FAILED'}", flush=True)
@@ -778,9 +722,9 @@ def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> i
                                ("create_close", args.create_close, create_close_phase)):
         if count:
             phases[name] = phase(run)
-    meta = {"backend": backend, "ranks": comm.size, "shape": asdict(shape), "seed": args.seed,
-            "deterministic": args.deterministic, "check_every": args.check_every, "alignments": args.alignments,
-            "mem_tolerance_mib": args.mem_tolerance_mib}
+    meta = {"backend": backend, "transport": args.transport, "ranks": comm.size, "shape": asdict(shape),
+            "seed": args.seed, "deterministic": args.deterministic, "check_every": args.check_every,
+            "alignments": args.alignments, "mem_tolerance_mib": args.mem_tolerance_mib}
     summary = summarize(comm, meta, phases)
     if comm.rank == 0:
         print_summary(summary)

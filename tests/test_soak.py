@@ -14,8 +14,9 @@ import pytest
 from ep_comm import Buffer
 from ep_comm.bench.routing import KINDS
 from ep_comm.dtypes import PAYLOAD_DTYPES
-from ep_comm.soak import (FORCED_STEPS, ArrayIO, MemoryTrack, Shape, base_payload, check_round_trip, main, negated,
-                          plan_step, rank_inputs, round_trip)
+from ep_comm.process_memory import MemoryTrack
+from ep_comm.soak import (FORCED_STEPS, ArrayIO, Shape, base_payload, check_round_trip, main, negated, plan_step,
+                          rank_inputs, round_trip)
 from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,6 +10,7 @@ from ep_comm.bench.routing import KINDS
 from ep_comm.cli import exit_collectively, int_at_least, int_list
 
 token_list = int_list("token counts", 1, "128,512,4096")
+TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem puts on the nvshmem backend
 
 
 def sm_counts(text: str) -> List[Optional[int]]:
@@ -37,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
         description="Dispatch + combine benchmark with a round-trip check. Run under mpirun, one process per "
                     "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config, "
                     "3 the results could not be written.")
-    p.add_argument("--config", default="cpu_demo", help="config name in configs/ or a path to a .toml (default: cpu_demo)")
+    p.add_argument("--config", default="cpu_demo",
+                   help="config name in configs/ or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
     p.add_argument("--seed", type=int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
     p.add_argument("--tokens", type=int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")
@@ -45,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per point (default: 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="stores",
+                   help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
@@ -53,10 +57,11 @@ def parser() -> argparse.ArgumentParser:
                    help="SM counts for the GPU kernels, comma-separated, 'all' = every SM (Buffer(num_sms=None)); "
                         "every point runs once per count, on a Buffer of that count (default: all). The mpi "
                         "backend has no kernels: each count runs the same CPU path")
-    p.add_argument("--no-baselines", action="store_true", help="GPU: skip the NCCL baselines")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="GPU: skip the NCCL baselines (skipped anyway when ranks share a GPU)")
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: skip the CUDA graph replays of the cached cpu_sync=False dispatch and its combine "
-                        "(needed with EP_COMM_NVSHMEM_PUTS=1, which cannot be captured)")
+                        "(needed with --transport puts, which cannot be captured)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")

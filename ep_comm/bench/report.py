@@ -10,7 +10,10 @@ Conventions (printed in the report header too):
 * imbalance = max / mean of received rows over ranks;
 * every point carries its SM count: ``num_sms`` as asked (an int, or ``"all"``) and
   ``num_sms_in_effect`` (``Buffer.num_sms``: the kernels' SM count on ``nvshmem``, None on ``mpi``,
-  which has no kernels and ignores it).
+  which has no kernels and ignores it);
+* every point says whether ranks shared a GPU (``shared_gpu``); such points carry ``note`` =
+  ``"shared GPU: not an NVLink figure"`` (:data:`ep_comm.bench.shared_gpu.NOTE`) in the JSON, the
+  CSV and the text report: their bytes "from peers" never crossed NVLink.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from mpi4py import MPI
 
 from ep_comm import progress
 
+from . import shared_gpu as sharing
 from .measure import RankSample
 
 EP_OPS = ("dispatch", "combine")
@@ -49,11 +53,12 @@ def sms_label(num_sms: Optional[int]) -> str:
 
 
 def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[int] = None,
-              num_sms_in_effect: Optional[int] = None) -> Dict[str, Any]:
+              num_sms_in_effect: Optional[int] = None, shared_gpu: bool = False) -> Dict[str, Any]:
     """JSON-ready summary of one point from all ranks' samples; ``row_bytes = hidden * itemsize``.
 
     ``num_sms``: the SM count the point ran with as asked (None: all, stored as ``"all"``);
-    ``num_sms_in_effect``: ``Buffer.num_sms`` (None on the mpi backend).
+    ``num_sms_in_effect``: ``Buffer.num_sms`` (None on the mpi backend); ``shared_gpu``: ranks of the
+    run share a GPU (the point then carries ``note``, :data:`ep_comm.bench.shared_gpu.NOTE`).
     """
     recv = np.array([s.recv_rows for s in samples], dtype=np.float64)
     peers = recv - np.array([s.recv_from_self for s in samples])
@@ -66,7 +71,7 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         for op in EP_OPS
     }
     dispatch_p50 = latency["dispatch"]["p50"]
-    return {
+    point = {
         "tokens_per_rank": samples[0].num_tokens,
         "num_sms": ALL_SMS if num_sms is None else int(num_sms),
         "num_sms_in_effect": num_sms_in_effect,
@@ -87,7 +92,11 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         "graph_us": {op: _stats([s.graph_times[op] for s in samples]) for op in samples[0].graph_times},
         "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
                                   for op in latency if op not in EP_OPS + ("round_trip",)},
+        "shared_gpu": shared_gpu,
     }
+    if shared_gpu:
+        point["note"] = sharing.NOTE
+    return point
 
 
 def _fmt_bytes(n: float) -> str:
@@ -112,12 +121,19 @@ def point_title(point: Dict[str, Any]) -> str:
     return f"{point['tokens_per_rank']} tokens/rank, {point_sms(point)}"
 
 
+def note_mark(points: Sequence[Dict[str, Any]]) -> str:
+    """`` [shared GPU: not an NVLink figure]`` when one of ``points`` carries a note, else empty."""
+    notes = sorted({p["note"] for p in points if "note" in p})
+    return "".join(f" [{n}]" for n in notes)
+
+
 def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
     """The text block of one point: per-rank rows, then the aggregates."""
     lat = point["latency_us"]
     status = "OK" if point["check_passed"] else "FAILED"
-    lines = [f"== {point_title(point)}: round trip {status}",
-             f"  {'rank':>4} {'sent':>8} {'recv':>8} {'peers':>8} {'dispatch p50/p99 us':>21} {'combine p50/p99 us':>20}"]
+    lines = [f"== {point_title(point)}: round trip {status}{note_mark([point])}",
+             f"  {'rank':>4} {'sent':>8} {'recv':>8} {'peers':>8} {'dispatch p50/p99 us':>21} "
+             f"{'combine p50/p99 us':>20}"]
     for r, (sent, recv, peer) in enumerate(zip(point["rows_sent"], point["recv_rows"], point["recv_from_peers"])):
         d = f"{lat['dispatch']['p50_per_rank'][r]:.1f}/{lat['dispatch']['p99_per_rank'][r]:.1f}"
         c = f"{lat['combine']['p50_per_rank'][r]:.1f}/{lat['combine']['p99_per_rank'][r]:.1f}"
@@ -151,14 +167,15 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
 
 def format_sms_table(points: Sequence[Dict[str, Any]]) -> str:
     """Dispatch and combine p50/p99 (slowest rank) per (tokens, SM count): the ``--num-sms`` comparison."""
-    lines = ["== per SM count (slowest rank, us)",
+    lines = [f"== per SM count (slowest rank, us){note_mark(points)}",
              f"  {'tokens':>7} {'num_sms':>14} {'dispatch p50/p99':>20} {'combine p50/p99':>20}  check"]
     for p in sorted(points, key=lambda p: p["tokens_per_rank"]):
         lat = p["latency_us"]
         sms = p["num_sms"] if p["num_sms_in_effect"] in (None, p["num_sms"]) else f"all ({p['num_sms_in_effect']})"
         d = f"{lat['dispatch']['p50']:.1f}/{lat['dispatch']['p99']:.1f}"
         c = f"{lat['combine']['p50']:.1f}/{lat['combine']['p99']:.1f}"
-        lines.append(f"  {p['tokens_per_rank']:>7} {sms!s:>14} {d:>20} {c:>20}  {'ok' if p['check_passed'] else 'FAILED'}")
+        check = "ok" if p["check_passed"] else "FAILED"
+        lines.append(f"  {p['tokens_per_rank']:>7} {sms!s:>14} {d:>20} {c:>20}  {check}")
     return "\n".join(lines)
 
 
@@ -202,6 +219,7 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"graph_{op}_p50_us"], row[f"graph_{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, ratio in point["baseline_over_ep_comm"].items():
         row[f"{op}_over_ep_comm"] = ratio
+    row["shared_gpu"], row["note"] = point["shared_gpu"], point.get("note", "")
     return row
 
 
@@ -261,7 +279,8 @@ def write_plot(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"ep_comm {meta.get('config')} backend={meta.get('backend')} ranks={meta.get('ranks')}")
+    fig.suptitle(f"ep_comm {meta.get('config')} backend={meta.get('backend')} ranks={meta.get('ranks')}"
+                 f"{note_mark(points)}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

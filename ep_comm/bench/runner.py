@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -19,7 +19,7 @@ from ep_comm import Buffer
 from ep_comm.config import Config, ConfigError, load_config
 from ep_comm.dtypes import payload_dtype
 
-from . import report
+from . import report, shared_gpu
 from .measure import PointSpec, RankSample, cuda_timer, host_timer, run_point
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 3
@@ -54,18 +54,26 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
     return cfg
 
 
-def _device_path(buf: Buffer) -> Tuple[Callable, Callable[[np.ndarray], Any], str]:
-    """(timer, host->device copy, timer name) for the buffer's backend."""
+class DevicePath(NamedTuple):
+    """How a run on one backend times and feeds its calls, and which GPU this rank uses."""
+
+    timer: Callable
+    to_device: Callable[[np.ndarray], Any]  # host array -> an array of the backend
+    timer_name: str
+    gpu_id: Optional[str]  # PCI bus id of this rank's GPU, None on the mpi backend
+
+
+def _device_path(buf: Buffer) -> DevicePath:
+    """The :class:`DevicePath` of the buffer's backend (on nvshmem: CuPy's current device, the Buffer's)."""
     if buf.backend == "nvshmem":
         import cupy
 
-        return cuda_timer, cupy.asarray, "CUDA events"
-    return host_timer, lambda a: a, "host wall-clock"
+        return DevicePath(cuda_timer, cupy.asarray, "CUDA events", cupy.cuda.Device().pci_bus_id)
+    return DevicePath(host_timer, lambda a: a, "host wall-clock", None)
 
 
-def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta: Dict[str, Any]) -> Optional[Callable]:
-    """On the GPU path: measure the NVLink ceiling into ``meta`` and return the per-point NCCL
-    baseline runner, or None when ``--no-baselines`` or torch is missing (noted in ``meta``)."""
+def _nvlink_ceiling(comm: MPI.Comm, timer: Callable, meta: Dict[str, Any]) -> None:
+    """Measure the NVLink ceiling into ``meta`` (None and the error when it cannot be measured)."""
     from . import baselines
 
     try:
@@ -74,7 +82,24 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
     except Exception as exc:  # the ceiling is context, not the product: report why it is missing
         meta["nvlink_ceiling_gbps"] = None
         meta["nvlink_ceiling_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta: Dict[str, Any],
+                shared: bool) -> Optional[Callable]:
+    """On the GPU path: measure the NVLink ceiling into ``meta`` and return the per-point NCCL
+    baseline runner, or None when ``--no-baselines``, torch is missing or ranks share a GPU
+    (``shared``: neither NCCL nor the ceiling is measured then; noted in ``meta``)."""
+    from . import baselines
+
+    if shared:
+        meta["nvlink_ceiling_gbps"] = None
+        meta["nvlink_ceiling"] = shared_gpu.CEILING_SKIPPED
+    else:
+        _nvlink_ceiling(comm, timer, meta)
     if args.no_baselines:
+        return None
+    if shared:
+        meta["baselines"] = shared_gpu.BASELINES_SKIPPED
         return None
     try:
         import torch  # noqa: F401
@@ -89,14 +114,18 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
 
 
 def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec, buf: Buffer,
-          timer_name: str) -> Dict[str, Any]:
-    return {
-        "config": cfg.name, "backend": buf.backend, "ranks": comm.size, "routing": spec.routing,
-        "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden, "num_experts": cfg.num_experts,
-        "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
+          timer_name: str, shared: bool) -> Dict[str, Any]:
+    meta = {
+        "config": cfg.name, "backend": buf.backend, "transport": args.transport, "ranks": comm.size,
+        "routing": spec.routing, "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden,
+        "num_experts": cfg.num_experts, "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
         "warmup": args.warmup, "timer": timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
+        "shared_gpu": shared,
     }
+    if shared:
+        meta["note"] = shared_gpu.NOTE
+    return meta
 
 
 def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[Dict[str, Any]]) -> None:
@@ -124,13 +153,15 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
     try:
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                       num_max_tokens_per_rank=max(s.num_tokens for s in specs), dtype=cfg.dtype,
-                      backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms)
+                      backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
+                      transport=args.transport)
     except ValueError as exc:
         raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
 
 
 class _Session:
-    """What every Buffer of a run shares: timer, host->device copy, NCCL baselines, meta and points."""
+    """What every Buffer of a run shares: timer, host->device copy, whether ranks share a GPU, NCCL
+    baselines, meta and points."""
 
     def __init__(self, comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
                  progress: report.Progress):
@@ -140,13 +171,19 @@ class _Session:
         self.nccl: Optional[Callable] = None
         self.timer: Callable = host_timer
         self.device: Callable[[np.ndarray], Any] = lambda a: a
+        self.shared_gpu = False
 
     def start(self, buf: Buffer) -> None:
-        """On the first Buffer: pick the timer, fill ``meta``, measure the GPU extras."""
-        self.timer, self.device, timer_name = _device_path(buf)
-        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, timer_name)
+        """On the first Buffer (collective): pick the timer, find out whether ranks share a GPU, fill
+        ``meta``, measure the GPU extras."""
+        path = _device_path(buf)
+        self.timer, self.device = path.timer, path.to_device
+        self.shared_gpu = shared_gpu.ranks_share_a_gpu(self.comm, path.gpu_id)
+        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, path.timer_name, self.shared_gpu)
+        if self.shared_gpu and self.comm.rank == 0 and not self.args.quiet:
+            print(shared_gpu.skip_line(self.args.no_baselines), file=sys.stderr, flush=True)
         if buf.backend == "nvshmem":
-            self.nccl = _gpu_extras(self.comm, self.args, self.timer, self.meta)
+            self.nccl = _gpu_extras(self.comm, self.args, self.timer, self.meta, self.shared_gpu)
 
     def run_points(self, buf: Buffer, num_sms: Optional[int]) -> None:
         """Every point on ``buf`` (SM count ``num_sms`` as asked); rank 0 keeps the summaries."""
@@ -160,7 +197,7 @@ class _Session:
                 sample.times.update(self.nccl(spec, x, routing.topk_idx))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
             if self.comm.rank == 0:
-                self.points.append(report.summarize(samples, row_bytes, num_sms, buf.num_sms))
+                self.points.append(report.summarize(samples, row_bytes, num_sms, buf.num_sms, self.shared_gpu))
                 self.progress.finish(_summary_line(self.points[-1]))
 
     def close(self) -> None:
@@ -176,7 +213,8 @@ def _summary_line(point: Dict[str, Any]) -> str:
     used, asked = point["num_sms_in_effect"], point["num_sms"]
     sms = f"{used} SMs, " if used is not None else ("" if asked == report.ALL_SMS else "no effect on mpi, ")
     return (f"{'ok' if point['check_passed'] else 'FAILED'}, {sms}dispatch p50/p99 {lat['dispatch']['p50']:.1f}/"
-            f"{lat['dispatch']['p99']:.1f} us, combine p50/p99 {lat['combine']['p50']:.1f}/{lat['combine']['p99']:.1f} us")
+            f"{lat['dispatch']['p99']:.1f} us, combine p50/p99 {lat['combine']['p50']:.1f}/"
+            f"{lat['combine']['p99']:.1f} us")
 
 
 def _measure(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
