@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import progress
+from ep_comm.cli import progress
 
 from .measure import RankSample
 
