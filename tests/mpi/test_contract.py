@@ -75,6 +75,11 @@ def check_dispatch_outputs(world, out, opts: DispatchOptions) -> None:
     assert want.expert_counts(world.experts_per_rank).tolist() == per_expert, "reference != oracle"
 
 
+def check_compact(world, out, deterministic: bool) -> None:
+    """:func:`check_dispatch_outputs` of a compact dispatch with weights."""
+    check_dispatch_outputs(world, out, DispatchOptions(weighted=True, deterministic=deterministic))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -82,7 +87,7 @@ def test_compact_dispatch_and_combine(buffers, routing, dtype, deterministic):
     world = make_world(routing, dtype=dtype)
     buf = buffers(world, deterministic)
     out = dispatch(buf, world)
-    check_dispatch_outputs(world, out, DispatchOptions(weighted=True, deterministic=deterministic))
+    check_compact(world, out, deterministic)
     res = buf.combine(out.recv_x, out.handle)
     assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
 
