@@ -13,6 +13,9 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ep_comm.backends import resolve_backend
+from ep_comm.bench.config import available_configs
+
 # (shown name, module to import, distribution names to ask for a version when the module has none)
 PACKAGES: Sequence[Tuple[str, str, Tuple[str, ...]]] = (
     ("numpy", "numpy", ()),
@@ -94,9 +97,6 @@ def environment() -> Dict[str, str]:
 
 def report() -> str:
     """The whole text printed by ``python -m ep_comm.info``."""
-    from ep_comm.backends import resolve_backend
-    from ep_comm.config import available_configs
-
     lines = ["ep_comm info", "", "versions:"]
     lines += [f"  {k:<12} {v}" for k, v in versions().items()]
     lines += ["", f"backend='auto' resolves to: {resolve_backend('auto')}", "", "GPUs:", gpus(), "",

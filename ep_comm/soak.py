@@ -9,18 +9,19 @@ Run under mpirun, one process per rank (every rank runs the same command)::
 Three phases, each on its own Buffer(s):
 
 1. **soak** (``--iters``): every iteration draws a plan shared by all ranks (from ``(seed, iteration)``,
-   no communication): routing kind (uniform / hot / Zipf, ``ep_comm.bench.routing``), masked entries
+   no communication): routing kind (uniform / hot / Zipf, ``ep_comm.testing.routing``), masked entries
    and tokens going nowhere, per-rank token counts in ``[0, max_tokens]`` (some ranks empty),
    compact or expand with an alignment of ``--alignments``, zero padding, ``cpu_sync``, weights,
    a cached replay. Every ``--check-every``-th iteration is checked in full: each rank rebuilds
    every rank's inputs from the seed and checks its received rows (each (token, rank) and
-   (token, expert) pair exactly once, byte-exact, in order when deterministic) with
-   ``ep_comm.layout``, and the combine (bias, weights, the experts' output negated on odd ranks)
-   bit for bit with ``ep_comm.reduce``. (With bfloat16 and two ranks the float32 sums are exact, so
-   the order of the rank terms cannot show: ``--dtype float32`` checks it.) The memory this process
-   holds (host RSS; GPU: CuPy pool bytes in use and this process's device memory per NVML, see
-   ``ep_comm.process_memory``; the GPU-wide figure is reported only) is sampled; after ``--warmup``
-   iterations it must stay within ``--mem-tolerance-mib`` of its value at the end of the warm-up.
+   (token, expert) pair exactly once, byte-exact, in order when deterministic) and the combine
+   (bias, weights, the experts' output negated on odd ranks) bit for bit with the shared checker
+   ``ep_comm.testing.check`` (the NumPy reference ``ep_comm.layout`` / ``ep_comm.reduce``). (With
+   bfloat16 and two ranks the float32 sums are exact, so the order of the rank terms cannot show:
+   ``--dtype float32`` checks it.) The memory this process holds (host RSS; GPU: CuPy pool bytes in
+   use and this process's device memory per NVML, see ``ep_comm.process_memory``; the GPU-wide
+   figure is reported only) is sampled; after ``--warmup`` iterations it must stay within
+   ``--mem-tolerance-mib`` of its value at the end of the warm-up.
 2. **determinism** (``--repeat-deterministic N``): a ``deterministic=True`` Buffer dispatches and
    combines the same inputs (hot expert, full ranks, compact and expand) N times; every output,
    handle field and combine result must be bitwise identical to the first repetition's.
@@ -45,16 +46,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import layout as lay
-from .cli import exit_collectively, int_at_least, int_list
-from .process_memory import MIB, MemoryProbe, MemoryTrack, memory_failures
-from .progress import Progress
-from .bench.measure import expected_round_trip, first_mismatch
-from .bench.routing import KINDS, make_routing
 from .backends import BACKENDS, resolve_backend
 from .buffer import Buffer
-from .dtypes import PAYLOAD_DTYPES, payload_dtype
+from .cli import exit_collectively, int_at_least, int_list
+from .cli.progress import Progress
+from .dtypes import payload_dtype
 from .host import to_host
+from .process_memory import MIB, MemoryProbe, MemoryTrack, memory_failures
+from .testing.check import DispatchOptions, Sources, check_round_trip, same_bytes
+from .testing.dtypes import DTYPE_NAMES
+from .testing.routing import KINDS, make_routing, mask_routing, random_payload, token_count
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_REPORTED_FAILURES = 20  # failure lines kept in the summary (all ranks; the count covers all)
@@ -78,7 +79,7 @@ class Step:
     """One iteration's plan, the same on every rank (drawn from ``(seed, index)``)."""
 
     index: int
-    routing: str  # ep_comm.bench.routing kind
+    routing: str  # ep_comm.testing.routing kind
     mask_rate: float  # share of top-k entries set to -1
     nowhere_rate: float  # share of tokens with every entry -1
     token_mode: str  # random | full | some_empty | small
@@ -92,7 +93,8 @@ class Step:
     check: bool  # full check of this iteration
 
     def describe(self) -> str:
-        mode = f"expand align={self.alignment}{' zero_padding' if self.zero_padding else ''}" if self.expand else "compact"
+        padding = " zero_padding" if self.zero_padding else ""
+        mode = f"expand align={self.alignment}{padding}" if self.expand else "compact"
         flags = [f for f, on in (("cpu_sync=False", not self.cpu_sync), ("weights", self.weights),
                                  ("bias", self.bias), ("replay", self.replay)) if on]
         return (f"iteration {self.index} [{self.routing}, {mode}, tokens {self.token_mode}, mask {self.mask_rate}, "
@@ -138,34 +140,20 @@ class RankInputs:
     topk_weights: np.ndarray  # [T, K] float32
 
 
-def num_tokens(step: Step, max_tokens: int, rng: np.random.Generator, rank: int) -> int:
-    """This rank's token count in ``[0, max_tokens]`` under ``step.token_mode``."""
-    if step.token_mode == "full":
-        return max_tokens
-    if step.token_mode == "some_empty" and (rank + step.index) % 2 == 0:
-        return 0
-    high = min(max_tokens, 8) if step.token_mode == "small" else max_tokens
-    return int(rng.integers(0, high + 1))
-
-
 def rank_inputs(shape: Shape, step: Step, seed: int, rank: int, base_rows: int) -> RankInputs:
     """``rank``'s inputs of ``step``: a function of ``(seed, step, rank)``, so every rank can rebuild anyone's."""
     rng = np.random.default_rng((seed, step.index, rank + 1))
-    t = num_tokens(step, shape.max_tokens, rng, rank)
+    t = token_count(step.token_mode, shape.max_tokens, rng, rank, turn=step.index)
     routing = make_routing(step.routing, t, shape.num_experts, shape.num_topk, seed=(seed, step.index, rank, 1),
                            hot_expert=(seed + step.index) % shape.num_experts)
-    idx = routing.topk_idx
-    idx[rng.random(idx.shape) < step.mask_rate] = -1
-    idx[rng.random(t) < step.nowhere_rate] = -1
+    idx = mask_routing(routing.topk_idx, rng, entry_rate=step.mask_rate, token_rate=step.nowhere_rate)
     return RankInputs(rng.integers(0, base_rows, t), idx, routing.topk_weights)
 
 
 def base_payload(shape: Shape, seed: int) -> np.ndarray:
     """``[2 * max_tokens, H]`` payload rows every iteration picks its tokens from; some entries are -0.0."""
-    rng = np.random.default_rng((seed, 1 << 30))
-    x = rng.standard_normal((2 * shape.max_tokens, shape.hidden), dtype=np.float32)
-    x[rng.random(x.shape) < 0.01] = -0.0
-    return x.astype(payload_dtype(shape.dtype))
+    return random_payload(np.random.default_rng((seed, 1 << 30)), (2 * shape.max_tokens, shape.hidden),
+                          payload_dtype(shape.dtype), negative_zero_rate=0.01)
 
 
 def replay_rows(rows: np.ndarray, base_rows: int) -> np.ndarray:
@@ -191,15 +179,6 @@ def expert_output(xp, rows, rank: int, expand: bool):
 
 
 # ------------------------------------------------------------------ arrays
-def same_bytes(a, b, xp=np) -> bool:
-    """Both None, or equal shapes and bytes; ``xp`` (NumPy or CuPy) compares where the arrays live."""
-    if a is None or b is None:
-        return a is None and b is None
-    a, b = xp.asarray(a), xp.asarray(b)
-    return a.shape == b.shape and bool(xp.array_equal(xp.ascontiguousarray(a).reshape(-1).view(xp.uint8),
-                                                      xp.ascontiguousarray(b).reshape(-1).view(xp.uint8)))
-
-
 class ArrayIO:
     """Host <-> backend arrays. The payload base lives on the backend as raw bytes ``[rows, H*itemsize]``
     uint8 and is gathered there by row (CuPy kernels need no bfloat16 support for that)."""
@@ -225,175 +204,15 @@ class ArrayIO:
 
 
 # ------------------------------------------------------------------ checks
-@dataclass
-class HostDispatch:
-    """Host copies of a dispatch's outputs (``N`` compact rows, ``rows`` = rows of ``recv_x``)."""
-
-    recv_x: np.ndarray  # [rows, H] payload
-    recv_idx: np.ndarray  # [rows, K] compact, [rows] expand
-    recv_w: Optional[np.ndarray]  # float32, shaped like recv_idx
-    meta: np.ndarray  # [N or worst case, 2+K] int32
-    psum_rank: np.ndarray  # [R]
-    psum_expert: np.ndarray  # [L]
-    aligned: np.ndarray  # [L]
-    unaligned: np.ndarray  # [L]
-    num_recv: int
-    num_expanded: int
-
-    @classmethod
-    def of(cls, out) -> "HostDispatch":
-        h = out.handle
-        return cls(to_host(out.recv_x), to_host(out.recv_topk_idx),
-                   None if out.recv_topk_weights is None else to_host(out.recv_topk_weights),
-                   to_host(h.recv_src_metadata), to_host(h.psum_num_recv_tokens_per_rank),
-                   to_host(h.psum_num_recv_tokens_per_expert), to_host(h.num_recv_tokens_per_expert),
-                   to_host(h.num_unaligned_recv_tokens_per_expert), int(to_host(h.num_recv_tokens)),
-                   int(to_host(h.num_expanded_tokens)))
-
-
-@dataclass
-class Expected:
-    """What one rank must receive in one iteration, in ascending (source rank, source token) order."""
-
-    counts: np.ndarray  # [R] rows from each source
-    origin: np.ndarray  # [N] int64 src_rank * max_tokens + src_token (ascending)
-    x: np.ndarray  # [N, H] payload rows
-    local: np.ndarray  # [N, K] int64 local expert ids on the receiver, -1 elsewhere
-    weights: np.ndarray  # [N, K] float32
-
-    def reorder(self, pos: np.ndarray) -> "Expected":
-        """The rows in the order ``pos`` (positions in this ascending order)."""
-        return Expected(self.counts, self.origin[pos], self.x[pos], self.local[pos], self.weights[pos])
-
-
-def expected_receive(shape: Shape, world: Sequence[RankInputs], payloads: Sequence[np.ndarray], me: int) -> Expected:
-    """With ``ep_comm.layout``, from every rank's inputs and payload ``[T_r, H]``: the rows ``me`` receives."""
-    num_ranks = len(world)
-    sent = [np.nonzero(lay.is_token_in_rank(w.topk_idx, shape.num_experts, num_ranks)[:, me])[0] for w in world]
-    return Expected(
-        counts=np.array([len(s) for s in sent], dtype=np.int64),
-        origin=np.concatenate([r * shape.max_tokens + s for r, s in enumerate(sent)]).astype(np.int64),
-        x=np.concatenate([p[s] for p, s in zip(payloads, sent)]),
-        local=np.concatenate([lay.local_topk(w.topk_idx[s], me, shape.num_experts // num_ranks)
-                              for w, s in zip(world, sent)]),
-        weights=np.concatenate([w.topk_weights[s] for w, s in zip(world, sent)]),
-    )
-
-
-def match_rows(want: Expected, got: HostDispatch, max_tokens: int, deterministic: bool) -> tuple:
-    """``(positions in want of the received rows, problems)``: every (token, rank) pair exactly once,
-    grouped by source rank, in order when deterministic. Positions are None when they cannot be matched."""
-    n = int(want.counts.sum())
-    if not np.array_equal(got.psum_rank, lay.inclusive_psum(want.counts)) or got.num_recv != n:
-        return None, [f"rows per source: psum {got.psum_rank.tolist()} ({got.num_recv} rows), "
-                      f"expected {lay.inclusive_psum(want.counts).tolist()} ({n} rows)"]
-    origin = got.meta[:n, 0].astype(np.int64)
-    pos = np.minimum(np.searchsorted(want.origin, origin), max(n - 1, 0))
-    if n and (not np.array_equal(want.origin[pos], origin) or len(np.unique(pos)) != n):
-        return None, ["received (token, rank) pairs differ from the routing (missing or duplicated)"]
-    problems = []
-    if not np.array_equal(origin // max_tokens, np.repeat(np.arange(len(want.counts)), want.counts)):
-        problems.append("rows are not grouped by source rank")
-    if deterministic and not np.array_equal(pos, np.arange(n)):
-        problems.append("deterministic rows are not in (source rank, source token) order")
-    if not (got.meta[n:] == -1).all():
-        problems.append("unused metadata rows are not -1")
-    return pos, problems
-
-
-def check_compact(step: Step, want: Expected, got: HostDispatch, worst_rows: int) -> List[str]:
-    """Compact outputs of the rows in received order (``want`` reordered): payload, local ids, weights."""
-    n = got.num_recv
-    problems = []
-    if len(got.recv_x) != (n if step.cpu_sync else worst_rows):
-        problems.append(f"recv_x has {len(got.recv_x)} rows, expected {n if step.cpu_sync else worst_rows}")
-    if not same_bytes(got.recv_x[:n], want.x):
-        problems.append("recv_x payload differs from the source rows")
-    if not np.array_equal(got.recv_idx[:n], want.local) or not (got.recv_idx[n:] == -1).all():
-        problems.append("recv_topk_idx differs from the local expert ids (or unused rows are not -1)")
-    on_me = want.local >= 0
-    if step.weights and not np.array_equal(got.recv_w[:n][on_me], want.weights[on_me]):
-        problems.append("recv_topk_weights differ from the source weights")
-    if not (got.meta[:n, 2:] == -1).all():
-        problems.append("compact metadata columns 2.. are not -1")
-    return problems
-
-
-def check_expand(step: Step, want: Expected, got: HostDispatch, num_local: int, worst_rows: int,
-                 deterministic: bool) -> List[str]:
-    """Expand outputs: each (token, local expert) pair once, in its expert's aligned block, byte-exact."""
-    align = step.alignment
-    counts = np.bincount(want.local[want.local >= 0], minlength=num_local)
-    psum = lay.expert_psum(counts, align, True)
-    rows = int(lay.align_up(counts, align).sum())
-    if not (np.array_equal(got.unaligned, counts) and np.array_equal(got.aligned, lay.align_up(counts, align))
-            and np.array_equal(got.psum_expert, psum) and got.num_expanded == rows):
-        return [f"per-expert counts {got.unaligned.tolist()} / psum {got.psum_expert.tolist()} / "
-                f"{got.num_expanded} rows, expected {counts.tolist()} / {psum.tolist()} / {rows}"]
-    n, problems = got.num_recv, []
-    if len(got.recv_x) != (rows if step.cpu_sync else worst_rows):
-        problems.append(f"recv_x has {len(got.recv_x)} rows, expected {rows if step.cpu_sync else worst_rows}")
-    erow = got.meta[:n, 2:].astype(np.int64)
-    if not np.array_equal(erow >= 0, want.local >= 0):
-        return problems + ["expanded rows (metadata columns 2..) do not match the entries on this rank"]
-    r, k = np.nonzero(want.local >= 0)
-    expert, dest = want.local[r, k], erow[r, k]
-    start = lay.expert_starts(psum, align)[expert]
-    if not ((dest >= start) & (dest < start + counts[expert])).all() or len(np.unique(dest)) != len(dest):
-        return problems + ["expanded rows outside their expert's block, or shared"]
-    if not same_bytes(got.recv_x[dest], want.x[r]) or not np.array_equal(got.recv_idx[dest], expert):
-        problems.append("expanded rows differ from their source rows / experts")
-    if step.weights and not np.array_equal(got.recv_w[dest], want.weights[r, k]):
-        problems.append("expanded weights differ from the source weights")
-    if deterministic and not np.array_equal(erow, lay.receive_layout(want.local, num_local, align, True).expanded_row):
-        problems.append("deterministic expanded rows are not in (source rank, source token) order")
-    pad = np.ones(len(got.recv_x), dtype=bool)
-    pad[dest] = False
-    if not (got.recv_idx[pad] == -1).all():
-        problems.append("padding / unused rows of recv_topk_idx are not -1")
-    if step.zero_padding and np.ascontiguousarray(got.recv_x[:rows][pad[:rows]]).view(np.uint8).any():
-        problems.append("padding rows are not zero")
-    return problems
-
-
-def expected_combine(x: np.ndarray, topk_idx: np.ndarray, weights: Optional[np.ndarray], bias: Optional[np.ndarray],
-                     num_experts: int, num_ranks: int, expand: bool) -> np.ndarray:
-    """``[T, H]``: the combine of ``expert_output(recv_x)`` for tokens ``x [T, H]`` routed by ``topk_idx [T, K]``,
-    in ``ep_comm.reduce``'s float32 order; expand partials weighted by ``weights [T, K]`` when given."""
-    return expected_round_trip(x, topk_idx, num_experts, num_ranks, expand, weights=weights, bias=bias,
-                               sent_back=lambda r, rows: expert_output(np, rows, r, expand))
-
-
-def check_combine(step: Step, mine: RankInputs, x: np.ndarray, bias: Optional[np.ndarray], res, num_ranks: int,
-                  num_experts: int) -> List[str]:
-    """The combine bit for bit against ``expected_combine``; compact weights gathered back."""
-    weights = mine.topk_weights if step.weights else None
-    want = expected_combine(x, mine.topk_idx, weights, bias, num_experts, num_ranks, step.expand)
-    problem = first_mismatch(to_host(res.x), want)
-    problems = [] if problem is None else [f"combine differs: {problem}"]
-    if step.weights and not step.expand:
-        want = np.where(mine.topk_idx >= 0, mine.topk_weights, 0).astype(np.float32)
-        if not np.array_equal(to_host(res.topk_weights), want):
-            problems.append("combine's topk_weights differ from the dispatched weights")
-    return problems
-
-
-def check_round_trip(shape: Shape, step: Step, world: Sequence[RankInputs], payloads: Sequence[np.ndarray],
-                     bias: Optional[np.ndarray], out, res, me: int, deterministic: bool) -> List[str]:
-    """Every check of one dispatch + combine on rank ``me``; returns the problems found."""
-    num_ranks = len(world)
-    got = HostDispatch.of(out)
-    want = expected_receive(shape, world, payloads, me)
-    pos, problems = match_rows(want, got, shape.max_tokens, deterministic)
-    if pos is not None:
-        want = want.reorder(pos)
-        num_local = shape.num_experts // num_ranks
-        if step.expand:
-            worst = lay.worst_case_expanded_rows(num_ranks, shape.max_tokens, shape.num_topk, num_local, step.alignment)
-            problems += check_expand(step, want, got, num_local, worst, deterministic)
-        else:
-            problems += check_compact(step, want, got, lay.worst_case_recv_rows(num_ranks, shape.max_tokens))
-    return problems + check_combine(step, world[me], payloads[me], bias, res, num_ranks, shape.num_experts)
+def check_step(shape: Shape, step: Step, world: Sequence[RankInputs], payloads: Sequence[np.ndarray],
+               bias: Optional[np.ndarray], out, res, me: int, deterministic: bool) -> List[str]:
+    """Every check of one dispatch + combine of ``step`` on rank ``me`` (``ep_comm.testing.check``), from every
+    rank's inputs ``world`` and payloads ``[T_r, H]``; returns the problems found."""
+    sources = Sources(shape.num_experts, shape.max_tokens, [w.topk_idx for w in world], payloads,
+                      [w.topk_weights for w in world])
+    opts = DispatchOptions(step.expand, step.alignment, step.zero_padding, step.cpu_sync, step.weights, deterministic)
+    return check_round_trip(sources, me, opts, out, res, () if bias is None else (bias,),
+                            sent_back=lambda r, rows: expert_output(np, rows, r, step.expand))
 
 
 # ------------------------------------------------------------------ one iteration
@@ -426,7 +245,7 @@ def run_step(buf: Buffer, io: ArrayIO, shape: Shape, step: Step, base: np.ndarra
     problems = []
     for i, ((out, res), rows_of) in enumerate(zip(runs, payload_rows)):
         payloads = [base[rows_of(w.rows)] for w in world]
-        found = check_round_trip(shape, step, world, payloads, host_bias, out, res, me, buf.deterministic)
+        found = check_step(shape, step, world, payloads, host_bias, out, res, me, buf.deterministic)
         problems += [f"rank {me}: {step.describe()}{' replay' if i else ''}: {p}" for p in found]
     if step.replay and not np.array_equal(to_host(runs[1][0].handle.recv_src_metadata),
                                           to_host(runs[0][0].handle.recv_src_metadata)):
@@ -631,8 +450,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int_at_least(1), help="hidden size (default: GPU 7168, CPU 128)")
     p.add_argument("--topk", type=int_at_least(1), help="top-k (default: GPU 8, CPU 4)")
     p.add_argument("--max-tokens", type=int_at_least(1), help="num_max_tokens_per_rank (default: GPU 512, CPU 48)")
-    p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16",
-                   help="payload dtype (default: bfloat16)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="payload dtype (default: bfloat16)")
     p.add_argument("--alignments", type=int_list("expert alignments", 1, "1,2,8"), default=[1, 2, 8],
                    help="expand alignments to draw from (default: 1,2,8)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of every plan and input (default: 0)")

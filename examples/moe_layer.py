@@ -30,14 +30,13 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm.backends import BACKENDS
 from ep_comm.cli import exit_collectively, int_at_least
-from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.layout import expert_starts
+from ep_comm.testing.dtypes import DTYPE_NAMES, RELATIVE_ERROR_BOUND
 
 Array = Any  # numpy.ndarray, cupy.ndarray or torch.Tensor, as the ArrayOps in use makes them
 
-# Bound on the relative error ||out - reference|| / ||reference|| over all ranks' tokens: the payload's
-# rounding of x, of the expert outputs and of the combined result (float32: GEMM summation order only).
-RELATIVE_ERROR_BOUND = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}
+# The relative error ||out - reference|| / ||reference|| over all ranks' tokens is held to the dtype's
+# RELATIVE_ERROR_BOUND: the payload's rounding of x, of the expert outputs and of the combined result.
 # Bound on the router's distance from the reference top-k (float32 vs float64 softmax probabilities).
 ROUTER_ERROR_BOUND = 1e-5
 
@@ -270,7 +269,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int_at_least(1), default=4, help="experts per token K (default: 4)")
     p.add_argument("--alignment", type=int_at_least(1), default=8,
                    help="expert_alignment: rows per expert block rounded up to it (default: 8)")
-    p.add_argument("--dtype", choices=sorted(PAYLOAD_DTYPES), default="bfloat16", help="payload dtype (default: bfloat16)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="payload dtype (default: bfloat16)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="ep_comm backend: auto = nvshmem where a GPU stack is found, else mpi (default: auto)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of weights and tokens (default: 0)")
@@ -298,7 +297,8 @@ def run(args: argparse.Namespace, make_ops: Callable[[ep_comm.Buffer], ArrayOps]
                         num_max_tokens_per_rank=max(args.tokens, 1), dtype=args.dtype, backend=args.backend) as buf:
         ops = make_ops(buf)
         layer = MoELayer(buf, params, ops, args.alignment)
-        host_x = np.random.default_rng((args.seed, 1, comm.rank)).standard_normal((args.tokens, args.hidden), np.float32)
+        rng = np.random.default_rng((args.seed, 1, comm.rank))
+        host_x = rng.standard_normal((args.tokens, args.hidden), np.float32)
         x = ops.to_payload(ops.asarray(host_x))
         check = check_layer(comm, ops, params, x, layer.forward(x))
         backend = buf.backend

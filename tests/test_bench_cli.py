@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from ep_comm.bench.__main__ import parser
-from ep_comm.bench.measure import RankSample, expected_round_trip, first_mismatch
+from ep_comm.bench.measure import RankSample
 from ep_comm.bench.report import Progress, csv_row, summarize
-from ep_comm.bench.routing import uniform_routing
 from ep_comm.dtypes import payload_dtype
+from ep_comm.testing import expected_round_trip, first_mismatch, uniform_routing
 from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]

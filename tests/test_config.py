@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_comm.config import ConfigError, available_configs, load_config
+from ep_comm.bench.config import ConfigError, available_configs, load_config
 
 SHIPPED = {
     # name: (num_experts, hidden, num_topk, tokens_per_rank)

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ep_comm.testing.dtypes import RELATIVE_ERROR_BOUND
 from examples import moe_layer
 from examples.moe_layer import ArrayOps, MoELayer, parse_args, run
 from helpers.mpirun import launcher, run_job
@@ -89,7 +90,7 @@ def test_bfloat16_casts_match_ml_dtypes():
 
 def test_the_check_passes_on_one_rank(capsys):
     status, relative, router = run_one_rank(capsys)
-    assert status == 0 and relative < moe_layer.RELATIVE_ERROR_BOUND["float32"] and router < moe_layer.ROUTER_ERROR_BOUND
+    assert status == 0 and relative < RELATIVE_ERROR_BOUND["float32"] and router < moe_layer.ROUTER_ERROR_BOUND
 
 
 def test_the_check_catches_a_wrong_output(monkeypatch, capsys):
@@ -103,4 +104,4 @@ def test_the_check_catches_a_wrong_routing(monkeypatch, capsys):
     route = moe_layer.route
     monkeypatch.setattr(moe_layer, "route", lambda ops, x, w_gate, k: route(ops, x, -w_gate, k))  # bottom-k experts
     status, relative, router = run_one_rank(capsys)
-    assert status == 1 and relative < moe_layer.RELATIVE_ERROR_BOUND["float32"] and router > 0.1
+    assert status == 1 and relative < RELATIVE_ERROR_BOUND["float32"] and router > 0.1

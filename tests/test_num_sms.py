@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.backends.nvshmem import grid_shape, sms_in_effect
-from ep_comm.bench.routing import uniform_routing
+from ep_comm.testing.routing import uniform_routing
 from ep_comm.validate import check_num_sms, check_num_sms_fits
 
 SHAPE = dict(num_experts=8, hidden=16, num_topk=2, num_max_tokens_per_rank=8, dtype="float32")

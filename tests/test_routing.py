@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_comm.bench.routing import hot_routing, make_routing, uniform_routing, zipf_routing
+from ep_comm.testing.routing import hot_routing, make_routing, uniform_routing, zipf_routing
 
 
 def check_routing(routing, num_tokens, num_experts, num_topk):

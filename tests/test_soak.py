@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from ep_comm import Buffer
-from ep_comm.bench.routing import KINDS
 from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.process_memory import MemoryTrack
-from ep_comm.soak import (FORCED_STEPS, ArrayIO, Shape, base_payload, check_round_trip, main, negated, plan_step,
-                          rank_inputs, round_trip)
+from ep_comm.soak import (FORCED_STEPS, ArrayIO, Shape, base_payload, check_step, main, negated, plan_step, rank_inputs,
+                          round_trip)
+from ep_comm.testing.routing import KINDS
 from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def one_checked_round_trip(step_index: int):
     bias = base[(mine.rows + 2) % len(base)]
 
     def check(o=out, r=res):
-        return check_round_trip(shape, step, [mine], [base[mine.rows]], bias, o, r, 0, True)
+        return check_step(shape, step, [mine], [base[mine.rows]], bias, o, r, 0, True)
 
     return check, out, res
 
@@ -107,7 +107,8 @@ def test_checks_catch_wrong_outputs(step_index):
     assert check(replace(out, recv_x=swapped))
     meta = out.handle.recv_src_metadata.copy()
     meta[0, 0] = meta[1, 0]
-    assert any("missing or duplicated" in p for p in check(replace(out, handle=replace(out.handle, recv_src_metadata=meta))))
+    duplicated = replace(out, handle=replace(out.handle, recv_src_metadata=meta))
+    assert any("missing or duplicated" in p for p in check(duplicated))
     off = res.x.copy()
     off.view(np.uint32)[0, 0] ^= 1
     assert any("combine differs" in p for p in check(r=replace(res, x=off)))

@@ -6,8 +6,8 @@ from typing import List, Optional
 
 from ep_comm.backends import BACKENDS
 from ep_comm.bench.report import ALL_SMS
-from ep_comm.bench.routing import KINDS
 from ep_comm.cli import exit_collectively, int_at_least, int_list
+from ep_comm.testing.routing import KINDS
 
 token_list = int_list("token counts", 1, "128,512,4096")
 TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem puts on the nvshmem backend
@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
                     "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config, "
                     "3 the results could not be written.")
     p.add_argument("--config", default="cpu_demo",
-                   help="config name in configs/ or a path to a .toml (default: cpu_demo)")
+                   help="config name in ep_comm/bench/configs/ or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
     p.add_argument("--seed", type=int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
     p.add_argument("--tokens", type=int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")

@@ -1,9 +1,8 @@
 """One rank's part of a benchmark point: inputs, the round-trip check, counts and timings.
 
-The round trip is ``combine(dispatch(x).recv_x)`` without weights: compact mode returns
-``x * (ranks the token reached)``, expand mode ``x * (experts the token picked)``, each summed in
-the contract's float32 order and rounded to the payload dtype. The expected result is computed
-with the reference arithmetic of ``ep_comm.reduce`` and compared bit for bit.
+The round trip is ``combine(dispatch(x).recv_x)`` without weights; its expected result
+(``ep_comm.testing.expected_round_trip``, the reference arithmetic of ``ep_comm.reduce``) is compared
+bit for bit, and the rows received per source rank against what the sources counted.
 """
 from __future__ import annotations
 
@@ -14,12 +13,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import layout as lay
 from ep_comm.dtypes import payload_dtype
 from ep_comm.host import to_host
-from ep_comm.reduce import combine_rows, expand_partials
-
-from .routing import Routing, make_routing
+from ep_comm.testing import Routing, check_counts, expected_round_trip, first_mismatch, make_routing, random_payload
 
 Timer = Callable[[Callable[[], Any]], Tuple[Any, float]]
 
@@ -83,61 +79,9 @@ def make_inputs(spec: PointSpec, rank: int) -> Tuple[np.ndarray, Routing]:
     """This rank's tokens ``x [T, H]`` (payload dtype) and routing; seeded by ``(seed, rank)``."""
     routing = make_routing(spec.routing, spec.num_tokens, spec.num_experts, spec.num_topk,
                            seed=(spec.seed, rank), zipf_s=spec.zipf_s, hot_expert=spec.hot_expert)
-    rng = np.random.default_rng((spec.seed, rank, 1))
-    x = rng.standard_normal((spec.num_tokens, spec.hidden), dtype=np.float32).astype(payload_dtype(spec.dtype))
+    x = random_payload(np.random.default_rng((spec.seed, rank, 1)), (spec.num_tokens, spec.hidden),
+                       payload_dtype(spec.dtype))
     return x, routing
-
-
-def expected_round_trip(x: np.ndarray, topk_idx: np.ndarray, num_experts: int, num_ranks: int, expand: bool,
-                        weights: Optional[np.ndarray] = None, bias: Optional[np.ndarray] = None,
-                        sent_back: Optional[Callable[[int, np.ndarray], np.ndarray]] = None) -> np.ndarray:
-    """``[T, H]`` payload dtype: what ``combine(dispatch(x).recv_x)`` must return (unweighted, no bias by default).
-
-    Rank ``r``'s partial for token ``t`` is ``sent_back(r, x)[t]`` (compact; ``sent_back`` defaults to
-    ``x`` unchanged) or ``x[t]`` summed once per entry of ``t`` on ``r`` in top-k order, times the
-    entry's weight when ``weights [T, K]`` is given (expand); partials are summed in rank order
-    after ``bias``, in ``ep_comm.reduce``'s float32 order.
-    """
-    reached = lay.is_token_in_rank(topk_idx, num_experts, num_ranks)
-    bias_terms = () if bias is None else (bias,)
-    if not expand:
-        rows = [x if sent_back is None else sent_back(r, x) for r in range(num_ranks)]
-        return combine_rows(rows, reached, bias_terms, x.dtype)
-    ranks = lay.entry_ranks(topk_idx, num_experts // num_ranks)
-    if weights is None:  # each entry reads its token's row of x
-        y, row, flat_w = x, np.broadcast_to(np.arange(len(x))[:, None], topk_idx.shape), None
-    else:  # one row of np.repeat(x, K) per (token, entry), so that each has its own weight
-        num_tokens, k = topk_idx.shape
-        y, row, flat_w = np.repeat(x, k, axis=0), np.arange(num_tokens * k).reshape(num_tokens, k), weights.reshape(-1)
-    partials = [expand_partials(y, np.where(ranks == r, row, -1), flat_w, x.dtype) for r in range(num_ranks)]
-    return combine_rows(partials, reached, bias_terms, x.dtype)
-
-
-def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
-    """None when ``got`` equals ``want`` bit for bit, else a description of the first differing element."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"shape/dtype {got.shape} {got.dtype}, expected {want.shape} {want.dtype}"
-    diff = np.ascontiguousarray(got).view(np.uint8) != np.ascontiguousarray(want).view(np.uint8)
-    if not diff.any():
-        return None
-    t, b = np.argwhere(diff)[0]
-    h = b // got.dtype.itemsize
-    return f"token {t} hidden {h}: got {float(got[t, h])!r}, expected {float(want[t, h])!r}"
-
-
-def check_counts(comm: MPI.Comm, sent_per_rank: np.ndarray, got: np.ndarray, out: Any, expand: bool) -> List[str]:
-    """Rows received from each source (``got [R]``) must equal what that source counted for this
-    rank, and ``recv_x`` must have the handle's number of rows (compact or expanded)."""
-    want = np.asarray(comm.alltoall([int(c) for c in sent_per_rank]))
-    failures = []
-    if not np.array_equal(got, want):
-        failures.append(f"rows per source rank {got.tolist()}, sources sent {want.tolist()}")
-    if int(out.handle.num_recv_tokens) != int(want.sum()):
-        failures.append(f"num_recv_tokens={int(out.handle.num_recv_tokens)}, sources sent {int(want.sum())}")
-    rows = int(out.handle.num_expanded_tokens if expand else out.handle.num_recv_tokens)
-    if len(out.recv_x) != rows:
-        failures.append(f"recv_x has {len(out.recv_x)} rows, the handle says {rows}")
-    return failures
 
 
 def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: int, iters: int,

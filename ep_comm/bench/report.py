@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import progress
+from ep_comm.cli import progress
 
 from . import shared_gpu as sharing
 from .measure import RankSample

@@ -16,10 +16,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ep_comm import Buffer
-from ep_comm.config import Config, ConfigError, load_config
 from ep_comm.dtypes import payload_dtype
 
 from . import report, shared_gpu
+from .config import Config, ConfigError, load_config
 from .measure import PointSpec, RankSample, cuda_timer, host_timer, run_point
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 3

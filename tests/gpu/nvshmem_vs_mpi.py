@@ -1,7 +1,8 @@
 """Run on every rank of ``mpirun -np N`` on GPUs: the nvshmem backend against the mpi backend.
 
 Both backends run the same routings on the same inputs; every output, handle field and combine
-result must match bit for bit (deterministic mode). Then: PyTorch tensors in (DLPack), a
+result must match bit for bit (deterministic mode), and the nvshmem dispatch passes the shared checker
+(``ep_comm.testing.check``) against every rank's inputs. Then: PyTorch tensors in (DLPack), a
 non-deterministic buffer (combine still bit-exact), CUDA graph replays, and last a timeout: rank 1 skips a dispatch,
 rank 0 must raise ep_comm.TimeoutError naming rank 1, and everyone must get out without a hang.
 Prints ``RANK r OK`` lines and exits non-zero on the first mismatch.
@@ -18,10 +19,12 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.bench.measure import captured
+from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch
+from ep_comm.testing.dtypes import DTYPES
+from ep_comm.testing.routing import make_routing, mask_routing
 
 COMM = MPI.COMM_WORLD
 RANK, WORLD = COMM.rank, COMM.size
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 def host(a):
@@ -46,18 +49,16 @@ def same(name: str, a, b) -> None:
 
 
 def routing(seed: int, tokens: int, experts: int, topk: int, masked: bool) -> np.ndarray:
+    """This rank's ``[T, K]`` int64 uniform routing; ``masked``: 30 % of the entries and all of token 0 are -1."""
     rng = np.random.default_rng(seed * 100 + RANK)
-    idx = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)]).astype(np.int64) \
-        if tokens else np.zeros((0, topk), np.int64)
-    if masked and tokens:
-        idx[rng.random(idx.shape) < 0.3] = -1
-        idx[0] = -1
-    return idx
+    idx = make_routing("uniform", tokens, experts, topk, seed=rng).topk_idx
+    return mask_routing(idx, rng, entry_rate=0.3, first_tokens=1) if masked else idx
 
 
 def compare_handles(tag: str, hm, hn) -> None:
-    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
-                  "recv_src_metadata", "dst_buffer_slot_idx", "num_recv_tokens", "num_expanded_tokens", "num_out_rows"):
+    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx", "num_recv_tokens",
+                  "num_expanded_tokens", "num_out_rows"):
         same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
     same(f"{tag} handle.num_recv_tokens_per_expert", np.asarray(hm.num_recv_tokens_per_expert),
          np.asarray(host(hn.num_recv_tokens_per_expert) if isinstance(hn.num_recv_tokens_per_expert, cp.ndarray)
@@ -68,7 +69,8 @@ def one_case(bufs, dtype: str, expand: bool, alignment: int, cpu_sync: bool, mas
              with_bias: bool, seed: int) -> None:
     mpi_buf, nv_buf = bufs
     geo = nv_buf.geometry
-    tag = f"[{dtype} expand={expand} align={alignment} cpu_sync={cpu_sync} masked={masked} w={weighted} bias={with_bias}]"
+    tag = (f"[{dtype} expand={expand} align={alignment} cpu_sync={cpu_sync} masked={masked} w={weighted} "
+           f"bias={with_bias}]")
     tokens = [geo.max_tokens // 2 + 3 * RANK, 0, geo.max_tokens][seed % 3] if seed % 3 != 1 or RANK == 0 else 5
     tokens = min(tokens, geo.max_tokens)
     idx = routing(seed, tokens, geo.num_experts, geo.num_topk, masked)
@@ -87,6 +89,12 @@ def one_case(bufs, dtype: str, expand: bool, alignment: int, cpu_sync: bool, mas
     same(f"{tag} recv_topk_weights", om.recv_topk_weights, on.recv_topk_weights)
     same(f"{tag} stats", stats_m, stats_n)
     compare_handles(tag, om.handle, on.handle)
+    gathered = COMM.allgather((idx, x, w))
+    sources = Sources(geo.num_experts, geo.max_tokens, [g[0] for g in gathered], [g[1] for g in gathered],
+                      [g[2] for g in gathered])
+    opts = DispatchOptions(expand, alignment, True, cpu_sync, weighted, deterministic=True)
+    problems = check_dispatch(sources, RANK, opts, HostDispatch.of(on))
+    assert not problems, f"{tag} nvshmem dispatch fails the shared checker: {problems}"
     # cached dispatch (replay) with new payload
     x2 = (x.astype(np.float32) * 2 + 1).astype(x.dtype)
     rm = mpi_buf.dispatch(x2, handle=om.handle)
@@ -96,7 +104,8 @@ def one_case(bufs, dtype: str, expand: bool, alignment: int, cpu_sync: bool, mas
     # combine: y = recv_x, weights per row when given
     yw_m = om.recv_topk_weights if weighted else None
     yw_n = on.recv_topk_weights if weighted else None
-    bias_m = tuple(rng.standard_normal((tokens, geo.hidden)).astype(np.float32) for _ in range(2)) if with_bias else None
+    bias_m = (tuple(rng.standard_normal((tokens, geo.hidden)).astype(np.float32) for _ in range(2)) if with_bias
+              else None)
     bias_n = tuple(cp.asarray(b) for b in bias_m) if with_bias else None
     cm = mpi_buf.combine(om.recv_x, om.handle, topk_weights=yw_m, bias=bias_m)
     cn = nv_buf.combine(on.recv_x, on.handle, topk_weights=yw_n, bias=bias_n)
@@ -125,7 +134,8 @@ def check_against_mpi(use_puts: bool) -> None:
 def check_torch_and_nondeterministic() -> None:
     import torch
 
-    kw = dict(num_experts=2 * WORLD, hidden=64, num_topk=2, num_max_tokens_per_rank=16, dtype="bfloat16", timeout_s=20.0)
+    kw = dict(num_experts=2 * WORLD, hidden=64, num_topk=2, num_max_tokens_per_rank=16, dtype="bfloat16",
+              timeout_s=20.0)
     buf = ep_comm.Buffer(backend="nvshmem", deterministic=False, **kw)
     ref = ep_comm.Buffer(backend="mpi", deterministic=True, **kw)
     idx = routing(99, 12, kw["num_experts"], 2, masked=False)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ep_comm.kernels.api import Kernels, to_host
+from ep_comm.testing.routing import make_routing, mask_routing
 from ep_comm.validate import topk_values
 
 
@@ -14,9 +15,8 @@ def kernels(xp, topk: int) -> Kernels:
 
 def routing(seed: int, tokens: int, topk: int, dtype) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    idx = np.array([rng.choice(16, topk, replace=False) for _ in range(tokens)]).reshape(tokens, topk)
-    idx[rng.random(idx.shape) < 0.2] = -1
-    return idx.astype(dtype)
+    idx = make_routing("uniform", tokens, 16, topk, seed=rng, idx_dtype=dtype).topk_idx
+    return mask_routing(idx, rng, entry_rate=0.2)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])

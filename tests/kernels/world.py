@@ -1,7 +1,8 @@
 """A simulated world of R ranks in one process: every rank's symmetric buffer is a plain array, the
 scatter kernel gets all of them as its tuple of destinations, and each receiver runs its epilogue.
 
-Expected values come from the NumPy reference (``ep_comm.layout``, ``ep_comm.reduce``) only.
+Expected values come from the NumPy reference (``ep_comm.layout``, ``ep_comm.reduce``) only; routings and
+payloads from the shared generators of ``ep_comm.testing.routing``.
 """
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import Optional
 import numpy as np
 
 from ep_comm import layout as ref
-from ep_comm.dtypes import PAYLOAD_DTYPES as DTYPES
 from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
                                  Kernels, symmetric_views, to_host, word_dtype)
 from ep_comm.symmetric import SymmetricLayout
+from ep_comm.testing import routing as gen
+from ep_comm.testing.dtypes import DTYPES
+
+NEGATIVE_ZERO_RATE = 0.05  # share of -0.0 payload entries
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -25,22 +29,16 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 def random_routing(rng: np.random.Generator, tokens: int, topk: int, experts: int, *, masked: float = 0.1,
                    hot_expert: Optional[int] = None, nowhere: int = 0) -> np.ndarray:
-    """``[T, K]`` int64 distinct experts per token; some entries -1; optionally every token picks
-    ``hot_expert``; the first ``nowhere`` tokens pick nothing."""
-    idx = np.array([rng.choice(experts, topk, replace=False) for _ in range(tokens)], np.int64).reshape(tokens, topk)
-    if hot_expert is not None and tokens:
-        has = (idx == hot_expert).any(axis=1)
-        idx[~has, rng.integers(0, topk, size=(~has).sum())] = hot_expert
-    idx = np.where(rng.random(idx.shape) < masked, -1, idx)
-    idx[:nowhere] = -1
-    return idx.astype(np.int64)
+    """``[T, K]`` int64 distinct experts per token (uniform, or ``hot_expert`` in every token's column 0),
+    each entry -1 with probability ``masked``, the first ``nowhere`` tokens picking nothing."""
+    kind = "uniform" if hot_expert is None else "hot"
+    idx = gen.make_routing(kind, tokens, experts, topk, seed=rng, hot_expert=hot_expert or 0).topk_idx
+    return gen.mask_routing(idx, rng, entry_rate=masked, first_tokens=nowhere)
 
 
 def random_payload(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> np.ndarray:
     """Normal values with a few -0.0, in ``dtype``."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    x[rng.random(shape) < 0.05] = -0.0
-    return x.astype(dtype)
+    return gen.random_payload(rng, shape, dtype, NEGATIVE_ZERO_RATE)
 
 
 @dataclass

@@ -1,5 +1,8 @@
 """The public contract of DESIGN.md, checked on every rank of an ``mpirun`` job.
 
+Dispatch outputs go through the shared checker (``ep_comm.testing.check``, the NumPy reference), whose
+expected rows and counts are checked against the plain loops of ``helpers/oracle.py``; combines against the oracle.
+
 Run by ``tests/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and its
 transport come from ``--backend`` and ``--transport`` (``mpi`` by default, ``nvshmem`` on GPUs).
 Every test is collective.
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 
 from ep_comm.host import to_host
+from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
 from helpers.collective import dispatch, make_buffer, to_device
 from helpers.oracle import (COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine,
                             make_world)
@@ -51,30 +55,21 @@ def test_dispatch_layout_counts(buffers, routing):
 
 
 # ---------------------------------------------------------------- compact dispatch
-def check_compact(world, out, deterministic):
-    recv = world.received(RANK)
-    h = out.handle
-    counts = [sum(1 for s, _ in recv if s == src) for src in range(WORLD)]
-    np.testing.assert_array_equal(to_host(h.psum_num_recv_tokens_per_rank), np.cumsum(counts))
-    assert int(to_host(h.num_recv_tokens)) == len(recv)
-    recv_x, recv_idx, recv_w = to_host(out.recv_x), to_host(out.recv_topk_idx), to_host(out.recv_topk_weights)
-    meta = to_host(h.recv_src_metadata)
-    assert recv_x.shape[0] == len(recv) and recv_idx.shape == (len(recv), world.num_topk)
-    origins = [(int(m) // world.max_tokens, int(m) % world.max_tokens) for m in meta[:, 0]]
-    if deterministic:
-        assert origins == recv
-    else:
-        assert sorted(origins) == recv
-        assert [s for s, _ in origins] == sorted(s for s, _ in origins), "rows must be grouped by source rank"
-    lo = RANK * world.experts_per_rank
-    for i, (s, t) in enumerate(origins):
-        assert bits(recv_x[i]).tobytes() == bits(world.x[s][t]).tobytes()
-        for k, e in enumerate(world.topk_idx[s][t]):
-            on_me = lo <= e < lo + world.experts_per_rank
-            assert recv_idx[i, k] == (e - lo if on_me else -1)
-            if on_me:
-                assert recv_w[i, k] == world.weights[s][t, k]
-    return origins
+def check_dispatch_outputs(world, out, opts: DispatchOptions) -> None:
+    """The shared checker on this rank's outputs of a dispatch of ``world`` with ``opts``; the reference's
+    received (source rank, token) pairs and per-expert rows agree with the oracle's."""
+    sources = Sources(world.num_experts, world.max_tokens, world.topk_idx, world.x, world.weights)
+    problems = check_dispatch(sources, RANK, opts, HostDispatch.of(out))
+    assert not problems, problems
+    want = expected_receive(sources, RANK)
+    assert [divmod(int(o), world.max_tokens) for o in want.origin] == world.received(RANK), "reference != oracle"
+    per_expert = [len(world.expert_rows(RANK, e)) for e in range(world.experts_per_rank)]
+    assert want.expert_counts(world.experts_per_rank).tolist() == per_expert, "reference != oracle"
+
+
+def check_compact(world, out, deterministic: bool) -> None:
+    """:func:`check_dispatch_outputs` of a compact dispatch with weights."""
+    check_dispatch_outputs(world, out, DispatchOptions(weighted=True, deterministic=deterministic))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -120,39 +115,18 @@ def test_expand_dispatch(buffers, routing, alignment, deterministic):
     world = make_world(routing)
     buf = buffers(world, deterministic)
     out = dispatch(buf, world, expand=True, expert_alignment=alignment, zero_padding=True)
+    check_dispatch_outputs(world, out, DispatchOptions(expand=True, alignment=alignment, zero_padding=True,
+                                                       weighted=True, deterministic=deterministic))
     h = out.handle
     psum = to_host(h.psum_num_recv_tokens_per_expert).astype(int)
-    recv_x, recv_idx, recv_w = to_host(out.recv_x), to_host(out.recv_topk_idx), to_host(out.recv_topk_weights)
-    assert recv_idx.ndim == 1 and recv_w.ndim == 1
     start = 0
     for e in range(world.experts_per_rank):
         rows = world.expert_rows(RANK, e)
         assert psum[e] - start == len(rows), "psum[i] - align(psum[i-1]) must be expert i's count"
         assert h.num_unaligned_recv_tokens_per_expert[e] == len(rows)
         assert h.num_recv_tokens_per_expert[e] == align(len(rows), alignment)
-        block = slice(start, start + len(rows))
-        assert (recv_idx[block] == e).all()
-        got = [bits(r).tobytes() for r in recv_x[block]]
-        want = [bits(world.x[s][t]).tobytes() for s, t, _ in rows]
-        assert got == want if deterministic else sorted(got) == sorted(want)
-        got_w = recv_w[block]
-        want_w = np.array([world.weights[s][t, k] for s, t, k in rows], dtype=np.float32)
-        if deterministic:
-            np.testing.assert_array_equal(got_w, want_w)
-        pad = slice(start + len(rows), align(psum[e], alignment))
-        assert not bits(recv_x[pad]).any(), "padding rows must be exactly zero"
-        assert (recv_idx[pad] == -1).all()
         start = align(psum[e], alignment)
-    assert int(to_host(h.num_expanded_tokens)) == start == recv_x.shape[0]
-    # metadata: cols 2.. point at the expanded row of each entry
-    meta = to_host(h.recv_src_metadata)
-    for i in range(meta.shape[0]):
-        s, t = divmod(int(meta[i, 0]), world.max_tokens)
-        for k in range(world.num_topk):
-            row = meta[i, 2 + k]
-            assert (row >= 0) == bool(k in world.entries_on(s, t, RANK))
-            if row >= 0:
-                assert bits(recv_x[row]).tobytes() == bits(world.x[s][t]).tobytes()
+    assert int(to_host(h.num_expanded_tokens)) == start == out.recv_x.shape[0]
 
 
 @pytest.mark.parametrize("weighted", [True, False])

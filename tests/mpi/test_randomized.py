@@ -11,7 +11,9 @@ Collective hypothesis needs every rank to draw the same examples and to fail the
   in step. A rank that raises in the middle of a collective makes its peers time out after
   ``TIMEOUT_S``: never an endless hang.
 
-Expectations come from ``oracle.py`` (plain loops written from DESIGN.md).
+Each rank's outputs go through the shared checker (``ep_comm.testing.check``, the NumPy reference);
+the reference's rows, counts and combine are checked against the plain loops of ``helpers/oracle.py``
+(written from ``docs/design.md``).
 Run by ``tests/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and transport from
 ``--backend`` and ``--transport``; the number of examples from the Hypothesis profile (``tests/conftest.py``:
 ``ci`` 150, ``gpu`` 20), the same on every rank.
@@ -28,11 +30,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ep_comm
-from ep_comm.bench.routing import KINDS, make_routing
 from ep_comm.host import to_host
+from ep_comm.testing.check import (DispatchOptions, HostDispatch, Sources, check_combine, check_dispatch,
+                                   expected_receive)
+from ep_comm.testing.dtypes import DTYPES
+from ep_comm.testing.routing import KINDS, make_routing, mask_routing, random_payload, token_count
 from helpers.collective import to_device
-from helpers.oracle import (COMM, DTYPES, RANK, WORLD, World, align, bits, expected_compact_combine,
-                            expected_expand_combine)
+from helpers.oracle import COMM, RANK, WORLD, World, bits, expected_compact_combine, expected_expand_combine
 from helpers.options import current
 
 pytestmark = pytest.mark.mpi
@@ -51,10 +55,10 @@ class Case:
     hidden: int
     max_tokens: int
     dtype: str
-    routing: str  # one of ep_comm.bench.routing.KINDS
+    routing: str  # one of ep_comm.testing.routing.KINDS
     mask_rate: float  # share of top-k entries set to -1
     nowhere_rate: float  # share of tokens with every entry -1
-    token_mode: str  # how each rank's token count is drawn, see ``num_tokens``
+    token_mode: str  # how each rank's token count is drawn (ep_comm.testing.routing.token_count)
     idx_dtype: str
     expand: bool
     alignment: int
@@ -68,6 +72,10 @@ class Case:
     @property
     def num_experts(self) -> int:
         return self.experts_per_rank * WORLD
+
+    def options(self) -> DispatchOptions:
+        return DispatchOptions(self.expand, self.alignment, self.zero_padding, self.cpu_sync, self.with_weights,
+                               self.deterministic)
 
 
 @st.composite
@@ -97,37 +105,18 @@ def cases(draw) -> Case:
 
 
 # ---------------------------------------------------------------- inputs
-def num_tokens(case: Case, rng: np.random.Generator, rank: int) -> int:
-    """Tokens of ``rank`` in ``[0, max_tokens]`` by the case's token mode."""
-    mode = case.token_mode
-    if mode == "full":
-        return case.max_tokens
-    if mode == "all_empty":
-        return 0
-    if mode == "one":
-        return 1
-    if mode == "some_empty" and (rank + case.seed) % 2 == 0:
-        return 0
-    return int(rng.integers(0, case.max_tokens + 1))
-
-
-def payload(rng: np.random.Generator, shape: Tuple[int, int], dtype: str) -> np.ndarray:
-    """``shape`` random payload in ``dtype``, with some -0.0 entries (adding +0.0 is not a no-op on them)."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    x[rng.random(shape) < 0.1] = -0.0
-    return x.astype(DTYPES[dtype])
+NEGATIVE_ZERO_RATE = 0.1  # -0.0 entries of payloads and biases (adding +0.0 is not a no-op on them)
 
 
 def rank_inputs(case: Case, rank: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(topk_idx [T, K] idx_dtype, x [T, H] payload, weights [T, K] float32)`` of ``rank``."""
     rng = np.random.default_rng((case.seed, rank))
-    t = num_tokens(case, rng, rank)
+    t = token_count(case.token_mode, case.max_tokens, rng, rank, turn=case.seed)
     routing = make_routing(case.routing, t, case.num_experts, case.num_topk, seed=(case.seed, rank, 1),
-                           hot_expert=case.seed % case.num_experts)
-    idx = routing.topk_idx.copy()
-    idx[rng.random(idx.shape) < case.mask_rate] = -1
-    idx[rng.random(t) < case.nowhere_rate] = -1
-    return idx.astype(case.idx_dtype), payload(rng, (t, case.hidden), case.dtype), routing.topk_weights
+                           hot_expert=case.seed % case.num_experts, idx_dtype=case.idx_dtype)
+    idx = mask_routing(routing.topk_idx, rng, entry_rate=case.mask_rate, token_rate=case.nowhere_rate)
+    x = random_payload(rng, (t, case.hidden), DTYPES[case.dtype], NEGATIVE_ZERO_RATE)
+    return idx, x, routing.topk_weights
 
 
 def make_world(case: Case) -> World:
@@ -145,18 +134,9 @@ def expert_output(rows: np.ndarray, rank: int) -> np.ndarray:
 # ---------------------------------------------------------------- collective part
 @dataclass
 class Received:
-    """Host copies of one dispatch and the combine of its outputs."""
+    """Host copies of one dispatch, the stats after it and the combine of its outputs."""
 
-    recv_x: np.ndarray
-    recv_idx: np.ndarray
-    recv_w: Optional[np.ndarray]
-    meta: np.ndarray
-    psum_rank: np.ndarray
-    psum_expert: np.ndarray
-    aligned: np.ndarray
-    unaligned: np.ndarray
-    num_recv: int
-    num_expanded: int
+    dispatch: HostDispatch
     stats: np.ndarray
     combined: np.ndarray
     combined_w: Optional[np.ndarray]
@@ -194,97 +174,27 @@ def _combine(buf: ep_comm.Buffer, case: Case, out, stats, bias: List[np.ndarray]
         terms = [to_device(b) for b in bias]
         res = buf.combine(y, h, topk_weights=out.recv_topk_weights,
                           bias=None if not terms else terms[0] if len(terms) == 1 else tuple(terms))
-    return Received(
-        recv_x, to_host(out.recv_topk_idx), to_host(out.recv_topk_weights), to_host(h.recv_src_metadata),
-        to_host(h.psum_num_recv_tokens_per_rank), to_host(h.psum_num_recv_tokens_per_expert),
-        np.asarray(to_host(h.num_recv_tokens_per_expert)), to_host(h.num_unaligned_recv_tokens_per_expert),
-        int(to_host(h.num_recv_tokens)), int(to_host(h.num_expanded_tokens)), to_host(stats).copy(),
-        to_host(res.x), to_host(res.topk_weights))
+    return Received(HostDispatch.of(out), to_host(stats).copy(), to_host(res.x), to_host(res.topk_weights))
 
 
 # ---------------------------------------------------------------- checks (local)
-def check_compact_rows(case: Case, world: World, got: Received) -> List[Tuple[int, int]]:
-    """Every (token, rank) pair delivered exactly once, grouped by source, payload byte-exact;
-    returns the origins ``(src, token)`` of the received rows in row order."""
-    recv = world.received(RANK)
-    counts = [sum(1 for s, _ in recv if s == src) for src in range(WORLD)]
-    np.testing.assert_array_equal(got.psum_rank, np.cumsum(counts))
-    assert got.num_recv == len(recv)
-    n = got.num_recv
-    origins = [divmod(int(m), case.max_tokens) for m in got.meta[:n, 0]]
-    if case.deterministic:
-        assert origins == recv, "deterministic rows must be in (source rank, source token) order"
-    else:
-        assert sorted(origins) == recv, "each (token, rank) pair exactly once"
-        assert [s for s, _ in origins] == sorted(s for s, _ in origins), "rows must be grouped by source rank"
-    assert got.meta.shape == ((n if case.cpu_sync else WORLD * case.max_tokens), 2 + case.num_topk)
-    assert (got.meta[n:] == -1).all(), "unused metadata rows carry -1"
-    for i, (s, t) in enumerate(origins):
-        entries = world.entries_on(s, t, RANK)
-        has_row = [bool(got.meta[i, 2 + k] >= 0) for k in range(case.num_topk)]
-        assert has_row == [case.expand and k in entries for k in range(case.num_topk)], f"row {i}: expanded rows"
-        if not case.expand:
-            check_compact_row(case, world, got, i, s, t)
-    return origins
+def check_received(case: Case, world: World, got: Received, bias: List[np.ndarray], dispatches: int) -> None:
+    """The shared checker on this rank's outputs; then the reference it checks against, the stats after
+    ``dispatches`` dispatches and the combine against the oracle's plain loops."""
+    sources = Sources(world.num_experts, world.max_tokens, world.topk_idx, world.x, world.weights)
+    sent_back = None if case.expand else (lambda r, rows: expert_output(rows, r))
+    problems = check_dispatch(sources, RANK, case.options(), got.dispatch)
+    problems += check_combine(sources, RANK, case.options(), got.combined, got.combined_w, bias, sent_back)
+    assert not problems, problems
+    want = expected_receive(sources, RANK)
+    assert [divmod(int(o), case.max_tokens) for o in want.origin] == world.received(RANK), "reference != oracle"
+    per_expert = [len(world.expert_rows(RANK, e)) for e in range(case.experts_per_rank)]
+    assert want.expert_counts(case.experts_per_rank).tolist() == per_expert, "reference != oracle"
+    np.testing.assert_array_equal(got.stats, [dispatches * n for n in per_expert])
+    check_combine_against_oracle(case, world, got, bias)
 
 
-def check_compact_row(case: Case, world: World, got: Received, i: int, s: int, t: int) -> None:
-    """Compact row ``i`` carries token ``t`` of rank ``s``: payload, local expert ids, weights."""
-    assert bits(got.recv_x[i]).tobytes() == bits(world.x[s][t]).tobytes(), f"row {i} from {(s, t)}"
-    entries = world.entries_on(s, t, RANK)
-    for k in range(case.num_topk):
-        want = world.topk_idx[s][t, k] - RANK * case.experts_per_rank if k in entries else -1
-        assert got.recv_idx[i, k] == want, f"row {i} entry {k}: local expert id"
-        if case.with_weights and k in entries:
-            assert got.recv_w[i, k] == world.weights[s][t, k], f"row {i} entry {k}: weight"
-
-
-def check_compact_outputs(case: Case, got: Received) -> None:
-    rows = got.num_recv if case.cpu_sync else WORLD * case.max_tokens
-    assert got.recv_x.shape == (rows, case.hidden) and got.recv_idx.shape == (rows, case.num_topk)
-    assert (got.recv_idx[got.num_recv:] == -1).all(), "unused rows carry -1 in recv_topk_idx"
-    assert (got.recv_w is not None) == case.with_weights
-
-
-def check_expand_rows(case: Case, world: World, got: Received, origins: List[Tuple[int, int]]) -> None:
-    """Every (token, local expert) pair delivered exactly once into its expert's aligned block."""
-    m, k_max = got.num_expanded, case.num_topk
-    start, owner = 0, {}
-    for e in range(case.experts_per_rank):
-        rows = world.expert_rows(RANK, e)
-        assert got.psum_expert[e] - start == len(rows), "psum[i] - align(psum[i-1]) must be expert i's count"
-        assert got.unaligned[e] == len(rows) and got.aligned[e] == align(len(rows), case.alignment)
-        for j in range(start, start + len(rows)):
-            owner[j] = e
-        start = align(int(got.psum_expert[e]), case.alignment)
-    assert m == start
-    worst = align(WORLD * case.max_tokens * min(k_max, case.experts_per_rank)
-                  + (case.alignment - 1) * case.experts_per_rank, case.alignment)
-    assert got.recv_x.shape == ((m if case.cpu_sync else worst), case.hidden) and got.recv_idx.shape == (len(got.recv_x),)
-    placed = {}
-    for i, (s, t) in enumerate(origins):
-        for k in world.entries_on(s, t, RANK):
-            row = int(got.meta[i, 2 + k])
-            e = int(world.topk_idx[s][t, k]) - RANK * case.experts_per_rank
-            assert owner.get(row) == e, f"entry ({s}, {t}, {k}) placed at row {row}, outside expert {e}'s block"
-            assert row not in placed, f"rows {placed.get(row)} and {(s, t, k)} share expanded row {row}"
-            placed[row] = (s, t, k)
-            assert bits(got.recv_x[row]).tobytes() == bits(world.x[s][t]).tobytes()
-            assert got.recv_idx[row] == e
-            if case.with_weights:
-                assert got.recv_w[row] == world.weights[s][t, k]
-    assert len(placed) == len(owner), "every (token, local expert) pair exactly once"
-    if case.deterministic:
-        for e in range(case.experts_per_rank):
-            block = sorted(j for j, o in owner.items() if o == e)
-            assert [placed[j] for j in block] == world.expert_rows(RANK, e), f"expert {e}: rows out of order"
-    padding = [j for j in range(len(got.recv_x)) if j not in placed]
-    assert (got.recv_idx[padding] == -1).all(), "padding and unused rows carry -1"
-    if case.zero_padding:
-        assert not bits(got.recv_x[[j for j in padding if j < m]]).any(), "padding rows must be exactly zero"
-
-
-def check_combine(case: Case, world: World, got: Received, bias: List[np.ndarray]) -> None:
+def check_combine_against_oracle(case: Case, world: World, got: Received, bias: List[np.ndarray]) -> None:
     """Bitwise equal to the oracle's float32-order reduction."""
     if case.expand:
         want = expected_expand_combine(world, case.with_weights)
@@ -299,21 +209,10 @@ def check_combine(case: Case, world: World, got: Received, bias: List[np.ndarray
         assert got.combined_w is None
 
 
-def check_received(case: Case, world: World, got: Received, bias: List[np.ndarray], dispatches: int) -> None:
-    origins = check_compact_rows(case, world, got)
-    if case.expand:
-        check_expand_rows(case, world, got, origins)
-    else:
-        check_compact_outputs(case, got)
-    want_stats = [dispatches * len(world.expert_rows(RANK, e)) for e in range(case.experts_per_rank)]
-    np.testing.assert_array_equal(got.stats, want_stats)
-    check_combine(case, world, got, bias)
-
-
 def check_case(case: Case, world: World, results: List[Received], bias: List[np.ndarray]) -> None:
     check_received(case, world, results[0], bias, 1)
     if case.replay:  # same routing, new payload: same rows, same metadata
-        np.testing.assert_array_equal(results[1].meta, results[0].meta)
+        np.testing.assert_array_equal(results[1].dispatch.meta, results[0].dispatch.meta)
         replayed = replace(world, x=[doubled(x) for x in world.x])
         check_received(case, replayed, results[1], bias, 2)
 
@@ -347,7 +246,8 @@ def test_randomized_dispatch_combine(case: Case):
     def body() -> None:
         world = make_world(case)
         rng = np.random.default_rng((case.seed, RANK, 2))
-        bias = [payload(rng, world.x[RANK].shape, case.dtype) for _ in range(0 if case.expand else case.bias_terms)]
+        bias = [random_payload(rng, world.x[RANK].shape, DTYPES[case.dtype], NEGATIVE_ZERO_RATE)
+                for _ in range(0 if case.expand else case.bias_terms)]
         with ep_comm.Buffer(num_experts=case.num_experts, hidden=case.hidden, num_topk=case.num_topk,
                             num_max_tokens_per_rank=case.max_tokens, dtype=case.dtype, **BUFFER_KWARGS,
                             deterministic=case.deterministic, timeout_s=TIMEOUT_S) as buf:

@@ -1,4 +1,5 @@
-"""Model and benchmark shapes: TOML files under ``configs/``, one loader, strict validation.
+"""Model and benchmark shapes: TOML files under ``ep_comm/bench/configs/`` (package data), one loader, strict
+validation.
 
 A config file holds the MoE layer shape and optional routing defaults::
 
@@ -31,10 +32,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from ep_comm.bench.routing import KINDS as ROUTING_KINDS
 from ep_comm.dtypes import PAYLOAD_DTYPES
+from ep_comm.testing.routing import KINDS as ROUTING_KINDS
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Where configs are looked up by name; ``EP_COMM_CONFIG_DIR`` overrides it."""
 
 
@@ -124,7 +125,7 @@ def _check_relations(path: Path, cfg: Config) -> None:
 
 
 def config_dir() -> Path:
-    """The directory names are looked up in: ``$EP_COMM_CONFIG_DIR`` or the repository's ``configs/``."""
+    """The directory names are looked up in: ``$EP_COMM_CONFIG_DIR`` or the configs shipped in the package."""
     return Path(os.environ.get("EP_COMM_CONFIG_DIR", CONFIG_DIR))
 
 
