@@ -25,7 +25,7 @@ if SIMULATED:
 
 from ep_comm.backends import make_backend  # noqa: E402
 from ep_comm.backends.collective_steps import STEP_KINDS, step_word  # noqa: E402
-from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest  # noqa: E402
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest  # noqa: E402
 from ep_comm.backends.mpi import MpiBackend  # noqa: E402
 from ep_comm.backends.nvshmem import NvshmemBackend  # noqa: E402
 from ep_comm.dtypes import payload_dtype  # noqa: E402
@@ -326,7 +326,7 @@ def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_us
     puts = simulated_backend(CAPTURE_GEO, False, True)
     first = dispatch(puts, x, CAPTURE_IDX, None, None, False, 1, False, False, None)
     puts.device.capturing_now = True
-    with pytest.raises(RuntimeError, match="puts transport"):
+    with pytest.raises(RuntimeError, match=r"puts transport \(Buffer\(transport='puts'\)\)"):
         dispatch(puts, x, None, None, first.handle, False, 1, False, False, None)
 
 
@@ -440,3 +440,26 @@ def test_non_contiguous_inputs_give_the_results_of_contiguous_ones(expand):
     got_sum = combine(got_be, y, got.handle, y_weights, ())
     _same("non-contiguous combine.x", want_sum.x, got_sum.x)
     _same("non-contiguous combine.topk_weights", want_sum.topk_weights, got_sum.topk_weights)
+
+
+def test_the_simulated_nvshmem_backend_is_a_backend_with_its_transport_named():
+    stores = simulated_backend(CAPTURE_GEO, False, False)
+    puts = simulated_backend(CAPTURE_GEO, False, True)
+    assert isinstance(stores, Backend) and isinstance(puts, Backend)
+    assert (stores.transport_name, puts.transport_name, stores.num_sms) == ("stores", "puts", 1)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_the_nvshmem_profile_table_times_every_phase_of_the_call_sequence():
+    be = simulated_backend(CAPTURE_GEO, True, False, profile=True)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    out = dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
+    dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
+    combine(be, out.recv_x, out.handle, None, ())
+    rows = {(row.op, row.phase): row for row in be.profile_table()}
+    assert rows["dispatch", "total"].calls == 2 and rows["dispatch", "count"].calls == 1
+    assert {("dispatch", p) for p in ("scatter", "signal+wait", "receive_count", "host sync", "alloc outputs",
+                                      "receive_copy")} <= set(rows)
+    assert {("combine", p) for p in ("total", "send", "signal+wait", "reduce", "host sync")} <= set(rows)
+    assert all(row.host_us_p50 > 0 and row.gpu_us_p50 is None for row in rows.values())  # no events on the host
+    be.close()

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("nvshmem_vs_mpi.py")
-FORWARD = ("PYTHONPATH", "NVSHMEM_DISABLE_NVLS", "NUMBA_CUDA_ENABLE_NRT", "NCCL_NVLS_ENABLE", "EP_COMM_NVSHMEM_PUTS",
+FORWARD = ("PYTHONPATH", "NVSHMEM_DISABLE_NVLS", "NUMBA_CUDA_ENABLE_NRT", "NCCL_NVLS_ENABLE",
            "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 
 
@@ -32,7 +32,7 @@ def gpu_count() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs with CuPy and nvshmem4py")]
 
 
-def mpirun_command(nranks: int) -> list:
+def mpirun_command(nranks: int, transport: str) -> list:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("no mpirun on PATH")
@@ -40,14 +40,14 @@ def mpirun_command(nranks: int) -> list:
     cmd = [mpirun, "-np", str(nranks)]
     if "Open MPI" in version or "OpenRTE" in version:
         cmd += ["--oversubscribe"] + [a for name in FORWARD if name in os.environ for a in ("-x", name)]
-    return cmd + [sys.executable, str(SCRIPT)]
+    return cmd + [sys.executable, str(SCRIPT), "--transport", transport]
 
 
-@pytest.mark.parametrize("use_puts", [False, True], ids=["peer-stores", "nvshmem-puts"])
-def test_nvshmem_matches_mpi_and_times_out_cleanly(use_puts):
+@pytest.mark.parametrize("transport", ["stores", "puts"], ids=["peer-stores", "nvshmem-puts"])
+def test_nvshmem_matches_mpi_and_times_out_cleanly(transport):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               EP_COMM_NVSHMEM_PUTS="1" if use_puts else "0", NUMBA_CUDA_ENABLE_NRT="1", NVSHMEM_DISABLE_NVLS="1")
-    proc = subprocess.run(mpirun_command(2), cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+               NUMBA_CUDA_ENABLE_NRT="1", NVSHMEM_DISABLE_NVLS="1")
+    proc = subprocess.run(mpirun_command(2, transport), cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ALL OK") == 2
