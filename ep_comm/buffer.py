@@ -1,24 +1,25 @@
 """``ep_comm.Buffer``: the public API. Checks every argument, then hands the work to a backend."""
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from mpi4py import MPI
 
 from . import validate as chk
 from .backends import make_backend
+from .backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
+from .backends.profile import ProfileRow
 from .dtypes import payload_dtype
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
 
 
 def _holds_captured_memory(method: Callable) -> Callable:
-    """Run a Buffer method inside the backend's :meth:`Buffer._captured_memory`."""
+    """Run a Buffer method inside the backend's ``captured_memory()`` (what a CUDA graph capture allocates)."""
     @functools.wraps(method)
     def call(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
-        with self._captured_memory():
+        with self._live().captured_memory():
             return method(self, *args, **kwargs)
     return call
 
@@ -31,19 +32,41 @@ class Buffer:
     ``combine`` collectively; a rank that does not arrive within ``timeout_s`` makes the others
     raise ``ep_comm.TimeoutError`` naming it.
 
-    ``num_sms`` (keyword-only, an extension of the contract, like DeepEP's ``Buffer.set_num_sms``):
-    how many SMs the GPU kernels' grids are sized for; None (default) = all SMs of the device.
-    An integer >= 1 (TypeError for another type, bool included; ValueError below 1). On
-    ``nvshmem`` the kernels run ``2 * num_sms`` blocks (``8 * num_sms`` for the row-streaming
-    ones), and a value above the SM count of any rank's GPU raises ValueError on every rank.
-    On ``mpi`` it is accepted and has no effect (there are no kernels). Give every rank the same
-    value. ``buf.num_sms`` is the SM count in effect: an int on ``nvshmem`` (the device's SM count
-    for None), None on ``mpi``.
+    Attributes: ``backend`` (``"mpi"``/``"nvshmem"``), ``num_sms`` (the SM count in effect: an int
+    on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"`` on ``nvshmem``, None on
+    ``mpi``), ``geometry``, ``rank``, ``num_ranks``, ``deterministic``, ``timeout_s``.
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, num_experts: int, hidden: int, num_topk: int,
                  num_max_tokens_per_rank: int, dtype: Any = "bfloat16", backend: str = "auto",
-                 deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None):
+                 deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None,
+                 transport: str = "stores", profile: bool = False):
+        """Collective over ``comm``: every rank passes the same arguments.
+
+        Args:
+            comm: an mpi4py communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
+            num_experts: ``E`` global experts, a multiple of ``R``.
+            hidden: ``H``, elements per token row.
+            num_topk: ``K``, experts per token (``<= E``).
+            num_max_tokens_per_rank: the most tokens ``T`` a rank dispatches at once.
+            dtype: the payload dtype, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the NumPy /
+                ml_dtypes type).
+            backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (nvshmem where a GPU stack is present).
+            deterministic: rows inside each block in ascending (source rank, source token) order.
+            timeout_s: seconds to wait for a peer before ``ep_comm.TimeoutError`` (> 0).
+            num_sms: (keyword-only, an extension of the contract, like DeepEP's ``Buffer.set_num_sms``)
+                how many SMs the GPU kernels' grids are sized for; None = all SMs of the device. An
+                integer >= 1 (TypeError for another type, bool included; ValueError below 1). On
+                ``nvshmem`` the kernels run ``2 * num_sms`` blocks (``8 * num_sms`` for the
+                row-streaming ones), and a value above the SM count of any rank's GPU raises
+                ValueError on every rank. On ``mpi`` it is accepted and has no effect.
+            transport: how the ``nvshmem`` backend reaches its peers: ``"stores"`` (stores through
+                NVSHMEM peer views; needs P2P between all GPUs) or ``"puts"`` (NVSHMEM puts, for peers
+                without P2P; cannot be captured into a CUDA graph). Anything else raises ValueError.
+                On ``mpi`` it is accepted and has no effect (``buf.transport`` is None there).
+            profile: True records per-phase timings on every rank, read by :meth:`profile_table`
+                (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
+        """
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an mpi4py communicator or None, got {type(comm).__name__}")
@@ -51,52 +74,84 @@ class Buffer:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
         chk.check_num_sms(num_sms)
+        chk.check_transport(transport)
+        chk.check_profile(profile)
         self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
                                      int(num_max_tokens_per_rank), payload_dtype(dtype))
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
-        self._backend = make_backend(backend, comm, self.geometry, self.deterministic, self.timeout_s,
-                                     None if num_sms is None else int(num_sms))
+        settings = BackendSettings(self.deterministic, self.timeout_s, None if num_sms is None else int(num_sms),
+                                   transport, bool(profile))
+        self._backend: Optional[Backend] = make_backend(backend, comm, self.geometry, settings)
+        self._closed_profile: List[ProfileRow] = []
+        self._profiling = bool(profile)
+        self.backend: str = self._backend.name
         self.num_sms: Optional[int] = self._backend.num_sms
+        self.transport: Optional[str] = self._backend.transport_name
         self.rank = comm.rank
         self.num_ranks = comm.size
 
     @property
-    def backend(self) -> str:
-        """``"mpi"`` or ``"nvshmem"``."""
-        return self._backend.name
-
-    @property
     def num_local_experts(self) -> int:
+        """``E / R``, the experts this rank owns."""
         return self.geometry.experts_per_rank
 
-    def _live(self):
+    def _live(self) -> Backend:
         if self._backend is None:
             raise RuntimeError("this Buffer is closed")
         return self._backend
 
-    def _topk_idx(self, topk_idx: Any):
+    def _topk_idx(self, topk_idx: Any) -> Any:
         be = self._live()
         topk_idx = be.as_array(topk_idx, "topk_idx")
-        chk.check_topk_idx(be.xp, topk_idx, self.geometry, getattr(be, "routing_summary", None))
+        chk.check_topk_idx(be.xp, topk_idx, self.geometry, be.routing_summary)
         return topk_idx
 
     @_holds_captured_memory
     def get_dispatch_layout(self, topk_idx: Any) -> DispatchLayout:
-        """Counts of a routing ``topk_idx [T, K]`` (local, no communication):
-        ``num_tokens_per_rank [R]``, ``num_tokens_per_expert [E]``, ``is_token_in_rank [T, R]``."""
+        """Counts of a routing (local, no communication).
+
+        Args:
+            topk_idx: ``[T, K]`` integer global expert ids, ``< 0`` = no expert.
+
+        Returns:
+            ``DispatchLayout``: ``num_tokens_per_rank [R]`` int32 (a token counts once per rank),
+            ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [T, R]`` bool.
+        """
         return self._live().dispatch_layout(self._topk_idx(topk_idx))
 
     @_holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
                  stats: Any = None) -> DispatchOutput:
-        """Send each token ``x [T, H]`` to the ranks of its experts.
+        """Send each token to the ranks of its experts (collective).
 
-        Give exactly one of ``topk_idx [T, K]`` (a new routing) and ``handle`` (replay the
-        routing of an earlier dispatch: no counting, no count exchange; ``expand``,
-        ``expert_alignment`` and ``zero_padding`` then come from the handle). ``topk_weights
-        [T, K]`` float is carried along. See ``DispatchOutput`` for the outputs.
+        Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay the routing of an
+        earlier dispatch: no counting, no count exchange).
+
+        Args:
+            x: ``[T, H]`` tokens in the buffer's dtype.
+            topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
+                token), or None with ``handle``.
+            topk_weights: ``[T, K]`` floating-point weights carried along (as float32), or None; with
+                ``handle`` and None, the handle's weights.
+            handle: an ``EPHandle`` of an earlier dispatch of this Buffer's geometry, or None.
+            expand: False: one row per (source token, rank), grouped by source rank; True: one row
+                per (source token, local expert), expert-major. Taken from ``handle`` on a replay.
+            expert_alignment: (expand) each expert's rows start at a multiple of it; an integer
+                >= 1. Taken from ``handle`` on a replay.
+            zero_padding: (expand) padding rows are zero. Taken from ``handle`` on a replay.
+            cpu_sync: True: the host waits for the row counts, outputs have exactly the received
+                rows; False: nothing waits on the host, outputs have the contract's worst-case rows,
+                the counts stay on the device (the CUDA-graph path).
+            stats: ``[E/R]`` integer array to which the received unaligned per-local-expert counts
+                are added, or None.
+
+        Returns:
+            ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype); ``recv_topk_idx`` int64 ``[N, K]``
+            compact (local expert ids or -1) or ``[M]`` expand (the row's local expert, -1 for
+            padding); ``recv_topk_weights`` float32 of the same shape, or None without weights;
+            ``handle``, the ``EPHandle`` that replays this routing and combines its outputs.
         """
         be = self._live()
         geo = self.geometry
@@ -123,22 +178,28 @@ class Buffer:
         if stats is not None:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
-        return be.dispatch(x, idx, topk_weights, handle, bool(expand), int(expert_alignment), bool(zero_padding),
-                           bool(cpu_sync), stats)
-
-    def _captured_memory(self):
-        """The backend's hold on what a call allocates while a CUDA graph is captured (GPU backends)."""
-        return getattr(self._live(), "captured_memory", contextlib.nullcontext)()
+        return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
+                                           bool(zero_padding), bool(cpu_sync), stats))
 
     @_holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None) -> CombineOutput:
-        """Bring expert outputs back and reduce them.
+        """Bring expert outputs back and reduce them (collective).
 
-        ``y`` is ``[rows, H]`` laid out as the dispatch's ``recv_x`` (compact or expand).
         Compact: ``x[t] = bias + sum over ranks r ascending of y_r[row(t, r)]``. Expand: each rank
-        first reduces its rows of token t in top-k order, weighted by ``topk_weights [rows]`` when
-        given. float32 accumulation in a fixed order: bitwise reproducible. ``bias``: None, ``[T, H]``
-        or a pair. Compact ``topk_weights [rows, K]`` are gathered back into ``res.topk_weights [T, K]``.
+        first reduces its rows of token t in top-k order, weighted by ``topk_weights`` when given.
+        float32 accumulation in a fixed order: bitwise reproducible.
+
+        Args:
+            y: ``[rows, H]`` in the buffer's dtype, laid out as the dispatch's ``recv_x`` (compact or expand).
+            handle: the ``EPHandle`` of that dispatch.
+            topk_weights: floating-point weights (as float32): ``[rows]`` expand (each row's
+                weight in the reduction), ``[rows, K]`` compact (gathered back into
+                ``res.topk_weights``); or None.
+            bias: None, one ``[T, H]`` floating-point array or a pair of them, added to every token.
+
+        Returns:
+            ``CombineOutput``: ``x [T, H]`` in the buffer's dtype; ``topk_weights [T, K]`` float32
+            gathered back (0 for masked entries), or None without weights.
         """
         be = self._live()
         geo = self.geometry
@@ -153,13 +214,40 @@ class Buffer:
             chk.check_weights(topk_weights, "topk_weights", shape)
             topk_weights = topk_weights.astype(be.xp.float32, copy=False)
         bias_terms = tuple(be.as_array(b, "bias") for b in chk.check_bias(bias, handle.num_tokens, geo))
-        return be.combine(y, handle, topk_weights, bias_terms)
+        return be.combine(CombineRequest(y, handle, topk_weights, bias_terms))
+
+    def profile_table(self) -> List[ProfileRow]:
+        """This rank's per-phase timings (``Buffer(profile=True)``); after ``close``, those up to the close.
+
+        Returns:
+            A list of ``ProfileRow`` (a NamedTuple), one per (operation, phase) in first-seen order:
+            ``op`` str (``"dispatch"``, ``"combine"``, ``"close"``), ``phase`` str (``"total"``,
+            ``"signal+wait"``, ...), ``calls`` int, ``host_us_p50`` float (median host
+            microseconds), ``gpu_us_p50`` float (median GPU microseconds, CUDA events) or None on
+            ``mpi``. Reading it on ``nvshmem`` waits for the recorded events.
+
+        Raises:
+            RuntimeError: the Buffer was made with ``profile=False``.
+        """
+        if not self._profiling:
+            raise RuntimeError("profile_table: this Buffer was made with profile=False; "
+                               "pass Buffer(..., profile=True) to record timings")
+        return self._closed_profile if self._backend is None else self._backend.profile_table()
 
     def close(self) -> None:
-        """Release the symmetric buffer (collective, bounded wait). Safe to call twice."""
+        """Release the buffer (collective, bounded wait). Safe to call twice.
+
+        Raises:
+            ep_comm.TimeoutError: a peer did not close within ``timeout_s`` (local resources are
+            released anyway).
+        """
         if self._backend is not None:
             backend, self._backend = self._backend, None
-            backend.close()
+            try:
+                backend.close()
+            finally:
+                if self._profiling:
+                    self._closed_profile = backend.profile_table()
 
     def __enter__(self) -> "Buffer":
         return self

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 Array = Any  # numpy.ndarray on the mpi backend, cupy.ndarray on the nvshmem backend
 Count = Union[int, Array]  # a host int when cpu_sync, else a 0-d device array
@@ -20,8 +20,10 @@ class EPHandle:
     psum_num_recv_tokens_per_expert: Array  # [L] int32 (expand: align(psum[i-1]) + count[i])
     num_recv_tokens_per_expert: Any  # [L] aligned counts: a host list when cpu_sync, else a device array
     num_unaligned_recv_tokens_per_expert: Array  # [L] int32
-    recv_src_metadata: Array  # [N, 2+K] int32: col 0 src_rank*max_tokens+src_token, col 1 symmetric-buffer row, cols 2.. expanded row or -1
-    dst_buffer_slot_idx: Array  # [T, K] int32: src_rank*max_tokens+slot in the destination buffer, on the first entry per rank
+    # [N, 2+K] int32: col 0 src_rank*max_tokens+src_token, col 1 symmetric-buffer row, cols 2.. expanded row or -1
+    recv_src_metadata: Array
+    # [T, K] int32: src_rank*max_tokens+slot in the destination buffer, on the first entry per rank
+    dst_buffer_slot_idx: Array
     num_recv_tokens: Count  # compact rows received
     num_expanded_tokens: Count  # expanded rows, padding included
     # the dispatch arguments
@@ -35,6 +37,52 @@ class EPHandle:
     deterministic: bool
     cpu_sync: bool
     num_out_rows: int  # rows of recv_x (M when expand, else N)
+
+    @property
+    def routing(self) -> "Routing":
+        """The sender side this handle recorded (what a replay of it sends)."""
+        return Routing(self.topk_idx, self.is_token_in_rank, self.dst_buffer_slot_idx)
+
+
+class Routing(NamedTuple):
+    """The sender side of a routing: what a dispatch computed from ``topk_idx`` and a replay reuses."""
+
+    topk_idx: Array  # [T, K] int64, as given (validated)
+    is_token_in_rank: Array  # [T, R] bool
+    dst_buffer_slot_idx: Array  # [T, K] int32, see EPHandle
+
+
+class Received(NamedTuple):
+    """The receiver side of one dispatch, as the ``EPHandle`` fields of the same names hold it."""
+
+    psum_num_recv_tokens_per_rank: Array
+    psum_num_recv_tokens_per_expert: Array
+    num_recv_tokens_per_expert: Any
+    num_unaligned_recv_tokens_per_expert: Array
+    recv_src_metadata: Array
+    num_recv_tokens: Count
+    num_expanded_tokens: Count
+    num_out_rows: int
+
+
+def make_handle(routing: Routing, received: Received, topk_weights: Optional[Array], *, expand: bool,
+                expert_alignment: int, zero_padding: bool, deterministic: bool, cpu_sync: bool) -> EPHandle:
+    """The handle of one dispatch (every backend and dispatch path builds it here).
+
+    Args:
+        routing: the sender side (``Routing``: ``topk_idx [T, K]``, ``is_token_in_rank [T, R]``,
+            ``dst_buffer_slot_idx [T, K]``).
+        received: the receiver side (``Received``: the ``EPHandle`` fields of the same names).
+        topk_weights: ``[T, K]`` float32 the dispatch carried, or None.
+        expand, expert_alignment, zero_padding, deterministic, cpu_sync: the dispatch's options.
+
+    Returns:
+        The ``EPHandle``; ``num_tokens`` is ``T``.
+    """
+    return EPHandle(**received._asdict(), dst_buffer_slot_idx=routing.dst_buffer_slot_idx,
+                    num_tokens=int(routing.topk_idx.shape[0]), topk_idx=routing.topk_idx, topk_weights=topk_weights,
+                    is_token_in_rank=routing.is_token_in_rank, expand=expand, expert_alignment=expert_alignment,
+                    zero_padding=zero_padding, deterministic=deterministic, cpu_sync=cpu_sync)
 
 
 @dataclass

@@ -12,7 +12,7 @@ experts, ``N`` received (compact) rows, ``M`` expanded rows. Index arrays are in
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -199,7 +199,25 @@ def worst_case_recv_rows(num_ranks: int, max_tokens: int) -> int:
     return num_ranks * max_tokens
 
 
-def worst_case_expanded_rows(num_ranks: int, max_tokens: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
+def worst_case_expanded_rows(num_ranks: int, max_tokens: int, num_topk: int, num_local_experts: int,
+                             alignment: int) -> int:
     """Expanded rows at most: ``align(R*T*min(K, L) + (align-1)*L, align)`` (the contract's bound)."""
     pairs = num_ranks * max_tokens * min(num_topk, num_local_experts)
     return int(align_up(pairs + (alignment - 1) * num_local_experts, alignment))
+
+
+def output_rows(exact: Optional[Tuple[int, int]], expand: bool, alignment: int, num_ranks: int, max_tokens: int,
+                num_topk: int, num_local_experts: int) -> Tuple[int, int]:
+    """``(rows of recv_src_metadata, rows of recv_x)`` of a dispatch's outputs.
+
+    ``exact``: ``(received rows N, expanded rows M)`` when the host knows them (``cpu_sync=True``):
+    ``(N, M)`` expand, ``(N, N)`` compact. None: the contract's worst cases,
+    :func:`worst_case_recv_rows` and (expand) :func:`worst_case_expanded_rows`.
+    """
+    if exact is not None:
+        n, m = exact
+        return n, (m if expand else n)
+    n = worst_case_recv_rows(num_ranks, max_tokens)
+    if not expand:
+        return n, n
+    return n, worst_case_expanded_rows(num_ranks, max_tokens, num_topk, num_local_experts, alignment)

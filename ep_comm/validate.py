@@ -6,9 +6,13 @@ value checks on device arrays cost one small reduction each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
+
+from . import layout as lay
+
+TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,11 @@ class Geometry:
     @property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.num_ranks
+
+    def output_rows(self, exact: Optional[Tuple[int, int]], expand: bool, alignment: int) -> Tuple[int, int]:
+        """``(rows of recv_src_metadata, rows of recv_x)``: ``ep_comm.layout.output_rows`` for this geometry."""
+        return lay.output_rows(exact, expand, alignment, self.num_ranks, self.max_tokens, self.num_topk,
+                               self.experts_per_rank)
 
 
 def check_geometry(num_ranks: int, num_experts: int, hidden: int, num_topk: int, max_tokens: int) -> None:
@@ -48,6 +57,19 @@ def check_num_sms(num_sms: Any) -> None:
                         f"got {type(num_sms).__name__}")
     if num_sms < 1:
         raise ValueError(f"num_sms={num_sms!r}: must be an integer >= 1 or None (all SMs of the device)")
+
+
+def check_transport(transport: Any) -> None:
+    """``transport``: one of :data:`TRANSPORTS`."""
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: must be one of {TRANSPORTS} (peer-view stores, or NVSHMEM puts "
+                         "for peers without P2P)")
+
+
+def check_profile(profile: Any) -> None:
+    """``profile``: a bool (``numpy.bool_`` too)."""
+    if not isinstance(profile, (bool, np.bool_)):
+        raise TypeError(f"profile={profile!r}: must be True or False, got {type(profile).__name__}")
 
 
 def check_num_sms_fits(num_sms: Optional[int], sms_per_rank: Sequence[int]) -> None:
@@ -83,7 +105,8 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
         return
     top, twice = summarize(topk_idx) if summarize is not None else topk_values(xp, topk_idx)
     if top >= geo.num_experts:
-        raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} (negative = none)")
+        raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} "
+                         "(negative = none)")
     if twice >= 0:
         raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
 
@@ -145,7 +168,8 @@ def check_handle(handle: Any, geo: Geometry) -> None:
 
 
 def check_alignment(expert_alignment: Any) -> None:
-    if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, (int, np.integer)) or expert_alignment < 1:
+    if (isinstance(expert_alignment, bool) or not isinstance(expert_alignment, (int, np.integer))
+            or expert_alignment < 1):
         raise ValueError(f"expert_alignment={expert_alignment!r}: must be an integer >= 1")
 
 

@@ -23,11 +23,18 @@ if SIMULATED:
 
     cudasim_warp.install()
 
-from ep_comm.backends import make_backend
-from ep_comm.dtypes import payload_dtype
-from ep_comm.transport.gpu_copy import STATUS_FLAGS, read_status
-from ep_comm.transport.nvshmem_heap import HEAP_ENV, env_flag, heap_size_for, parse_size, pick_device
-from ep_comm.validate import Geometry
+from ep_comm.backends import make_backend  # noqa: E402
+from ep_comm.backends.collective_steps import STEP_KINDS, step_word  # noqa: E402
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest  # noqa: E402
+from ep_comm.backends.mpi import MpiBackend  # noqa: E402
+from ep_comm.backends.nvshmem import NvshmemBackend  # noqa: E402
+from ep_comm.dtypes import payload_dtype  # noqa: E402
+from ep_comm.kernels.api import symmetric_views, word_dtype  # noqa: E402
+from ep_comm.symmetric import SymmetricLayout  # noqa: E402
+from ep_comm.transport.nvshmem_heap import HEAP_ENV, heap_size_for, parse_size, pick_device  # noqa: E402
+from ep_comm.transport.signals import STATUS_FLAGS, read_status  # noqa: E402
+from ep_comm.transport.staging import staged_destinations, staging_bytes  # noqa: E402
+from ep_comm.validate import Geometry  # noqa: E402
 
 
 @pytest.mark.parametrize("text, value", [("1024", 1024), ("20m", 20 << 20), ("2G", 2 << 30), ("0.5k", 512),
@@ -64,13 +71,6 @@ def test_pick_device_without_gpu_says_so():
         pick_device(0, 0)
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("ON", True), ("0", False), ("", False),
-                                             ("no", False)])
-def test_env_flag(monkeypatch, value, expected):
-    monkeypatch.setenv("EP_COMM_TEST_FLAG", value)
-    assert env_flag("EP_COMM_TEST_FLAG") is expected
-
-
 def test_read_status_reports_sticky_missing_ranks():
     words = [13, 0, 0, 0, 0]
     assert read_status(words, 3).missing_ranks == [] and read_status(words, 3).last_seq == 13
@@ -89,12 +89,10 @@ def test_nvshmem_backend_without_gpu_stack_names_what_is_missing():
         pass
     geo = Geometry(1, 2, 8, 1, 4, payload_dtype("float32"))
     with pytest.raises(RuntimeError, match="backend='nvshmem' needs CuPy and nvshmem4py"):
-        make_backend("nvshmem", MPI.COMM_SELF, geo, True, 1.0)
+        make_backend("nvshmem", MPI.COMM_SELF, geo, BackendSettings(True, 1.0))
 
 
 def test_step_words_are_monotone_and_tell_kinds_apart():
-    from ep_comm.backends.steps import STEP_KINDS, step_word
-
     assert max(STEP_KINDS.values()) < 4 and len(set(STEP_KINDS.values())) == len(STEP_KINDS)
     words = [step_word(seq, kind) for seq in range(1, 5) for kind in STEP_KINDS]
     assert words == sorted(words) and len(set(words)) == len(words)
@@ -105,10 +103,9 @@ def test_step_words_are_monotone_and_tell_kinds_apart():
 class LoopbackTransport:
     """``NvshmemTransport`` for one rank on host arrays: the rank is its own only peer."""
 
-    def __init__(self, sym, word, use_puts: bool):
-        from ep_comm.backends.nvshmem import staged_destinations, staging_bytes
-        from ep_comm.kernels.api import symmetric_views
+    device = None  # no GPU: arrays are not checked for theirs
 
+    def __init__(self, sym, word, use_puts: bool):
         self.sym, self.use_puts, self.rank = sym, use_puts, 0
         self.buffer = np.zeros(sym.total_bytes + (staging_bytes(sym) if use_puts else 0), np.uint8)
         self.own = symmetric_views(self.buffer[: sym.total_bytes], sym, word)
@@ -134,21 +131,17 @@ class LoopbackTransport:
             if with_meta:
                 self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
 
-    def signal(self, stream, seq: int, what: str, counts=None) -> None:
-        from ep_comm.backends.steps import step_word
-
+    def signal(self, stream, seq: int, kind: int, counts=None) -> None:
         self.step[0] += 1
         assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
         if counts is not None:
             self.own.counts[seq % 2, 0] = counts[0]
-        self.own.signal[0] = step_word(int(self.step[0]), what)
+        self.own.signal[0] = int(self.step[0]) << 2 | kind
 
-    def wait(self, what: str, timeout_s: float, with_counts: bool) -> None:
-        from ep_comm.backends.steps import step_word
-
+    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
         seq = int(self.step[0])
         got = int(self.own.signal[0])
-        if not (got == step_word(seq, what) or got >= (seq + 1) << 2):
+        if not (got == seq << 2 | kind or got >= (seq + 1) << 2):
             self.missing = [0]
 
     def missing_ranks(self):
@@ -160,6 +153,11 @@ class LoopbackTransport:
 
 class HostDevice:
     """``CupyDevice`` on the host: no streams, no events, reads are copies."""
+
+    xp = np
+
+    def kernel_array(self, a):
+        return a
 
     def stream(self):
         return 0
@@ -191,17 +189,24 @@ class HostDevice:
         return None
 
 
-def simulated_backend(geo, deterministic: bool, use_puts: bool):
+def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False):
     """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator."""
-    from ep_comm.backends.nvshmem import NvshmemBackend
-    from ep_comm.kernels.api import word_dtype
-    from ep_comm.symmetric import SymmetricLayout
-
     sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
-    be = object.__new__(NvshmemBackend)
-    be._setup(MPI.COMM_SELF.Dup(), geo, deterministic, 5.0, np, LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts),
-              HostDevice(), dict(num_blocks=2, warps_per_block=2))
-    return be
+    transport = LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
+    settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
+    return NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
+                          launch=dict(num_blocks=2, warps_per_block=2))
+
+
+def dispatch(be, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, stats):
+    """``be.dispatch`` of the request ``Buffer.dispatch`` makes (a replay sends the handle's routing)."""
+    idx = topk_idx if handle is None else handle.topk_idx
+    return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, stats))
+
+
+def combine(be, y, handle, topk_weights, bias_terms):
+    """``be.combine`` of the request ``Buffer.combine`` makes."""
+    return be.combine(CombineRequest(y, handle, topk_weights, tuple(bias_terms)))
 
 
 def _same(name, a, b) -> None:
@@ -246,8 +251,6 @@ CASES = [  # dtype, expand, alignment, cpu_sync, weighted, bias terms, use_puts
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 @pytest.mark.parametrize("dtype, expand, alignment, cpu_sync, weighted, bias, use_puts", CASES)
 def test_call_sequence_matches_the_mpi_backend(dtype, expand, alignment, cpu_sync, weighted, bias, use_puts):
-    from ep_comm.backends.mpi import MpiBackend
-
     geo = Geometry(1, 6, 12, 3, 9, payload_dtype(dtype))
     rng = np.random.default_rng(hash((dtype, expand, alignment)) % 1000)
     tokens = 7
@@ -257,26 +260,26 @@ def test_call_sequence_matches_the_mpi_backend(dtype, expand, alignment, cpu_syn
     x = rng.standard_normal((tokens, geo.hidden)).astype(geo.dtype)
     w = rng.random((tokens, geo.num_topk)).astype(np.float32) if weighted else None
     terms = tuple(rng.standard_normal((tokens, geo.hidden)).astype(np.float32) for _ in range(bias))
-    mpi = MpiBackend(MPI.COMM_SELF, geo, True, 5.0)
+    mpi = MpiBackend(MPI.COMM_SELF, geo, BackendSettings(True, 5.0))
     nv = simulated_backend(geo, True, use_puts)
     stats_m, stats_n = np.zeros(6, np.int64), np.zeros(6, np.int64)
     for got, want in zip(nv.dispatch_layout(idx), mpi.dispatch_layout(idx)):
         _same("dispatch_layout", want, got)
     args = (expand, alignment, True, cpu_sync)
-    om = mpi.dispatch(x, idx, w, None, *args, stats_m)
-    on = nv.dispatch(x, idx, w, None, *args, stats_n)
+    om = dispatch(mpi, x, idx, w, None, *args, stats_m)
+    on = dispatch(nv, x, idx, w, None, *args, stats_n)
     _compare("dispatch", om, on)
     x2 = (x.astype(np.float32) * 2 + 1).astype(x.dtype)
     for replay_sync in (True, False):  # a cached dispatch, with the same and the other cpu_sync
-        rm = mpi.dispatch(x2, None, w, om.handle, *args[:3], replay_sync, stats_m)
-        rn = nv.dispatch(x2, None, w, on.handle, *args[:3], replay_sync, stats_n)
+        rm = dispatch(mpi, x2, None, w, om.handle, *args[:3], replay_sync, stats_m)
+        rn = dispatch(nv, x2, None, w, on.handle, *args[:3], replay_sync, stats_n)
         _compare(f"replay cpu_sync={replay_sync}", rm, rn)
     _same("stats", stats_m, stats_n)
     for om_, on_ in ((om, on), (rm, rn)):
         yw_m = om_.recv_topk_weights if weighted else None
         yw_n = on_.recv_topk_weights if weighted else None
-        cm = mpi.combine(om_.recv_x, om_.handle, yw_m, terms)
-        cn = nv.combine(on_.recv_x, on_.handle, yw_n, terms)
+        cm = combine(mpi, om_.recv_x, om_.handle, yw_m, terms)
+        cn = combine(nv, on_.recv_x, on_.handle, yw_n, terms)
         _same("combine.x", cm.x, cn.x)
         _same("combine.topk_weights", cm.topk_weights, cn.topk_weights)
     nv.close()
@@ -305,26 +308,26 @@ CAPTURE_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)
 def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_usable():
     be = simulated_backend(CAPTURE_GEO, False, False)
     x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
-    out = be.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, True, None)
+    out = dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
     be.device.capturing_now = True
     with pytest.raises(RuntimeError, match="topk_idx has dtype uint8: a dispatch captured into a CUDA graph needs "
                                            "signed expert ids"):
         be.routing_summary(CAPTURE_IDX.astype(np.uint8))
     with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
-        be.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, True, None)
+        dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
     with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
-        be.dispatch(x, None, None, out.handle, False, 1, False, True, None)
+        dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
     with pytest.raises(RuntimeError, match="combine was called while .* waits on the host"):
-        be.combine(out.recv_x, out.handle, None, ())
+        combine(be, out.recv_x, out.handle, None, ())
     assert be.steps.seq == 1 and int(be.transport.step[0]) == 1 and not be.steps.unusable
     be.device.capturing_now = False
-    again = be.dispatch(x, None, None, out.handle, False, 1, False, True, None)
+    again = dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
     np.testing.assert_array_equal(again.recv_x, out.recv_x)
     puts = simulated_backend(CAPTURE_GEO, False, True)
-    first = puts.dispatch(x, CAPTURE_IDX, None, None, False, 1, False, False, None)
+    first = dispatch(puts, x, CAPTURE_IDX, None, None, False, 1, False, False, None)
     puts.device.capturing_now = True
-    with pytest.raises(RuntimeError, match="puts transport"):
-        puts.dispatch(x, None, None, first.handle, False, 1, False, False, None)
+    with pytest.raises(RuntimeError, match=r"puts transport \(Buffer\(transport='puts'\)\)"):
+        dispatch(puts, x, None, None, first.handle, False, 1, False, False, None)
 
 
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
@@ -337,15 +340,15 @@ def test_a_captured_dispatch_with_a_bad_routing_is_reported_by_the_next_call_and
     be.device.capturing_now = True
     with be.captured_memory():
         assert be.routing_summary(bad) == (-1, -1)  # nothing can be read back under capture
-        captured = be.dispatch(x, bad, None, None, False, 1, False, False, None)
+        captured = dispatch(be, x, bad, None, None, False, 1, False, False, None)
     be.device.capturing_now = False
-    assert be._held, "the captured call's allocations are held for the graph"
+    assert be.capture.held, "the captured call's allocations are held for the graph"
     masked = bad.copy()
     masked[1, 1] = -1
     with pytest.raises(ValueError, match="replayed from a CUDA graph was given a topk_idx holding expert id 40"):
-        be.dispatch(x, None, None, captured.handle, False, 1, False, False, None)
+        dispatch(be, x, None, None, captured.handle, False, 1, False, False, None)
     assert not be.steps.unusable
-    want = simulated_backend(geo, True, False).dispatch(x, masked, None, None, False, 1, False, True, None)
+    want = dispatch(simulated_backend(geo, True, False), x, masked, None, None, False, 1, False, True, None)
     rows = int(want.handle.num_recv_tokens)
     np.testing.assert_array_equal(captured.recv_x[:rows], want.recv_x)
     np.testing.assert_array_equal(captured.recv_topk_idx[:rows], want.recv_topk_idx)
@@ -358,12 +361,12 @@ def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
     be = simulated_backend(CAPTURE_GEO, True, False)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
-    first = be.dispatch(x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
-    eager = be.dispatch(x * 2, None, None, first.handle, expand, 2, True, False, None)
-    eager_sum = be.combine(eager.recv_x, eager.handle, None, ())
+    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
+    eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
+    eager_sum = combine(be, eager.recv_x, eager.handle, None, ())
     be.device.capturing_now = True
-    captured = be.dispatch(x * 2, None, None, first.handle, expand, 2, True, False, None)
-    captured_sum = be.combine(captured.recv_x, captured.handle, None, ())
+    captured = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
+    captured_sum = combine(be, captured.recv_x, captured.handle, None, ())
     be.device.capturing_now = False
     rows = int(first.handle.num_expanded_tokens if expand else first.handle.num_recv_tokens)
     np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
@@ -372,7 +375,7 @@ def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
     assert int(captured.handle.num_expanded_tokens) == int(first.handle.num_expanded_tokens)
     np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
     be.close()
-    assert not be._held
+    assert not be.capture.held
 
 
 def _launch_log(monkeypatch) -> list:
@@ -398,7 +401,7 @@ def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch):
     comes from the device step counter)."""
     be = simulated_backend(CAPTURE_GEO, True, False)
     x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
-    first = be.dispatch(x, CAPTURE_IDX, None, None, True, 2, False, False, None)
+    first = dispatch(be, x, CAPTURE_IDX, None, None, True, 2, False, False, None)
     log = _launch_log(monkeypatch)
 
     def launches(call) -> list:
@@ -406,9 +409,9 @@ def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch):
         call()
         return log[start:]
 
-    dispatches = [launches(lambda: be.dispatch(x, None, None, first.handle, True, 2, False, False, None))
+    dispatches = [launches(lambda: dispatch(be, x, None, None, first.handle, True, 2, False, False, None))
                   for _ in range(2)]
-    combines = [launches(lambda: be.combine(first.recv_x, first.handle, None, ())) for _ in range(2)]
+    combines = [launches(lambda: combine(be, first.recv_x, first.handle, None, ())) for _ in range(2)]
     assert dispatches[0] and dispatches[0] == dispatches[1]
     assert combines[0] and combines[0] == combines[1]
     assert int(be.transport.step[0]) == 5
@@ -428,12 +431,35 @@ def test_non_contiguous_inputs_give_the_results_of_contiguous_ones(expand):
     assert not (x.flags.c_contiguous or idx.flags.c_contiguous or w.flags.c_contiguous)
     args = (expand, 2, True, True, None)
     want_be, got_be = simulated_backend(geo, True, False), simulated_backend(geo, True, False)
-    want = want_be.dispatch(np.ascontiguousarray(x), np.ascontiguousarray(idx), np.ascontiguousarray(w), None, *args)
-    got = got_be.dispatch(x, idx, w, None, *args)
+    want = dispatch(want_be, np.ascontiguousarray(x), np.ascontiguousarray(idx), np.ascontiguousarray(w), None, *args)
+    got = dispatch(got_be, x, idx, w, None, *args)
     _compare("non-contiguous dispatch", want, got)
     y = np.repeat(got.recv_x, 2, axis=1)[:, ::2]
     y_weights = np.repeat(got.recv_topk_weights, 2, axis=-1)[..., ::2]
-    want_sum = want_be.combine(want.recv_x, want.handle, want.recv_topk_weights, ())
-    got_sum = got_be.combine(y, got.handle, y_weights, ())
+    want_sum = combine(want_be, want.recv_x, want.handle, want.recv_topk_weights, ())
+    got_sum = combine(got_be, y, got.handle, y_weights, ())
     _same("non-contiguous combine.x", want_sum.x, got_sum.x)
     _same("non-contiguous combine.topk_weights", want_sum.topk_weights, got_sum.topk_weights)
+
+
+def test_the_simulated_nvshmem_backend_is_a_backend_with_its_transport_named():
+    stores = simulated_backend(CAPTURE_GEO, False, False)
+    puts = simulated_backend(CAPTURE_GEO, False, True)
+    assert isinstance(stores, Backend) and isinstance(puts, Backend)
+    assert (stores.transport_name, puts.transport_name, stores.num_sms) == ("stores", "puts", 1)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_the_nvshmem_profile_table_times_every_phase_of_the_call_sequence():
+    be = simulated_backend(CAPTURE_GEO, True, False, profile=True)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    out = dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
+    dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
+    combine(be, out.recv_x, out.handle, None, ())
+    rows = {(row.op, row.phase): row for row in be.profile_table()}
+    assert rows["dispatch", "total"].calls == 2 and rows["dispatch", "count"].calls == 1
+    assert {("dispatch", p) for p in ("scatter", "signal+wait", "receive_count", "host sync", "alloc outputs",
+                                      "receive_copy")} <= set(rows)
+    assert {("combine", p) for p in ("total", "send", "signal+wait", "reduce", "host sync")} <= set(rows)
+    assert all(row.host_us_p50 > 0 and row.gpu_us_p50 is None for row in rows.values())  # no events on the host
+    be.close()

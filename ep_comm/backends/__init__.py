@@ -1,22 +1,47 @@
-"""Backends run the protocol: ``mpi`` (CPU, NumPy over MPI windows) and ``nvshmem`` (GPU)."""
+"""Backends run the protocol: ``mpi`` (CPU, NumPy over MPI windows) and ``nvshmem`` (GPU).
+
+Both implement ``interface.Backend``. The GPU stack (CuPy, Numba-CUDA, nvshmem4py) is imported in
+one place, :func:`_gpu_stack`, so that ``import ep_comm`` and the mpi backend need none of it.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple
 
 from mpi4py import MPI
 
 from ..validate import Geometry
+from .interface import Backend, BackendSettings
+from .mpi import MpiBackend
 
 BACKENDS = ("auto", "mpi", "nvshmem")
 
 
-def gpu_available() -> bool:
-    """True when CuPy sees a CUDA device and nvshmem4py imports."""
-    try:
-        import cupy
-        import nvshmem.core  # noqa: F401
+class _GpuStack(NamedTuple):
+    """The classes of the nvshmem backend, loaded with the GPU stack."""
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+    backend: type  # NvshmemBackend
+    transport: type  # NvshmemTransport
+    device: type  # CupyDevice
+
+
+def _gpu_stack() -> _GpuStack:
+    """THE lazy import of the package: the nvshmem backend's modules, which import CuPy, Numba-CUDA
+    and nvshmem4py at their top; a RuntimeError says what is missing."""
+    try:
+        import nvshmem.core  # noqa: F401  (nvshmem4py: the heap calls it)
+
+        from ..transport.nvshmem import NvshmemTransport
+        from .cupy_device import CupyDevice
+        from .nvshmem import NvshmemBackend
+    except ImportError as exc:
+        raise RuntimeError(f"backend='nvshmem' needs CuPy and nvshmem4py ({exc}); use backend='mpi' on CPU") from exc
+    return _GpuStack(NvshmemBackend, NvshmemTransport, CupyDevice)
+
+
+def gpu_available() -> bool:
+    """True when the GPU stack imports and CuPy sees a CUDA device."""
+    try:
+        return _gpu_stack().device.count() > 0
     except Exception:  # any import or driver failure means: no usable GPU stack here
         return False
 
@@ -30,18 +55,15 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def make_backend(name: str, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float,
-                 num_sms: Optional[int] = None):
-    """Instantiate backend ``name`` (resolved by :func:`resolve_backend`).
+def make_backend(name: str, comm: MPI.Comm, geo: Geometry, settings: BackendSettings) -> Backend:
+    """Instantiate backend ``name`` (resolved by :func:`resolve_backend`); collective over ``comm``.
 
-    ``num_sms`` (validated by the caller: None or an int >= 1) sizes the ``nvshmem`` kernels' grids
-    (None: all SMs of the device); the ``mpi`` backend has no kernels and ignores it.
+    ``settings`` (validated by the caller): ``num_sms`` sizes the ``nvshmem`` kernels' grids (None:
+    all SMs of the device) and ``transport`` picks its stores or puts; the ``mpi`` backend has no
+    kernels and one transport, and ignores both.
     """
     name = resolve_backend(name)
     if name == "mpi":
-        from .mpi import MpiBackend
-
-        return MpiBackend(comm, geo, deterministic, timeout_s)
-    from .nvshmem import NvshmemBackend
-
-    return NvshmemBackend(comm, geo, deterministic, timeout_s, num_sms=num_sms)
+        return MpiBackend(comm, geo, settings)
+    stack = _gpu_stack()
+    return stack.backend.open(comm, geo, settings, stack.transport, stack.device)

@@ -6,37 +6,48 @@ the default where there is no GPU and the executable reference the GPU backend i
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import ContextManager, Iterator, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import layout as lay
-from ..handle import CombineOutput, DispatchOutput, EPHandle
+from ..handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..reduce import combine_rows, expand_partials
 from ..symmetric import SymmetricLayout
 from ..transport.mpi_window import MpiWindow
-from ..validate import Geometry
-from .steps import Steps, step_word
+from ..validate import Geometry, topk_values
+from .collective_steps import Steps, step_word
+from .interface import BackendSettings, CombineRequest, DispatchRequest
+from .profile import Profile, ProfileRow
 
 
 class MpiBackend:
-    """CPU backend. Arrays in and out are NumPy arrays."""
+    """CPU backend. Arrays in and out are NumPy arrays.
+
+    ``Buffer(profile=True)`` records host times (there are no GPU events) of every collective
+    step's ``total`` and ``signal+wait``, a dispatch's ``scatter`` and ``receive``, and a combine's
+    ``send`` and ``reduce``.
+    """
 
     name = "mpi"
     xp = np
     num_sms: Optional[int] = None  # no kernels: Buffer(num_sms=...) has no effect here
+    transport_name: Optional[str] = None  # one transport, MPI windows: Buffer(transport=...) has no effect here
 
-    def __init__(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float):
+    def __init__(self, comm: MPI.Comm, geo: Geometry, settings: BackendSettings):
         self.comm = comm.Dup()
         self.rank = self.comm.rank
         self.geo = geo
-        self.deterministic = deterministic
-        self.timeout_s = timeout_s
+        self.deterministic = settings.deterministic
+        self.timeout_s = settings.timeout_s
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
         self.window = MpiWindow(self.comm, self.sym)
-        self.steps = Steps(self.rank, timeout_s)
+        self.steps = Steps(self.rank, settings.timeout_s)
+        self.profile = Profile(settings.profile)
 
     # ------------------------------------------------------------------ inputs
     def as_array(self, obj, name: str) -> np.ndarray:
@@ -49,10 +60,35 @@ class MpiBackend:
             raise TypeError(f"{name} is a GPU array: the mpi backend takes host (NumPy) arrays")
         raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
 
+    def routing_summary(self, topk_idx: np.ndarray) -> Tuple[int, int]:
+        """``(largest id, first row naming an expert twice or -1)``: ``validate.topk_values`` in NumPy."""
+        return topk_values(np, topk_idx)
+
     def dispatch_layout(self, topk_idx: np.ndarray) -> lay.DispatchLayout:
+        """``ep_comm.layout.dispatch_layout`` of ``topk_idx [T, K]``."""
         return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
 
+    def captured_memory(self) -> ContextManager[None]:
+        """Nothing to hold: there are no CUDA graphs on CPU."""
+        return contextlib.nullcontext()
+
+    def profile_table(self) -> List[ProfileRow]:
+        """Median host microseconds per (operation, phase) so far (``gpu_us_p50`` is None)."""
+        return self.profile.table()
+
     # ---------------------------------------------------------------- protocol
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[Tuple[int, int]]:
+        """The next collective step ``(seq, parity)``, timed as the step's ``total``."""
+        with self.steps.collective(what) as step, self.profile.phase(what, "total"):
+            yield step
+
+    def _signal_and_wait(self, what: str, seq: int) -> None:
+        """Signal step ``seq`` to every rank, then wait for every rank's signal (bounded)."""
+        with self.profile.phase(what, "signal+wait"):
+            self.window.signal(range(self.geo.num_ranks), step_word(seq, what))
+            self._wait_all(what, seq)
+
     def _wait_all(self, what: str, seq: int) -> None:
         missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
         if missing:
@@ -90,42 +126,49 @@ class MpiBackend:
         return rows.reshape(count, self.geo.hidden), meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
 
     # ---------------------------------------------------------------- dispatch
-    def dispatch(self, x, topk_idx, topk_weights, handle: Optional[EPHandle], expand: bool, alignment: int,
-                 zero_padding: bool, cpu_sync: bool, stats) -> DispatchOutput:
-        with self.steps.collective("dispatch") as step:
-            return self._dispatch(step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding,
-                                  cpu_sync, stats)
+    def dispatch(self, request: DispatchRequest) -> DispatchOutput:
+        """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
+        with self._collective("dispatch") as step:
+            return self._dispatch(step, request)
 
-    def _dispatch(self, step, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync,
-                  stats) -> DispatchOutput:
-        geo = self.geo
+    def _dispatch(self, step: Tuple[int, int], request: DispatchRequest) -> DispatchOutput:
+        geo, handle = self.geo, request.handle
         seq, parity = step
         if handle is None:
+            topk_idx = request.topk_idx
             in_rank = lay.is_token_in_rank(topk_idx, geo.num_experts, geo.num_ranks)
             slots = lay.stable_rank_slots(in_rank) if self.deterministic else lay.atomic_rank_slots(in_rank, seed=seq)
             slot_idx = lay.dst_buffer_slot_idx(topk_idx, slots, self.rank, geo.experts_per_rank, geo.max_tokens)
+            routing = Routing(topk_idx, in_rank, slot_idx)
         else:
-            topk_idx, in_rank, slot_idx = handle.topk_idx, handle.is_token_in_rank, handle.dst_buffer_slot_idx
+            routing = handle.routing
             slots = self._slots_from_handle(handle)
-        # rank scatter: each destination's rows in slot order, one put per destination
+        with self.profile.phase("dispatch", "scatter"):
+            self._scatter(parity, request, routing, slots)
+        self._signal_and_wait("dispatch", seq)
+        with self.profile.phase("dispatch", "receive"):
+            if handle is None:
+                counts = [int(self.window.local(self.sym.count_at(parity, s), 8).view(np.int64)[0])
+                          for s in range(geo.num_ranks)]
+            else:
+                counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0).tolist()
+            blocks = [self._read_block(parity, s, c) for s, c in enumerate(counts)]
+            rows = np.concatenate([b[0] for b in blocks])  # one block per source rank, possibly empty
+            meta = np.concatenate([b[1] for b in blocks])
+            return self._assemble(rows, meta, counts, request, routing)
+
+    def _scatter(self, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray) -> None:
+        """Rank scatter: each destination's rows in slot order, one put per destination (and, for a new
+        routing, the count exchange)."""
+        geo, weights = self.geo, request.topk_weights
         for dst in range(geo.num_ranks):
-            tokens = np.nonzero(in_rank[:, dst])[0]
+            tokens = np.nonzero(routing.is_token_in_rank[:, dst])[0]
             tokens = tokens[np.argsort(slots[tokens, dst], kind="stable")]
-            local_ids = lay.local_topk(topk_idx[tokens], dst, geo.experts_per_rank)
-            self._put_block(dst, parity, x[tokens], self._pack_meta(tokens, local_ids, None if topk_weights is None else topk_weights[tokens]))
-            if handle is None:  # count exchange
+            local_ids = lay.local_topk(routing.topk_idx[tokens], dst, geo.experts_per_rank)
+            self._put_block(dst, parity, request.x[tokens],
+                            self._pack_meta(tokens, local_ids, None if weights is None else weights[tokens]))
+            if request.handle is None:  # count exchange
                 self.window.put(np.array([len(tokens)], dtype=np.int64), dst, self.sym.count_at(parity, self.rank))
-        self.window.signal(range(geo.num_ranks), step_word(seq, "dispatch"))
-        self._wait_all("dispatch", seq)
-        if handle is None:
-            counts = [int(self.window.local(self.sym.count_at(parity, s), 8).view(np.int64)[0]) for s in range(geo.num_ranks)]
-        else:
-            counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0).tolist()
-        blocks = [self._read_block(parity, s, c) for s, c in enumerate(counts)]
-        rows = np.concatenate([b[0] for b in blocks])  # one block per source rank, possibly empty
-        meta = np.concatenate([b[1] for b in blocks])
-        return self._assemble(rows, meta, counts, handle, topk_idx, topk_weights, in_rank, slot_idx,
-                              expand, alignment, zero_padding, cpu_sync, stats)
 
     def _slots_from_handle(self, handle: EPHandle) -> np.ndarray:
         """``[T, R]`` slots recorded in a handle's ``dst_buffer_slot_idx``."""
@@ -136,69 +179,64 @@ class MpiBackend:
         slots[t, ranks[t, k]] = handle.dst_buffer_slot_idx[t, k] - self.rank * geo.max_tokens
         return slots
 
-    def _assemble(self, rows, meta, counts, handle, topk_idx, topk_weights, in_rank, slot_idx,
-                  expand, alignment, zero_padding, cpu_sync, stats) -> DispatchOutput:
+    def _expert_layout(self, local_ids: np.ndarray, request: DispatchRequest) -> tuple:
+        """``(expanded_row [N, K], unaligned [L], aligned [L], psum_per_expert [L], num_expanded)`` of the
+        received rows: computed for a new routing, the handle's for a replay."""
+        handle, n = request.handle, len(local_ids)
+        if handle is None:
+            recv = lay.receive_layout(local_ids, self.geo.experts_per_rank, request.expert_alignment, request.expand)
+            expanded_row = recv.expanded_row if request.expand else np.full(local_ids.shape, -1, dtype=np.int32)
+            return (expanded_row, recv.num_unaligned_per_expert, recv.num_aligned_per_expert, recv.psum_per_expert,
+                    recv.num_expanded_tokens)
+        return (np.asarray(handle.recv_src_metadata)[:n, 2:], np.asarray(handle.num_unaligned_recv_tokens_per_expert),
+                np.asarray(handle.num_recv_tokens_per_expert, dtype=np.int32),
+                np.asarray(handle.psum_num_recv_tokens_per_expert), int(handle.num_expanded_tokens))
+
+    def _assemble(self, rows: np.ndarray, meta: np.ndarray, counts: List[int], request: DispatchRequest,
+                  routing: Routing) -> DispatchOutput:
         """Receiver side: compact rows grouped by source -> outputs, metadata and the handle."""
-        geo = self.geo
-        k, num_local = geo.num_topk, geo.experts_per_rank
+        geo, cpu_sync = self.geo, request.cpu_sync
+        k = geo.num_topk
         n = len(rows)
         local_ids = meta[:, 1 : 1 + k].astype(np.int64)
-        weights = meta[:, 1 + k :].view(np.float32) if topk_weights is not None else None
+        weights = meta[:, 1 + k :].view(np.float32) if request.topk_weights is not None else None
         src_rank = np.repeat(np.arange(geo.num_ranks), counts)
         slot = np.arange(n) - np.repeat(lay.exclusive_psum(counts)[:-1], counts)
-        if handle is None:
-            recv = lay.receive_layout(local_ids, num_local, alignment, expand)
-            expanded_row = recv.expanded_row if expand else np.full((n, k), -1, dtype=np.int32)
-            unaligned, aligned, psum_e, num_expanded = (
-                recv.num_unaligned_per_expert, recv.num_aligned_per_expert, recv.psum_per_expert, recv.num_expanded_tokens)
-        else:
-            expanded_row = np.asarray(handle.recv_src_metadata)[:n, 2:]
-            unaligned = np.asarray(handle.num_unaligned_recv_tokens_per_expert)
-            aligned = np.asarray(handle.num_recv_tokens_per_expert, dtype=np.int32)
-            psum_e, num_expanded = np.asarray(handle.psum_num_recv_tokens_per_expert), int(handle.num_expanded_tokens)
+        expanded_row, unaligned, aligned, psum_e, num_expanded = self._expert_layout(local_ids, request)
+        stats = request.stats
         if stats is not None:
             stats += unaligned.astype(stats.dtype)
-        meta_rows, out_rows = self._out_rows(n, num_expanded, expand, alignment, cpu_sync)
+        meta_rows, out_rows = geo.output_rows((n, num_expanded) if cpu_sync else None, request.expand,
+                                              request.expert_alignment)
         metadata = np.full((meta_rows, 2 + k), -1, dtype=np.int32)
         metadata[:n, 0] = src_rank * geo.max_tokens + meta[:, 0]
         metadata[:n, 1] = src_rank * geo.max_tokens + slot
         metadata[:n, 2:] = expanded_row
-        if expand:
+        if request.expand:
             recv_x, recv_idx, recv_w = self._expand(rows, local_ids, weights, expanded_row, out_rows)
         else:
-            recv_x = np.zeros((out_rows, geo.hidden), dtype=geo.dtype)
-            recv_x[:n] = rows
-            recv_idx = np.full((out_rows, k), -1, dtype=np.int64)
-            recv_idx[:n] = local_ids
-            recv_w = None
-            if weights is not None:
-                recv_w = np.zeros((out_rows, k), dtype=np.float32)
-                recv_w[:n] = np.where(local_ids >= 0, weights, 0)
-        new_handle = EPHandle(
-            psum_num_recv_tokens_per_rank=lay.inclusive_psum(counts),
-            psum_num_recv_tokens_per_expert=psum_e,
-            num_recv_tokens_per_expert=[int(c) for c in aligned] if cpu_sync else aligned,
-            num_unaligned_recv_tokens_per_expert=unaligned,
-            recv_src_metadata=metadata,
-            dst_buffer_slot_idx=slot_idx,
-            num_recv_tokens=n if cpu_sync else np.array(n, dtype=np.int64),
-            num_expanded_tokens=num_expanded if cpu_sync else np.array(num_expanded, dtype=np.int64),
-            num_tokens=len(topk_idx), topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=in_rank,
-            expand=expand, expert_alignment=alignment, zero_padding=zero_padding,
-            deterministic=self.deterministic, cpu_sync=cpu_sync, num_out_rows=out_rows,
-        )
-        return DispatchOutput(recv_x, recv_idx, recv_w, new_handle)
+            recv_x, recv_idx, recv_w = self._compact(rows, local_ids, weights, out_rows)
+        received = Received(
+            lay.inclusive_psum(counts), psum_e, [int(c) for c in aligned] if cpu_sync else aligned, unaligned,
+            metadata, n if cpu_sync else np.array(n, dtype=np.int64),
+            num_expanded if cpu_sync else np.array(num_expanded, dtype=np.int64), out_rows)
+        handle = make_handle(routing, received, request.topk_weights, expand=request.expand,
+                             expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
+                             deterministic=self.deterministic, cpu_sync=cpu_sync)
+        return DispatchOutput(recv_x, recv_idx, recv_w, handle)
 
-    def _out_rows(self, n: int, num_expanded: int, expand: bool, alignment: int, cpu_sync: bool) -> tuple:
-        """``(rows of recv_src_metadata, rows of recv_x)``: exact when ``cpu_sync``, else the contract's worst cases."""
-        geo = self.geo
-        if cpu_sync:
-            return n, (num_expanded if expand else n)
-        worst = lay.worst_case_recv_rows(geo.num_ranks, geo.max_tokens)
-        if expand:
-            return worst, lay.worst_case_expanded_rows(geo.num_ranks, geo.max_tokens, geo.num_topk,
-                                                       geo.experts_per_rank, alignment)
-        return worst, worst
+    def _compact(self, rows, local_ids, weights, out_rows) -> tuple:
+        """Compact outputs: the received rows, then zero rows (ids -1) up to ``out_rows``."""
+        n, k = len(rows), self.geo.num_topk
+        recv_x = np.zeros((out_rows, self.geo.hidden), dtype=self.geo.dtype)
+        recv_x[:n] = rows
+        recv_idx = np.full((out_rows, k), -1, dtype=np.int64)
+        recv_idx[:n] = local_ids
+        recv_w = None
+        if weights is not None:
+            recv_w = np.zeros((out_rows, k), dtype=np.float32)
+            recv_w[:n] = np.where(local_ids >= 0, weights, 0)
+        return recv_x, recv_idx, recv_w
 
     def _expand(self, rows, local_ids, weights, expanded_row, out_rows) -> tuple:
         """Expert scatter: one output row per (row, local expert); padding rows stay zero."""
@@ -214,29 +252,32 @@ class MpiBackend:
         return recv_x, recv_idx, recv_w
 
     # ----------------------------------------------------------------- combine
-    def combine(self, y, handle: EPHandle, topk_weights, bias_terms: Sequence[np.ndarray]) -> CombineOutput:
-        with self.steps.collective("combine") as step:
-            return self._combine(step, y, handle, topk_weights, bias_terms)
+    def combine(self, request: CombineRequest) -> CombineOutput:
+        """One collective combine of ``request.y`` along the routes of ``request.handle``."""
+        with self._collective("combine") as step:
+            return self._combine(step, request)
 
-    def _combine(self, step, y, handle: EPHandle, topk_weights, bias_terms) -> CombineOutput:
-        geo = self.geo
+    def _combine(self, step: Tuple[int, int], request: CombineRequest) -> CombineOutput:
+        geo, handle, topk_weights = self.geo, request.handle, request.topk_weights
         seq, parity = step
-        counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0)
-        n = int(counts.sum())
-        meta = np.asarray(handle.recv_src_metadata)[:n]
-        if handle.expand:
-            partial = expand_partials(y, meta[:, 2:], topk_weights, geo.dtype)
-            back_w = None if topk_weights is None else np.where(meta[:, 2:] >= 0, topk_weights[np.maximum(meta[:, 2:], 0)], 0)
-        else:
-            partial, back_w = y[:n], None if topk_weights is None else topk_weights[:n]
-        starts = lay.exclusive_psum(counts)
-        for src in range(geo.num_ranks):
-            block = slice(starts[src], starts[src + 1])
-            w = None if back_w is None else back_w[block]
-            self._put_block(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
-        self.window.signal(range(geo.num_ranks), step_word(seq, "combine"))
-        self._wait_all("combine", seq)
-        return self._reduce_at_source(handle, parity, topk_weights is not None, bias_terms)
+        with self.profile.phase("combine", "send"):
+            counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0)
+            n = int(counts.sum())
+            meta = np.asarray(handle.recv_src_metadata)[:n]
+            if handle.expand:
+                partial = expand_partials(request.y, meta[:, 2:], topk_weights, geo.dtype)
+                back_w = None if topk_weights is None else np.where(meta[:, 2:] >= 0,
+                                                                    topk_weights[np.maximum(meta[:, 2:], 0)], 0)
+            else:
+                partial, back_w = request.y[:n], None if topk_weights is None else topk_weights[:n]
+            starts = lay.exclusive_psum(counts)
+            for src in range(geo.num_ranks):
+                block = slice(starts[src], starts[src + 1])
+                w = None if back_w is None else back_w[block]
+                self._put_block(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
+        self._signal_and_wait("combine", seq)
+        with self.profile.phase("combine", "reduce"):
+            return self._reduce_at_source(handle, parity, topk_weights is not None, request.bias_terms)
 
     def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
         """Source side: gather each token's row from every rank it reached, sum in rank order."""
@@ -271,9 +312,8 @@ class MpiBackend:
             self.window.free(collective=False)
         else:
             try:
-                with self.steps.collective("close") as (seq, _):
-                    self.window.signal(range(self.geo.num_ranks), step_word(seq, "close"))
-                    self._wait_all("close", seq)
+                with self._collective("close") as (seq, _):
+                    self._signal_and_wait("close", seq)
             finally:
                 self.window.free(collective=not self.steps.unusable)
                 if not self.steps.unusable:

@@ -56,9 +56,9 @@ class MpiWindow:
         """Poll until every source's signal shows it reached step ``word``; return the sources still
         missing at ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived.
 
-        Signal words are ``seq << 2 | kind`` (see ``ep_comm.backends.steps.step_word``): a source has arrived when its
-        word equals ``word`` or it has moved past ``seq``. A peer in another kind of step with
-        the same number (closing while we dispatch) has not arrived.
+        Signal words are ``seq << 2 | kind`` (see ``ep_comm.backends.collective_steps.step_word``): a
+        source has arrived when its word equals ``word`` or it has moved past ``seq``. A peer in
+        another kind of step with the same number (closing while we dispatch) has not arrived.
         """
         pending = np.array(sorted(set(sources)), dtype=np.int64)
         pause = 1e-6

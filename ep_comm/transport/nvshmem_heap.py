@@ -12,7 +12,7 @@ over the same processes (``nvshmem_malloc`` is collective over all of them).
 Each heap holds ``nbytes`` of symmetric memory laid out as ``ep_comm.symmetric.SymmetricLayout``,
 a uint8 CuPy view of the local copy, a tuple of uint8 views of every rank's copy (peer views,
 ``nvshmem_ptr``) and the same as a device array of base addresses for kernels. With
-``use_puts`` (or ``EP_COMM_NVSHMEM_PUTS=1``) data goes out through NVSHMEM device puts to the
+``use_puts`` (``Buffer(transport="puts")``) data goes out through NVSHMEM device puts to the
 symmetric address instead of stores through peer views (peers without P2P).
 """
 from __future__ import annotations
@@ -23,15 +23,9 @@ from typing import List, Optional, Tuple
 
 from mpi4py import MPI
 
-PUTS_ENV = "EP_COMM_NVSHMEM_PUTS"
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
 _HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric objects and rounding
 _DEFAULT_HEAP = 1 << 30  # NVSHMEM's default heap size
-
-
-def env_flag(name: str) -> bool:
-    """True when environment variable ``name`` is set to 1/true/yes/on (case-insensitive)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def parse_size(text: str) -> int:
@@ -137,7 +131,7 @@ _LEAKED: List[object] = []  # buffers of timed-out heaps: never freed (nvshmem_f
 class NvshmemHeap:
     """``nbytes`` of symmetric memory on every rank of ``comm`` (collective constructor)."""
 
-    def __init__(self, comm: MPI.Comm, nbytes: int, use_puts: Optional[bool] = None):
+    def __init__(self, comm: MPI.Comm, nbytes: int, use_puts: bool):
         import cupy
         import nvshmem.core as nvs
 
@@ -145,7 +139,7 @@ class NvshmemHeap:
         self.rank = comm.rank
         self.num_ranks = comm.size
         self.device = _RUNTIME.device
-        self.use_puts = env_flag(PUTS_ENV) if use_puts is None else bool(use_puts)
+        self.use_puts = use_puts
         self.nbytes = nbytes
         self.local = nvs.array((nbytes,), dtype="uint8")
         self.local[...] = 0
@@ -156,7 +150,7 @@ class NvshmemHeap:
         if not self.use_puts and any(p is None for p in self.peers):
             missing = [r for r, p in enumerate(self.peers) if p is None]
             raise RuntimeError(f"rank {self.rank}: ranks {missing} are not reachable by load/store (no P2P); "
-                               f"set {PUTS_ENV}=1 to send through NVSHMEM puts")
+                               "use Buffer(transport='puts') to send through NVSHMEM puts")
         comm.Barrier()  # every rank zeroed its signals before anyone can signal it
         _RUNTIME.live += 1
 

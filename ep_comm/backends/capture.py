@@ -1,0 +1,96 @@
+"""The nvshmem backend's CUDA-graph capture policy: what may be captured, the memory a captured call
+holds, and the routing checks of captured dispatches, reported after their replays.
+
+A capture can hold dispatches with ``cpu_sync=False`` (a new routing with int32/int64 ids, or
+``handle=...``) and the combines of their handles, over peer stores. A step that waits on the host,
+or any step of the puts transport (its buffer offsets come from the host's step number, which a
+replay would reuse), is refused before it enqueues anything: the buffer stays usable.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Protocol, Tuple
+
+
+class CaptureDevice(Protocol):
+    """What the policy needs of the device (``CupyDevice``)."""
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph."""
+
+    def mapped_int64(self, count: int, fill: int) -> Tuple[Any, Any]:
+        """``(host, device)`` views of ``count`` int64 words of device-mapped memory set to ``fill``."""
+
+    def allocations_into(self, held: List[Any]) -> Any:
+        """A context in which every allocation is also appended to ``held``."""
+
+
+def refusal(what: str, host_wait: bool, uses_puts: bool) -> Optional[str]:
+    """Why step ``what`` cannot be captured into a CUDA graph, or None when it can.
+
+    ``host_wait``: the step waits on the host (cpu_sync); ``uses_puts``: the puts transport."""
+    if host_wait:
+        return "it waits on the host (cpu_sync=True, or a combine of a cpu_sync=True dispatch's handle)"
+    if uses_puts:
+        return "the puts transport (Buffer(transport='puts')) takes its buffer offsets from the host"
+    return None
+
+
+class CapturePolicy:
+    """One Buffer's capture state on one rank.
+
+    ``active``: the current call is being captured; ``held``: the memory captured calls allocated
+    (graph replays use it; released at close); ``checks``: int64 ``[2]`` device-mapped record
+    ``[largest id, a repeated row]`` that the routing check of captured dispatches folds into.
+    """
+
+    def __init__(self, device: CaptureDevice, num_experts: int, uses_puts: bool):
+        self._device = device
+        self._num_experts = num_experts
+        self._uses_puts = uses_puts
+        self.active = False
+        self.held: List[Any] = []
+        self._checks_host, self.checks = device.mapped_int64(2, fill=-1)
+
+    def capturing(self) -> bool:
+        """Whether the caller's stream is being captured now."""
+        return self._device.capturing()
+
+    def begin(self, what: str, host_wait: bool) -> None:
+        """Start step ``what``: note whether it is captured, and raise RuntimeError (before anything is
+        enqueued) when it is but cannot be (see :func:`refusal`)."""
+        self.active = self._device.capturing()
+        why = refusal(what, host_wait, self._uses_puts) if self.active else None
+        if why:
+            raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA graph, "
+                               f"and {why}: a capture can hold dispatches with cpu_sync=False (a new routing with "
+                               "int32/int64 ids, or handle=...) and the combines of their handles, over peer stores; "
+                               "call it outside the capture")
+
+    @contextmanager
+    def memory(self) -> Iterator[None]:
+        """Around a whole ``Buffer`` call: while the caller's stream is being captured into a CUDA graph,
+        every allocation the call makes is held until the Buffer closes (the graph's replays use that
+        memory; back in the pool it would be handed out again). A no-op otherwise."""
+        if not self._device.capturing():
+            yield
+            return
+        with self._device.allocations_into(self.held):
+            yield
+
+    def raise_for_checks(self) -> None:
+        """ValueError naming the bad ``topk_idx`` that a dispatch replayed from a CUDA graph was given,
+        once (the record is cleared: the buffer stays usable, the ranks stayed in step). Read without
+        a synchronisation: a replay still running is reported by a later call."""
+        top, twice = (int(v) for v in self._checks_host)
+        if top < self._num_experts and twice < 0:
+            return
+        self._checks_host[:] = -1
+        what = (f"expert id {top} (ids must be < num_experts={self._num_experts})" if top >= self._num_experts
+                else f"row {twice} naming the same expert twice")
+        raise ValueError(f"a dispatch replayed from a CUDA graph was given a topk_idx holding {what}; its kernels "
+                         "read ids past the experts as 'no expert', so that replay's outputs are not what was asked")
+
+    def release(self) -> None:
+        """Let go of the memory captured calls held (the Buffer closes: no replay may follow)."""
+        self.held.clear()

@@ -1,0 +1,90 @@
+"""What ``Buffer`` asks of a backend: the ``Backend`` protocol, the settings it is built with, and one
+request object per collective call (the arguments ``Buffer`` has already checked).
+
+Shapes: ``T`` tokens of this rank, ``H`` hidden, ``K`` top-k width, ``R`` ranks, ``L`` local experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ContextManager, List, Optional, Protocol, Tuple, runtime_checkable
+
+from ..handle import Array, CombineOutput, DispatchOutput, EPHandle
+from ..layout import DispatchLayout
+from .profile import ProfileRow
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """The Buffer's choices every backend is built with (validated by ``Buffer``)."""
+
+    deterministic: bool
+    timeout_s: float
+    num_sms: Optional[int] = None  # SMs the GPU kernels are sized for; None: all of the device's
+    transport: str = "stores"  # one of validate.TRANSPORTS; the mpi backend has no choice to make
+    profile: bool = False  # record per-phase timings for Backend.profile_table()
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    """One checked ``Buffer.dispatch`` call.
+
+    ``x [T, H]`` payload; ``topk_idx [T, K]`` int (the handle's for a replay); ``topk_weights [T, K]``
+    float32 or None; ``handle`` the routing to replay or None; ``stats [L]`` int or None. For a replay
+    ``expand``/``expert_alignment``/``zero_padding`` are the handle's.
+    """
+
+    x: Array
+    topk_idx: Array
+    topk_weights: Optional[Array]
+    handle: Optional[EPHandle]
+    expand: bool
+    expert_alignment: int
+    zero_padding: bool
+    cpu_sync: bool
+    stats: Optional[Array]
+
+
+@dataclass(frozen=True)
+class CombineRequest:
+    """One checked ``Buffer.combine`` call: ``y [rows, H]`` laid out as the dispatch's ``recv_x``,
+    ``topk_weights`` (``[rows]`` expand, ``[rows, K]`` compact) float32 or None, ``bias_terms``: 0-2
+    arrays ``[T, H]``."""
+
+    y: Array
+    handle: EPHandle
+    topk_weights: Optional[Array]
+    bias_terms: Tuple[Array, ...]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The protocol on one rank: ``mpi`` (``MpiBackend``) and ``nvshmem`` (``NvshmemBackend``)."""
+
+    name: str  # "mpi" or "nvshmem"
+    num_sms: Optional[int]  # SMs the kernels use; None without kernels
+    transport_name: Optional[str]  # one of validate.TRANSPORTS in effect; None where there is no choice (mpi)
+    xp: Any  # the array module of the backend's arrays (numpy or cupy)
+
+    def as_array(self, obj: Any, name: str) -> Array:
+        """``obj`` as an array of ``xp`` (zero copy); TypeError naming ``name`` for arrays it cannot take."""
+
+    def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing."""
+
+    def dispatch_layout(self, topk_idx: Array) -> DispatchLayout:
+        """The local counts of a routing ``[T, K]`` (no communication)."""
+
+    def dispatch(self, request: DispatchRequest) -> DispatchOutput:
+        """One collective dispatch."""
+
+    def combine(self, request: CombineRequest) -> CombineOutput:
+        """One collective combine."""
+
+    def captured_memory(self) -> ContextManager[None]:
+        """Around a whole Buffer call: holds what the call allocates while a CUDA graph is captured."""
+
+    def profile_table(self) -> List[ProfileRow]:
+        """The per-phase timings so far (empty when profiling is off)."""
+
+    def close(self) -> None:
+        """Collective release with a bounded wait; a second call does nothing."""

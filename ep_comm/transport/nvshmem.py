@@ -1,0 +1,112 @@
+"""``NvshmemTransport``: how bytes reach the peers on the GPU, over the NVSHMEM symmetric heap.
+
+Two ways, chosen by ``Buffer(transport=...)``: ``"stores"``, the kernels store straight into every
+peer's buffer through NVSHMEM peer views, and the signal is a CuPy kernel (``signals``); or
+``"puts"``, the kernels write each destination's rows into a local staging block
+(``staging``) that ``nvshmem_puts.put_blocks`` sends, and NVSHMEM carries the signal (peers
+without P2P). GPU only: imports CuPy and Numba-CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+from numba import cuda
+
+from ..kernels.api import symmetric_views
+from ..symmetric import SymmetricLayout
+from . import nvshmem_puts, signals
+from .nvshmem_heap import NvshmemHeap
+from .staging import staged_destinations, staging_bytes
+
+def numba_view(a: Any) -> Any:
+    """Zero-copy Numba device array of a CuPy array, without the interface's stream sync."""
+    return cuda.as_cuda_array(a, sync=False)
+
+
+class NvshmemTransport:
+    """One Buffer's symmetric heap on this rank, and the stores or puts that reach the peers.
+
+    ``rows``/``meta``: per-rank destination views for the kernels (Numba device arrays, made once);
+    ``own``: typed views of this rank's buffer (``SymmetricViews``); ``step``: the device step
+    counter (int64 ``[1]``); ``send_step`` and ``send_ahead``: where the sending kernels take their
+    parity from, ``step[0] + 1`` (they run before the signal that advances the counter), or a
+    constant 0 with puts (the staging area has one half); ``device``: the CUDA device ordinal.
+    """
+
+    def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: bool):
+        """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area with
+        ``use_puts``) of symmetric heap; rows are viewed as ``word`` (``kernels.api.word_dtype``)."""
+        self.use_puts = use_puts
+        self.sym = sym
+        extra = staging_bytes(sym) if use_puts else 0
+        self.heap = NvshmemHeap(comm, sym.total_bytes + extra, use_puts)
+        self.rank, self.device = self.heap.rank, self.heap.device
+        self.status = signals.WaitStatus(sym.num_ranks, self.device)
+        self.step = cupy.zeros(1, dtype=cupy.int64)
+        self.send_step = cupy.zeros(1, dtype=cupy.int64) if use_puts else self.step
+        self.send_ahead = 0 if use_puts else 1
+        self.own = symmetric_views(self.heap.local, sym, word)
+        rows, meta = self._staged(word) if use_puts else self._peer_views(word)
+        self.rows = tuple(numba_view(v) for v in rows)
+        self.meta = tuple(numba_view(v) for v in meta)
+
+    def _peer_views(self, word: np.dtype) -> tuple:
+        """Every rank's rows and meta views (stores)."""
+        peers = [symmetric_views(p, self.sym, word) for p in self.heap.peers]
+        return tuple(v.rows for v in peers), tuple(v.meta for v in peers)
+
+    def _staged(self, word: np.dtype) -> tuple:
+        """The per-destination views into the staging area (puts), which also keeps its Numba views."""
+        sym = self.sym
+        r, t = sym.num_ranks, sym.max_tokens
+        rows_bytes = (2 * r - 1) * t * sym.row_bytes
+        stage = self.heap.local[sym.total_bytes: sym.total_bytes + staging_bytes(sym)]
+        self._stage_rows = numba_view(stage[:rows_bytes])
+        self._stage_meta = numba_view(stage[rows_bytes:])
+        self._sym = numba_view(self.heap.local)
+        return staged_destinations(stage[:rows_bytes].view(word).reshape(2 * r - 1, t, -1),
+                                   stage[rows_bytes:].view(cupy.int32).reshape(2 * r - 1, t, -1), r)
+
+    def flush(self, stream: Any, parity: int, psum: Any, with_meta: bool) -> None:
+        """Puts only: send each destination ``r`` its staged ``psum[r] - psum[r-1]`` rows (and meta rows)."""
+        if not self.use_puts:
+            return
+        sym, me = self.sym, self.rank
+        nvshmem_puts.put_blocks(stream, self._stage_rows, me, sym.max_tokens * sym.row_bytes, self._sym,
+                                sym.row_at(parity, me), sym.row_bytes, psum)
+        if with_meta:
+            meta_bytes = 4 * sym.meta_words
+            nvshmem_puts.put_blocks(stream, self._stage_meta, me, sym.max_tokens * meta_bytes, self._sym,
+                                    sym.meta_at(parity, me), meta_bytes, psum)
+
+    def signal(self, stream: Any, seq: int, kind: int, counts: Any = None) -> None:
+        """Advance the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the
+        step word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R]``) went to their count
+        words of the step's parity. Peer stores read the step from the device counter; puts use the
+        host's ``seq`` (equal to it: the puts path is never captured into a graph)."""
+        sym, me = self.sym, self.rank
+        if self.use_puts:
+            signals.advance_step(self.step)
+            nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), sym.num_ranks, me, seq << 2 | kind,
+                                      None if counts is None else numba_view(counts),
+                                      numba_view(self.own.counts[seq % 2]))
+        else:
+            signals.signal_peers(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, self.step, kind,
+                                 counts, sym.counts_offset)
+
+    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
+        """Enqueue the bounded wait for every rank's signal of this step of ``kind``; with ``with_counts``
+        the received count words of missing ranks are zeroed."""
+        signals.wait_signals(self.own.signal, self.sym.num_ranks, self.step, kind, timeout_s, self.status.device,
+                             self.own.counts if with_counts else None)
+
+    def missing_ranks(self) -> List[int]:
+        """Ranks any wait so far gave up on (sticky; read without a synchronisation)."""
+        return self.status.read().missing_ranks
+
+    def close(self, collective: bool) -> None:
+        """Free the heap: collectively, or (after a timeout) locally only."""
+        self.heap.close(collective=collective)

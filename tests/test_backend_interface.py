@@ -1,0 +1,80 @@
+"""The backend interface on CPU: both backends are ``Backend``s, ``Buffer(transport=..., profile=...)``'s
+rules, and the mpi backend's profile table. (The nvshmem backend's side runs in ``test_nvshmem_host.py``.)"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ep_comm
+from ep_comm.backends.interface import Backend
+from ep_comm.backends.mpi import MpiBackend
+from ep_comm.backends.profile import ProfileRow
+from ep_comm.validate import TRANSPORTS, check_profile, check_transport
+
+SHAPE = dict(num_experts=8, hidden=16, num_topk=2, num_max_tokens_per_rank=8, dtype="float32")
+
+
+def routing(num_tokens: int, seed: int) -> np.ndarray:
+    """``[T, K]`` int64: each token picks distinct experts."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(SHAPE["num_experts"], SHAPE["num_topk"], replace=False) for _ in range(num_tokens)])
+
+
+def test_the_mpi_backend_is_a_backend():
+    with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi") as buf:
+        assert isinstance(buf._backend, Backend) and isinstance(buf._backend, MpiBackend)
+
+
+@pytest.mark.parametrize("bad", ["store", "PUTS", "", None, 1, ("stores",)])
+def test_a_transport_outside_the_choices_is_a_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match="^" + re.escape(f"transport={bad!r}: must be one of {TRANSPORTS}")):
+        check_transport(bad)
+    with pytest.raises(ValueError, match=re.escape(f"transport={bad!r}")):
+        ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi", transport=bad)
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None, 1.0])
+def test_a_profile_that_is_not_a_bool_is_a_type_error_naming_it(bad):
+    with pytest.raises(TypeError, match="^" + re.escape(f"profile={bad!r}: must be True or False, got ")):
+        check_profile(bad)
+    with pytest.raises(TypeError, match=re.escape(f"profile={bad!r}")):
+        ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi", profile=bad)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_transport_has_no_effect_on_mpi(transport):
+    idx = routing(6, seed=1)
+    x = np.arange(6 * SHAPE["hidden"], dtype=np.float32).reshape(6, SHAPE["hidden"])
+    with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi", transport=transport, deterministic=True) as buf:
+        assert buf.transport is None
+        out = buf.dispatch(x, idx)
+        np.testing.assert_array_equal(buf.combine(out.recv_x, out.handle).x, x)
+
+
+def test_the_mpi_profile_table_has_host_times_of_every_phase_and_survives_close():
+    idx = routing(6, seed=2)
+    x = np.ones((6, SHAPE["hidden"]), np.float32)
+    buf = ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi", profile=True)
+    assert buf.profile_table() == []
+    for _ in range(3):
+        out = buf.dispatch(x, idx)
+        buf.combine(out.recv_x, out.handle)
+    table = buf.profile_table()
+    assert all(isinstance(row, ProfileRow) for row in table)
+    phases = {(row.op, row.phase): row for row in table}
+    assert set(phases) == {("dispatch", p) for p in ("total", "scatter", "signal+wait", "receive")} | \
+        {("combine", p) for p in ("total", "send", "signal+wait", "reduce")}
+    assert all(row.calls == 3 and row.host_us_p50 > 0 and row.gpu_us_p50 is None for row in table)
+    assert phases["dispatch", "total"].host_us_p50 >= phases["dispatch", "signal+wait"].host_us_p50
+    buf.close()
+    closed = {(row.op, row.phase): row.calls for row in buf.profile_table()}
+    assert closed == {**{key: 3 for key in phases}, ("close", "total"): 1, ("close", "signal+wait"): 1}
+
+
+def test_the_profile_table_of_a_buffer_without_profiling_says_how_to_get_one():
+    with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi") as buf:
+        with pytest.raises(RuntimeError, match=re.escape("Buffer(..., profile=True)")):
+            buf.profile_table()
