@@ -47,7 +47,7 @@ for item in $steps; do
                            --iters 50 --warmup 5 --json "$out/prefill.json" --plot "$out/prefill.png" ;;
         bench-decode) step "$name" 90 launch/mpirun_gpu.sh 2 ep_comm.bench --config deepseek_v3_decode \
                           --iters 200 --warmup 10 --json "$out/decode.json" ;;
-        kernel-bench) step "$name" 120 python3 -m ep_comm.kernels.bench_kernels --out "$out/kernels.json" ;;
+        kernel-bench) step "$name" 120 python3 -m ep_comm.bench.kernels --out "$out/kernels.json" ;;
         contract-stores) step "$name" 360 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=0 \
                              python3 -m pytest -q -p no:cacheprovider tests/test_multirank.py -k "${CONTRACT_RANKS:-1 or 2}" ;;
         contract-puts) step "$name" 360 env EP_COMM_TEST_BACKEND=nvshmem EP_COMM_NVSHMEM_PUTS=1 \

@@ -2,29 +2,15 @@
 wait-status decoding, the error when the GPU stack is missing, and the backend's whole call
 sequence (kernels in the Numba CUDA simulator, a loopback transport on one rank) against the
 mpi backend, bit for bit, for peer stores and for the puts staging layout."""
-import os
-import shutil
-import sys
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-if not (shutil.which("nvidia-smi") and os.path.exists("/dev/nvidia0")):
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-from numba.cuda.core import config as _cuda_config  # noqa: E402
-
-SIMULATED = bool(_cuda_config.ENABLE_CUDASIM)
-if SIMULATED:
-    sys.path.insert(0, str(Path(__file__).parent / "kernels"))
-    import cudasim_warp  # noqa: E402
-
-    cudasim_warp.install()
-
 from ep_comm.backends import make_backend
 from ep_comm.dtypes import payload_dtype
+from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.transport.gpu_copy import STATUS_FLAGS, read_status
 from ep_comm.transport.nvshmem_heap import HEAP_ENV, env_flag, heap_size_for, parse_size, pick_device
 from ep_comm.validate import Geometry
@@ -107,7 +93,7 @@ class LoopbackTransport:
 
     def __init__(self, sym, word, use_puts: bool):
         from ep_comm.backends.nvshmem import staged_destinations, staging_bytes
-        from ep_comm.kernels.api import symmetric_views
+        from ep_comm.launching.views import symmetric_views
 
         self.sym, self.use_puts, self.rank = sym, use_puts, 0
         self.buffer = np.zeros(sym.total_bytes + (staging_bytes(sym) if use_puts else 0), np.uint8)
@@ -194,7 +180,7 @@ class HostDevice:
 def simulated_backend(geo, deterministic: bool, use_puts: bool):
     """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator."""
     from ep_comm.backends.nvshmem import NvshmemBackend
-    from ep_comm.kernels.api import word_dtype
+    from ep_comm.launching.views import word_dtype
     from ep_comm.symmetric import SymmetricLayout
 
     sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
@@ -377,9 +363,9 @@ def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
 
 def _launch_log(monkeypatch) -> list:
     """Every kernel launch's grid and non-array arguments, in order."""
-    from ep_comm.kernels import launcher
+    from ep_comm.launching import bound
 
-    log, launch = [], launcher.BoundLaunch.__call__
+    log, launch = [], bound.BoundLaunch.__call__
 
     def recording(self, grid, block, stream, shared_bytes, *args):
         scalars = tuple(a if isinstance(a, (bool, int, float, np.integer, np.floating)) else type(a).__name__
@@ -387,7 +373,7 @@ def _launch_log(monkeypatch) -> list:
         log.append((self.dispatcher.__name__, grid, block, shared_bytes, scalars))
         return launch(self, grid, block, stream, shared_bytes, *args)
 
-    monkeypatch.setattr(launcher.BoundLaunch, "__call__", recording)
+    monkeypatch.setattr(bound.BoundLaunch, "__call__", recording)
     return log
 
 

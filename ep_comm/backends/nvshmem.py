@@ -1,7 +1,7 @@
 """The ``nvshmem`` backend: the dispatch/combine protocol on GPUs over the NVSHMEM symmetric heap.
 
 Same protocol and results as the ``mpi`` backend (``ep_comm/backends/mpi.py``), bit for bit in
-deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispatch on rank ``me``:
+deterministic mode. The data path is ``ep_comm.launching.kernels.Kernels``; per dispatch on rank ``me``:
 
 1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
 2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
@@ -11,7 +11,7 @@ deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispat
    routing), then a bounded GPU wait for every rank's signal (``gpu_copy``);
 4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
 
-Every step's signal advances the device step counter (``ep_comm.kernels.step``): the kernels read
+Every step's signal advances the device step counter (``ep_comm.kernels.step_counter``): the kernels read
 the step number and buffer parity from it, not from the host (the senders, before the signal, one
 step ahead). The launches of a step are therefore the same at every step, and the ``cpu_sync=False``
 calls (a dispatch of a new routing or of a handle, a combine) can be captured into a CUDA graph and
@@ -122,7 +122,7 @@ class NvshmemTransport:
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: Optional[bool]):
         import cupy
 
-        from ..kernels.api import symmetric_views
+        from ..launching.views import symmetric_views
         from ..transport import gpu_copy
         from ..transport.nvshmem_heap import PUTS_ENV, NvshmemHeap, env_flag
 
@@ -327,7 +327,7 @@ class NvshmemBackend:
                  use_puts: Optional[bool] = None, num_sms: Optional[int] = None):
         """``num_sms``: SMs the kernels' grids are sized for (None: all of the device's; see :func:`grid_shape`)."""
         cp = _import_gpu_stack()
-        from ..kernels.api import word_dtype
+        from ..launching.views import word_dtype
 
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
@@ -344,7 +344,7 @@ class NvshmemBackend:
     def _setup(self, comm: MPI.Comm, geo: Geometry, deterministic: bool, timeout_s: float, xp, transport, device,
                launch: Dict[str, int]) -> None:
         """State shared by every construction path; ``launch``: ``Kernels`` launch-shape overrides."""
-        from ..kernels.api import Kernels
+        from ..launching.kernels import Kernels
 
         self._cp = xp
         self.comm, self.rank, self.geo = comm, comm.rank, geo
@@ -402,7 +402,7 @@ class NvshmemBackend:
         record that the first call after the replays reads (:meth:`_raise_for_captured_checks`), and
         ``(-1, -1)`` ("nothing wrong yet") is returned. The kernels read ids past the experts as "no
         expert" meanwhile (``ep_comm.kernels.routing``)."""
-        from ..kernels.api import to_host
+        from ..host import to_host
         from ..validate import topk_values
 
         signed = np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger)
@@ -533,7 +533,7 @@ class NvshmemBackend:
 
     def _dispatch_new(self, seq: int, x, topk_idx, topk_weights, expand, alignment, zero_padding, cpu_sync,
                       stats) -> DispatchOutput:
-        from ..kernels.api import PLACE_ATOMIC, PLACE_STABLE, SLOT_ATOMIC, SLOT_STABLE
+        from ..launching.kernels import PLACE_ATOMIC, PLACE_STABLE, SLOT_ATOMIC, SLOT_STABLE
 
         k, step = self.kernels, self.transport.step
         with self.profile.phase("dispatch", "count"):
@@ -568,7 +568,7 @@ class NvshmemBackend:
 
     def _dispatch_cached(self, seq: int, x, h: EPHandle, topk_weights, cpu_sync, stats) -> DispatchOutput:
         """Replay ``h``'s routing: recorded slots and layout, no counting, no count exchange."""
-        from ..kernels.api import PLACE_CACHED, SLOT_CACHED
+        from ..launching.kernels import PLACE_CACHED, SLOT_CACHED
 
         cp = self._cp
         psum = h.psum_num_recv_tokens_per_rank
@@ -650,7 +650,7 @@ class NvshmemBackend:
             return self._combine(seq, y, handle, topk_weights, bias_terms)
 
     def _combine(self, seq: int, y, h: EPHandle, topk_weights, bias_terms) -> CombineOutput:
-        from ..transport import weight_return
+        from ..launching import weight_return
 
         cp, geo, t, k = self._cp, self.geo, self.transport, self.kernels
         weights = self._contiguous(topk_weights)
