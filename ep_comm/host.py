@@ -1,4 +1,4 @@
-"""Host-side array helpers for CPU code (bench, soak, the test oracle): NumPy only, no CuPy or Numba at load."""
+"""Host-side array helpers (bench, soak, the test oracle, kernel tests): NumPy only, no CuPy or Numba at load."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +7,11 @@ import numpy as np
 
 
 def to_host(arr: Any) -> Any:
-    """A NumPy array of a NumPy or CuPy array (or of a host list / int); None stays None."""
+    """A NumPy array of a NumPy, CuPy or Numba device array (or of a host list / int); None stays None.
+
+    A NumPy array comes back as is, not copied."""
     if arr is None:
         return None
+    if hasattr(arr, "copy_to_host"):  # a Numba device array
+        return arr.copy_to_host()
     return arr.get() if hasattr(arr, "__cuda_array_interface__") else np.asarray(arr)

@@ -8,14 +8,19 @@ multi-rank tests). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer 
 
 ``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: a plain run collects them and skips them;
 ``tests/test_multirank.py`` runs them with ``--with-mpi`` (pytest-mpi) on every rank of ``mpirun`` jobs.
+
+Without a GPU the kernels run in the Numba CUDA simulator, chosen here before anything imports
+``numba.cuda``, with its warp intrinsics installed once for every test (``helpers.cudasim_warp``).
 """
 from typing import Tuple
 
 import pytest
 from hypothesis import settings
 
-from helpers import rank_results
+from helpers import cudasim_warp, rank_results
 from helpers.options import BACKENDS, TRANSPORTS, SessionOptions, current, parse_ranks, record
+
+cudasim_warp.use_without_gpu()  # before any test module imports numba.cuda (none of the imports above does)
 
 settings.register_profile("ci", max_examples=150, deadline=None, database=None)
 settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=20)

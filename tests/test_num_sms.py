@@ -69,7 +69,7 @@ def test_sms_in_effect_defaults_to_the_device():
 def test_grid_shape_keeps_todays_launch_at_all_sms_of_an_h200():
     assert grid_shape(132) == {"num_blocks": 264, "stream_blocks": 1056}
     assert grid_shape(16) == {"num_blocks": 32, "stream_blocks": 128}
-    kernels_api = pytest.importorskip("ep_comm.kernels.api")
+    kernels_api = pytest.importorskip("ep_comm.launching.kernels")
     default = kernels_api.Kernels(np, num_ranks=2, num_experts=8, num_topk=2, max_tokens=8)
     sized = kernels_api.Kernels(np, num_ranks=2, num_experts=8, num_topk=2, max_tokens=8, **grid_shape(132))
     assert (sized.num_blocks, sized.stream_blocks, sized.recv_units) == \

@@ -2,39 +2,25 @@
 wait-status decoding, the error when the GPU stack is missing, and the backend's whole call
 sequence (kernels in the Numba CUDA simulator, a loopback transport on one rank) against the
 mpi backend, bit for bit, for peer stores and for the puts staging layout."""
-import os
-import shutil
-import sys
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-if not (shutil.which("nvidia-smi") and os.path.exists("/dev/nvidia0")):
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-from numba.cuda.core import config as _cuda_config  # noqa: E402
-
-SIMULATED = bool(_cuda_config.ENABLE_CUDASIM)
-if SIMULATED:
-    sys.path.insert(0, str(Path(__file__).parent / "kernels"))
-    import cudasim_warp  # noqa: E402
-
-    cudasim_warp.install()
-
-from ep_comm.backends import make_backend  # noqa: E402
-from ep_comm.backends.collective_steps import STEP_KINDS, step_word  # noqa: E402
-from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest  # noqa: E402
-from ep_comm.backends.mpi import MpiBackend  # noqa: E402
-from ep_comm.backends.nvshmem import NvshmemBackend  # noqa: E402
-from ep_comm.dtypes import payload_dtype  # noqa: E402
-from ep_comm.kernels.api import symmetric_views, word_dtype  # noqa: E402
-from ep_comm.symmetric import SymmetricLayout  # noqa: E402
-from ep_comm.transport.nvshmem_heap import HEAP_ENV, heap_size_for, parse_size, pick_device  # noqa: E402
-from ep_comm.transport.signals import STATUS_FLAGS, read_status  # noqa: E402
-from ep_comm.transport.staging import staged_destinations, staging_bytes  # noqa: E402
-from ep_comm.validate import Geometry  # noqa: E402
+from ep_comm.backends import make_backend
+from ep_comm.backends.collective_steps import STEP_KINDS, step_word
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
+from ep_comm.backends.mpi import MpiBackend
+from ep_comm.backends.nvshmem import NvshmemBackend
+from ep_comm.dtypes import payload_dtype
+from ep_comm.launching.views import symmetric_views, word_dtype
+from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
+from ep_comm.symmetric import SymmetricLayout
+from ep_comm.transport.nvshmem_heap import HEAP_ENV, heap_size_for, parse_size, pick_device
+from ep_comm.transport.signals import STATUS_FLAGS, read_status
+from ep_comm.transport.staging import staged_destinations, staging_bytes
+from ep_comm.validate import Geometry
 
 
 @pytest.mark.parametrize("text, value", [("1024", 1024), ("20m", 20 << 20), ("2G", 2 << 30), ("0.5k", 512),
@@ -380,9 +366,9 @@ def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
 
 def _launch_log(monkeypatch) -> list:
     """Every kernel launch's grid and non-array arguments, in order."""
-    from ep_comm.kernels import launcher
+    from ep_comm.launching import bound
 
-    log, launch = [], launcher.BoundLaunch.__call__
+    log, launch = [], bound.BoundLaunch.__call__
 
     def recording(self, grid, block, stream, shared_bytes, *args):
         scalars = tuple(a if isinstance(a, (bool, int, float, np.integer, np.floating)) else type(a).__name__
@@ -390,7 +376,7 @@ def _launch_log(monkeypatch) -> list:
         log.append((self.dispatcher.__name__, grid, block, shared_bytes, scalars))
         return launch(self, grid, block, stream, shared_bytes, *args)
 
-    monkeypatch.setattr(launcher.BoundLaunch, "__call__", recording)
+    monkeypatch.setattr(bound.BoundLaunch, "__call__", recording)
     return log
 
 

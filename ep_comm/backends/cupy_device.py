@@ -7,13 +7,13 @@ CUDA-graph capture detection. ``tests/test_nvshmem_host.py`` has a host twin for
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Tuple
 
 import cupy
 import numpy as np
 from numba import cuda
-from numba.cuda.core import config as numba_config
 
+from ..numba_internals import interface_sync_disabled
 from ..transport.nvshmem import numba_view
 from ..transport.signals import mapped_int64
 
@@ -53,15 +53,9 @@ class CupyDevice:
             self._streams[ptr] = cuda.external_stream(ptr)
         return self._streams[ptr]
 
-    @contextmanager
-    def launching(self) -> Iterator[None]:
+    def launching(self) -> ContextManager[None]:
         """Numba skips the CUDA-array-interface stream sync while we launch on the caller's stream."""
-        saved = numba_config.CUDA_ARRAY_INTERFACE_SYNC
-        numba_config.CUDA_ARRAY_INTERFACE_SYNC = 0
-        try:
-            yield
-        finally:
-            numba_config.CUDA_ARRAY_INTERFACE_SYNC = saved
+        return interface_sync_disabled()
 
     def synchronize(self) -> None:
         """Wait for the current stream."""

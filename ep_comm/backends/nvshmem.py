@@ -1,7 +1,7 @@
 """The ``nvshmem`` backend: the dispatch/combine protocol on GPUs over the NVSHMEM symmetric heap.
 
 Same protocol and results as the ``mpi`` backend (``ep_comm/backends/mpi.py``), bit for bit in
-deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispatch on rank ``me``:
+deterministic mode. The data path is ``ep_comm.launching.kernels.Kernels``; per dispatch on rank ``me``:
 
 1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
 2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
@@ -11,7 +11,7 @@ deterministic mode. The data path is ``ep_comm.kernels.api.Kernels``; per dispat
    routing), then a bounded GPU wait for every rank's signal (``ep_comm.transport.signals``);
 4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
 
-Every step's signal advances the device step counter (``ep_comm.kernels.step``): the kernels read
+Every step's signal advances the device step counter (``ep_comm.kernels.step_counter``): the kernels read
 the step number and buffer parity from it, not from the host (the senders, before the signal, one
 step ahead). The launches of a step are therefore the same at every step, and the ``cpu_sync=False``
 calls (a dispatch of a new routing or of a handle, a combine) can be captured into a CUDA graph and
@@ -48,10 +48,11 @@ from mpi4py import MPI
 
 from .. import layout as lay
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
-from ..kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
-                           to_host, word_dtype)
+from ..host import to_host
+from ..launching import weight_return
+from ..launching.kernels import PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels
+from ..launching.views import word_dtype
 from ..symmetric import SymmetricLayout
-from ..transport import weight_return
 from ..validate import Geometry, check_num_sms_fits, topk_values
 from .capture import CapturePolicy
 from .collective_steps import STEP_KINDS, Steps

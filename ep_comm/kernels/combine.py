@@ -13,7 +13,7 @@ from numba import cuda, float32, int32
 
 from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, load_f32, mul_rn, store_f32
 from ep_comm.kernels.jit import kernel
-from ep_comm.kernels.step import step_parity
+from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.vector import load_pair, store_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
@@ -58,7 +58,7 @@ def return_address(recv_src_metadata, row, max_tokens):
 
 @kernel
 def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, rows):
-    """See :func:`ep_comm.kernels.api.Kernels.combine_send` (compact)."""
+    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact)."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     warp, num_warps = global_warp()
@@ -88,7 +88,7 @@ def gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales):
 @kernel
 def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
                           rows):
-    """See :func:`ep_comm.kernels.api.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
+    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
     int32 then ``[warps * K]`` float32."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
@@ -140,7 +140,7 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
 @kernel
 def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0,
                           bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out, out_is_bf16):
-    """See :func:`ep_comm.kernels.api.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""
+    """See :func:`ep_comm.launching.kernels.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     hidden = out.shape[1]

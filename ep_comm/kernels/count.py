@@ -53,7 +53,7 @@ def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stabl
 @kernel
 def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, counters, ticket, unit_counts,
                  group_counts, rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank):
-    """See :meth:`ep_comm.kernels.api.Kernels.count`; dynamic shared memory: int32 ``[E + R + warps * R]``.
+    """See :meth:`ep_comm.launching.kernels.Kernels.count`; dynamic shared memory: int32 ``[E + R + warps * R]``.
 
     Stable mode leaves ``unit_counts[u, r]``: rank-r tokens of ``u``'s group before ``u``, and
     ``group_counts[g, r]``: rank-r tokens before group ``g`` (exclusive scan over groups).

@@ -13,7 +13,7 @@ from numba import cuda
 
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
-from ep_comm.kernels.step import step_parity
+from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.units import lane_entry, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
@@ -67,7 +67,7 @@ def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
 @kernel
 def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead, mode,
                    num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, rows, metas):
-    """See :func:`ep_comm.kernels.api.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
+    """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``."""
     num_tokens, num_topk = topk_idx.shape

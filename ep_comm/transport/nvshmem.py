@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 from numba import cuda
 
-from ..kernels.api import symmetric_views
+from ..launching.views import symmetric_views
 from ..symmetric import SymmetricLayout
 from . import nvshmem_puts, signals
 from .nvshmem_heap import NvshmemHeap
@@ -38,7 +38,7 @@ class NvshmemTransport:
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: bool):
         """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area with
-        ``use_puts``) of symmetric heap; rows are viewed as ``word`` (``kernels.api.word_dtype``)."""
+        ``use_puts``) of symmetric heap; rows are viewed as ``word`` (``launching.views.word_dtype``)."""
         self.use_puts = use_puts
         self.sym = sym
         extra = staging_bytes(sym) if use_puts else 0

@@ -3,7 +3,7 @@
 Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer views) or through
 ``nvshmem_puts``. Small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached,
 ~10 us launch), all reading the step number from the Buffer's device step counter (int64 ``[1]``,
-see ``ep_comm.kernels.step``) so that a CUDA graph can replay them:
+see ``ep_comm.kernels.step_counter``) so that a CUDA graph can replay them:
 
 * ``signal_peers``: advances the counter to this step, ``step + 1``; optionally sends this rank's
   per-destination counts into every peer's count words of the step's parity, then a system-scope

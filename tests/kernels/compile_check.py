@@ -17,8 +17,10 @@ import numpy as np
 import numba.cuda.dispatcher
 from numba import cuda, typeof
 
-from ep_comm.kernels.api import PLACE_STABLE, SLOT_STABLE, Kernels, symmetric_views, word_dtype
 from ep_comm.kernels.jit import SOURCES_DIGEST
+from ep_comm.launching.kernels import PLACE_STABLE, SLOT_STABLE, Kernels
+from ep_comm.launching.views import symmetric_views, word_dtype
+from ep_comm.numba_internals import source_stamp
 from ep_comm.symmetric import SymmetricLayout
 
 CC = (9, 0)
@@ -70,7 +72,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         for kernel, args in record_all(dtype):
-            assert kernel._cache._cache_file._source_stamp == SOURCES_DIGEST, f"{kernel} is not cached by sources"
+            assert source_stamp(kernel) == SOURCES_DIGEST, f"{kernel} is not cached by sources"
             ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
             (out / f"{kernel.py_func.__name__}.{dtype.name}.ptx").write_text(ptx)
 

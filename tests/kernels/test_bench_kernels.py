@@ -1,7 +1,7 @@
-"""Every measurement of ``python -m ep_comm.kernels.bench_kernels`` runs, at a tiny shape."""
+"""Every measurement of ``python -m ep_comm.bench.kernels`` runs, at a tiny shape."""
 from __future__ import annotations
 
-from ep_comm.kernels.bench_kernels import Bench, parse_args
+from ep_comm.bench.kernels import Bench, parse_args
 
 
 def test_every_measurement_launches(xp):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_comm.kernels.api import Kernels, to_host
+from ep_comm.host import to_host
+from ep_comm.launching.kernels import Kernels
 from ep_comm.testing.routing import make_routing, mask_routing
 from ep_comm.validate import topk_values
 

@@ -6,7 +6,8 @@ import pytest
 
 from ep_comm import layout as ref
 from ep_comm import reduce
-from ep_comm.kernels.api import payload_rows, to_host
+from ep_comm.host import to_host
+from ep_comm.launching.views import payload_rows
 from test_dispatch import make_world, run_dispatch
 from world import bits, random_payload
 
@@ -55,8 +56,9 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
     want = expected_combine(world, sent, received, ys, weights, bias_terms, expand)
     for s in range(world.num_ranks):
         out = xp.full((world.topk[s].shape[0], world.hidden), 3, world.device_payload(world.x[s]).dtype)
-        k.combine_reduce(world.views[s].rows, world.step(PARITY), xp.asarray(sent[s].slot_idx), world.dev(world.topk[s]), out,
-                         my_rank=s, bias=[world.device_payload(b) for b in bias_terms[s]])
+        k.combine_reduce(world.views[s].rows, world.step(PARITY), xp.asarray(sent[s].slot_idx),
+                         world.dev(world.topk[s]), out, my_rank=s,
+                         bias=[world.device_payload(b) for b in bias_terms[s]])
         np.testing.assert_array_equal(bits(to_host(out)), bits(want[s]))
 
 
@@ -76,19 +78,20 @@ def test_compact_combine(xp, dtype):
 def test_bfloat16_combine_without_bias_reduces_16_bytes_per_access(xp, monkeypatch, expand):
     """The wide bfloat16 reduce (hidden a multiple of 8, no bias) is the one launched, and it is bit
     for bit the reference sum, NaN and infinity rounding included (random payloads hold both)."""
-    from ep_comm.kernels import api
+    from ep_comm.kernels.combine import combine_reduce_bf16_kernel, combine_reduce_kernel
+    from ep_comm.launching.kernels import Kernels
 
     world = make_world(xp, seed=15, dtype="bfloat16", hidden=72, masked=0.2)
     launched = []
-    launch = api.Kernels._launch
+    launch = Kernels._launch
 
     def spy(self, kernel, *args, **kwargs):
         launched.append(kernel)
         return launch(self, kernel, *args, **kwargs)
 
-    monkeypatch.setattr(api.Kernels, "_launch", spy)
+    monkeypatch.setattr(Kernels, "_launch", spy)
     run_combine(world, expand=expand, weighted=expand, bias=0)
-    assert api.combine_reduce_bf16_kernel in launched and api.combine_reduce_kernel not in launched
+    assert combine_reduce_bf16_kernel in launched and combine_reduce_kernel not in launched
 
 
 def test_expand_combine_unweighted_no_bias_many_ranks(xp):

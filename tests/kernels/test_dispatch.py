@@ -1,4 +1,4 @@
-"""Dispatch kernels (count, rank scatter, receiver epilogue) against the NumPy reference, R ranks simulated."""
+"""Dispatch kernels (count, rank scatter, receive) against the NumPy reference, R ranks simulated."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ep_comm import layout as ref
-from ep_comm.kernels.api import to_host
+from ep_comm.host import to_host
 from world import DTYPES, World, bits, random_payload, random_routing
 
 MAX_TOKENS = 24
@@ -37,7 +37,8 @@ def check_count(world: World, deterministic: bool) -> None:
     dict(),
     dict(hot_expert=5, masked=0.0),
     dict(nowhere=4, masked=0.3),
-    dict(ranks=2, experts=70, topk=8, tokens=(40, 1), max_tokens=40),  # > 32 experts and ranks' chunks, several groups per unit
+    # > 32 experts and ranks' chunks, several groups per unit
+    dict(ranks=2, experts=70, topk=8, tokens=(40, 1), max_tokens=40),
 ])
 def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     world = make_world(xp, **case)

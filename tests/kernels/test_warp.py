@@ -9,7 +9,8 @@ from numba import cuda
 from ep_comm import layout as ref
 from ep_comm.kernels.convert import load_f32, store_f32
 from ep_comm.kernels.warp import ballot, copy_row, pop_lowest, stable_bucket_slots, warp_scan
-from ep_comm.kernels.api import to_host, wide_rows
+from ep_comm.host import to_host
+from ep_comm.launching.views import wide_rows
 
 
 @cuda.jit

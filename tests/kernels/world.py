@@ -1,5 +1,5 @@
 """A simulated world of R ranks in one process: every rank's symmetric buffer is a plain array, the
-scatter kernel gets all of them as its tuple of destinations, and each receiver runs its epilogue.
+scatter kernel gets all of them as its tuple of destinations, and each receiver runs its receive kernels.
 
 Expected values come from the NumPy reference (``ep_comm.layout``, ``ep_comm.reduce``) only; routings and
 payloads from the shared generators of ``ep_comm.testing.routing``.
@@ -12,8 +12,10 @@ from typing import Optional
 import numpy as np
 
 from ep_comm import layout as ref
-from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
-                                 Kernels, symmetric_views, to_host, word_dtype)
+from ep_comm.host import to_host
+from ep_comm.launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
+                                       Kernels)
+from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.symmetric import SymmetricLayout
 from ep_comm.testing import routing as gen
 from ep_comm.testing.dtypes import DTYPES
@@ -119,7 +121,7 @@ class World:
 
     def receive(self, d: int, parity: int, *, expand: bool, alignment: int, zero_padding: bool,
                 deterministic: bool, worst_case: bool = False, cached: Optional[Received] = None) -> Received:
-        """Receiver ``d``'s epilogue; outputs at worst-case size when ``worst_case`` (cpu_sync=False)."""
+        """Receiver ``d``'s receive kernels; outputs at worst-case size when ``worst_case`` (cpu_sync=False)."""
         k, view, xp = self.kernels, self.views[d], self.xp
         if cached is None:
             counts = k.receive_count(view.counts, view.meta, self.step(parity), alignment=alignment, expand=expand,

@@ -4,15 +4,22 @@ The simulator runs the threads of a block as Python threads and lacks warp colle
 warp gets a barrier: a collective publishes the lane's value, waits for the warp, reads the
 published values, and waits again so the next collective cannot overwrite them early. Kernels
 call collectives with all lanes of a warp (full mask), as they must on a GPU.
+
+The root ``tests/conftest.py`` calls :func:`use_without_gpu` once, before anything imports
+``numba.cuda`` (which reads ``NUMBA_ENABLE_CUDASIM`` when first imported): this module itself
+imports no Numba at load, and :func:`install` imports the simulator's modules only when it runs.
 """
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import threading
 import time
 
 import numpy as np
 
+HAVE_GPU = shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidia0")
 WARP = 32
 _TIMEOUT_S = 60.0
 _state_lock = threading.Lock()
@@ -164,3 +171,15 @@ def install() -> None:
     for name, func in _LIBDEVICE.items():
         setattr(libdevice, name, func)
     BlockThread.is_alive = _yielding_is_alive()
+
+
+def use_without_gpu() -> bool:
+    """Without a GPU, select the simulator (unless ``NUMBA_ENABLE_CUDASIM`` is set already) and, if
+    ``numba.cuda`` is then the simulator, :func:`install` the intrinsics. Returns whether it is."""
+    if not HAVE_GPU:
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    from ep_comm.numba_internals import ENABLE_CUDASIM
+
+    if ENABLE_CUDASIM:
+        install()
+    return ENABLE_CUDASIM

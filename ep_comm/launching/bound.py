@@ -17,7 +17,8 @@ Numba's kernel ABI (``numba.cuda.dispatcher._Kernel._prepare_args``), per argume
 - tuple: its items, flattened in order.
 
 Anything else (records, complex numbers, debug or cooperative kernels, kernels with argument
-extensions) keeps Numba's own launch path.
+extensions) keeps Numba's own launch path. What this takes from Numba's dispatcher, driver and types
+comes through :mod:`ep_comm.numba_internals`.
 """
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ import ctypes
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import cuda.core
 import numpy as np
+
+from ep_comm.numba_internals import compiled_function, compiles, core_stream, launchable_overload, numba_types
 
 __all__ = ["BoundLaunch", "arg_kind", "array_fields", "flattener", "c_strides"]
 
@@ -137,18 +141,16 @@ def _flatten_array(a: Any, out: List[Any]) -> None:
 
 
 def _scalar_flattener(ty: Any) -> Optional[Flatten]:
-    from numba.core import types
-
-    if ty == types.boolean:
+    if ty == numba_types.boolean:
         return lambda v, out: out.append(bool(v))
-    if isinstance(ty, types.Integer):
+    if isinstance(ty, numba_types.Integer):
         if ty.bitwidth == 64 and ty.signed:  # cuda.core passes a Python int as a pointer-sized integer
             return lambda v, out: out.append(int(v))
         ctype = getattr(ctypes, f"c_{ty}")
         return lambda v, out: out.append(ctype(int(v)))
-    if ty == types.float64:
+    if ty == numba_types.float64:
         return lambda v, out: out.append(ctypes.c_double(v))
-    if ty == types.float32:
+    if ty == numba_types.float32:
         return lambda v, out: out.append(ctypes.c_float(v))
     return None
 
@@ -156,13 +158,11 @@ def _scalar_flattener(ty: Any) -> Optional[Flatten]:
 def flattener(ty: Any, kind: Tuple[Any, ...]) -> Optional[Flatten]:
     """How to append a value of Numba type ``ty`` (whose :func:`arg_kind` is ``kind``) to a parameter
     list in Numba's ABI; None where this module does not bind that type (Numba keeps launching it)."""
-    from numba.core import types
-
-    if isinstance(ty, types.Array):
+    if isinstance(ty, numba_types.Array):
         if kind[0] != "array" or ty.ndim != kind[2] or ty.layout != _expected_layout(kind):
             return None
         return _flatten_array
-    if isinstance(ty, types.BaseTuple):
+    if isinstance(ty, numba_types.BaseTuple):
         if kind[0] != "tuple" or len(ty) != len(kind) - 1:
             return None
         parts = [flattener(t, k) for t, k in zip(ty, kind[1:])]
@@ -185,7 +185,7 @@ class _Plan:
     def __init__(self, overload: Any, types: Tuple[Any, ...], parts: List[Flatten]):
         self.overload = overload
         self.types = types
-        self.function = overload._codelibrary.get_cufunc().kernel
+        self.function = compiled_function(overload)
         self.parts = parts
 
     def params(self, args: tuple) -> List[Any]:
@@ -199,7 +199,8 @@ class BoundLaunch:
     """Launches one Numba ``@cuda.jit`` dispatcher; after the first launch of each argument kind,
     without the dispatcher.
 
-    ``to_numba`` turns an argument into what Numba's own launch takes (see ``api.DeviceViews``).
+    ``to_numba`` turns an argument into what Numba's own launch takes (see
+    :class:`ep_comm.launching.views.DeviceViews`).
     ``enabled=False`` (the CUDA simulator, or ``EP_COMM_NUMBA_LAUNCH=1``) always launches through
     Numba.
     """
@@ -207,7 +208,7 @@ class BoundLaunch:
     def __init__(self, dispatcher: Any, to_numba: Callable[[Any], Any], enabled: bool = True):
         self.dispatcher = dispatcher
         self._to_numba = to_numba
-        self._enabled = enabled and hasattr(dispatcher, "overloads")
+        self._enabled = enabled and compiles(dispatcher)
         self._plans: Dict[Tuple[Any, ...], Optional[_Plan]] = {}
         self._configs: Dict[Tuple[int, int, int], Any] = {}
         self._streams: Dict[int, Tuple[Any, Any]] = {}
@@ -219,10 +220,8 @@ class BoundLaunch:
             key = tuple(arg_kind(a) for a in args)
             plan = self._plans.get(key)
             if plan is not None:
-                from cuda.core import launch
-
-                launch(self._core_stream(stream), self._config(grid, block, shared_bytes), plan.function,
-                       *plan.params(args))
+                cuda.core.launch(self._core_stream(stream), self._config(grid, block, shared_bytes), plan.function,
+                                 *plan.params(args))
                 return
         numba_args = [self._to_numba(a) for a in args]
         self.dispatcher[grid, block, stream, shared_bytes](*numba_args)
@@ -233,10 +232,10 @@ class BoundLaunch:
         """The plan for ``key`` from the overload Numba just launched (None: keep Numba's launch)."""
         if any(k is None for k in key):
             return None
-        types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
-        overload = self.dispatcher.overloads.get(types)
-        if overload is None or overload.debug or overload.cooperative or overload.extensions:
+        chosen = launchable_overload(self.dispatcher, numba_args)
+        if chosen is None:
             return None
+        overload, types = chosen
         parts = [flattener(t, k) for t, k in zip(types, key)]
         if any(p is None for p in parts):
             return None
@@ -246,16 +245,12 @@ class BoundLaunch:
         key = (grid, block, shared_bytes)
         config = self._configs.get(key)
         if config is None:
-            from cuda.core import LaunchConfig
-
-            config = self._configs[key] = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            config = self._configs[key] = cuda.core.LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
         return config
 
     def _core_stream(self, stream: Any) -> Any:
         """The ``cuda.core`` stream of a Numba stream (0: the default stream), kept with its source."""
         held = self._streams.get(id(stream))
         if held is None or held[0] is not stream:
-            from numba.cuda.cudadrv import driver
-
-            held = self._streams[id(stream)] = (stream, driver._to_core_stream(stream))
+            held = self._streams[id(stream)] = (stream, core_stream(stream))
         return held[1]

@@ -1,8 +1,8 @@
-"""Time each dispatch/combine kernel on one GPU: ``python -m ep_comm.kernels.bench_kernels [--out FILE]``.
+"""Time each dispatch/combine kernel on one GPU: ``python -m ep_comm.bench.kernels [--out FILE]``.
 
 DeepSeek-V3 prefill shape by default (T=4096, H=7168 bfloat16, top-8 of 256 experts), with
 ``--ranks`` simulated ranks whose symmetric buffers all live on this GPU: every source's scatter
-writes into all of them, receiver 0 runs the epilogue. The count also runs on the first
+writes into all of them, receiver 0 runs the receive kernels. The count also runs on the first
 ``--decode-tokens`` tokens (decode). Per kernel: GPU time from CUDA events around each launch
 (median and p99 over ``--iters`` after ``--warmup``), host time of the launch call itself in
 microseconds per launch (median, nothing waited for), and bytes moved per GPU time where that
@@ -18,11 +18,12 @@ import time
 from typing import Callable
 
 import numpy as np
-from numba import cuda
 
-from ep_comm.kernels.api import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
-                                 Kernels, symmetric_views, to_host, word_dtype)
-from ep_comm.kernels.jit import kernel
+from ep_comm.host import to_host
+from ep_comm.kernels.sleep import sleep_kernel
+from ep_comm.launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
+                                       Kernels)
+from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.symmetric import SymmetricLayout
 
 
@@ -50,13 +51,6 @@ def uniform_routing(rng: np.random.Generator, tokens: int, experts: int, topk: i
 
 
 HOLD_US_PER_ITER = 2000  # longer than any launch call takes on the host
-
-
-@kernel
-def sleep_kernel(microseconds):
-    """Keep the GPU busy for about ``microseconds`` (one thread)."""
-    for _ in range(microseconds):
-        cuda.nanosleep(1000)
 
 
 def time_launch(cp, launch: Callable[[], None], warmup: int, iters: int) -> dict:
@@ -138,8 +132,8 @@ class Bench:
 
         def receive_copy(expand: bool, mode: int, out: tuple) -> Callable[[], None]:
             return lambda: k.receive_copy(self.recv.rank_psum, own.rows, own.meta, self.dispatch_step, *out,
-                                          expand=expand, mode=mode, expert_psum=self.recv.expert_psum, alignment=a.alignment,
-                                          zero_padding=True)
+                                          expand=expand, mode=mode, expert_psum=self.recv.expert_psum,
+                                          alignment=a.alignment, zero_padding=True)
 
         receive_copy(False, PLACE_ATOMIC, compact_out)()  # metadata that the cached and combine runs use
         receive_copy(True, PLACE_STABLE, expand_out)()

@@ -2,11 +2,11 @@
 
 Arrays are NumPy (in the simulator) or CuPy / any ``__cuda_array_interface__`` array (on a GPU);
 this module only slices, views and allocates with the array module ``xp`` it was given. Payloads
-travel as raw words: rows of ``hidden * itemsize`` bytes are viewed as the widest of
-uint64/uint32/uint16 that divides them. bfloat16 is handled as uint16 bits.
+travel as raw words (:mod:`ep_comm.launching.views`). The mode constants of the scatter
+(``SLOT_*``) and of the receive placement (``PLACE_*``) are the device modules' own, re-exported.
 
 Typical use by a backend, per dispatch on rank ``me`` (``views[r]`` are rank r's symmetric
-buffer, see :func:`symmetric_views`)::
+buffer, see :func:`ep_comm.launching.views.symmetric_views`)::
 
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
     send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
@@ -20,36 +20,34 @@ buffer, see :func:`symmetric_views`)::
     #          my_rank=me, step=step, ahead=1, expand=e, weights=w); transport signal;
     #          k.combine_reduce(own.rows, step, ...)
 
-``step`` is the step counter (int64 ``[1]`` on the device, ``ep_comm.kernels.step``): every kernel
+``step`` is the step counter (int64 ``[1]`` on the device, ``ep_comm.kernels.step_counter``): every kernel
 reads the buffer parity from it (the senders, which run before the signal that advances it, with
 ``ahead=1``), so a launch takes the same arguments at every step.
 """
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
-from numba import cuda
 
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.epilogue import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
-                                      receive_place_kernel, receive_rows_kernel)
-from ep_comm.kernels.launcher import BoundLaunch, array_fields
+from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
+                                     receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
-from ep_comm.symmetric import SymmetricLayout
+from ep_comm.launching.bound import BoundLaunch
+from ep_comm.launching.views import DeviceViews, payload_rows, payload_words, wide_rows
 
 Array = Any
 
-__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "SymmetricViews", "symmetric_views", "payload_words", "to_host",
-           "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED", "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
+__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED",
+           "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
 
 
 class SendLayout(NamedTuple):
@@ -71,101 +69,6 @@ class ReceiveCounts(NamedTuple):
     num_aligned_per_expert: Array  # [L] int32
     expert_psum: Array  # [L] int32, ep_comm.layout.expert_psum(counts, alignment, expand)
     totals: Array  # [2] int32: received rows N, expanded rows M (padding included)
-
-
-class SymmetricViews(NamedTuple):
-    """Typed views of one rank's symmetric buffer (``ep_comm.symmetric`` byte layout)."""
-
-    signal: Array  # [R] int64
-    counts: Array  # [2, R] int64
-    rows: Array  # [2, R, max_tokens, row_bytes // word] words
-    meta: Array  # [2, R, max_tokens, 1 + 2K] int32
-
-
-def to_host(a: Array) -> np.ndarray:
-    """A NumPy copy of a NumPy, CuPy or Numba device array."""
-    if hasattr(a, "copy_to_host"):
-        return a.copy_to_host()
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
-def payload_words(x: Array) -> Array:
-    """View ``x [rows, H]`` (float32/float16/bfloat16/uint16) as ``[rows, H * itemsize // word]`` words."""
-    raw = x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-    row_bytes = x.shape[1] * x.dtype.itemsize
-    for word in (np.uint64, np.uint32, np.uint16):
-        if row_bytes % np.dtype(word).itemsize == 0:
-            return raw.view(word)
-    raise AssertionError("unreachable: rows hold a whole number of 16-bit elements")
-
-
-def wide_rows(*arrays: Array) -> bool:
-    """Whether a row copy between these word arrays (rows on the last axis) may move 16 bytes per access:
-    64-bit words, an even number per row, and every row 16-byte aligned."""
-    for a in arrays:
-        if isinstance(a, np.ndarray):
-            ptr, strides = a.__array_interface__["data"][0], a.strides
-        else:
-            ptr, _, strides, _ = array_fields(a)
-        if a.dtype.itemsize != 8 or a.shape[-1] % 2 or ptr % 16 or any(st % 16 for st in strides[:-1]):
-            return False
-    return True
-
-
-def word_dtype(hidden: int, itemsize: int) -> np.dtype:
-    """The word type :func:`payload_words` uses for rows of ``hidden`` elements of ``itemsize`` bytes."""
-    row_bytes = hidden * itemsize
-    return np.dtype(next(w for w in (np.uint64, np.uint32, np.uint16) if row_bytes % np.dtype(w).itemsize == 0))
-
-
-def symmetric_views(buffer: Array, layout: SymmetricLayout, word: np.dtype) -> SymmetricViews:
-    """Typed views of a flat uint8 symmetric buffer (``layout.total_bytes`` long); rows as ``word``."""
-    def region(offset: int, nbytes: int, dtype) -> Array:
-        return buffer[offset: offset + nbytes].view(dtype)
-
-    r, t = layout.num_ranks, layout.max_tokens
-    rows_bytes = 2 * r * t * layout.row_bytes
-    return SymmetricViews(
-        signal=region(layout.signal_offset, 8 * r, np.int64),
-        counts=region(layout.counts_offset, 16 * r, np.int64).reshape(2, r),
-        rows=region(layout.rows_offset, rows_bytes, word).reshape(2, r, t, layout.row_bytes // np.dtype(word).itemsize),
-        meta=region(layout.meta_offset, 2 * r * t * layout.meta_words * 4, np.int32).reshape(2, r, t, layout.meta_words),
-    )
-
-
-class DeviceViews:
-    """Numba device arrays for the CUDA arrays a launch gets, made once per memory descriptor.
-
-    Numba turns each ``__cuda_array_interface__`` argument into a device array on every launch
-    (tens of microseconds of Python each, plus a stream sync when the interface names a stream);
-    a Numba device array launches at almost no cost. The views are keyed by (pointer, shape,
-    strides, type) and hold no reference to the memory: a hit describes the caller's array
-    exactly, and the array is alive while its launch runs. No stream sync: every argument must be
-    ready in stream order on the launch stream, as for CuPy's own kernels.
-    """
-
-    def __init__(self, capacity: int = 1024):
-        self._views: "OrderedDict[tuple, Array]" = OrderedDict()
-        self._capacity = capacity
-
-    def __call__(self, a: Any) -> Any:
-        """``a`` as a launch argument: tuples element-wise, CUDA arrays as cached Numba views, the rest as is."""
-        if isinstance(a, tuple):
-            return tuple(self(item) for item in a)
-        desc = getattr(a, "__cuda_array_interface__", None)
-        if desc is None or hasattr(a, "copy_to_host"):  # not a CUDA array, or a Numba one already
-            return a
-        key = (desc["data"][0], tuple(desc["shape"]), desc.get("strides"), desc["typestr"])
-        view = self._views.get(key)
-        if view is None:
-            view = cuda.from_cuda_array_interface({k: v for k, v in desc.items() if k != "stream"}, owner=None,
-                                                  sync=False)
-            self._views[key] = view
-            if len(self._views) > self._capacity:
-                self._views.popitem(last=False)
-        else:
-            self._views.move_to_end(key)
-        return view
 
 
 _DEVICE_VIEWS = DeviceViews()
@@ -206,7 +109,7 @@ class Kernels:
     whose last block does those scans (one column per warp at a time). The row-streaming
     kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
     ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy. ``stream`` is a Numba
-    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.kernels.launcher`);
+    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.launching.bound`);
     ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
     """
 
@@ -364,9 +267,9 @@ class Kernels:
         max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
         place_units = units_for(max_rows, rows_per_unit, self.recv_units)
         self._launch(receive_place_kernel, blocks=self._blocks_for(place_units, self.num_blocks))(
-            rank_psum, meta, step, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor, expert_psum,
-            alignment, recv_topk_idx.reshape(-1, width), recv_topk_weights.view(np.int32).reshape(-1, width),
-            recv_src_metadata)
+            rank_psum, meta, step, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor,
+            expert_psum, alignment, recv_topk_idx.reshape(-1, width),
+            recv_topk_weights.view(np.int32).reshape(-1, width), recv_src_metadata)
         recv_words = payload_words(recv_x)
         self._launch(receive_rows_kernel, blocks=self._blocks_for(max_rows, self.stream_blocks))(
             rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
@@ -381,8 +284,8 @@ class Kernels:
         ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
         ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
         or the same bytes viewed as ``[2, R, max_tokens, row_bytes // itemsize]`` payload elements
-        (expand, see :func:`payload_rows`). Expand reduces the row's expanded rows in top-k order,
-        weighted by ``weights [M]`` float32 when given.
+        (expand, see :func:`~ep_comm.launching.views.payload_rows`). Expand reduces the row's expanded
+        rows in top-k order, weighted by ``weights [M]`` float32 when given.
         """
         blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         if not expand:
@@ -420,9 +323,3 @@ class Kernels:
         self._launch(combine_reduce_kernel, shared, blocks)(
             payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
             *padded[1], len(terms), out_raw, out_bf16)
-
-
-def payload_rows(rows: Array, dtype) -> Array:
-    """Re-view ``[..., words]`` row storage as payload elements of ``dtype`` (bfloat16 as uint16 bits)."""
-    dtype = np.dtype(dtype)
-    return rows.view(dtype if dtype in (np.float32, np.float16) else np.uint16)

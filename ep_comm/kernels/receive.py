@@ -1,4 +1,4 @@
-"""Receiver epilogue: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
+"""Receive kernels: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
 
 Three kernels. ``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts
 into ``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms,
@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, int32
 
 from ep_comm.kernels.jit import kernel
-from ep_comm.kernels.step import step_parity
+from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
 from ep_comm.kernels.units import lane_entry, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
@@ -89,7 +89,7 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
 def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, expand, stable, rows_per_unit, max_units,
                          counters, ticket, unit_counts, rank_psum, unaligned, aligned, expert_psum, expert_cursor,
                          totals):
-    """See :func:`ep_comm.kernels.api.Kernels.receive_count`; dynamic shared memory: int32 ``[R + 2L]``.
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_count`; dynamic shared memory: int32 ``[R + 2L]``.
 
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
     :func:`receive_place_kernel` repeats from the same arguments.
@@ -187,7 +187,7 @@ def mark_unused_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_
 @kernel
 def receive_place_kernel(rank_psum, meta_by_parity, step, expand, mode, rows_per_unit, max_units, expert_cursor,
                          unit_cursor, expert_psum, alignment, recv_topk_idx, recv_weight_bits, recv_src_metadata):
-    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: everything but the payload rows.
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`: everything but the payload rows.
 
     Rows are cut into ``units_for(N, rows_per_unit, max_units)`` units: the cut of
     :func:`receive_count_kernel` in stable mode, any other cut else.
@@ -228,7 +228,7 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, expand, mode, rows_per
 @kernel
 def receive_rows_kernel(rank_psum, rows_by_parity, step, expand, zero_padding, expert_psum, alignment,
                         recv_src_metadata, recv_x, wide):
-    """See :func:`ep_comm.kernels.api.Kernels.receive_copy`: the payload rows, one warp per compact row.
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`: the payload rows, one warp per compact row.
 
     Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
     move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).

@@ -1,4 +1,4 @@
-"""Pre-bound launches (``ep_comm.kernels.launcher``): argument kinds, Numba's parameter ABI, plan binding.
+"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, Numba's parameter ABI, plan binding.
 
 The first tests need no GPU: fake CUDA arrays and a fake dispatcher stand in for CuPy and Numba's
 compiled kernel. On a GPU, the parameters of every kernel launch of a small dispatch are compared
@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from numba.core import types
 
-from ep_comm.kernels import launcher
-from ep_comm.kernels.launcher import BoundLaunch, arg_kind, c_strides, flattener
-
-from conftest import SIMULATED
+from ep_comm.launching import bound as bound_module
+from ep_comm.launching.bound import BoundLaunch, arg_kind, c_strides, flattener
+from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
 class FakeCudaArray:
@@ -117,7 +116,7 @@ def fake_core(monkeypatch):
     monkeypatch.setattr(cuda.core, "launch", lambda stream, config, kernel, *params: launches.append(
         (stream, config, kernel, params)))
     monkeypatch.setattr(cuda.core, "LaunchConfig", lambda **kw: kw)
-    monkeypatch.setattr(launcher.BoundLaunch, "_core_stream", lambda self, stream: f"core({stream})")
+    monkeypatch.setattr(bound_module.BoundLaunch, "_core_stream", lambda self, stream: f"core({stream})")
     return launches
 
 
@@ -163,11 +162,11 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
     ``_Kernel._prepare_args`` (Numba's launch) on the same arguments."""
     import cupy as cp
 
-    from ep_comm.kernels.api import DeviceViews
+    from ep_comm.launching.views import DeviceViews
     from test_combine import run_combine
     from test_dispatch import make_world
 
-    views, checked, original = DeviceViews(), [], launcher._Plan.params
+    views, checked, original = DeviceViews(), [], bound_module._Plan.params
 
     def checked_params(plan, args):
         params = original(plan, args)
@@ -178,7 +177,7 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
         checked.append(plan.overload)
         return params
 
-    monkeypatch.setattr(launcher._Plan, "params", checked_params)
+    monkeypatch.setattr(bound_module._Plan, "params", checked_params)
     world = make_world(cp, seed=21, hidden=40, masked=0.2)
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
         run_combine(world, expand=expand, weighted=expand, bias=1)

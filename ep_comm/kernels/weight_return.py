@@ -1,20 +1,19 @@
-"""The return route of the top-k weights in a combine (only when the caller passes ``topk_weights``).
+"""Kernels of the return route of the top-k weights in a combine (only when the caller passes ``topk_weights``).
 
-Expert side (``send_weights``): each received row writes its K weights into the weight columns
+Expert side (``send_weights_kernel``): each received row writes its K weights into the weight columns
 ``1 + K ..`` of the meta row it came from, ``metas[src][parity, my_rank, slot]`` (a tuple of per-rank
 meta views, as the kernels of ``ep_comm.kernels`` take them; the parity comes from the step counter,
-``ep_comm.kernels.step``). Source side (``gather_weights``):
+``ep_comm.kernels.step_counter``). Source side (``gather_weights_kernel``):
 entry ``k`` of token ``t`` reads weight ``k`` of the row sent back by the rank owning its expert
-(0 where the entry is masked). Weights travel as raw float32 bits (int32). One thread per entry.
+(0 where the entry is masked). Weights travel as raw float32 bits (int32). One thread per entry;
+``ep_comm.launching.weight_return`` launches them.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from ..kernels.step import step_parity
-
-THREADS = 256
+from ep_comm.kernels.step_counter import step_parity
 
 
 @cuda.jit
@@ -59,30 +58,3 @@ def gather_weights_kernel(meta_by_parity, step, slot_idx, topk_idx, experts_per_
                     bits = meta[rank, slot_idx[t, kk] - my_rank * max_tokens, 1 + num_topk + k]
                     break
         out_bits[t, k] = bits
-
-
-def _grid(work: int, cap: int) -> int:
-    return max(1, min(-(-work // THREADS), cap))
-
-
-def send_weights(stream, weight_bits, expand: bool, recv_src_metadata, rank_psum, metas, *, my_rank: int,
-                 step, ahead: int, max_blocks: int) -> None:
-    """Expert side; ``recv_src_metadata [N_out, 2 + K]`` int32 and ``rank_psum [R]`` int32 from the
-    dispatch handle; ``weight_bits`` int32 (see the kernel); ``metas``: tuple of ``[P, R, max_tokens,
-    1 + 2K]`` int32 views, one per rank, written at the parity of step ``step[0] + ahead`` (``step``: int64
-    ``[1]``, see ``ep_comm.kernels.step``). At most
-    ``max_blocks`` CTAs on Numba stream ``stream``."""
-    work = recv_src_metadata.shape[0] * (recv_src_metadata.shape[1] - 2)
-    send_weights_kernel[_grid(work, max_blocks), THREADS, stream](
-        weight_bits, expand, recv_src_metadata, rank_psum, my_rank, step, ahead, tuple(metas))
-
-
-def gather_weights(stream, meta_by_parity, step, slot_idx, topk_idx, out_bits, *, experts_per_rank: int,
-                   my_rank: int, max_blocks: int) -> None:
-    """Source side into ``out_bits [T, K]`` int32 (float32 bits) from this rank's meta rows
-    ``[2, R, max_tokens, 1 + 2K]`` at the parity of ``step``; ``slot_idx``/``topk_idx`` ``[T, K]`` from
-    the dispatch."""
-    if out_bits.shape[0] == 0:
-        return
-    gather_weights_kernel[_grid(out_bits.shape[0] * out_bits.shape[1], max_blocks), THREADS, stream](
-        meta_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits)

@@ -1,0 +1,84 @@
+"""Every private numba-cuda internal that ep_comm relies on, behind one small interface.
+
+Verified with numba-cuda 0.30.4 (``pyproject.toml`` caps it there): a newer release may move or
+rename any of these, and this module is the one place to adapt. Public APIs (``numba.cuda``,
+``numba.cuda.extending``) are used directly where they are needed.
+
+- :data:`ENABLE_CUDASIM`: whether ``numba.cuda`` is the CUDA simulator (chosen by the environment
+  variable ``NUMBA_ENABLE_CUDASIM`` before ``numba.cuda`` is first imported);
+- :func:`interface_sync_disabled`: launches that skip the stream sync Numba does for a
+  ``__cuda_array_interface__`` argument naming a stream;
+- :func:`set_source_stamp` / :func:`source_stamp`: the key of a dispatcher's on-disk cache entries;
+- :func:`compiles`, :func:`launchable_overload`, :func:`compiled_function`, :func:`core_stream` and
+  :data:`numba_types`: what the pre-bound launches (``ep_comm.launching.bound``) take from Numba's
+  dispatcher, its driver and its type system.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Tuple
+
+from numba.core import types as numba_types
+from numba.cuda.core import config as _config
+from numba.cuda.cudadrv import driver as _driver
+
+__all__ = ["ENABLE_CUDASIM", "interface_sync_disabled", "set_source_stamp", "source_stamp", "compiles",
+           "launchable_overload", "compiled_function", "core_stream", "numba_types"]
+
+ENABLE_CUDASIM: bool = bool(_config.ENABLE_CUDASIM)
+
+
+@contextmanager
+def interface_sync_disabled() -> Iterator[None]:
+    """Within the block, Numba does not synchronize the stream a ``__cuda_array_interface__``
+    argument names (``CUDA_ARRAY_INTERFACE_SYNC=0``); the previous setting comes back after it."""
+    saved = _config.CUDA_ARRAY_INTERFACE_SYNC
+    _config.CUDA_ARRAY_INTERFACE_SYNC = 0
+    try:
+        yield
+    finally:
+        _config.CUDA_ARRAY_INTERFACE_SYNC = saved
+
+
+def _cache_file(dispatcher: Any) -> Any:
+    """The on-disk cache file object of a ``cuda.jit(cache=True)`` dispatcher (None: it has none)."""
+    return getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+
+
+def set_source_stamp(dispatcher: Any, stamp: str) -> None:
+    """Key ``dispatcher``'s cache entries on ``stamp`` instead of its source file's modification time
+    and size. No-op where there is no such stamp (the simulator caches nothing)."""
+    cache_file = _cache_file(dispatcher)
+    if hasattr(cache_file, "_source_stamp"):
+        cache_file._source_stamp = stamp
+
+
+def source_stamp(dispatcher: Any) -> Optional[Any]:
+    """The stamp ``dispatcher``'s cache entries are keyed on (None: it caches nothing)."""
+    return getattr(_cache_file(dispatcher), "_source_stamp", None)
+
+
+def compiles(dispatcher: Any) -> bool:
+    """Whether ``dispatcher`` compiles its kernels and keeps the overloads (the simulator's runs Python)."""
+    return hasattr(dispatcher, "overloads")
+
+
+def launchable_overload(dispatcher: Any, numba_args: Any) -> Optional[Tuple[Any, Tuple[Any, ...]]]:
+    """``(overload, argument types)`` that a compiling ``dispatcher`` chose for ``numba_args`` (what Numba's own
+    launch got), or None where there is none or it is a debug or cooperative kernel or has argument
+    extensions: launching those takes more than the plain parameter list."""
+    arg_types = tuple(dispatcher.typeof_pyval(a) for a in numba_args)
+    overload = dispatcher.overloads.get(arg_types)
+    if overload is None or overload.debug or overload.cooperative or overload.extensions:
+        return None
+    return overload, arg_types
+
+
+def compiled_function(overload: Any) -> Any:
+    """The ``cuda.core`` kernel object of a compiled overload, for ``cuda.core.launch``."""
+    return overload._codelibrary.get_cufunc().kernel
+
+
+def core_stream(stream: Any) -> Any:
+    """The ``cuda.core`` stream of a Numba stream (0: the default stream)."""
+    return _driver._to_core_stream(stream)
