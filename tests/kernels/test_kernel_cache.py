@@ -65,7 +65,9 @@ def in_new_process(script: str, cache_dir: Path, source_root: Path = REPO) -> di
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir),
                PYTHONPATH=os.pathsep.join([str(source_root), os.environ.get("PYTHONPATH", "")]))
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    # from source_root: ``python -c`` puts the working directory first on sys.path
+    run = subprocess.run([sys.executable, "-c", script], cwd=source_root, env=env, capture_output=True, text=True,
+                         timeout=600)
     seconds = time.perf_counter() - start
     assert run.returncode == 0, run.stderr[-4000:]
     return dict(json.loads(run.stdout.strip().splitlines()[-1]), seconds=seconds)
