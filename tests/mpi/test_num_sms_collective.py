@@ -32,7 +32,8 @@ def test_bad_num_sms_is_refused_naming_it(world, bad, exc):
     assert message.startswith(f"num_sms={bad!r}") and ">= 1" in message
 
 
-@pytest.mark.parametrize("num_sms", [1, 16, np.int64(16)])
+# at most 8: ranks sharing a GPU under CUDA MPS see a share of its SMs (8 ranks on an H200: 14)
+@pytest.mark.parametrize("num_sms", [1, 8, np.int64(8)])
 def test_a_good_num_sms_gives_the_contract_results(world, num_sms):
     with make_buffer(world, num_sms=num_sms) as buf:
         assert buf.num_sms == (None if BACKEND == "mpi" else int(num_sms))
