@@ -71,10 +71,11 @@ stop_daemon() {  # EXIT trap: quit our daemon, wait for it to go, say whether it
 }
 
 child='' interrupted=0
+GRACE_S=${WITH_MPS_GRACE_S:-10}  # after a signal, how long CMD's process group may take to end before KILL
 # shellcheck disable=SC2329
-pass_on() {  # INT/TERM/HUP trap: end CMD; the main line then waits for it and exits
+pass_on() {  # INT/TERM/HUP trap: end CMD's whole process group; the main line then waits for it and exits
     interrupted=1
-    [ -z "$child" ] || kill -s TERM "$child" 2> /dev/null || true
+    [ -z "$child" ] || kill -s TERM -- "-$child" 2> /dev/null || true
 }
 
 if ! nvidia-cuda-mps-control -d; then
@@ -87,13 +88,24 @@ trap pass_on INT TERM HUP
 echo "with_mps.sh: MPS daemon at $CUDA_MPS_PIPE_DIRECTORY, $per_gpu rank(s) per GPU," \
      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" >&2
 
-# CMD runs in the background so that a trapped signal interrupts `wait` at once; after a signal,
-# `wait` again collects CMD's own status once it has ended.
-"$@" <&0 &
+# CMD runs in the background, in a session (and process group) of its own, so that a trapped signal
+# interrupts `wait` at once and reaches every process CMD started; after a signal, CMD's group gets
+# GRACE_S seconds to end before it is killed, so that the EXIT trap always stops the daemon.
+setsid "$@" <&0 &
 child=$!
+deadline=''
 while :; do
     interrupted=0 rc=0
-    wait "$child" || rc=$?
-    [ "$interrupted" -eq 1 ] || break
+    if [ -z "$deadline" ]; then
+        wait "$child" || rc=$?
+        [ "$interrupted" -eq 1 ] || break
+        deadline=$(( $(date +%s) + GRACE_S ))
+    elif kill -0 "$child" 2> /dev/null && [ "$(date +%s)" -lt "$deadline" ]; then
+        sleep 0.5
+    else
+        kill -s KILL -- "-$child" 2> /dev/null || true
+        wait "$child" || rc=$?
+        break
+    fi
 done
 exit "$rc"

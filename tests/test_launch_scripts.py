@@ -188,6 +188,26 @@ def test_with_mps_stops_its_daemon_and_the_command_when_interrupted(tmp_path):
     assert "none left" in err
 
 
+def test_with_mps_kills_a_command_that_ignores_the_signal_and_still_stops_its_daemon(tmp_path):
+    """On the device machine a run stopped by ``timeout`` left its daemon: the command (a shell with
+    background jobs) outlived the TERM. Its whole process group is killed after the grace period."""
+    env = dict(mps_env(tmp_path), WITH_MPS_GRACE_S="2")
+    marker = tmp_path / "grandchild"
+    proc = subprocess.Popen([str(LAUNCH / "with_mps.sh"), "--", "bash", "-c",
+                             f"trap '' TERM; (trap '' TERM; echo $BASHPID > {marker}; sleep 60) & sleep 60; wait"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 137, err
+    assert [c.split("|")[0] for c in mps_calls(env)] == ["-d", "quit"]
+    assert "none left" in err
+    assert not _alive(int(marker.read_text())), "the command's background job is killed too"
+
+
 def _calls_so_far(env: Dict[str, str]) -> List[str]:
     log = Path(env["FAKE_MPS_LOG"])
     return log.read_text().splitlines() if log.exists() else []
