@@ -1,6 +1,6 @@
 """Reference layout math in NumPy: the oracle every backend and kernel is checked against.
 
-A dispatch is a two-level counting sort (see ``DESIGN.md``):
+A dispatch is a two-level counting sort (see ``docs/design.md``, "How a dispatch runs"):
 
 * sender side: count (token, destination rank) pairs and (token, expert) pairs, give every
   (token, rank) pair a *slot* in ``[0, count)`` inside the destination's block for this source;

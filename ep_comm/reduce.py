@@ -1,6 +1,6 @@
 """Reference combine arithmetic in NumPy: the fixed float32 order every backend reproduces bit for bit.
 
-Two stages (see ``DESIGN.md``, Combine):
+Two stages (see ``docs/design.md``, "Combine"):
 
 1. on the expert side, each received (compact) row ``i`` becomes one partial row: compact mode
    sends ``y[i]`` unchanged; expand mode reduces ``i``'s expanded rows in top-k order,

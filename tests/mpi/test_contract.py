@@ -1,4 +1,4 @@
-"""The public contract of DESIGN.md, checked on every rank of an ``mpirun`` job.
+"""The public contract of docs/design.md, checked on every rank of an ``mpirun`` job.
 
 Dispatch outputs go through the shared checker (``ep_comm.testing.check``, the NumPy reference), whose
 expected rows and counts are checked against the plain loops of ``helpers/oracle.py``; combines against the oracle.
