@@ -49,6 +49,9 @@ Array = Any
 __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED",
            "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
 
+# debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
+NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
+
 
 class SendLayout(NamedTuple):
     """What :meth:`Kernels.count` produces (all on the device)."""
@@ -139,7 +142,7 @@ class Kernels:
         self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
         self.threads = self.warps_per_block * WARP
         # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
-        prebound = xp is not np and os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") != "1"
+        prebound = xp is not np and not NUMBA_LAUNCH_ONLY
         self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
         self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
         self._ticket = xp.zeros(1, dtype=np.uint32)
