@@ -12,6 +12,7 @@ import ep_comm
 from ep_comm.backends.interface import Backend
 from ep_comm.backends.mpi import MpiBackend
 from ep_comm.backends.profile import ProfileRow
+from ep_comm.testing.routing import uniform_routing
 from ep_comm.validate import TRANSPORTS, check_profile, check_transport
 
 SHAPE = dict(num_experts=8, hidden=16, num_topk=2, num_max_tokens_per_rank=8, dtype="float32")
@@ -19,8 +20,7 @@ SHAPE = dict(num_experts=8, hidden=16, num_topk=2, num_max_tokens_per_rank=8, dt
 
 def routing(num_tokens: int, seed: int) -> np.ndarray:
     """``[T, K]`` int64: each token picks distinct experts."""
-    rng = np.random.default_rng(seed)
-    return np.stack([rng.choice(SHAPE["num_experts"], SHAPE["num_topk"], replace=False) for _ in range(num_tokens)])
+    return uniform_routing(num_tokens, SHAPE["num_experts"], SHAPE["num_topk"], seed=seed).topk_idx
 
 
 def test_the_mpi_backend_is_a_backend():

@@ -17,6 +17,7 @@ from ep_comm.dtypes import payload_dtype
 from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.symmetric import SymmetricLayout
+from ep_comm.testing.routing import mask_routing, uniform_routing
 from ep_comm.transport.nvshmem_heap import HEAP_ENV, heap_size_for, parse_size, pick_device
 from ep_comm.transport.signals import STATUS_FLAGS, read_status
 from ep_comm.transport.staging import staged_destinations, staging_bytes
@@ -240,9 +241,8 @@ def test_call_sequence_matches_the_mpi_backend(dtype, expand, alignment, cpu_syn
     geo = Geometry(1, 6, 12, 3, 9, payload_dtype(dtype))
     rng = np.random.default_rng(hash((dtype, expand, alignment)) % 1000)
     tokens = 7
-    idx = np.stack([rng.choice(geo.num_experts, geo.num_topk, replace=False) for _ in range(tokens)]).astype(np.int64)
-    idx[rng.random(idx.shape) < 0.25] = -1
-    idx[0] = -1
+    idx = mask_routing(uniform_routing(tokens, geo.num_experts, geo.num_topk, seed=rng).topk_idx, rng,
+                       entry_rate=0.25, first_tokens=1)
     x = rng.standard_normal((tokens, geo.hidden)).astype(geo.dtype)
     w = rng.random((tokens, geo.num_topk)).astype(np.float32) if weighted else None
     terms = tuple(rng.standard_normal((tokens, geo.hidden)).astype(np.float32) for _ in range(bias))
