@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ep_comm.backends import resolve_backend
 from ep_comm.bench.config import available_configs
+from ep_comm.cli import ArgumentParser
 
 # (shown name, module to import, distribution names to ask for a version when the module has none)
 PACKAGES: Sequence[Tuple[str, str, Tuple[str, ...]]] = (
@@ -107,7 +108,10 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m ep_comm.info [--help]``: print :func:`report`."""
+    about = __doc__.splitlines()[0].split(": ", 1)[1]
+    ArgumentParser(prog="python -m ep_comm.info", description=about).parse_args(argv)
     print(report())
 
 

@@ -179,15 +179,24 @@ def format_sms_table(points: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str:
-    """The whole report: a header line with the run's parameters, one block per point, and a table of
-    dispatch/combine latency per SM count when the run had more than one."""
+def format_header(meta: Dict[str, Any]) -> str:
+    """The report's first lines: the run's parameters (``meta`` without its versions) and the conventions."""
     head = " ".join(f"{k}={v}" for k, v in meta.items() if k not in ("versions",) and v is not None)
+    return f"ep_comm.bench {head}\n({HEADER})"
+
+
+def format_tail(points: Sequence[Dict[str, Any]]) -> Optional[str]:
+    """What ends the report: the table of dispatch/combine latency per SM count when the run had more
+    than one count, else None."""
+    return format_sms_table(points) if len({p["num_sms"] for p in points}) > 1 else None
+
+
+def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str:
+    """The whole report: :func:`format_header`, one block per point, :func:`format_tail`. (The
+    benchmark prints these pieces as the run reaches them.)"""
     ceiling = meta.get("nvlink_ceiling_gbps")
-    blocks = [f"ep_comm.bench {head}", f"({HEADER})"] + [format_point(p, ceiling) for p in points]
-    if len({p["num_sms"] for p in points}) > 1:
-        blocks.append(format_sms_table(points))
-    return "\n".join(blocks)
+    blocks = [format_header(meta)] + [format_point(p, ceiling) for p in points] + [format_tail(points)]
+    return "\n".join(b for b in blocks if b is not None)
 
 
 def write_json(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
