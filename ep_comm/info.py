@@ -71,7 +71,7 @@ def versions() -> Dict[str, str]:
     return out
 
 
-def _command(args: List[str]) -> Optional[str]:
+def command_output(args: List[str]) -> Optional[str]:
     """Output of a command, or None when it is missing or fails."""
     if shutil.which(args[0]) is None:
         return None
@@ -84,10 +84,10 @@ def _command(args: List[str]) -> Optional[str]:
 
 def gpus() -> str:
     """GPU list and NVLink topology from ``nvidia-smi``, or why there is none."""
-    listing = _command(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"])
+    listing = command_output(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"])
     if listing is None:
         return "no nvidia-smi (or it failed): no NVIDIA GPU visible"
-    topo = _command(["nvidia-smi", "topo", "-m"]) or "(nvidia-smi topo -m failed)"
+    topo = command_output(["nvidia-smi", "topo", "-m"]) or "(nvidia-smi topo -m failed)"
     return f"{listing}\n\nNVLink topology (nvidia-smi topo -m):\n{topo}"
 
 

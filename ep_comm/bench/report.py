@@ -180,9 +180,11 @@ def format_sms_table(points: Sequence[Dict[str, Any]]) -> str:
 
 
 def format_header(meta: Dict[str, Any]) -> str:
-    """The report's first lines: the run's parameters (``meta`` without its versions) and the conventions."""
-    head = " ".join(f"{k}={v}" for k, v in meta.items() if k not in ("versions",) and v is not None)
-    return f"ep_comm.bench {head}\n({HEADER})"
+    """The report's first lines: the run's parameters and provenance (``meta``), the package versions,
+    the conventions."""
+    head = " ".join(f"{k}={v}" for k, v in meta.items() if k != "versions" and v is not None)
+    versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+    return f"ep_comm.bench {head}\n" + (f"versions: {versions}\n" if versions else "") + f"({HEADER})"
 
 
 def format_tail(points: Sequence[Dict[str, Any]]) -> Optional[str]:

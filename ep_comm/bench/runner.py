@@ -20,7 +20,7 @@ from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
 from ep_comm.dtypes import payload_dtype
 from ep_comm.info import versions
 
-from . import report, shared_gpu
+from . import provenance, report, shared_gpu
 from .config import Config, ConfigError, load_config
 from .measure import PointSpec, RankSample, cuda_timer, host_timer, run_point
 
@@ -133,15 +133,19 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
 
 
 def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec, buf: Buffer,
-          timer_name: str, shared: bool) -> Dict[str, Any]:
+          path: DevicePath, shared: bool) -> Dict[str, Any]:
+    """The run's parameters and provenance: the git commit when ep_comm runs from a checkout, the
+    package versions, on GPU rank 0's GPU model and driver."""
     meta = {
         "config": cfg.name, "backend": buf.backend, "transport": args.transport, "ranks": comm.size,
         "routing": spec.routing, "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden,
         "num_experts": cfg.num_experts, "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
-        "warmup": args.warmup, "timer": timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
-        "shared_gpu": shared, "versions": versions(),
+        "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
+        "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
     }
+    if path.gpu_id is not None:
+        meta["gpu"] = provenance.gpu_model(path.gpu_id)
     if shared:
         meta["note"] = shared_gpu.NOTE
     return meta
@@ -195,7 +199,7 @@ class _Session:
         path = _device_path(buf)
         self.timer, self.device = path.timer, path.to_device
         self.shared_gpu = shared_gpu.ranks_share_a_gpu(self.comm, path.gpu_id)
-        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, path.timer_name, self.shared_gpu)
+        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, path, self.shared_gpu)
         if self.shared_gpu and self.comm.rank == 0 and not self.args.quiet:
             print(shared_gpu.skip_line(self.args.no_baselines), file=sys.stderr, flush=True)
         if buf.backend == "nvshmem":
