@@ -134,10 +134,12 @@ def test_an_mpi_that_is_not_the_launchers_is_one_line_and_exit_2(variable):
 
 
 # ------------------------------------------------------------------ small CLI items
-def test_info_help_prints_the_usage_and_nothing_else():
-    job = run_python(0, "-m", "ep_comm.info", "--help")
-    assert job.returncode == 0 and job.stdout.startswith("usage: python -m ep_comm.info [-h]"), job.stderr
-    assert "versions:" not in job.stdout
+@pytest.mark.parametrize("module", ["ep_comm.bench", "ep_comm.bench.kernels", "ep_comm.soak", "ep_comm.info",
+                                    "examples.moe_layer"])
+def test_help_prints_the_usage_and_runs_nothing(module):
+    job = run_python(0, "-m", module, "--help")
+    assert job.returncode == 0 and job.stdout.startswith(f"usage: python -m {module} [-h]"), job.stdout + job.stderr
+    assert "versions:" not in job.stdout and "ep_comm.bench config=" not in job.stdout
 
 
 def test_an_option_error_is_printed_once_not_once_per_rank():

@@ -29,7 +29,7 @@ from ep_comm.symmetric import SymmetricLayout
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m ep_comm.bench.kernels", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens of the extra count measurements")
     p.add_argument("--hidden", type=int, default=7168)
@@ -182,9 +182,9 @@ class Bench:
 
 
 def main(argv=None) -> None:
+    a = parse_args(argv)  # first: --help and option errors need no GPU stack
     import cupy as cp
 
-    a = parse_args(argv)
     bench = Bench(cp, a)
     results = []
     print(f"T={a.tokens} H={a.hidden} bf16 top-{a.topk} of {a.experts}, {a.ranks} buffers on one GPU, "
