@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ep_comm.backends import resolve_backend
 from ep_comm.bench.config import available_configs
+from ep_comm.cli import ArgumentParser
 
 # (shown name, module to import, distribution names to ask for a version when the module has none)
 PACKAGES: Sequence[Tuple[str, str, Tuple[str, ...]]] = (
@@ -70,7 +71,7 @@ def versions() -> Dict[str, str]:
     return out
 
 
-def _command(args: List[str]) -> Optional[str]:
+def command_output(args: List[str]) -> Optional[str]:
     """Output of a command, or None when it is missing or fails."""
     if shutil.which(args[0]) is None:
         return None
@@ -83,10 +84,10 @@ def _command(args: List[str]) -> Optional[str]:
 
 def gpus() -> str:
     """GPU list and NVLink topology from ``nvidia-smi``, or why there is none."""
-    listing = _command(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"])
+    listing = command_output(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"])
     if listing is None:
         return "no nvidia-smi (or it failed): no NVIDIA GPU visible"
-    topo = _command(["nvidia-smi", "topo", "-m"]) or "(nvidia-smi topo -m failed)"
+    topo = command_output(["nvidia-smi", "topo", "-m"]) or "(nvidia-smi topo -m failed)"
     return f"{listing}\n\nNVLink topology (nvidia-smi topo -m):\n{topo}"
 
 
@@ -107,7 +108,10 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m ep_comm.info [--help]``: print :func:`report`."""
+    about = __doc__.splitlines()[0].split(": ", 1)[1]
+    ArgumentParser(prog="python -m ep_comm.info", description=about).parse_args(argv)
     print(report())
 
 

@@ -32,7 +32,8 @@ Shapes default by backend: CPU (mpi) 8 experts per rank, hidden 128, top-4, 48 t
 GPU (nvshmem) DeepSeek-V3's layer: 256 experts, hidden 7168 bfloat16, top-8, 512 tokens.
 Rank 0 shows a one-line progress display on stderr (live on a TTY or with ``--progress``, else a
 line per 10 %) and writes the JSON summary (``--json``). Exit status: 0 all checks passed, 1 a
-check failed or an error was raised on some rank, 2 bad options.
+check failed or an error was raised on some rank, 2 bad options, a ``--json`` path that cannot
+be written, or an environment that cannot run ``--backend`` (checked before any work).
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ from mpi4py import MPI
 
 from .backends import BACKENDS, resolve_backend
 from .buffer import Buffer
-from .cli import exit_collectively, int_at_least, int_list
+from .cli import (ArgumentParser, environment_problem, exit_collectively, int_at_least, int_list, output_problem,
+                  usage_exit)
 from .cli.progress import Progress
 from .dtypes import payload_dtype
 from .host import to_host
@@ -428,10 +430,11 @@ TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m ep_comm.soak", description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 every check passed on every rank, 1 a check failed or an error was raised, "
-               "2 bad options. Shapes default by backend (see the module docstring).")
+               "2 bad options, an unwritable --json path or no GPU stack for --backend nvshmem. "
+               "Shapes default by backend (see the module docstring).")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
     p.add_argument("--transport", choices=TRANSPORTS, default="stores",
                    help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores)")
@@ -522,6 +525,10 @@ def print_summary(summary: Dict[str, Any]) -> None:
 def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     """Run the phases the options ask for on every rank of ``comm``; every rank returns the same exit status."""
     args = parser().parse_args(argv)
+    code = usage_exit("ep_comm.soak", comm, environment_problem(comm, args.backend)
+                      or (output_problem("--json", args.json) if comm.rank == 0 else None))
+    if code is not None:
+        return code
     backend = resolve_backend(args.backend)
     shape = shape_of(args, backend, comm.size)
     problem = usage_problem(shape, comm.size)

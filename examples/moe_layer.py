@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.backends import BACKENDS
-from ep_comm.cli import exit_collectively, int_at_least
+from ep_comm.cli import ArgumentParser, environment_problem, exit_collectively, int_at_least, usage_exit
 from ep_comm.layout import expert_starts
 from ep_comm.testing.dtypes import DTYPE_NAMES, RELATIVE_ERROR_BOUND
 
@@ -258,9 +258,10 @@ def check_layer(comm: MPI.Comm, ops: ArrayOps, params: MoEParams, x: Array, resu
 # ------------------------------------------------------------------------------------- command line
 def parser(prog: str) -> argparse.ArgumentParser:
     """Options shared by the NumPy/CuPy and the PyTorch examples."""
-    p = argparse.ArgumentParser(prog=prog, description="MoE layer on ep_comm (gate, expand dispatch, expert "
+    p = ArgumentParser(prog=prog, description="MoE layer on ep_comm (gate, expand dispatch, expert "
                                 "MLPs, combine) checked against a dense reference. Run under mpirun, one "
-                                "process per rank (GPU). Exit status: 0 ok, 1 check failed, 2 bad options.")
+                                "process per rank (GPU). Exit status: 0 ok, 1 check failed, 2 bad options or no "
+                                "GPU stack for --backend nvshmem.")
     p.add_argument("--tokens", type=int_at_least(0), default=256, help="tokens per rank (default: 256)")
     p.add_argument("--hidden", type=int_at_least(1), default=256, help="hidden size H (default: 256)")
     p.add_argument("--ffn", type=int_at_least(1), default=512, help="expert MLP width F (default: 512)")
@@ -290,8 +291,12 @@ def parse_args(prog: str, argv: Optional[Sequence[str]], num_ranks: int) -> argp
 def run(args: argparse.Namespace, make_ops: Callable[[ep_comm.Buffer], ArrayOps], name: str,
         comm: Optional[MPI.Comm] = None) -> int:
     """Build the layer on ``comm`` (default: COMM_WORLD), run it on seeded tokens, check it; rank 0
-    prints one line. Returns the exit status: 0 ok, 1 the check failed (the same on every rank)."""
+    prints one line. Returns the exit status: 0 ok, 1 the check failed, 2 the environment cannot run
+    ``--backend`` (one line, by rank 0) (the same on every rank)."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    code = usage_exit(name, comm, environment_problem(comm, args.backend))
+    if code is not None:
+        return code
     params = make_params(args.hidden, args.ffn, args.experts, args.seed)
     with ep_comm.Buffer(comm, num_experts=args.experts, hidden=args.hidden, num_topk=args.topk,
                         num_max_tokens_per_rank=max(args.tokens, 1), dtype=args.dtype, backend=args.backend) as buf:

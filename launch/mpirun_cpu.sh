@@ -4,7 +4,8 @@
 #   launch/mpirun_cpu.sh N MODULE [ARGS...]
 #   launch/mpirun_cpu.sh 4 ep_comm.bench --config cpu_demo
 #
-# The venv is $VIRTUAL_ENV when one is active, else .venv next to this directory.
+# The venv is $VIRTUAL_ENV when one is active, else .venv next to this directory. The repository goes
+# first on PYTHONPATH, so `examples.*` modules run from any working directory.
 set -euo pipefail
 
 if [ $# -lt 2 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
@@ -20,5 +21,6 @@ if [ ! -x "$venv/bin/mpirun" ]; then
     echo "$0: no mpirun in $venv/bin: create the venv first (see README.md: python3 -m venv .venv && pip install -e .)" >&2
     exit 2
 fi
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 # Oversubscription is the point on a laptop or CI box: more ranks than cores is fine for correctness runs.
 exec "$venv/bin/mpirun" -np "$nranks" "$venv/bin/python" -m "$module" "$@"

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 from ep_comm.backends import BACKENDS
 from ep_comm.bench.report import ALL_SMS
-from ep_comm.cli import exit_collectively, int_at_least, int_list
+from ep_comm.cli import ArgumentParser, exit_collectively, int_at_least, int_list, list_items
 from ep_comm.testing.routing import KINDS
 
 token_list = int_list("token counts", 1, "128,512,4096")
@@ -17,7 +17,7 @@ def sm_counts(text: str) -> List[Optional[int]]:
     """argparse type of ``--num-sms``: comma- or space-separated SM counts >= 1 or ``all``, each at most
     once; ``all`` becomes None (the Buffer's default: every SM of the device). ``"16,32,all"`` ->
     ``[16, 32, None]``."""
-    items = text.replace(",", " ").split()
+    items = list_items(text) or []
     rule = f"{text!r}: must be a list of distinct SM counts >= 1 or '{ALL_SMS}', e.g. 16,32,{ALL_SMS}"
     values: List[Optional[int]] = []
     for item in items:
@@ -33,11 +33,12 @@ def sm_counts(text: str) -> List[Optional[int]]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m ep_comm.bench",
         description="Dispatch + combine benchmark with a round-trip check. Run under mpirun, one process per "
                     "rank (GPU). Exit status: 0 ok, 1 a round-trip or count check failed, 2 bad options/config, "
-                    "3 the results could not be written.")
+                    "an output path that cannot be written or no GPU stack for --backend nvshmem (all checked before "
+                    "the run), 3 the results could not be written at the end.")
     p.add_argument("--config", default="cpu_demo",
                    help="config name in ep_comm/bench/configs/ or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
@@ -76,6 +77,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     if args.tokens and args.sweep:
         parser().error("give --tokens or --sweep, not both")
+    if args.alignment != 1 and not args.expand:
+        parser().error(f"--alignment {args.alignment}: applies to expand mode only, give --expand too "
+                       "(compact dispatch has no expert blocks to align)")
     from ep_comm.bench.runner import run
 
     return run(args)

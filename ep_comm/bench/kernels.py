@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from ep_comm.cli import ArgumentParser
 from ep_comm.host import to_host
 from ep_comm.kernels.sleep import sleep_kernel
 from ep_comm.launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
@@ -28,7 +29,7 @@ from ep_comm.symmetric import SymmetricLayout
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m ep_comm.bench.kernels", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens of the extra count measurements")
     p.add_argument("--hidden", type=int, default=7168)
@@ -181,9 +182,9 @@ class Bench:
 
 
 def main(argv=None) -> None:
+    a = parse_args(argv)  # first: --help and option errors need no GPU stack
     import cupy as cp
 
-    a = parse_args(argv)
     bench = Bench(cp, a)
     results = []
     print(f"T={a.tokens} H={a.hidden} bf16 top-{a.topk} of {a.experts}, {a.ranks} buffers on one GPU, "

@@ -179,15 +179,26 @@ def format_sms_table(points: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_header(meta: Dict[str, Any]) -> str:
+    """The report's first lines: the run's parameters and provenance (``meta``), the package versions,
+    the conventions."""
+    head = " ".join(f"{k}={v}" for k, v in meta.items() if k != "versions" and v is not None)
+    versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+    return f"ep_comm.bench {head}\n" + (f"versions: {versions}\n" if versions else "") + f"({HEADER})"
+
+
+def format_tail(points: Sequence[Dict[str, Any]]) -> Optional[str]:
+    """What ends the report: the table of dispatch/combine latency per SM count when the run had more
+    than one count, else None."""
+    return format_sms_table(points) if len({p["num_sms"] for p in points}) > 1 else None
+
+
 def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str:
-    """The whole report: a header line with the run's parameters, one block per point, and a table of
-    dispatch/combine latency per SM count when the run had more than one."""
-    head = " ".join(f"{k}={v}" for k, v in meta.items() if k not in ("versions",) and v is not None)
+    """The whole report: :func:`format_header`, one block per point, :func:`format_tail`. (The
+    benchmark prints these pieces as the run reaches them.)"""
     ceiling = meta.get("nvlink_ceiling_gbps")
-    blocks = [f"ep_comm.bench {head}", f"({HEADER})"] + [format_point(p, ceiling) for p in points]
-    if len({p["num_sms"] for p in points}) > 1:
-        blocks.append(format_sms_table(points))
-    return "\n".join(blocks)
+    blocks = [format_header(meta)] + [format_point(p, ceiling) for p in points] + [format_tail(points)]
+    return "\n".join(b for b in blocks if b is not None)
 
 
 def write_json(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
@@ -249,40 +260,50 @@ def _sms_groups(points: Sequence[Dict[str, Any]]) -> Dict[Any, List[Dict[str, An
     return groups
 
 
+# Line and marker per series kind: logical / NVLink bytes and p50 / p99 differ in both, so series stay
+# apart under their markers and a single point (one token count) is still visible and named.
+PLOT_STYLES = {
+    "logical": dict(linestyle="-", marker="o"), "nvlink": dict(linestyle="--", marker="s", markerfacecolor="none"),
+    "p50": dict(linestyle="-", marker="o"), "p99": dict(linestyle=":", marker="^", markerfacecolor="none"),
+}
+
+
 def write_plot(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
-    """Bandwidth and latency against tokens per rank, one figure with two panels; one set of lines per
-    SM count (``sms=...`` in the legend when the run had more than one)."""
+    """Bandwidth and latency against tokens per rank, one figure with two panels, each with its legend
+    to its right (outside the data); one set of lines per SM count (``sms=...`` in the legend when the
+    run had more than one). Series differ in colour (operation, SM count), line style and marker
+    (:data:`PLOT_STYLES`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = _sms_groups(points)
-    fig, (bw_ax, lat_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (bw_ax, lat_ax) = plt.subplots(1, 2, figsize=(15, 4.5))
     ops = list(points[0]["latency_us"])
     for g, (sms, group) in enumerate(groups.items()):
         tokens = [p["tokens_per_rank"] for p in group]
         tag = f" sms={sms}" if len(groups) > 1 else ""
         for i, op in enumerate(EP_OPS):
-            for kind, style in (("logical", "-o"), ("nvlink", "--o")):
-                bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in group], style,
-                           color=f"C{g * len(EP_OPS) + i}", label=f"{op} {kind}{tag}")
+            for kind in ("logical", "nvlink"):
+                bw_ax.plot(tokens, [p["bandwidth_gbps"][op][kind] for p in group], color=f"C{g * len(EP_OPS) + i}",
+                           label=f"{op} {kind}{tag}", **PLOT_STYLES[kind])
         for i, op in enumerate(ops):
-            for stat, style in (("p50", "-o"), ("p99", ":")):
-                lat_ax.plot(tokens, [p["latency_us"][op][stat] for p in group], style,
-                            color=f"C{g * len(ops) + i}", label=f"{op} {stat}{tag}")
+            for stat in ("p50", "p99"):
+                lat_ax.plot(tokens, [p["latency_us"][op][stat] for p in group], color=f"C{g * len(ops) + i}",
+                            label=f"{op} {stat}{tag}", **PLOT_STYLES[stat])
     if meta.get("nvlink_ceiling_gbps"):
-        bw_ax.axhline(meta["nvlink_ceiling_gbps"], color="gray", linestyle=":", label="NVLink ceiling")
+        bw_ax.axhline(meta["nvlink_ceiling_gbps"], color="gray", linestyle="-.", label="NVLink ceiling")
     for ax, ylabel in ((bw_ax, "GB/s per rank"), (lat_ax, "us (slowest rank)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.suptitle(f"ep_comm {meta.get('config')} backend={meta.get('backend')} ranks={meta.get('ranks')}"
                  f"{note_mark(points)}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -16,13 +16,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ep_comm import Buffer
+from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
 from ep_comm.dtypes import payload_dtype
+from ep_comm.info import versions
 
-from . import report, shared_gpu
+from . import provenance, report, shared_gpu
 from .config import Config, ConfigError, load_config
 from .measure import PointSpec, RankSample, cuda_timer, host_timer, run_point
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 3
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_OUTPUT_FAILED = 0, 1, 3
 
 
 class UsageError(Exception):
@@ -39,7 +41,21 @@ def _point_specs(cfg: Config, args: argparse.Namespace) -> List[PointSpec]:
             for t in tokens]
 
 
+def _outputs_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why one of ``--json``, ``--csv``, ``--plot`` cannot be written (parent directories are created), or None."""
+    for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        problem = output_problem(option, path)
+        if problem:
+            return problem
+    return None
+
+
 def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
+    """The config, once the environment, the config's fit to ``comm`` and the output paths are checked
+    (a UsageError, the same on every rank, otherwise)."""
+    problem = environment_problem(comm, args.backend)
+    if problem:
+        raise UsageError(problem)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
@@ -51,6 +67,9 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
         missing = comm.bcast(report.matplotlib_missing() if comm.rank == 0 else None, root=0)
         if missing:
             raise UsageError(missing)
+    problem = comm.bcast(_outputs_problem(args) if comm.rank == 0 else None, root=0)
+    if problem:
+        raise UsageError(problem)
     return cfg
 
 
@@ -114,27 +133,27 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
 
 
 def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec, buf: Buffer,
-          timer_name: str, shared: bool) -> Dict[str, Any]:
+          path: DevicePath, shared: bool) -> Dict[str, Any]:
+    """The run's parameters and provenance: the git commit when ep_comm runs from a checkout, the
+    package versions, on GPU rank 0's GPU model and driver."""
     meta = {
         "config": cfg.name, "backend": buf.backend, "transport": args.transport, "ranks": comm.size,
         "routing": spec.routing, "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden,
         "num_experts": cfg.num_experts, "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
-        "warmup": args.warmup, "timer": timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
-        "shared_gpu": shared,
+        "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
+        "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
     }
+    if path.gpu_id is not None:
+        meta["gpu"] = provenance.gpu_model(path.gpu_id)
     if shared:
         meta["note"] = shared_gpu.NOTE
     return meta
 
 
 def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[Dict[str, Any]]) -> None:
-    from ep_comm.info import versions
-
-    meta["versions"] = versions()
-    if not args.quiet:
-        print(report.format_report(meta, points), flush=True)
-    else:
+    """Rank 0, after the run: the failures when ``--quiet`` (the report printed them otherwise), the files."""
+    if args.quiet:
         for point in points:
             for failure in point["failures"]:
                 print(f"ep_comm.bench: {report.point_title(point)}: FAILED {failure}", file=sys.stderr)
@@ -172,6 +191,7 @@ class _Session:
         self.timer: Callable = host_timer
         self.device: Callable[[np.ndarray], Any] = lambda a: a
         self.shared_gpu = False
+        self.shown = comm.rank == 0 and not args.quiet  # rank 0 prints the report as the run goes
 
     def start(self, buf: Buffer) -> None:
         """On the first Buffer (collective): pick the timer, find out whether ranks share a GPU, fill
@@ -179,11 +199,13 @@ class _Session:
         path = _device_path(buf)
         self.timer, self.device = path.timer, path.to_device
         self.shared_gpu = shared_gpu.ranks_share_a_gpu(self.comm, path.gpu_id)
-        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, path.timer_name, self.shared_gpu)
+        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, path, self.shared_gpu)
         if self.shared_gpu and self.comm.rank == 0 and not self.args.quiet:
             print(shared_gpu.skip_line(self.args.no_baselines), file=sys.stderr, flush=True)
         if buf.backend == "nvshmem":
             self.nccl = _gpu_extras(self.comm, self.args, self.timer, self.meta, self.shared_gpu)
+        if self.shown:
+            print(report.format_header(self.meta), flush=True)
 
     def run_points(self, buf: Buffer, num_sms: Optional[int]) -> None:
         """Every point on ``buf`` (SM count ``num_sms`` as asked); rank 0 keeps the summaries."""
@@ -199,6 +221,15 @@ class _Session:
             if self.comm.rank == 0:
                 self.points.append(report.summarize(samples, row_bytes, num_sms, buf.num_sms, self.shared_gpu))
                 self.progress.finish(_summary_line(self.points[-1]))
+                if self.shown:
+                    print(report.format_point(self.points[-1], self.meta.get("nvlink_ceiling_gbps")), flush=True)
+
+    def finish(self) -> None:
+        """After the last point: the end of the report (rank 0), the NCCL baselines closed."""
+        tail = report.format_tail(self.points)
+        if self.shown and tail:
+            print(tail, flush=True)
+        self.close()
 
     def close(self) -> None:
         if self.nccl is not None:
@@ -231,7 +262,7 @@ def _measure(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[
     except UsageError:  # raised on every rank alike: the collective teardown is safe
         session.close()
         raise
-    session.close()
+    session.finish()
     return session.meta, session.points
 
 

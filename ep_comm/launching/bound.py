@@ -31,6 +31,8 @@ import numpy as np
 
 from ep_comm.numba_internals import compiled_function, compiles, core_stream, launchable_overload, numba_types
 
+from .occupancy import quiet_low_occupancy
+
 __all__ = ["BoundLaunch", "arg_kind", "array_fields", "flattener", "c_strides"]
 
 Flatten = Callable[[Any, List[Any]], None]
@@ -224,7 +226,8 @@ class BoundLaunch:
                                  *plan.params(args))
                 return
         numba_args = [self._to_numba(a) for a in args]
-        self.dispatcher[grid, block, stream, shared_bytes](*numba_args)
+        with quiet_low_occupancy():  # small grids are deliberate: no warning per launch
+            self.dispatcher[grid, block, stream, shared_bytes](*numba_args)
         if self._enabled and key not in self._plans:
             self._plans[key] = self._bind(key, numba_args)
 
