@@ -135,6 +135,10 @@ class Buffer:
                 token), or None with ``handle``.
             topk_weights: ``[T, K]`` floating-point weights carried along (as float32), or None; with
                 ``handle`` and None, the handle's weights.
+
+        The returned handle owns its routing: it holds copies of ``topk_idx`` and ``topk_weights``
+        (one copy each, in the backend's array module; a replay of the handle's own arrays copies
+        nothing), so writing into the caller's arrays afterwards changes neither replays nor combines.
             handle: an ``EPHandle`` of an earlier dispatch of this Buffer's geometry, or None.
             expand: False: one row per (source token, rank), grouped by source rank; True: one row
                 per (source token, local expert), expert-major. Taken from ``handle`` on a replay.
@@ -172,12 +176,16 @@ class Buffer:
         if topk_weights is not None:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             chk.check_weights(topk_weights, "topk_weights", (num_tokens, geo.num_topk))
-            topk_weights = topk_weights.astype(be.xp.float32, copy=False)
-        elif handle is not None:
-            topk_weights = handle.topk_weights
         if stats is not None:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
+        # the handle owns its routing: a copy of the caller's ids and weights (none of the handle's own on a replay)
+        if handle is None:
+            idx = idx.copy()
+        if topk_weights is not None:
+            topk_weights = topk_weights.astype(be.xp.float32, copy=True)
+        elif handle is not None:
+            topk_weights = handle.topk_weights
         return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
                                            bool(zero_padding), bool(cpu_sync), stats))
 

@@ -14,6 +14,9 @@ class EPHandle:
 
     Fields follow DeepEP V2. ``N`` = rows of the compact receive layout, ``M`` = rows of the
     expand layout, ``L`` = local experts; with ``cpu_sync=False`` ``N``/``M`` are worst cases.
+
+    The handle owns its routing: ``topk_idx`` and ``topk_weights`` are copies ``Buffer.dispatch``
+    made of the caller's arrays, so later writes into those change neither replays nor combines.
     """
 
     psum_num_recv_tokens_per_rank: Array  # [R] int32, inclusive prefix sum of rows per source rank
@@ -28,8 +31,8 @@ class EPHandle:
     num_expanded_tokens: Count  # expanded rows, padding included
     # the dispatch arguments
     num_tokens: int
-    topk_idx: Array  # [T, K] int64, as given (validated)
-    topk_weights: Optional[Array]  # [T, K] float32 or None
+    topk_idx: Array  # [T, K] integer ids as given (validated): the handle's own copy, never the caller's array
+    topk_weights: Optional[Array]  # [T, K] float32, the handle's own copy, or None
     is_token_in_rank: Array  # [T, R] bool, source side
     expand: bool
     expert_alignment: int
@@ -47,7 +50,7 @@ class EPHandle:
 class Routing(NamedTuple):
     """The sender side of a routing: what a dispatch computed from ``topk_idx`` and a replay reuses."""
 
-    topk_idx: Array  # [T, K] int64, as given (validated)
+    topk_idx: Array  # [T, K] integer ids, the handle's own copy (see EPHandle)
     is_token_in_rank: Array  # [T, R] bool
     dst_buffer_slot_idx: Array  # [T, K] int32, see EPHandle
 
