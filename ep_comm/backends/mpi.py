@@ -92,7 +92,7 @@ class MpiBackend:
     def _wait_all(self, what: str, seq: int) -> None:
         missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
         if missing:
-            raise self.steps.timed_out(what, seq, missing)
+            raise self.steps.timed_out(what, missing)
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""

@@ -182,7 +182,7 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
         for call in (lambda: dispatch(buf, world), lambda: buf.combine(out.recv_x, out.handle)):
             with pytest.raises(ep_comm.BufferUnusableError) as info:
                 call()
-            assert "combine #2 timed out" in str(info.value) and "create a new one" in str(info.value)
+            assert "combine #1 timed out" in str(info.value) and "create a new one" in str(info.value)
         buf.close()
     else:
         with pytest.raises(ep_comm.TimeoutError) as info:
@@ -197,6 +197,31 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
         out = dispatch(again, world)
         res = again.combine(out.recv_x, out.handle)
         assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+
+
+@pytest.mark.mpi(min_size=2)  # a peer that can go missing
+def test_messages_count_dispatches_and_combines_apart(world):
+    """Three dispatch/combine pairs, then a rank skips the 4th dispatch: the others' TimeoutError and
+    every later BufferUnusableError say "dispatch #4" (the 4th dispatch, the 7th step); the skipper's close
+    is its "close #1"."""
+    timeout_s = 1.0
+    skipper = WORLD - 1
+    buf = make_buffer(world, timeout_s=timeout_s)
+    for _ in range(3):
+        buf.combine(*_recv_and_handle(buf, world))
+    if RANK != skipper:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            dispatch(buf, world)
+        assert f"rank {RANK}: dispatch #4 timed out after 1 s waiting for ranks [{skipper}]" in str(info.value)
+        with pytest.raises(ep_comm.BufferUnusableError) as info:
+            dispatch(buf, world)
+        assert f"rank {RANK}: cannot dispatch: dispatch #4 timed out waiting for ranks [{skipper}]" in str(info.value)
+        buf.close()
+    else:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            buf.close()
+        assert f"close #1 timed out after 1 s waiting for ranks {list(range(WORLD - 1))}" in str(info.value)
+    COMM.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)  # a peer that can be late
