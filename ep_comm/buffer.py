@@ -44,7 +44,8 @@ class Buffer:
         """Collective over ``comm``: every rank passes the same arguments.
 
         Args:
-            comm: an mpi4py communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
+            comm: an mpi4py intra-communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
+                ``MPI.COMM_NULL`` raises ValueError, an inter-communicator TypeError.
             num_experts: ``E`` global experts, a multiple of ``R``.
             hidden: ``H``, elements per token row.
             num_topk: ``K``, experts per token (``<= E``).
@@ -67,9 +68,7 @@ class Buffer:
             profile: True records per-phase timings on every rank, read by :meth:`profile_table`
                 (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
         """
-        comm = MPI.COMM_WORLD if comm is None else comm
-        if not isinstance(comm, MPI.Comm):
-            raise TypeError(f"comm must be an mpi4py communicator or None, got {type(comm).__name__}")
+        comm = chk.check_comm(comm)
         chk.check_geometry(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
@@ -133,7 +132,7 @@ class Buffer:
             x: ``[T, H]`` tokens in the buffer's dtype.
             topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
                 token), or None with ``handle``.
-            topk_weights: ``[T, K]`` floating-point weights carried along (as float32), or None; with
+            topk_weights: ``[T, K]`` floating-point weights (bfloat16 included) carried along as float32, or None; with
                 ``handle`` and None, the handle's weights.
 
         The returned handle owns its routing: it holds copies of ``topk_idx`` and ``topk_weights``
@@ -148,8 +147,8 @@ class Buffer:
             cpu_sync: True: the host waits for the row counts, outputs have exactly the received
                 rows; False: nothing waits on the host, outputs have the contract's worst-case rows,
                 the counts stay on the device (the CUDA-graph path).
-            stats: ``[E/R]`` integer array to which the received unaligned per-local-expert counts
-                are added, or None.
+            stats: ``[E/R]`` writeable integer array to which the received unaligned per-local-expert
+                counts are added, or None.
 
         Returns:
             ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype); ``recv_topk_idx`` int64 ``[N, K]``
@@ -200,10 +199,11 @@ class Buffer:
         Args:
             y: ``[rows, H]`` in the buffer's dtype, laid out as the dispatch's ``recv_x`` (compact or expand).
             handle: the ``EPHandle`` of that dispatch.
-            topk_weights: floating-point weights (as float32): ``[rows]`` expand (each row's
+            topk_weights: floating-point weights (bfloat16 included; as float32): ``[rows]`` expand (each row's
                 weight in the reduction), ``[rows, K]`` compact (gathered back into
                 ``res.topk_weights``); or None.
-            bias: None, one ``[T, H]`` floating-point array or a pair of them, added to every token.
+            bias: None, one ``[T, H]`` floating-point array (bfloat16 included) or a pair of them, added
+                to every token (as float32).
 
         Returns:
             ``CombineOutput``: ``x [T, H]`` in the buffer's dtype; ``topk_weights [T, K]`` float32

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+from .validate import Geometry
+
 Array = Any  # numpy.ndarray on the mpi backend, cupy.ndarray on the nvshmem backend
 Count = Union[int, Array]  # a host int when cpu_sync, else a 0-d device array
 
@@ -40,6 +42,7 @@ class EPHandle:
     deterministic: bool
     cpu_sync: bool
     num_out_rows: int  # rows of recv_x (M when expand, else N)
+    geometry: Geometry  # of the Buffer that made it: only a Buffer of the same geometry takes the handle
 
     @property
     def routing(self) -> "Routing":
@@ -68,8 +71,9 @@ class Received(NamedTuple):
     num_out_rows: int
 
 
-def make_handle(routing: Routing, received: Received, topk_weights: Optional[Array], *, expand: bool,
-                expert_alignment: int, zero_padding: bool, deterministic: bool, cpu_sync: bool) -> EPHandle:
+def make_handle(routing: Routing, received: Received, topk_weights: Optional[Array], *, geometry: Geometry,
+                expand: bool, expert_alignment: int, zero_padding: bool, deterministic: bool,
+                cpu_sync: bool) -> EPHandle:
     """The handle of one dispatch (every backend and dispatch path builds it here).
 
     Args:
@@ -77,6 +81,7 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
             ``dst_buffer_slot_idx [T, K]``).
         received: the receiver side (``Received``: the ``EPHandle`` fields of the same names).
         topk_weights: ``[T, K]`` float32 the dispatch carried, or None.
+        geometry: the geometry of the Buffer dispatching (``validate.Geometry``).
         expand, expert_alignment, zero_padding, deterministic, cpu_sync: the dispatch's options.
 
     Returns:
@@ -84,7 +89,7 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
     """
     return EPHandle(**received._asdict(), dst_buffer_slot_idx=routing.dst_buffer_slot_idx,
                     num_tokens=int(routing.topk_idx.shape[0]), topk_idx=routing.topk_idx, topk_weights=topk_weights,
-                    is_token_in_rank=routing.is_token_in_rank, expand=expand, expert_alignment=expert_alignment,
+                    is_token_in_rank=routing.is_token_in_rank, geometry=geometry, expand=expand, expert_alignment=expert_alignment,
                     zero_padding=zero_padding, deterministic=deterministic, cpu_sync=cpu_sync)
 
 

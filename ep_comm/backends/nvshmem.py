@@ -325,7 +325,7 @@ class NvshmemBackend:
                                       zero_padding=request.zero_padding)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, metadata, counts[0], counts[1],
                             int(recv_x.shape[0]))
-        handle = make_handle(routing, received, request.topk_weights, expand=request.expand,
+        handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
                              expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
                              deterministic=self.deterministic, cpu_sync=request.cpu_sync)
         with_weights = request.topk_weights is not None
