@@ -7,7 +7,8 @@ from typing import Any, Callable, List, Optional
 from mpi4py import MPI
 
 from . import validate as chk
-from .backends import make_backend
+from .agreement import agree, construction_fields
+from .backends import make_backend, resolve_backend
 from .backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from .backends.profile import ProfileRow
 from .dtypes import payload_dtype
@@ -43,6 +44,13 @@ class Buffer:
                  transport: str = "stores", profile: bool = False):
         """Collective over ``comm``: every rank passes the same arguments.
 
+        The first collective call is the construction check (``ep_comm.agreement``), before anything is
+        allocated: where a rank's own arguments are invalid it raises its error and every other rank a
+        ValueError naming it; where the ranks' geometry, dtype, backend, transport, ``deterministic``,
+        ``num_sms`` or ep_comm version differ, every rank raises a ValueError naming the field, the
+        ranks and their values. ``comm`` itself is checked locally first (no communication is possible
+        over an invalid one).
+
         Args:
             comm: an mpi4py intra-communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
                 ``MPI.COMM_NULL`` raises ValueError, an inter-communicator TypeError.
@@ -69,19 +77,25 @@ class Buffer:
                 (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
         """
         comm = chk.check_comm(comm)
-        chk.check_geometry(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank)
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
-        chk.check_num_sms(num_sms)
-        chk.check_transport(transport)
-        chk.check_profile(profile)
-        self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
-                                     int(num_max_tokens_per_rank), payload_dtype(dtype))
+        fields, error = None, None
+        try:
+            backend_name = resolve_backend(backend)
+            self._check_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank, timeout_s,
+                                  num_sms, transport, profile)
+            self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
+                                         int(num_max_tokens_per_rank), payload_dtype(dtype))
+            fields = construction_fields(num_experts=num_experts, hidden=hidden, num_topk=num_topk,
+                                         num_max_tokens_per_rank=num_max_tokens_per_rank,
+                                         dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
+                                         deterministic=deterministic, num_sms=num_sms)
+        except (TypeError, ValueError) as exc:  # still collective: the peers learn of it and raise too
+            error = exc
+        agree(comm, fields, error)
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
         settings = BackendSettings(self.deterministic, self.timeout_s, None if num_sms is None else int(num_sms),
                                    transport, bool(profile))
-        self._backend: Optional[Backend] = make_backend(backend, comm, self.geometry, settings)
+        self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
         self._profiling = bool(profile)
         self.backend: str = self._backend.name
@@ -89,6 +103,17 @@ class Buffer:
         self.transport: Optional[str] = self._backend.transport_name
         self.rank = comm.rank
         self.num_ranks = comm.size
+
+    @staticmethod
+    def _check_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any, num_max_tokens_per_rank: Any,
+                         timeout_s: Any, num_sms: Any, transport: Any, profile: Any) -> None:
+        """This rank's own checks of the constructor's arguments (TypeError / ValueError), no communication."""
+        chk.check_geometry(num_ranks, num_experts, hidden, num_topk, num_max_tokens_per_rank)
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
+        chk.check_num_sms(num_sms)
+        chk.check_transport(transport)
+        chk.check_profile(profile)
 
     @property
     def num_local_experts(self) -> int:
