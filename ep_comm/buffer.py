@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, List, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from . import validate as chk
@@ -11,7 +12,7 @@ from .agreement import agree, construction_fields
 from .backends import make_backend, resolve_backend
 from .backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from .backends.profile import ProfileRow
-from .dtypes import payload_dtype
+from .dtypes import PAYLOAD_DTYPES, payload_dtype
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
 
@@ -23,6 +24,14 @@ def _holds_captured_memory(method: Callable) -> Callable:
         with self._live().captured_memory():
             return method(self, *args, **kwargs)
     return call
+
+
+def _float32(xp: Any, a: Any, copy: bool) -> Any:
+    """Floating array ``a`` as float32 (a new array when ``copy``); bfloat16 exactly through its bits, so that
+    no bfloat16 arithmetic is needed from the array module (CuPy)."""
+    if np.dtype(a.dtype) == PAYLOAD_DTYPES["bfloat16"]:
+        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float32, copy=copy)
 
 
 class Buffer:
@@ -207,7 +216,7 @@ class Buffer:
         if handle is None:
             idx = idx.copy()
         if topk_weights is not None:
-            topk_weights = topk_weights.astype(be.xp.float32, copy=True)
+            topk_weights = _float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
             topk_weights = handle.topk_weights
         return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
@@ -245,7 +254,7 @@ class Buffer:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             shape = (handle.num_out_rows,) if handle.expand else (handle.num_out_rows, geo.num_topk)
             chk.check_weights(topk_weights, "topk_weights", shape)
-            topk_weights = topk_weights.astype(be.xp.float32, copy=False)
+            topk_weights = _float32(be.xp, topk_weights, copy=False)
         bias_terms = tuple(be.as_array(b, "bias") for b in chk.check_bias(bias, handle.num_tokens, geo))
         return be.combine(CombineRequest(y, handle, topk_weights, bias_terms))
 
