@@ -89,8 +89,9 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
     """
     return EPHandle(**received._asdict(), dst_buffer_slot_idx=routing.dst_buffer_slot_idx,
                     num_tokens=int(routing.topk_idx.shape[0]), topk_idx=routing.topk_idx, topk_weights=topk_weights,
-                    is_token_in_rank=routing.is_token_in_rank, geometry=geometry, expand=expand, expert_alignment=expert_alignment,
-                    zero_padding=zero_padding, deterministic=deterministic, cpu_sync=cpu_sync)
+                    is_token_in_rank=routing.is_token_in_rank, geometry=geometry, expand=expand,
+                    expert_alignment=expert_alignment, zero_padding=zero_padding, deterministic=deterministic,
+                    cpu_sync=cpu_sync)
 
 
 @dataclass

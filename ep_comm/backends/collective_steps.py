@@ -1,8 +1,9 @@
 """Collective step bookkeeping shared by the backends: numbering, and the unusable state after a failure.
 
 Every dispatch, combine and close is one collective step ``seq`` (1, 2, ...) using buffer parity
-``seq % 2``; messages count each kind apart (``dispatch #4`` is the 4th dispatch). A step that times out or fails midway leaves the peers out of step: from then on the
-buffer refuses work with ``BufferUnusableError`` and must be closed and recreated.
+``seq % 2``; messages count each kind apart (``dispatch #4`` is the 4th dispatch). A step that times
+out or fails midway leaves the peers out of step: from then on the buffer refuses work with
+``BufferUnusableError`` and must be closed and recreated.
 """
 from __future__ import annotations
 
