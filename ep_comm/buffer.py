@@ -4,13 +4,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, List, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from . import validate as chk
-from .backends import make_backend
+from .agreement import agree, construction_fields
+from .backends import make_backend, resolve_backend
 from .backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from .backends.profile import ProfileRow
-from .dtypes import payload_dtype
+from .dtypes import PAYLOAD_DTYPES, payload_dtype
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
 
@@ -22,6 +24,14 @@ def _holds_captured_memory(method: Callable) -> Callable:
         with self._live().captured_memory():
             return method(self, *args, **kwargs)
     return call
+
+
+def _float32(xp: Any, a: Any, copy: bool) -> Any:
+    """Floating array ``a`` as float32 (a new array when ``copy``); bfloat16 exactly through its bits, so that
+    no bfloat16 arithmetic is needed from the array module (CuPy)."""
+    if np.dtype(a.dtype) == PAYLOAD_DTYPES["bfloat16"]:
+        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float32, copy=copy)
 
 
 class Buffer:
@@ -43,8 +53,16 @@ class Buffer:
                  transport: str = "stores", profile: bool = False):
         """Collective over ``comm``: every rank passes the same arguments.
 
+        The first collective call is the construction check (``ep_comm.agreement``), before anything is
+        allocated: where a rank's own arguments are invalid it raises its error and every other rank a
+        ValueError naming it; where the ranks' geometry, dtype, backend, transport, ``deterministic``,
+        ``num_sms`` or ep_comm version differ, every rank raises a ValueError naming the field, the
+        ranks and their values. ``comm`` itself is checked locally first (no communication is possible
+        over an invalid one).
+
         Args:
-            comm: an mpi4py communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
+            comm: an mpi4py intra-communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
+                ``MPI.COMM_NULL`` raises ValueError, an inter-communicator TypeError.
             num_experts: ``E`` global experts, a multiple of ``R``.
             hidden: ``H``, elements per token row.
             num_topk: ``K``, experts per token (``<= E``).
@@ -67,22 +85,26 @@ class Buffer:
             profile: True records per-phase timings on every rank, read by :meth:`profile_table`
                 (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
         """
-        comm = MPI.COMM_WORLD if comm is None else comm
-        if not isinstance(comm, MPI.Comm):
-            raise TypeError(f"comm must be an mpi4py communicator or None, got {type(comm).__name__}")
-        chk.check_geometry(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank)
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
-        chk.check_num_sms(num_sms)
-        chk.check_transport(transport)
-        chk.check_profile(profile)
-        self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
-                                     int(num_max_tokens_per_rank), payload_dtype(dtype))
+        comm = chk.check_comm(comm)
+        fields, error = None, None
+        try:
+            backend_name = resolve_backend(backend)
+            self._check_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank, timeout_s,
+                                  num_sms, transport, profile)
+            self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
+                                         int(num_max_tokens_per_rank), payload_dtype(dtype))
+            fields = construction_fields(num_experts=num_experts, hidden=hidden, num_topk=num_topk,
+                                         num_max_tokens_per_rank=num_max_tokens_per_rank,
+                                         dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
+                                         deterministic=deterministic, num_sms=num_sms)
+        except (TypeError, ValueError) as exc:  # still collective: the peers learn of it and raise too
+            error = exc
+        agree(comm, fields, error)
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
         settings = BackendSettings(self.deterministic, self.timeout_s, None if num_sms is None else int(num_sms),
                                    transport, bool(profile))
-        self._backend: Optional[Backend] = make_backend(backend, comm, self.geometry, settings)
+        self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
         self._profiling = bool(profile)
         self.backend: str = self._backend.name
@@ -90,6 +112,17 @@ class Buffer:
         self.transport: Optional[str] = self._backend.transport_name
         self.rank = comm.rank
         self.num_ranks = comm.size
+
+    @staticmethod
+    def _check_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any, num_max_tokens_per_rank: Any,
+                         timeout_s: Any, num_sms: Any, transport: Any, profile: Any) -> None:
+        """This rank's own checks of the constructor's arguments (TypeError / ValueError), no communication."""
+        chk.check_geometry(num_ranks, num_experts, hidden, num_topk, num_max_tokens_per_rank)
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
+        chk.check_num_sms(num_sms)
+        chk.check_transport(transport)
+        chk.check_profile(profile)
 
     @property
     def num_local_experts(self) -> int:
@@ -133,8 +166,12 @@ class Buffer:
             x: ``[T, H]`` tokens in the buffer's dtype.
             topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
                 token), or None with ``handle``.
-            topk_weights: ``[T, K]`` floating-point weights carried along (as float32), or None; with
+            topk_weights: ``[T, K]`` floating-point weights (bfloat16 included) carried along as float32, or None; with
                 ``handle`` and None, the handle's weights.
+
+        The returned handle owns its routing: it holds copies of ``topk_idx`` and ``topk_weights``
+        (one copy each, in the backend's array module; a replay of the handle's own arrays copies
+        nothing), so writing into the caller's arrays afterwards changes neither replays nor combines.
             handle: an ``EPHandle`` of an earlier dispatch of this Buffer's geometry, or None.
             expand: False: one row per (source token, rank), grouped by source rank; True: one row
                 per (source token, local expert), expert-major. Taken from ``handle`` on a replay.
@@ -144,8 +181,8 @@ class Buffer:
             cpu_sync: True: the host waits for the row counts, outputs have exactly the received
                 rows; False: nothing waits on the host, outputs have the contract's worst-case rows,
                 the counts stay on the device (the CUDA-graph path).
-            stats: ``[E/R]`` integer array to which the received unaligned per-local-expert counts
-                are added, or None.
+            stats: ``[E/R]`` writeable integer array to which the received unaligned per-local-expert
+                counts are added, or None.
 
         Returns:
             ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype); ``recv_topk_idx`` int64 ``[N, K]``
@@ -172,12 +209,16 @@ class Buffer:
         if topk_weights is not None:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             chk.check_weights(topk_weights, "topk_weights", (num_tokens, geo.num_topk))
-            topk_weights = topk_weights.astype(be.xp.float32, copy=False)
-        elif handle is not None:
-            topk_weights = handle.topk_weights
         if stats is not None:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
+        # the handle owns its routing: a copy of the caller's ids and weights (none of the handle's own on a replay)
+        if handle is None:
+            idx = idx.copy()
+        if topk_weights is not None:
+            topk_weights = _float32(be.xp, topk_weights, copy=True)
+        elif handle is not None:
+            topk_weights = handle.topk_weights
         return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
                                            bool(zero_padding), bool(cpu_sync), stats))
 
@@ -192,10 +233,11 @@ class Buffer:
         Args:
             y: ``[rows, H]`` in the buffer's dtype, laid out as the dispatch's ``recv_x`` (compact or expand).
             handle: the ``EPHandle`` of that dispatch.
-            topk_weights: floating-point weights (as float32): ``[rows]`` expand (each row's
+            topk_weights: floating-point weights (bfloat16 included; as float32): ``[rows]`` expand (each row's
                 weight in the reduction), ``[rows, K]`` compact (gathered back into
                 ``res.topk_weights``); or None.
-            bias: None, one ``[T, H]`` floating-point array or a pair of them, added to every token.
+            bias: None, one ``[T, H]`` floating-point array (bfloat16 included) or a pair of them, added
+                to every token (as float32).
 
         Returns:
             ``CombineOutput``: ``x [T, H]`` in the buffer's dtype; ``topk_weights [T, K]`` float32
@@ -212,7 +254,7 @@ class Buffer:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             shape = (handle.num_out_rows,) if handle.expand else (handle.num_out_rows, geo.num_topk)
             chk.check_weights(topk_weights, "topk_weights", shape)
-            topk_weights = topk_weights.astype(be.xp.float32, copy=False)
+            topk_weights = _float32(be.xp, topk_weights, copy=False)
         bias_terms = tuple(be.as_array(b, "bias") for b in chk.check_bias(bias, handle.num_tokens, geo))
         return be.combine(CombineRequest(y, handle, topk_weights, bias_terms))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+from .validate import Geometry
+
 Array = Any  # numpy.ndarray on the mpi backend, cupy.ndarray on the nvshmem backend
 Count = Union[int, Array]  # a host int when cpu_sync, else a 0-d device array
 
@@ -14,6 +16,9 @@ class EPHandle:
 
     Fields follow DeepEP V2. ``N`` = rows of the compact receive layout, ``M`` = rows of the
     expand layout, ``L`` = local experts; with ``cpu_sync=False`` ``N``/``M`` are worst cases.
+
+    The handle owns its routing: ``topk_idx`` and ``topk_weights`` are copies ``Buffer.dispatch``
+    made of the caller's arrays, so later writes into those change neither replays nor combines.
     """
 
     psum_num_recv_tokens_per_rank: Array  # [R] int32, inclusive prefix sum of rows per source rank
@@ -28,8 +33,8 @@ class EPHandle:
     num_expanded_tokens: Count  # expanded rows, padding included
     # the dispatch arguments
     num_tokens: int
-    topk_idx: Array  # [T, K] int64, as given (validated)
-    topk_weights: Optional[Array]  # [T, K] float32 or None
+    topk_idx: Array  # [T, K] integer ids as given (validated): the handle's own copy, never the caller's array
+    topk_weights: Optional[Array]  # [T, K] float32, the handle's own copy, or None
     is_token_in_rank: Array  # [T, R] bool, source side
     expand: bool
     expert_alignment: int
@@ -37,6 +42,7 @@ class EPHandle:
     deterministic: bool
     cpu_sync: bool
     num_out_rows: int  # rows of recv_x (M when expand, else N)
+    geometry: Geometry  # of the Buffer that made it: only a Buffer of the same geometry takes the handle
 
     @property
     def routing(self) -> "Routing":
@@ -47,7 +53,7 @@ class EPHandle:
 class Routing(NamedTuple):
     """The sender side of a routing: what a dispatch computed from ``topk_idx`` and a replay reuses."""
 
-    topk_idx: Array  # [T, K] int64, as given (validated)
+    topk_idx: Array  # [T, K] integer ids, the handle's own copy (see EPHandle)
     is_token_in_rank: Array  # [T, R] bool
     dst_buffer_slot_idx: Array  # [T, K] int32, see EPHandle
 
@@ -65,8 +71,9 @@ class Received(NamedTuple):
     num_out_rows: int
 
 
-def make_handle(routing: Routing, received: Received, topk_weights: Optional[Array], *, expand: bool,
-                expert_alignment: int, zero_padding: bool, deterministic: bool, cpu_sync: bool) -> EPHandle:
+def make_handle(routing: Routing, received: Received, topk_weights: Optional[Array], *, geometry: Geometry,
+                expand: bool, expert_alignment: int, zero_padding: bool, deterministic: bool,
+                cpu_sync: bool) -> EPHandle:
     """The handle of one dispatch (every backend and dispatch path builds it here).
 
     Args:
@@ -74,6 +81,7 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
             ``dst_buffer_slot_idx [T, K]``).
         received: the receiver side (``Received``: the ``EPHandle`` fields of the same names).
         topk_weights: ``[T, K]`` float32 the dispatch carried, or None.
+        geometry: the geometry of the Buffer dispatching (``validate.Geometry``).
         expand, expert_alignment, zero_padding, deterministic, cpu_sync: the dispatch's options.
 
     Returns:
@@ -81,8 +89,9 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
     """
     return EPHandle(**received._asdict(), dst_buffer_slot_idx=routing.dst_buffer_slot_idx,
                     num_tokens=int(routing.topk_idx.shape[0]), topk_idx=routing.topk_idx, topk_weights=topk_weights,
-                    is_token_in_rank=routing.is_token_in_rank, expand=expand, expert_alignment=expert_alignment,
-                    zero_padding=zero_padding, deterministic=deterministic, cpu_sync=cpu_sync)
+                    is_token_in_rank=routing.is_token_in_rank, geometry=geometry, expand=expand,
+                    expert_alignment=expert_alignment, zero_padding=zero_padding, deterministic=deterministic,
+                    cpu_sync=cpu_sync)
 
 
 @dataclass

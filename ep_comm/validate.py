@@ -5,12 +5,14 @@ value checks on device arrays cost one small reduction each.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
+from mpi4py import MPI
 
 from . import layout as lay
+from .dtypes import PAYLOAD_DTYPES
 
 TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
 
@@ -30,10 +32,36 @@ class Geometry:
     def experts_per_rank(self) -> int:
         return self.num_experts // self.num_ranks
 
+    def differences(self, other: "Geometry") -> List[str]:
+        """``"name=mine (this Buffer: other's)"`` for every field in which ``other``, the geometry of the Buffer
+        asked to use something made with this one, differs; fields by their constructor names."""
+        names = {"num_ranks": "ranks", "max_tokens": "num_max_tokens_per_rank"}
+        return [f"{names.get(f.name, f.name)}={_shown(getattr(self, f.name))} "
+                f"(this Buffer: {_shown(getattr(other, f.name))})"
+                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
     def output_rows(self, exact: Optional[Tuple[int, int]], expand: bool, alignment: int) -> Tuple[int, int]:
         """``(rows of recv_src_metadata, rows of recv_x)``: ``ep_comm.layout.output_rows`` for this geometry."""
         return lay.output_rows(exact, expand, alignment, self.num_ranks, self.max_tokens, self.num_topk,
                                self.experts_per_rank)
+
+
+def _shown(value: Any) -> Any:
+    """A geometry value as a message shows it: a dtype by its name."""
+    return value.name if isinstance(value, np.dtype) else value
+
+
+def check_comm(comm: Any) -> MPI.Comm:
+    """``comm``: None (``MPI.COMM_WORLD``) or a valid mpi4py intra-communicator; returns the communicator."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"comm must be an mpi4py communicator or None, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("comm=MPI.COMM_NULL: must be a valid communicator (None = MPI.COMM_WORLD)")
+    if comm.Is_inter():
+        raise TypeError(f"comm is an inter-communicator ({type(comm).__name__}): the ranks of a Buffer must form one "
+                        "group; give an intra-communicator (e.g. intercomm.Merge())")
+    return comm
 
 
 def check_geometry(num_ranks: int, num_experts: int, hidden: int, num_topk: int, max_tokens: int) -> None:
@@ -95,7 +123,8 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
     ``summarize(topk_idx)`` (a backend's version of :func:`topk_values`, e.g. one launch) replaces the
     array code when given."""
     shape = _shape(topk_idx, "topk_idx")
-    if not np.issubdtype(np.dtype(topk_idx.dtype), np.integer):
+    dtype = np.dtype(topk_idx.dtype)
+    if not np.issubdtype(dtype, np.integer):
         raise TypeError(f"topk_idx has dtype {topk_idx.dtype}: expert ids must be integers")
     if len(shape) != 2 or shape[1] != geo.num_topk:
         raise ValueError(f"topk_idx has shape {shape}: must be [num_tokens, num_topk={geo.num_topk}]")
@@ -103,12 +132,20 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
         raise ValueError(f"topk_idx has {shape[0]} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
     if shape[0] == 0:
         return
+    if np.iinfo(dtype).max > _INT64_MAX:  # uint64: ids past int64 must not wrap round to "no expert"
+        top = int(topk_idx.max())
+        if top > _INT64_MAX:
+            raise ValueError(f"topk_idx holds expert id {top}: does not fit int64; ids must be < "
+                             f"num_experts={geo.num_experts} (negative = none)")
     top, twice = summarize(topk_idx) if summarize is not None else topk_values(xp, topk_idx)
     if top >= geo.num_experts:
         raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} "
                          "(negative = none)")
     if twice >= 0:
         raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def topk_values(xp, topk_idx: Any) -> tuple:
@@ -142,14 +179,28 @@ def check_weights(weights: Optional[Any], name: str, shape: tuple) -> None:
     if weights is None:
         return
     got = _shape(weights, name)
-    if not np.issubdtype(np.dtype(weights.dtype), np.floating):
-        raise TypeError(f"{name} has dtype {weights.dtype}: weights must be floating point")
+    if not is_floating(weights.dtype):
+        raise TypeError(f"{name} has dtype {weights.dtype}: weights must be floating point ({FLOATS})")
     if got != tuple(shape):
         raise ValueError(f"{name} has shape {got}: must be {list(shape)}")
 
 
+FLOATS = "float16, bfloat16, float32 or float64"  # the weight and bias dtypes taken (as float32)
+
+
+def is_floating(dtype: Any) -> bool:
+    """A NumPy floating dtype, or bfloat16 (ml_dtypes' is no ``numpy.floating`` subtype)."""
+    dtype = np.dtype(dtype)
+    return bool(np.issubdtype(dtype, np.floating)) or dtype == PAYLOAD_DTYPES["bfloat16"]
+
+
 def check_handle(handle: Any, geo: Geometry) -> None:
-    """A handle must come from a dispatch of a Buffer of this geometry (ranks, experts, top-k, capacity)."""
+    """A handle must come from a dispatch of a Buffer of this geometry (ranks, experts, hidden, top-k, capacity,
+    dtype: the geometry it recorded), with arrays of that geometry's shapes."""
+    differ = handle.geometry.differences(geo)
+    if differ:
+        raise ValueError(f"handle comes from a dispatch of a Buffer with {', '.join(differ)}: a handle replays "
+                         "and combines only on a Buffer of the geometry it was made with")
     local = geo.experts_per_rank
     rules = (
         ("topk_idx", tuple(handle.topk_idx.shape), (handle.num_tokens, geo.num_topk)),
@@ -182,6 +233,9 @@ def check_stats(stats: Optional[Any], geo: Geometry) -> None:
         raise TypeError(f"stats has dtype {stats.dtype}: must be an integer array")
     if shape != (geo.experts_per_rank,):
         raise ValueError(f"stats has shape {shape}: must be [num_local_experts={geo.experts_per_rank}]")
+    if not getattr(getattr(stats, "flags", None), "writeable", True):
+        raise ValueError("stats is read-only (flags.writeable=False): dispatch adds the received counts into it, "
+                         "it must be writeable")
 
 
 def check_bias(bias: Any, num_tokens: int, geo: Geometry) -> tuple:
@@ -195,6 +249,6 @@ def check_bias(bias: Any, num_tokens: int, geo: Geometry) -> tuple:
         shape = _shape(term, f"bias[{i}]")
         if shape != (num_tokens, geo.hidden):
             raise ValueError(f"bias[{i}] has shape {shape}: must be [num_tokens={num_tokens}, hidden={geo.hidden}]")
-        if not np.issubdtype(np.dtype(term.dtype), np.floating) and np.dtype(term.dtype) != geo.dtype:
-            raise TypeError(f"bias[{i}] has dtype {term.dtype}: must be floating point")
+        if not is_floating(term.dtype):
+            raise TypeError(f"bias[{i}] has dtype {term.dtype}: must be floating point ({FLOATS})")
     return terms

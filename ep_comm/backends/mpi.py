@@ -92,7 +92,7 @@ class MpiBackend:
     def _wait_all(self, what: str, seq: int) -> None:
         missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
         if missing:
-            raise self.steps.timed_out(what, seq, missing)
+            raise self.steps.timed_out(what, missing)
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
@@ -220,7 +220,7 @@ class MpiBackend:
             lay.inclusive_psum(counts), psum_e, [int(c) for c in aligned] if cpu_sync else aligned, unaligned,
             metadata, n if cpu_sync else np.array(n, dtype=np.int64),
             num_expanded if cpu_sync else np.array(num_expanded, dtype=np.int64), out_rows)
-        handle = make_handle(routing, received, request.topk_weights, expand=request.expand,
+        handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
                              expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
                              deterministic=self.deterministic, cpu_sync=cpu_sync)
         return DispatchOutput(recv_x, recv_idx, recv_w, handle)

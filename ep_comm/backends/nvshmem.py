@@ -219,7 +219,7 @@ class NvshmemBackend:
         if not self.capture.active and what != "close":
             self.capture.raise_for_checks()
         if not self.steps.unusable:
-            self._raise_if_timed_out("an earlier operation", self.steps.seq)
+            self._raise_if_timed_out("an earlier operation")
         with self.steps.collective(what) as (seq, _), self.profile.phase(what, "total"), self._launching():
             yield seq
 
@@ -227,11 +227,11 @@ class NvshmemBackend:
         """``a`` C-contiguous (a copy only when it is not)."""
         return None if a is None else self.xp.ascontiguousarray(a)
 
-    def _raise_if_timed_out(self, what: str, seq: int) -> None:
+    def _raise_if_timed_out(self, what: str) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
         missing = self.transport.missing_ranks()
         if missing:
-            raise self.steps.timed_out(what, seq, missing)
+            raise self.steps.timed_out(what, missing)
 
     def _signal_and_wait(self, what: str, seq: int, counts: Optional[Array] = None) -> None:
         """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``), then enqueue
@@ -244,11 +244,11 @@ class NvshmemBackend:
             self.transport.signal(self.kernels.stream, seq, STEP_KINDS[what], counts)
             self.transport.wait(STEP_KINDS[what], self.timeout_s, counts is not None)
 
-    def _sync_and_check(self, what: str, seq: int) -> None:
+    def _sync_and_check(self, what: str) -> None:
         """Block until the stream is done (bounded by the GPU wait), then raise on a timeout."""
         with self.profile.phase(what, "host sync"):
             self.device.synchronize()
-        self._raise_if_timed_out(what, seq)
+        self._raise_if_timed_out(what)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
@@ -282,7 +282,7 @@ class NvshmemBackend:
         if request.cpu_sync:
             with self.profile.phase("dispatch", "host sync"):
                 (num_recv, num_expanded), aligned = self.device.read_int32(recv.totals, recv.num_aligned_per_expert)
-            self._raise_if_timed_out("dispatch", seq)
+            self._raise_if_timed_out("dispatch")
             counts = (int(num_recv), int(num_expanded), [int(c) for c in aligned])
         else:
             counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
@@ -300,7 +300,7 @@ class NvshmemBackend:
         if request.stats is not None:
             _add_counts(xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
         if request.cpu_sync:
-            self._sync_and_check("dispatch", seq)
+            self._sync_and_check("dispatch")
             counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
                       [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
@@ -325,7 +325,7 @@ class NvshmemBackend:
                                       zero_padding=request.zero_padding)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, metadata, counts[0], counts[1],
                             int(recv_x.shape[0]))
-        handle = make_handle(routing, received, request.topk_weights, expand=request.expand,
+        handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
                              expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
                              deterministic=self.deterministic, cpu_sync=request.cpu_sync)
         with_weights = request.topk_weights is not None
@@ -374,7 +374,7 @@ class NvshmemBackend:
         with self.profile.phase("combine", "reduce"):
             x, back = self._combine_reduce(h, request.bias_terms, weights is not None)
         if h.cpu_sync:
-            self._sync_and_check("combine", seq)
+            self._sync_and_check("combine")
         return CombineOutput(x, back)
 
     def _combine_send(self, seq: int, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
@@ -415,7 +415,7 @@ class NvshmemBackend:
             if not self.steps.unusable:
                 with self._collective("close", host_wait=True) as seq:
                     self._signal_and_wait("close", seq)
-                    self._sync_and_check("close", seq)
+                    self._sync_and_check("close")
                 clean = True
         finally:
             self.device.synchronize()

@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import ep_comm
 from ep_comm.host import to_host
@@ -40,7 +42,13 @@ def bad_dispatch_cases(world):
     twice = idx.copy()
     twice[0, 1] = twice[0, 0]
     too_many = np.zeros((world.max_tokens + 1, world.num_topk), dtype=np.int64)
-    return [
+    past_int64 = idx.astype(np.uint64)
+    past_int64[0, 0] = 2**63
+    read_only = np.zeros(world.experts_per_rank, np.int64)
+    read_only.flags.writeable = False
+    host_only = [("read-only stats", dict(x=x, topk_idx=idx, stats=read_only), ValueError)] if BACKEND == "mpi" else []
+    return host_only + [
+        ("unsigned id past int64", dict(x=x, topk_idx=past_int64), ValueError),
         ("expert id out of range", dict(x=x, topk_idx=out_of_range), ValueError),
         ("same expert twice", dict(x=x, topk_idx=twice), ValueError),
         ("too many tokens", dict(x=np.zeros((world.max_tokens + 1, world.hidden), np.float32), topk_idx=too_many),
@@ -115,6 +123,81 @@ def test_bad_combine_input_raises_and_buffer_stays_usable(world, buf):
     assert to_host(res.x).shape == world.x[RANK].shape
 
 
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+def test_unsigned_ids_past_int64_are_refused_naming_the_value(world, buf, value):
+    idx = world.topk_idx[RANK].astype(np.uint64)
+    idx[-1, -1] = value
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(to_device(world.x[RANK]), to_device(idx))
+    assert str(info.value) == (f"topk_idx holds expert id {value}: does not fit int64; ids must be < "
+                               f"num_experts={world.num_experts} (negative = none)")
+
+
+@pytest.mark.skipif(BACKEND != "mpi", reason="read-only arrays are NumPy's (a CuPy array is always writeable)")
+def test_read_only_stats_are_refused_before_sending(world, buf):
+    stats = np.zeros(world.experts_per_rank, np.int64)
+    stats.flags.writeable = False
+    with pytest.raises(ValueError) as info:
+        dispatch(buf, world, stats=stats)
+    assert str(info.value) == ("stats is read-only (flags.writeable=False): dispatch adds the received counts into "
+                               "it, it must be writeable")
+    stats = np.zeros(world.experts_per_rank, np.int64)
+    dispatch(buf, world, stats=stats)  # the Buffer stayed usable: every rank refused before sending
+    np.testing.assert_array_equal(stats, [len(world.expert_rows(RANK, e)) for e in range(world.experts_per_rank)])
+
+
+def test_handle_of_a_buffer_with_another_capacity_is_refused(world, buf):
+    """The geometry a handle records (here num_max_tokens_per_rank) must be the Buffer's."""
+    with make_buffer(dataclasses.replace(world, max_tokens=world.max_tokens + 8)) as other:
+        out = dispatch(other, world)
+        want = (f"handle comes from a dispatch of a Buffer with num_max_tokens_per_rank={world.max_tokens + 8} "
+                f"(this Buffer: {world.max_tokens}): a handle replays and combines only on a Buffer of the "
+                "geometry it was made with")
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(to_device(world.x[RANK]), handle=out.handle)
+        assert str(info.value) == want
+        with pytest.raises(ValueError) as info:
+            buf.combine(out.recv_x, out.handle)
+        assert str(info.value) == want
+        other.combine(out.recv_x, out.handle)
+    res = buf.combine(*_recv_and_handle(buf, world))  # still usable
+    assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+
+
+def test_bfloat16_weights_and_bias_are_taken_as_their_float32_values(world, buf):
+    """bfloat16 ``topk_weights`` (dispatch, combine) and bias compute exactly what float32 copies of them do."""
+    x, idx = to_device(world.x[RANK]), to_device(world.topk_idx[RANK])
+    w16 = world.weights[RANK].astype(ml_dtypes.bfloat16)
+    bias16 = np.random.default_rng(RANK).standard_normal(world.x[RANK].shape).astype(ml_dtypes.bfloat16)
+    got = buf.dispatch(x, idx, to_device(w16), expand=True)
+    want = buf.dispatch(x, idx, to_device(w16.astype(np.float32)), expand=True)
+    assert bits(to_host(got.recv_topk_weights)).tobytes() == bits(to_host(want.recv_topk_weights)).tobytes()
+    w_rows = to_host(got.recv_topk_weights).astype(ml_dtypes.bfloat16)
+    res = buf.combine(got.recv_x, got.handle, topk_weights=to_device(w_rows), bias=to_device(bias16))
+    ref = buf.combine(want.recv_x, want.handle, topk_weights=to_device(w_rows.astype(np.float32)),
+                      bias=to_device(bias16.astype(np.float32)))
+    assert bits(to_host(res.x)).tobytes() == bits(to_host(ref.x)).tobytes()
+
+
+def test_null_and_inter_communicators_are_refused():
+    common = dict(num_experts=4 * WORLD, hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend=BACKEND)
+    with pytest.raises(ValueError) as info:
+        ep_comm.Buffer(MPI.COMM_NULL, **common)
+    assert str(info.value) == "comm=MPI.COMM_NULL: must be a valid communicator (None = MPI.COMM_WORLD)"
+    if WORLD < 2:
+        return
+    half = COMM.Split(RANK % 2, RANK)
+    inter = half.Create_intercomm(0, COMM, 1 - RANK % 2, tag=15)
+    try:
+        with pytest.raises(TypeError) as info:
+            ep_comm.Buffer(inter, **common)
+        assert str(info.value) == ("comm is an inter-communicator (Intercomm): the ranks of a Buffer must form one "
+                                   "group; give an intra-communicator (e.g. intercomm.Merge())")
+    finally:
+        inter.Free()
+        half.Free()
+
+
 def test_bad_constructor_arguments(world):
     common = dict(hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend=BACKEND)
     with pytest.raises(ValueError, match="num_experts"):
@@ -182,7 +265,7 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
         for call in (lambda: dispatch(buf, world), lambda: buf.combine(out.recv_x, out.handle)):
             with pytest.raises(ep_comm.BufferUnusableError) as info:
                 call()
-            assert "combine #2 timed out" in str(info.value) and "create a new one" in str(info.value)
+            assert "combine #1 timed out" in str(info.value) and "create a new one" in str(info.value)
         buf.close()
     else:
         with pytest.raises(ep_comm.TimeoutError) as info:
@@ -197,6 +280,31 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
         out = dispatch(again, world)
         res = again.combine(out.recv_x, out.handle)
         assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+
+
+@pytest.mark.mpi(min_size=2)  # a peer that can go missing
+def test_messages_count_dispatches_and_combines_apart(world):
+    """Three dispatch/combine pairs, then a rank skips the 4th dispatch: the others' TimeoutError and
+    every later BufferUnusableError say "dispatch #4" (the 4th dispatch, the 7th step); the skipper's close
+    is its "close #1"."""
+    timeout_s = 1.0
+    skipper = WORLD - 1
+    buf = make_buffer(world, timeout_s=timeout_s)
+    for _ in range(3):
+        buf.combine(*_recv_and_handle(buf, world))
+    if RANK != skipper:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            dispatch(buf, world)
+        assert f"rank {RANK}: dispatch #4 timed out after 1 s waiting for ranks [{skipper}]" in str(info.value)
+        with pytest.raises(ep_comm.BufferUnusableError) as info:
+            dispatch(buf, world)
+        assert f"rank {RANK}: cannot dispatch: dispatch #4 timed out waiting for ranks [{skipper}]" in str(info.value)
+        buf.close()
+    else:
+        with pytest.raises(ep_comm.TimeoutError) as info:
+            buf.close()
+        assert f"close #1 timed out after 1 s waiting for ranks {list(range(WORLD - 1))}" in str(info.value)
+    COMM.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)  # a peer that can be late
