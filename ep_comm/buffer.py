@@ -160,18 +160,18 @@ class Buffer:
         """Send each token to the ranks of its experts (collective).
 
         Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay the routing of an
-        earlier dispatch: no counting, no count exchange).
+        earlier dispatch: no counting, no count exchange). The returned handle owns its routing: it
+        holds copies of ``topk_idx`` and ``topk_weights`` (one copy each, in the backend's array
+        module; a replay of the handle's own arrays copies nothing), so writing into the caller's
+        arrays afterwards changes neither replays nor combines.
 
         Args:
             x: ``[T, H]`` tokens in the buffer's dtype.
             topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
                 token), or None with ``handle``.
-            topk_weights: ``[T, K]`` floating-point weights (bfloat16 included) carried along as float32, or None; with
-                ``handle`` and None, the handle's weights.
+            topk_weights: ``[T, K]`` floating-point weights (bfloat16 included) carried along as float32,
+                or None; with ``handle`` and None, the handle's weights.
 
-        The returned handle owns its routing: it holds copies of ``topk_idx`` and ``topk_weights``
-        (one copy each, in the backend's array module; a replay of the handle's own arrays copies
-        nothing), so writing into the caller's arrays afterwards changes neither replays nor combines.
             handle: an ``EPHandle`` of an earlier dispatch of this Buffer's geometry, or None.
             expand: False: one row per (source token, rank), grouped by source rank; True: one row
                 per (source token, local expert), expert-major. Taken from ``handle`` on a replay.

@@ -14,6 +14,8 @@ from mpi4py import MPI
 from . import layout as lay
 from .dtypes import PAYLOAD_DTYPES
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+FLOATS = "float16, bfloat16, float32 or float64"  # the weight and bias dtypes taken (as float32)
 TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
 
 
@@ -145,8 +147,6 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
         raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
 
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
 
 def topk_values(xp, topk_idx: Any) -> tuple:
     """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing.
@@ -184,8 +184,6 @@ def check_weights(weights: Optional[Any], name: str, shape: tuple) -> None:
     if got != tuple(shape):
         raise ValueError(f"{name} has shape {got}: must be {list(shape)}")
 
-
-FLOATS = "float16, bfloat16, float32 or float64"  # the weight and bias dtypes taken (as float32)
 
 
 def is_floating(dtype: Any) -> bool:
