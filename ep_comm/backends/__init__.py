@@ -1,7 +1,7 @@
 """Backends run the protocol: ``mpi`` (CPU, NumPy over MPI windows) and ``nvshmem`` (GPU).
 
 Both implement ``interface.Backend``. The GPU stack (CuPy, Numba-CUDA, nvshmem4py) is imported in
-one place, :func:`_gpu_stack`, so that ``import ep_comm`` and the mpi backend need none of it.
+one place, :func:`gpu_stack`, so that ``import ep_comm`` and the mpi backend need none of it.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ class _GpuStack(NamedTuple):
     device: type  # CupyDevice
 
 
-def _gpu_stack() -> _GpuStack:
+def gpu_stack() -> _GpuStack:
     """THE lazy import of the package: the nvshmem backend's modules, which import CuPy, Numba-CUDA
-    and nvshmem4py at their top; a RuntimeError says what is missing."""
+    and nvshmem4py at their top; a RuntimeError says what is missing (its ``__cause__``: the ImportError)."""
     try:
         import nvshmem.core  # noqa: F401  (nvshmem4py: the heap calls it)
 
@@ -41,7 +41,7 @@ def _gpu_stack() -> _GpuStack:
 def gpu_available() -> bool:
     """True when the GPU stack imports and CuPy sees a CUDA device."""
     try:
-        return _gpu_stack().device.count() > 0
+        return gpu_stack().device.count() > 0
     except Exception:  # any import or driver failure means: no usable GPU stack here
         return False
 
@@ -65,5 +65,5 @@ def make_backend(name: str, comm: MPI.Comm, geo: Geometry, settings: BackendSett
     name = resolve_backend(name)
     if name == "mpi":
         return MpiBackend(comm, geo, settings)
-    stack = _gpu_stack()
+    stack = gpu_stack()
     return stack.backend.open(comm, geo, settings, stack.transport, stack.device)

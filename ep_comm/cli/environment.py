@@ -2,15 +2,15 @@
 stack that is missing. Each yields one line for the user, never a traceback."""
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Optional
 
 from mpi4py import MPI
 
+from ..backends import gpu_stack
+
 # Environment variables in which launchers announce the job's size: Open MPI, then MPICH's Hydra / PMI.
 LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-GPU_MODULES = ("cupy", "numba.cuda", "nvshmem.core")  # what backend='nvshmem' imports
 
 
 def mpi_problem(comm: MPI.Comm) -> Optional[str]:
@@ -27,19 +27,16 @@ def mpi_problem(comm: MPI.Comm) -> Optional[str]:
 
 def gpu_problem(backend: str) -> Optional[str]:
     """Why ``backend`` ('auto', 'mpi' or 'nvshmem') cannot run here, or None: only 'nvshmem' needs
-    CuPy, numba-cuda, nvshmem4py and a CUDA device."""
+    CuPy, numba-cuda, nvshmem4py (the backend's own loader, ``ep_comm.backends.gpu_stack``) and a CUDA device."""
     if backend != "nvshmem":
         return None
     try:
-        for module in GPU_MODULES:
-            importlib.import_module(module)
-    except ImportError as exc:
-        return (f"--backend nvshmem needs CuPy, numba-cuda and nvshmem4py (pip install -e '.[gpu]'): {exc}; "
-                f"use --backend mpi on CPU")
-    import cupy
-
+        stack = gpu_stack()
+    except RuntimeError as exc:
+        return (f"--backend nvshmem needs CuPy, numba-cuda and nvshmem4py (pip install -e '.[gpu]'): "
+                f"{exc.__cause__ or exc}; use --backend mpi on CPU")
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
+        count = stack.device.count()
     except Exception as exc:  # a missing driver or libcudart shows here: say which, do not trace it
         return f"--backend nvshmem: CuPy finds no CUDA device ({type(exc).__name__}: {exc})"
     return None if count else "--backend nvshmem: CuPy finds no CUDA device"
