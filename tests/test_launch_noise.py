@@ -30,6 +30,18 @@ def warn_both() -> None:
     warnings.warn(NumbaPerformanceWarning(OTHER))
 
 
+def test_the_filter_drops_the_warning_in_terminal_colours_too():
+    """Numba highlights its messages where a colour package is installed (the GPU images have one)."""
+    coloured = f"\x1b[1m{LOW}\x1b[0m"
+
+    def inside() -> None:
+        with quiet_low_occupancy():
+            warnings.warn(NumbaPerformanceWarning(coloured))
+            warnings.warn(NumbaPerformanceWarning(f"\x1b[1m{OTHER}\x1b[0m"))
+
+    assert warnings_of(inside) == [(NumbaPerformanceWarning, f"\x1b[1m{OTHER}\x1b[0m")]
+
+
 def test_the_filter_drops_the_low_occupancy_warning_only_inside_it():
     def inside() -> None:
         with quiet_low_occupancy():

@@ -14,7 +14,9 @@ from typing import Iterator
 
 from numba.cuda.core.errors import NumbaPerformanceWarning  # the class numba-cuda's dispatcher warns with
 
-LOW_OCCUPANCY = r"Grid size \d+ will likely result in GPU under-utilization"  # matched at the message's start
+# matched at the message's start, after the terminal colour codes that Numba's highlighting puts first
+# wherever a colour package (termcolor, colorama) is installed
+LOW_OCCUPANCY = r"(?:\x1b\[[0-9;]*m)*Grid size \d+ will likely result in GPU under-utilization"
 
 
 @contextmanager
