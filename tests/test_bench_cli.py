@@ -4,9 +4,6 @@ Timings are printed and written, never asserted on.
 """
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +14,9 @@ from ep_comm.bench.measure import RankSample
 from ep_comm.bench.report import Progress, csv_row, summarize
 from ep_comm.dtypes import payload_dtype
 from ep_comm.testing import expected_round_trip, first_mismatch, uniform_routing
-from helpers.mpirun import launcher, run_job
+from helpers.bench import run_bench
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_bench(nranks: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    return run_job(launcher(nranks, env) + [sys.executable, "-m", "ep_comm.bench", *args], env, timeout, cwd=REPO)
 
 
 # ------------------------------------------------------------------ in-process pieces
@@ -180,7 +172,9 @@ def test_bench_smoke_two_ranks(tmp_path):
     done = run_bench(2, "--config", "cpu_demo", "--iters", "3", "--warmup", "1", "--json", str(out),
                      "--csv", str(tmp_path / "bench.csv"))
     assert done.returncode == 0, done.stdout + done.stderr
-    _, points = _check_json(out, 2, 256)
+    meta, points = _check_json(out, 2, 256)
+    assert meta["command"] == (f"mpirun -np 2 python -m ep_comm.bench --config cpu_demo --iters 3 --warmup 1 "
+                               f"--json {out} --csv {tmp_path / 'bench.csv'}")
     assert len(points) == 1
     assert "round trip OK" in done.stdout
     assert (tmp_path / "bench.csv").read_text().startswith("tokens_per_rank,num_sms,num_sms_in_effect,check_passed,")

@@ -1,14 +1,21 @@
-"""Where a benchmark's figures come from: the git commit of the checkout ep_comm runs from (with a
-dirty flag), and on GPU the rank's GPU model and driver. The package versions are
+"""Where a benchmark's figures come from: the command line, the git commit of the checkout ep_comm runs
+from (with a dirty flag), and on GPU the rank's GPU model and driver. The package versions are
 :func:`ep_comm.info.versions`."""
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Dict, Optional, Union
 
 from ep_comm.info import command_output
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the ep_comm package
+
+
+def command_line(num_ranks: int) -> str:
+    """The benchmark's command as a user would type it: ``mpirun -np N python -m ep_comm.bench ARGS``."""
+    return f"mpirun -np {num_ranks} python -m ep_comm.bench {shlex.join(sys.argv[1:])}".rstrip()
 
 
 def git_commit(root: Path = PACKAGE_ROOT) -> Optional[Dict[str, Union[str, bool]]]:

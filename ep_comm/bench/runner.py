@@ -143,6 +143,7 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
         "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
         "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
+        "command": provenance.command_line(comm.size),
     }
     if path.gpu_id is not None:
         meta["gpu"] = provenance.gpu_model(path.gpu_id)
