@@ -16,7 +16,6 @@ from ep_comm.dtypes import payload_dtype
 from ep_comm.testing import expected_round_trip, first_mismatch, uniform_routing
 from helpers.bench import run_bench
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------ in-process pieces
