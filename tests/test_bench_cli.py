@@ -226,3 +226,19 @@ def test_bench_rejects_experts_not_divisible_by_ranks():
     done = run_bench(3, "--config", "cpu_demo", "--iters", "1")
     assert done.returncode == 2
     assert "num_experts = 16 is not divisible by the 3 ranks" in done.stderr
+
+
+def test_a_failure_writing_the_results_at_the_end_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
+    """The output path passed its check before measuring, then the disk filled: exit status 3, the reason
+    printed (the other ranks get the same verdict by broadcast instead of waiting)."""
+    from ep_comm.bench import report, runner
+
+    def disk_full(*_args) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_json", disk_full)
+    args = parser().parse_args(["--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0", "--quiet",
+                                "--json", str(tmp_path / "r.json")])
+    assert runner.run(args) == runner.EXIT_OUTPUT_FAILED == 3
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "ep_comm.bench: writing the results failed (see above)" in err
