@@ -5,7 +5,9 @@
 #   launch/with_mps.sh [--ranks-per-gpu N] -- CMD [ARGS...]
 #   launch/with_mps.sh --ranks-per-gpu 2 -- launch/mpirun_gpu.sh 2 ep_comm.bench --config deepseek_v3_decode
 #
-# Starts `nvidia-cuda-mps-control -d` with fresh pipe and log directories (mktemp), exported to CMD
+# Starts `nvidia-cuda-mps-control -f` (in the foreground, as this script's own child, so that it is
+# reaped when it quits instead of lingering as a zombie of the container's init) with fresh pipe and
+# log directories (mktemp), exported to CMD
 # as CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY (launch/mpirun_gpu.sh forwards CUDA_*), so
 # the run never talks to, nor stops, a daemon it did not start. N ranks per GPU (a positive integer,
 # default $EP_COMM_RANKS_PER_GPU or 1) split the SMs: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
@@ -52,19 +54,21 @@ daemon_answers() {  # the daemon of OUR pipe directory answers a query
     echo get_server_list | timeout 10 nvidia-cuda-mps-control > /dev/null 2>&1
 }
 
+daemon=''  # the control daemon's pid (our child)
 # shellcheck disable=SC2329
-stop_daemon() {  # EXIT trap: quit our daemon, wait for it to go, say whether it is left
+stop_daemon() {  # EXIT trap: quit our daemon, wait for it to end (and reap it), say whether it is left
     local waited=0
     echo quit | timeout 10 nvidia-cuda-mps-control > /dev/null 2>&1 || true
-    while daemon_answers && [ "$waited" -lt 20 ]; do
+    while kill -0 "$daemon" 2> /dev/null && [ "$waited" -lt 20 ]; do
         sleep 0.5
         waited=$((waited + 1))
     done
-    if daemon_answers; then
+    if kill -0 "$daemon" 2> /dev/null; then
         echo "with_mps.sh: the MPS daemon at $CUDA_MPS_PIPE_DIRECTORY is still running; stop it with" \
              "CUDA_MPS_PIPE_DIRECTORY=$CUDA_MPS_PIPE_DIRECTORY nvidia-cuda-mps-control <<< quit" \
              "(logs: $CUDA_MPS_LOG_DIRECTORY)" >&2
     else
+        wait "$daemon" 2> /dev/null || true
         rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
         echo "with_mps.sh: MPS daemon stopped, none left at $CUDA_MPS_PIPE_DIRECTORY (logs: $CUDA_MPS_LOG_DIRECTORY)" >&2
     fi
@@ -78,11 +82,19 @@ pass_on() {  # INT/TERM/HUP trap: end CMD's whole process group; the main line t
     [ -z "$child" ] || kill -s TERM -- "-$child" 2> /dev/null || true
 }
 
-if ! nvidia-cuda-mps-control -d; then
-    echo "$0: nvidia-cuda-mps-control -d failed (logs: $CUDA_MPS_LOG_DIRECTORY)" >&2
-    rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
-    exit 2
-fi
+nvidia-cuda-mps-control -f < /dev/null > "$CUDA_MPS_LOG_DIRECTORY/control.out" 2>&1 &
+daemon=$!
+waited=0
+until daemon_answers; do  # up within 10 s, or gone
+    if ! kill -0 "$daemon" 2> /dev/null || [ "$waited" -ge 20 ]; then
+        echo "$0: nvidia-cuda-mps-control -f did not start (logs: $CUDA_MPS_LOG_DIRECTORY)" >&2
+        kill "$daemon" 2> /dev/null || true
+        rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
+        exit 2
+    fi
+    sleep 0.5
+    waited=$((waited + 1))
+done
 trap stop_daemon EXIT
 trap pass_on INT TERM HUP
 echo "with_mps.sh: MPS daemon at $CUDA_MPS_PIPE_DIRECTORY, $per_gpu rank(s) per GPU," \

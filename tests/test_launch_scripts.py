@@ -16,12 +16,15 @@ LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 FAKE_MPS = """#!/usr/bin/env bash
-# fake nvidia-cuda-mps-control: one line per call in $FAKE_MPS_LOG; "running" = a marker in the pipe directory
+# fake nvidia-cuda-mps-control: one line per call in $FAKE_MPS_LOG; "running" = a marker in the pipe
+# directory; -f (foreground) runs until the marker is gone
 query=
-[ "${1:-}" = -d ] || query=$(cat)
+[ "${1:-}" = -f ] || query=$(cat)
 echo "${1:-}${query}|$CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
 case "${1:-}${query}" in
-    -d) touch "$CUDA_MPS_PIPE_DIRECTORY/running" ;;
+    -f) echo $$ > "$FAKE_MPS_LOG.pid"
+        touch "$CUDA_MPS_PIPE_DIRECTORY/running"
+        while [ -e "$CUDA_MPS_PIPE_DIRECTORY/running" ]; do sleep 0.1; done ;;
     get_server_list) [ -e "$CUDA_MPS_PIPE_DIRECTORY/running" ] ;;
     quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/running" ;;
 esac
@@ -157,7 +160,7 @@ def test_with_mps_splits_the_thread_percentage_and_runs_the_command(tmp_path, pe
     assert seen["EP_COMM_RANKS_PER_GPU"] == per_gpu
     pipe, log = Path(seen["CUDA_MPS_PIPE_DIRECTORY"]), Path(seen["CUDA_MPS_LOG_DIRECTORY"])
     assert pipe.parent == tmp_path and log.parent == tmp_path and pipe != log, "its own mktemp directories"
-    assert mps_calls(env) == [f"-d|{pipe}", f"quit|{pipe}"], "started and stopped through its own pipe directory"
+    assert mps_calls(env) == [f"-f|{pipe}", f"quit|{pipe}"], "started and stopped through its own pipe directory"
     assert "MPS daemon stopped, none left" in done.stderr.splitlines()[-1]
     assert not pipe.exists()
 
@@ -166,7 +169,7 @@ def test_with_mps_stops_its_daemon_when_the_command_fails(tmp_path):
     env = mps_env(tmp_path)
     done = with_mps(env, "--", "sh", "-c", "exit 7")
     assert done.returncode == 7
-    assert [c.split("|")[0] for c in mps_calls(env)] == ["-d", "quit"]
+    assert [c.split("|")[0] for c in mps_calls(env)] == ["-f", "quit"]
     assert "none left" in done.stderr
 
 
@@ -177,14 +180,14 @@ def test_with_mps_stops_its_daemon_and_the_command_when_interrupted(tmp_path):
                              f"trap 'kill $!; echo TERM > {marker}; exit 143' TERM; sleep 60 & wait"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
-    while not any(c.startswith("-d") for c in _calls_so_far(env)) and time.monotonic() < deadline:
+    while not any(c.startswith("-f") for c in _calls_so_far(env)) and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)  # the command is running
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, err
     assert marker.read_text().strip() == "TERM", "INT is passed on to the command as TERM"
-    assert [c.split("|")[0] for c in mps_calls(env)] == ["-d", "quit"]
+    assert [c.split("|")[0] for c in mps_calls(env)] == ["-f", "quit"]
     assert "none left" in err
 
 
@@ -203,7 +206,7 @@ def test_with_mps_kills_a_command_that_ignores_the_signal_and_still_stops_its_da
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 137, err
-    assert [c.split("|")[0] for c in mps_calls(env)] == ["-d", "quit"]
+    assert [c.split("|")[0] for c in mps_calls(env)] == ["-f", "quit"]
     assert "none left" in err
     assert not _alive(int(marker.read_text())), "the command's background job is killed too"
 
@@ -220,6 +223,27 @@ def test_with_mps_says_when_its_daemon_is_left(tmp_path):
     done = with_mps(env, "--", "true")
     assert done.returncode == 0
     assert "is still running; stop it with" in done.stderr
+    daemon = int(Path(env["FAKE_MPS_LOG"] + ".pid").read_text())
+    assert _alive(daemon), "the message is true: the daemon is still there"
+    for marker in tmp_path.glob("ep_comm_mps_pipe.*/running"):  # let the fake daemon end
+        marker.unlink()
+
+
+def test_with_mps_waits_for_its_daemon_to_end_and_leaves_no_process(tmp_path):
+    env = mps_env(tmp_path)
+    done = with_mps(env, "--", "true")
+    assert done.returncode == 0 and "none left" in done.stderr
+    assert not _alive(int(Path(env["FAKE_MPS_LOG"] + ".pid").read_text())), "the foreground daemon has ended"
+
+
+def test_with_mps_refuses_to_run_when_its_daemon_does_not_start(tmp_path):
+    env = mps_env(tmp_path)
+    broken = Path(env["PATH"].split(":")[0]) / "nvidia-cuda-mps-control"
+    broken.write_text("#!/usr/bin/env bash\nexit 1\n")
+    marker = tmp_path / "ran"
+    done = with_mps(env, "--", "touch", str(marker))
+    assert done.returncode == 2 and "nvidia-cuda-mps-control -f did not start" in done.stderr
+    assert not marker.exists(), "the command does not run without its daemon"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -303,7 +327,7 @@ def test_gpu_selftest_runs_each_count_on_one_gpu_under_its_own_mps_daemon(tmp_pa
     assert "| CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 EP_COMM_RANKS_PER_GPU=4" in log, "4 ranks share the GPU under MPS"
     assert "--json " + str(tmp_path / "out" / "soak-4ranks.json") in log
     calls = [c.split("|")[0] for c in mps_calls(env)]
-    assert calls == ["-d", "quit"] * 6, "one daemon per step, each stopped"
+    assert calls == ["-f", "quit"] * 6, "one daemon per step, each stopped"
 
 
 def test_gpu_selftest_ends_what_a_timed_out_step_left_and_nothing_else(tmp_path):
