@@ -242,3 +242,23 @@ def test_a_failure_writing_the_results_at_the_end_exits_3_with_one_line(monkeypa
     assert runner.run(args) == runner.EXIT_OUTPUT_FAILED == 3
     err = capsys.readouterr().err
     assert "No space left on device" in err and "ep_comm.bench: writing the results failed (see above)" in err
+
+
+def test_host_profile_writes_the_functions_of_the_host_calls_by_cumulative_time(tmp_path):
+    out = tmp_path / "new" / "host.prof.txt"
+    done = run_bench(2, "--config", "cpu_demo", "--tokens", "16", "--iters", "3", "--warmup", "1", "--quiet",
+                     "--host-profile", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    assert text.startswith("cProfile of rank 0's host calls (cached dispatch cpu_sync=False + combine, 1 + 3 rounds")
+    assert "Ordered by: cumulative time" in text
+    assert "(dispatch)" in text and "(combine)" in text, "the Buffer's own calls are in the table"
+
+
+def test_host_profile_path_is_checked_before_measuring(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = run_bench(2, "--config", "cpu_demo", "--tokens", "16", "--iters", "1", "--host-profile",
+                     str(blocker / "p.txt"))
+    assert done.returncode == 2 and "--host-profile" in done.stderr
+    assert "round trip" not in done.stdout, "nothing measured"

@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")
+    p.add_argument("--host-profile", metavar="PATH",
+                   help="rank 0: profile the host side of the cached cpu_sync=False dispatch and combine calls "
+                        "(the host_us figures) with cProfile and write the functions by cumulative time to PATH")
     p.add_argument("--progress", action="store_true",
                    help="force the live progress line (mpirun usually pipes stderr, so rank 0 sees no TTY)")
     p.add_argument("--quiet", action="store_true", help="no progress line and no report (failures still print)")

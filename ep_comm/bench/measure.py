@@ -6,6 +6,7 @@ bit for bit, and the rows received per source rank against what the sources coun
 """
 from __future__ import annotations
 
+import cProfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -99,14 +100,14 @@ def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: in
 
 
 def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: Callable[[np.ndarray], Any],
-              tick: Optional[Callable[[int], None]] = None,
-              graphs: bool = False) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
+              tick: Optional[Callable[[int], None]] = None, graphs: bool = False,
+              profiler: Optional[cProfile.Profile] = None) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
     """Dispatch + combine ``spec.warmup + spec.iters`` times on ``buf``; check the first and last round trip.
 
     ``device`` moves a host array to where the backend wants it (identity on CPU). With ``graphs``
     (GPU), the cached ``cpu_sync=False`` path is also captured into CUDA graphs and replayed
-    (:func:`graph_replay_times`). Returns this rank's sample and its host inputs (the baselines
-    reuse them).
+    (:func:`graph_replay_times`). ``profiler`` records the host calls of :func:`host_call_times`.
+    Returns this rank's sample and its host inputs (the baselines reuse them).
     """
     x, routing = make_inputs(spec, comm.rank)
     dx, didx, dw = device(x), device(routing.topk_idx), device(routing.topk_weights)
@@ -128,7 +129,7 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     times = sample_times(comm, body, spec.warmup, spec.iters, tick)
     failures += _round_trip_failures(last["res"].x, want, "last")
     out = last["out"]
-    host = host_call_times(comm, buf, dx, out.handle, timer, spec)
+    host = host_call_times(comm, buf, dx, out.handle, timer, spec, profiler)
     failures += _round_trip_failures(host.pop("result"), want, "cached, cpu_sync=False")
     sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
     recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
@@ -149,19 +150,26 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     return sample, (x, routing)
 
 
-def host_call_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, timer: Timer, spec: PointSpec) -> Dict[str, Any]:
+def host_call_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, timer: Timer, spec: PointSpec,
+                    profiler: Optional[cProfile.Profile] = None) -> Dict[str, Any]:
     """Host seconds per call of the path that never waits on the host: the cached dispatch with
     ``cpu_sync=False``, then its combine, ``spec.warmup + spec.iters`` times. Each round runs inside
-    ``timer``, which waits for the device afterwards, so rounds do not pile up. Returns
+    ``timer``, which waits for the device afterwards, so rounds do not pile up; ``profiler`` (cProfile)
+    records the two calls of each round, not the wait. Returns
     ``{"dispatch_cached_async": [...], "combine": [...], "result": last combine's x}``."""
     last: Dict[str, Any] = {}
 
     def calls() -> Tuple[float, float]:
+        if profiler is not None:
+            profiler.enable()
         t0 = time.perf_counter()
         out = buf.dispatch(dx, handle=handle, cpu_sync=False)
         t1 = time.perf_counter()
         last["x"] = buf.combine(out.recv_x, out.handle).x
-        return t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
+        return t1 - t0, t2 - t1
 
     rows = sample_times(comm, lambda: timer(calls)[0], spec.warmup, spec.iters)
     return {"dispatch_cached_async": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "result": last["x"]}

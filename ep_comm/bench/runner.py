@@ -8,6 +8,8 @@ Every rank runs :func:`run` with the same options; decisions that could differ b
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import traceback
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -42,8 +44,10 @@ def _point_specs(cfg: Config, args: argparse.Namespace) -> List[PointSpec]:
 
 
 def _outputs_problem(args: argparse.Namespace) -> Optional[str]:
-    """Why one of ``--json``, ``--csv``, ``--plot`` cannot be written (parent directories are created), or None."""
-    for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+    """Why one of ``--json``, ``--csv``, ``--plot``, ``--host-profile`` cannot be written (parent directories are
+    created), or None."""
+    for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot),
+                         ("--host-profile", args.host_profile)):
         problem = output_problem(option, path)
         if problem:
             return problem
@@ -152,7 +156,16 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec
     return meta
 
 
-def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[Dict[str, Any]]) -> None:
+def _write_host_profile(path: str, profiler: cProfile.Profile, meta: Dict[str, Any]) -> None:
+    """The ``--host-profile`` file: what was profiled, then cProfile's functions by cumulative time."""
+    with open(path, "w") as f:
+        f.write(f"cProfile of rank 0's host calls (cached dispatch cpu_sync=False + combine, {meta['warmup']} + "
+                f"{meta['iters']} rounds per point; no device waits): {meta.get('command', '')}\n")
+        pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(80)
+
+
+def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[Dict[str, Any]],
+                   profiler: Optional[cProfile.Profile] = None) -> None:
     """Rank 0, after the run: the failures when ``--quiet`` (the report printed them otherwise), the files."""
     if args.quiet:
         for point in points:
@@ -164,6 +177,8 @@ def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[
         report.write_csv(args.csv, points)
     if args.plot:
         report.write_plot(args.plot, meta, points)
+    if profiler is not None:
+        _write_host_profile(args.host_profile, profiler, meta)
 
 
 def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
@@ -193,6 +208,7 @@ class _Session:
         self.device: Callable[[np.ndarray], Any] = lambda a: a
         self.shared_gpu = False
         self.shown = comm.rank == 0 and not args.quiet  # rank 0 prints the report as the run goes
+        self.profiler = cProfile.Profile() if args.host_profile and comm.rank == 0 else None
 
     def start(self, buf: Buffer) -> None:
         """On the first Buffer (collective): pick the timer, find out whether ranks share a GPU, fill
@@ -215,7 +231,8 @@ class _Session:
             self.progress.start(f"{spec.num_tokens} tokens/rank, num_sms={report.sms_label(num_sms)}",
                                 spec.warmup + spec.iters)
             sample, (x, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick,
-                                             graphs=buf.backend == "nvshmem" and not self.args.no_graphs)
+                                             graphs=buf.backend == "nvshmem" and not self.args.no_graphs,
+                                             profiler=self.profiler)
             if self.nccl is not None:
                 sample.times.update(self.nccl(spec, x, routing.topk_idx))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
@@ -250,9 +267,9 @@ def _summary_line(point: Dict[str, Any]) -> str:
 
 
 def _measure(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec],
-             progress: report.Progress) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+             progress: report.Progress) -> Tuple[Dict[str, Any], List[Dict[str, Any]], Optional[cProfile.Profile]]:
     """Every point once per SM count of ``--num-sms``, each count on its own Buffer, in the order given;
-    returns ``(meta, points)`` (points on rank 0 only)."""
+    returns ``(meta, points, host profiler)`` (points and the ``--host-profile`` profiler on rank 0 only)."""
     session = _Session(comm, cfg, args, specs, progress)
     try:
         for num_sms in args.num_sms:
@@ -264,7 +281,7 @@ def _measure(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[
         session.close()
         raise
     session.finish()
-    return session.meta, session.points
+    return session.meta, session.points, session.profiler
 
 
 def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
@@ -275,7 +292,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
         specs = _point_specs(cfg, args)
         shown = is_root and not args.quiet
         progress = report.Progress(live=shown and (args.progress or sys.stderr.isatty()), final=shown)
-        meta, points = _measure(comm, cfg, args, specs, progress)
+        meta, points, profiler = _measure(comm, cfg, args, specs, progress)
     except UsageError as exc:
         if is_root:
             print(f"ep_comm.bench: {exc}", file=sys.stderr)
@@ -284,7 +301,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     if is_root:
         verdict = EXIT_OK if all(p["check_passed"] for p in points) else EXIT_CHECK_FAILED
         try:
-            _write_outputs(args, meta, points)
+            _write_outputs(args, meta, points, profiler)
         except Exception:  # the other ranks wait for the verdict: report, never leave them hanging
             traceback.print_exc()
             print("ep_comm.bench: writing the results failed (see above)", file=sys.stderr)
