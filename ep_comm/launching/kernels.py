@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
-from ep_comm.kernels.combine import (combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
+from ep_comm.kernels.combine import (SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
@@ -111,7 +111,9 @@ class Kernels:
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
     whose last block does those scans (one column per warp at a time). The row-streaming
     kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
-    ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy. ``stream`` is a Numba
+    ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy; they cut rows into pieces
+    when rows are few, about ``split_warps`` pieces in all (default: ``2 * num_blocks * warps_per_block``),
+    one warp per piece. ``stream`` is a Numba
     stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.launching.bound`);
     ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
     """
@@ -129,6 +131,7 @@ class Kernels:
     count_tokens_per_warp: int = 16
     recv_rows_per_unit: int = 32
     recv_count_warps_per_block: int = 0
+    split_warps: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -140,6 +143,7 @@ class Kernels:
         self.recv_units = self.recv_units or self.num_blocks
         self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
         self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
+        self.split_warps = self.split_warps or 2 * self.num_units
         self.threads = self.warps_per_block * WARP
         # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
         prebound = xp is not np and not NUMBA_LAUNCH_ONLY
@@ -169,6 +173,15 @@ class Kernels:
         """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride
         kernel needs no more, and idle blocks cost launch time that small (decode) calls feel."""
         return max(1, min(cap, -(-warps // self.warps_per_block)))
+
+    def _row_pieces(self, rows: int, n: int, quantum: int) -> tuple[int, int]:
+        """``(span, blocks)`` of a row-streaming kernel over ``rows`` rows of ``n`` indices (elements or
+        words) cut into pieces of ``span``, a whole number of ``quantum`` (one warp pass): about
+        ``split_warps`` pieces in all, so that few rows (decode) still keep thousands of warps busy, and
+        whole rows once there are that many. Depends on shapes only, as graph capture needs."""
+        passes = max(1, -(-n // quantum))
+        span = -(-passes // min(passes, max(1, self.split_warps // max(rows, 1)))) * quantum
+        return span, self._blocks_for(rows * -(-n // span), self.stream_blocks)
 
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
@@ -316,13 +329,14 @@ class Kernels:
         out_raw, out_bf16 = _payload(out)
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         shared = 4 * self.warps_per_block * 2 * self.num_topk
-        blocks = self._blocks_for(out.shape[0], self.stream_blocks)
         out_words = payload_words(out) if out_bf16 and not terms else None
         if out_words is not None and wide_rows(out_words, rows):  # the common case, 16 bytes per access
+            span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], 2 * WARP)
             self._launch(combine_reduce_bf16_kernel, shared, blocks)(
-                rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words)
+                rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words, span)
             return
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
+        span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
         self._launch(combine_reduce_kernel, shared, blocks)(
             payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
-            *padded[1], len(terms), out_raw, out_bf16)
+            *padded[1], len(terms), out_raw, out_bf16, span)

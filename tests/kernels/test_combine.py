@@ -103,3 +103,13 @@ def test_payload_rows_views_words_as_elements():
     rows = np.zeros((2, 3, 4, 5), np.uint64)
     assert payload_rows(rows, np.float16).shape == (2, 3, 4, 20)
     assert payload_rows(rows, np.float32).dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype, bias, expand", [("bfloat16", 0, False), ("float32", 2, True)])
+def test_long_rows_are_cut_into_uneven_pieces(xp, dtype, bias, expand):
+    """Few tokens with long rows: every row kernel cuts rows into pieces (the last one shorter), one warp
+    per piece, and the outputs stay bit for bit the reference (the wide bfloat16 reduce and the general one)."""
+    hidden = 840  # 3.3 passes of 256 elements; 210 words of bfloat16
+    world = make_world(xp, seed=16, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
+    assert world.kernels._row_pieces(5, hidden, 256)[0] < hidden
+    run_combine(world, expand=expand, weighted=expand, bias=bias)
