@@ -58,14 +58,18 @@ def return_address(recv_src_metadata, row, max_tokens):
 
 
 @kernel
-def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, rows):
-    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact)."""
+def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
+    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact): one warp per piece of ``span``
+    words (even) of a row."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
+    words = y_words.shape[1]
+    pieces = (words + span - 1) // span
     warp, num_warps = global_warp()
-    for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
+    for item in range(warp, rank_psum[rank_psum.shape[0] - 1] * pieces, num_warps):
+        row, begin, end = row_piece(item, pieces, span, words)
         src, slot = return_address(recv_src_metadata, row, max_tokens)
-        copy_row(rows[src][parity, my_rank, slot], y_words[row], y_words.shape[1], wide)
+        copy_row(rows[src][parity, my_rank, slot][begin:end], y_words[row, begin:end], end - begin, wide)
 
 
 @cuda.jit(device=True)

@@ -40,7 +40,7 @@ from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, r
                                      receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
 from ep_comm.kernels.units import units_for
-from ep_comm.kernels.warp import WARP
+from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.bound import BoundLaunch
 from ep_comm.launching.views import DeviceViews, payload_rows, payload_words, wide_rows
 
@@ -96,6 +96,11 @@ def _payload(x: Array) -> tuple[Array, bool]:
     if x.dtype.itemsize == 2:  # bfloat16 (ml_dtypes) or its uint16 bits
         return x.view(np.uint16), True
     raise TypeError(f"payload dtype {x.dtype} is not float32, float16 or bfloat16")
+
+
+def _copy_step(wide: bool) -> int:
+    """Words one warp moves in one round trip of :func:`~ep_comm.kernels.warp.copy_row`."""
+    return COPY_UNROLL * WARP * (2 if wide else 1)
 
 
 @dataclass
@@ -287,9 +292,11 @@ class Kernels:
             expert_psum, alignment, recv_topk_idx.reshape(-1, width),
             recv_topk_weights.view(np.int32).reshape(-1, width), recv_src_metadata)
         recv_words = payload_words(recv_x)
-        self._launch(receive_rows_kernel, blocks=self._blocks_for(max_rows, self.stream_blocks))(
-            rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
-            wide_rows(recv_words, rows))
+        wide = wide_rows(recv_words, rows)
+        span, blocks = self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
+        self._launch(receive_rows_kernel, blocks=blocks)(
+            rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide,
+            span)
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None,
@@ -303,13 +310,14 @@ class Kernels:
         (expand, see :func:`~ep_comm.launching.views.payload_rows`). Expand reduces the row's expanded
         rows in top-k order, weighted by ``weights [M]`` float32 when given.
         """
-        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         if not expand:
             y_words = payload_words(y)
+            wide = wide_rows(y_words, *rows)
+            span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], _copy_step(wide))
             self._launch(combine_copy_kernel, blocks=blocks)(
-                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, step, ahead,
-                tuple(rows))
+                y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, tuple(rows))
             return
+        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
         self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, blocks)(
