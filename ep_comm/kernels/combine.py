@@ -14,6 +14,7 @@ from numba import cuda, float32, int32
 from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, load_f32, mul_rn, store_f32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.vector import load_pair, store_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
@@ -57,14 +58,18 @@ def return_address(recv_src_metadata, row, max_tokens):
 
 
 @kernel
-def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, rows):
-    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact)."""
+def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
+    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact): one warp per piece of ``span``
+    words (even) of a row."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
+    words = y_words.shape[1]
+    pieces = (words + span - 1) // span
     warp, num_warps = global_warp()
-    for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
+    for item in range(warp, rank_psum[rank_psum.shape[0] - 1] * pieces, num_warps):
+        row, begin, end = row_piece(item, pieces, span, words)
         src, slot = return_address(recv_src_metadata, row, max_tokens)
-        copy_row(rows[src][parity, my_rank, slot], y_words[row], y_words.shape[1], wide)
+        copy_row(rows[src][parity, my_rank, slot][begin:end], y_words[row, begin:end], end - begin, wide)
 
 
 @cuda.jit(device=True)
@@ -139,11 +144,16 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
 
 @kernel
 def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0,
-                          bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out, out_is_bf16):
-    """See :func:`ep_comm.launching.kernels.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``."""
+                          bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out, out_is_bf16, span):
+    """See :func:`ep_comm.launching.kernels.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``.
+
+    Each token's row is cut into pieces of ``span`` elements (a multiple of ``SPAN * 32``), one warp per
+    (token, piece): every element still sums its terms in the same order.
+    """
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     hidden = out.shape[1]
+    pieces = (hidden + span - 1) // span
     src_base = my_rank * rows.shape[1]
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
@@ -152,9 +162,10 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
     one = np.float32(1.0)
     lane = lane_id()
     warp, num_warps = global_warp()
-    for token in range(warp, num_tokens, num_warps):
+    for item in range(warp, num_tokens * pieces, num_warps):
+        token, begin, end = row_piece(item, pieces, span, hidden)
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
-        for h in range(lane, hidden, SPAN * WARP):
+        for h in range(begin + lane, end, SPAN * WARP):
             clear_span(acc)
             if num_bias > 0:
                 add_span(acc, vals, bias0[token], h, bias0_is_bf16, one, False)
@@ -189,24 +200,27 @@ def bf16_word(acc, first):
 
 
 @kernel
-def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out):
+def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
 
     ``rows_by_parity [2, R, max_tokens, W]`` and ``out [T, W]`` are uint64 words of 4 bfloat16 each, W
     even, rows 16-byte aligned. Each lane sums 8 elements per pass (two words), in the same float32
     order as the general kernel (``0 + partial of each reached rank, ascending``): bit for bit the same.
+    Rows are cut into pieces of ``span`` words (a multiple of 64), one warp per (token, piece).
     """
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     words = out.shape[1]
+    pieces = (words + span - 1) // span
     src_base = my_rank * rows.shape[1]
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
     acc = cuda.local.array(BF16_PER_LANE, float32)
     warp, num_warps = global_warp()
-    for token in range(warp, num_tokens, num_warps):
+    for item in range(warp, num_tokens * pieces, num_warps):
+        token, begin, end = row_piece(item, pieces, span, words)
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
-        for w in range(2 * lane_id(), words, 2 * WARP):
+        for w in range(begin + 2 * lane_id(), end, 2 * WARP):
             for u in range(BF16_PER_LANE):
                 acc[u] = np.float32(0.0)
             for j in range(reached):

@@ -18,7 +18,7 @@ from numba import cuda, int32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
-from ep_comm.kernels.units import lane_entry, source_of_row, unit_range, units_for_device
+from ep_comm.kernels.units import lane_entry, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
 
 PLACE_ATOMIC = 0
@@ -227,8 +227,9 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, expand, mode, rows_per
 
 @kernel
 def receive_rows_kernel(rank_psum, rows_by_parity, step, expand, zero_padding, expert_psum, alignment,
-                        recv_src_metadata, recv_x, wide):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`: the payload rows, one warp per compact row.
+                        recv_src_metadata, recv_x, wide, span):
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`: the payload rows, one warp per piece of
+    ``span`` words (even) of a compact row.
 
     Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
     move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
@@ -238,17 +239,20 @@ def receive_rows_kernel(rank_psum, rows_by_parity, step, expand, zero_padding, e
     num_topk = recv_src_metadata.shape[1] - 2
     num_rows = rank_psum[rank_psum.shape[0] - 1]
     words = recv_x.shape[1]
+    pieces = (words + span - 1) // span
     lane = lane_id()
     warp, num_warps = global_warp()
-    for row in range(warp, num_rows, num_warps):
+    for item in range(warp, num_rows * pieces, num_warps):
+        row, begin, end = row_piece(item, pieces, span, words)
         src = recv_src_metadata[row, 1] // max_tokens
         slot = recv_src_metadata[row, 1] - src * max_tokens
+        piece = rows[src, slot, begin:end]
         if not expand:
-            copy_row(recv_x[row], rows[src, slot], words, wide)
+            copy_row(recv_x[row, begin:end], piece, end - begin, wide)
         for k in range(num_topk if expand else 0):
             dst = recv_src_metadata[row, 2 + k]
             if dst >= 0:
-                copy_row(recv_x[dst], rows[src, slot], words, wide)
+                copy_row(recv_x[dst, begin:end], piece, end - begin, wide)
     if expand and zero_padding and alignment > 1:
         for job in range(warp, expert_psum.shape[0] * (alignment - 1), num_warps):
             end = expert_psum[job // (alignment - 1)]

@@ -2,7 +2,8 @@
 
 Counting and scattering kernels use the same cut, so per-unit counts scanned over units are where
 each unit's items start inside each bucket: this is what makes the stable (deterministic) order
-a scan rather than a sort.
+a scan rather than a sort. Row-streaming kernels cut each row into pieces instead (:func:`row_piece`),
+so that a few long rows still spread over many warps.
 """
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def unit_range(unit, num_units, num_items):
     per_unit = (num_items + num_units - 1) // num_units
     begin = min(unit * per_unit, num_items)
     return begin, min(begin + per_unit, num_items)
+
+
+@cuda.jit(device=True)
+def row_piece(item, pieces, span, n):
+    """Row and ``[begin, end)`` of work item ``item`` when each row's ``n`` indices (elements or words) are
+    cut into ``pieces`` pieces of ``span``, item ``row * pieces + piece``: how row work is cut by bytes."""
+    begin = item % pieces * span
+    return item // pieces, begin, min(begin + span, n)
 
 
 @cuda.jit(device=True)

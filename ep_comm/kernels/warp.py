@@ -159,37 +159,49 @@ def store_words(dst, i, words, wide):
 
 
 @cuda.jit(device=True)
+def load_words_below(src, i, n, wide):
+    """:func:`load_words` at ``i``, or at the last access below ``n`` when ``i`` is past it: a reload
+    inside the row whose words are never stored, so that a row's tail needs no separate loop."""
+    return load_words(src, min(i, n - (2 if wide else 1)), wide)
+
+
+@cuda.jit(device=True)
+def store_words_below(dst, i, n, words, wide):
+    """:func:`store_words` at ``i`` if ``i`` is below ``n``."""
+    if i < n:
+        store_words(dst, i, words, wide)
+
+
+@cuda.jit(device=True)
 def copy_row(dst, src, n, wide):
     """Copy words ``src[:n]`` into ``dst[:n]`` with the lanes of one warp (coalesced).
 
     ``wide``: every lane moves two adjacent words per access (16 bytes for 64-bit words); ``n``
     must then be even and both rows aligned to two words. Eight loads per lane are issued before
     their stores: the compiler cannot hoist loads above stores to a possibly aliasing ``dst`` by
-    itself, and one load in flight per warp is far too few to keep HBM or NVLink busy.
+    itself, and one load in flight per warp is far too few to keep HBM or NVLink busy. The tail
+    takes the same eight-access step (accesses past ``n`` reload inside the row and store nothing),
+    so every ``COPY_UNROLL * 32`` accesses or fewer cost one memory round trip.
     """
     width = 2 if wide else 1
     lane_step = WARP * width
-    step = COPY_UNROLL * lane_step
-    full = n // step * step
-    for base in range(lane_id() * width, full, step):
-        w0 = load_words(src, base, wide)
-        w1 = load_words(src, base + lane_step, wide)
-        w2 = load_words(src, base + 2 * lane_step, wide)
-        w3 = load_words(src, base + 3 * lane_step, wide)
-        w4 = load_words(src, base + 4 * lane_step, wide)
-        w5 = load_words(src, base + 5 * lane_step, wide)
-        w6 = load_words(src, base + 6 * lane_step, wide)
-        w7 = load_words(src, base + 7 * lane_step, wide)
-        store_words(dst, base, w0, wide)
-        store_words(dst, base + lane_step, w1, wide)
-        store_words(dst, base + 2 * lane_step, w2, wide)
-        store_words(dst, base + 3 * lane_step, w3, wide)
-        store_words(dst, base + 4 * lane_step, w4, wide)
-        store_words(dst, base + 5 * lane_step, w5, wide)
-        store_words(dst, base + 6 * lane_step, w6, wide)
-        store_words(dst, base + 7 * lane_step, w7, wide)
-    for w in range(full + lane_id() * width, n, lane_step):
-        store_words(dst, w, load_words(src, w, wide), wide)
+    for base in range(lane_id() * width, n, COPY_UNROLL * lane_step):
+        w0 = load_words_below(src, base, n, wide)
+        w1 = load_words_below(src, base + lane_step, n, wide)
+        w2 = load_words_below(src, base + 2 * lane_step, n, wide)
+        w3 = load_words_below(src, base + 3 * lane_step, n, wide)
+        w4 = load_words_below(src, base + 4 * lane_step, n, wide)
+        w5 = load_words_below(src, base + 5 * lane_step, n, wide)
+        w6 = load_words_below(src, base + 6 * lane_step, n, wide)
+        w7 = load_words_below(src, base + 7 * lane_step, n, wide)
+        store_words_below(dst, base, n, w0, wide)
+        store_words_below(dst, base + lane_step, n, w1, wide)
+        store_words_below(dst, base + 2 * lane_step, n, w2, wide)
+        store_words_below(dst, base + 3 * lane_step, n, w3, wide)
+        store_words_below(dst, base + 4 * lane_step, n, w4, wide)
+        store_words_below(dst, base + 5 * lane_step, n, w5, wide)
+        store_words_below(dst, base + 6 * lane_step, n, w6, wide)
+        store_words_below(dst, base + 7 * lane_step, n, w7, wide)
 
 
 @cuda.jit(device=True)

@@ -33,14 +33,14 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
-from ep_comm.kernels.combine import (combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
+from ep_comm.kernels.combine import (SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
 from ep_comm.kernels.count import MAX_COUNT_WARPS, count_kernel, count_shared_words
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                      receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
 from ep_comm.kernels.units import units_for
-from ep_comm.kernels.warp import WARP
+from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.bound import BoundLaunch
 from ep_comm.launching.views import DeviceViews, payload_rows, payload_words, wide_rows
 
@@ -99,6 +99,11 @@ def _payload(x: Array) -> tuple[Array, bool]:
     raise TypeError(f"payload dtype {x.dtype} is not float32, float16 or bfloat16")
 
 
+def _copy_step(wide: bool) -> int:
+    """Words one warp moves in one round trip of :func:`~ep_comm.kernels.warp.copy_row`."""
+    return COPY_UNROLL * WARP * (2 if wide else 1)
+
+
 @dataclass
 class Kernels:
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
@@ -112,7 +117,9 @@ class Kernels:
     expert; the receive count runs on blocks of ``recv_count_warps_per_block`` warps (default:
     ``2 * warps_per_block``), whose last block does those scans (one column per warp at a time). The row-streaming
     kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
-    ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy. ``stream`` is a Numba
+    ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy; they cut rows into pieces
+    when rows are few, about ``split_warps`` pieces in all (default: ``2 * num_blocks * warps_per_block``),
+    one warp per piece. ``stream`` is a Numba
     stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.launching.bound`);
     ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
     """
@@ -131,6 +138,7 @@ class Kernels:
     recv_rows_per_unit: int = 32
     recv_count_warps_per_block: int = 0
     count_warps: int = MAX_COUNT_WARPS
+    split_warps: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_topk <= WARP:
@@ -147,6 +155,7 @@ class Kernels:
         self.recv_units = self.recv_units or self.num_blocks
         self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
         self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
+        self.split_warps = self.split_warps or 2 * self.num_units
         self.threads = self.warps_per_block * WARP
         # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
         prebound = xp is not np and not NUMBA_LAUNCH_ONLY
@@ -176,6 +185,15 @@ class Kernels:
         """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride
         kernel needs no more, and idle blocks cost launch time that small (decode) calls feel."""
         return max(1, min(cap, -(-warps // self.warps_per_block)))
+
+    def _row_pieces(self, rows: int, n: int, quantum: int) -> tuple[int, int]:
+        """``(span, blocks)`` of a row-streaming kernel over ``rows`` rows of ``n`` indices (elements or
+        words) cut into pieces of ``span``, a whole number of ``quantum`` (one warp pass): about
+        ``split_warps`` pieces in all, so that few rows (decode) still keep thousands of warps busy, and
+        whole rows once there are that many. Depends on shapes only, as graph capture needs."""
+        passes = max(1, -(-n // quantum))
+        span = -(-passes // min(passes, max(1, self.split_warps // max(rows, 1)))) * quantum
+        return span, self._blocks_for(rows * -(-n // span), self.stream_blocks)
 
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
@@ -279,9 +297,11 @@ class Kernels:
             expert_psum, alignment, recv_topk_idx.reshape(-1, width),
             recv_topk_weights.view(np.int32).reshape(-1, width), recv_src_metadata)
         recv_words = payload_words(recv_x)
-        self._launch(receive_rows_kernel, blocks=self._blocks_for(max_rows, self.stream_blocks))(
-            rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words,
-            wide_rows(recv_words, rows))
+        wide = wide_rows(recv_words, rows)
+        span, blocks = self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
+        self._launch(receive_rows_kernel, blocks=blocks)(
+            rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide,
+            span)
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None,
@@ -295,13 +315,14 @@ class Kernels:
         (expand, see :func:`~ep_comm.launching.views.payload_rows`). Expand reduces the row's expanded
         rows in top-k order, weighted by ``weights [M]`` float32 when given.
         """
-        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         if not expand:
             y_words = payload_words(y)
+            wide = wide_rows(y_words, *rows)
+            span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], _copy_step(wide))
             self._launch(combine_copy_kernel, blocks=blocks)(
-                y_words, wide_rows(y_words, *rows), recv_src_metadata, rank_psum, my_rank, step, ahead,
-                tuple(rows))
+                y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, tuple(rows))
             return
+        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
         self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, blocks)(
@@ -321,13 +342,14 @@ class Kernels:
         out_raw, out_bf16 = _payload(out)
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         shared = 4 * self.warps_per_block * 2 * self.num_topk
-        blocks = self._blocks_for(out.shape[0], self.stream_blocks)
         out_words = payload_words(out) if out_bf16 and not terms else None
         if out_words is not None and wide_rows(out_words, rows):  # the common case, 16 bytes per access
+            span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], 2 * WARP)
             self._launch(combine_reduce_bf16_kernel, shared, blocks)(
-                rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words)
+                rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words, span)
             return
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
+        span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
         self._launch(combine_reduce_kernel, shared, blocks)(
             payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
-            *padded[1], len(terms), out_raw, out_bf16)
+            *padded[1], len(terms), out_raw, out_bf16, span)

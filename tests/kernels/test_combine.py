@@ -103,3 +103,29 @@ def test_payload_rows_views_words_as_elements():
     rows = np.zeros((2, 3, 4, 5), np.uint64)
     assert payload_rows(rows, np.float16).shape == (2, 3, 4, 20)
     assert payload_rows(rows, np.float32).dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype, hidden, bias, expand", [
+    ("bfloat16", 2600, 0, False),  # 650 words: wide copies and the wide reduce
+    ("float32", 2600, 2, True),  # the general reduce, expand rows copied to several places
+    ("float16", 2601, 1, False),  # 16-bit words: narrow copies
+])
+def test_long_rows_are_cut_into_uneven_pieces(xp, monkeypatch, dtype, hidden, bias, expand):
+    """Few tokens with long rows: the row kernels (receive rows, combine copy, reduce) cut rows into
+    pieces, the last one shorter, one warp per piece; every output stays bit for bit the reference."""
+    from ep_comm.launching.kernels import Kernels
+
+    world = make_world(xp, seed=16, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
+    world.kernels.split_warps = 64
+    cuts = []
+    row_pieces = Kernels._row_pieces
+
+    def spy(self, rows, n, quantum):
+        span, blocks = row_pieces(self, rows, n, quantum)
+        cuts.append((n, span))
+        return span, blocks
+
+    monkeypatch.setattr(Kernels, "_row_pieces", spy)
+    run_combine(world, expand=expand, weighted=expand, bias=bias)
+    assert len(cuts) == 9 - 3 * expand  # receive rows and reduce per rank, combine copy (compact)
+    assert all(span < n and n % span for n, span in cuts)

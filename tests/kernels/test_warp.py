@@ -69,8 +69,8 @@ def copy_kernel(dst, src, n, wide):
     copy_row(dst, src, n, wide)
 
 
-@pytest.mark.parametrize("n, wide", [(0, False), (5, False), (256, False), (300, False), (600, False), (0, True),
-                                     (6, True), (512, True), (600, True), (1200, True)])
+@pytest.mark.parametrize("n, wide", [(0, False), (1, False), (5, False), (256, False), (300, False), (600, False), (0, True),
+                                     (2, True), (6, True), (512, True), (600, True), (1200, True)])
 def test_copy_row_unrolled_and_tail(xp, n, wide):
     src = np.arange(1, n + 1, dtype=np.uint64)
     dst = xp.zeros(n + 3, np.uint64)
