@@ -14,7 +14,7 @@ from numba import cuda
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.units import lane_entry, unit_range
+from ep_comm.kernels.units import lane_entry, row_piece, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
 
@@ -66,10 +66,13 @@ def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
 
 @kernel
 def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead, mode,
-                   num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, rows, metas):
+                   num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
+                   metas):
     """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
-    :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``."""
+    :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``.
+    Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
+    writes the rows and meta rows next."""
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     num_ranks = len(rows)
@@ -90,7 +93,7 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
             first = is_group_leader(key, lane) and expert >= 0
             slot = assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor[unit], t, k, active, rank, first,
                                src_base, lane)
-            pairs = ballot(slot >= 0)
+            pairs = ballot(slot >= 0 and copy_rows)
             while pairs != 0:
                 src, pairs = pop_lowest(pairs)
                 pt = cuda.shfl_sync(FULL_MASK, t, src)
@@ -98,4 +101,33 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
                 ps = cuda.shfl_sync(FULL_MASK, slot, src)
                 copy_row(rows[pr][parity, src_rank, ps], x_words[pt], x_words.shape[1], wide)
                 write_meta(metas[pr][parity, src_rank, ps], topk_idx, weight_bits, has_weights, pt, pr,
+                           experts_per_rank, lane)
+
+
+@kernel
+def scatter_rows_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
+                        span, slot_idx, rows, metas):
+    """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
+    it or cached): one warp per piece of ``span`` words (even) of each entry that has a slot, so that few
+    tokens still spread over many warps; the warp of a row's first piece writes its meta row."""
+    num_tokens, num_topk = topk_idx.shape
+    parity = step_parity(step, ahead)
+    max_tokens = rows[0].shape[2]
+    src_base = src_rank * max_tokens
+    words = x_words.shape[1]
+    pieces = (words + span - 1) // span
+    lane = lane_id()
+    warp, num_warps = global_warp()
+    for item in range(warp, num_tokens * num_topk * pieces, num_warps):
+        entry, begin, end = row_piece(item, pieces, span, words)
+        t = entry // num_topk
+        k = entry - t * num_topk
+        expert = routed_expert(topk_idx, t, k, experts_per_rank * len(rows))
+        recorded = slot_idx[t, k]
+        if recorded >= 0 and expert >= 0:
+            rank = expert // experts_per_rank
+            slot = recorded - src_base
+            copy_row(rows[rank][parity, src_rank, slot, begin:end], x_words[t, begin:end], end - begin, wide)
+            if begin == 0:
+                write_meta(metas[rank][parity, src_rank, slot], topk_idx, weight_bits, has_weights, t, rank,
                            experts_per_rank, lane)

@@ -38,7 +38,7 @@ from ep_comm.kernels.combine import (SPAN, combine_copy_kernel, combine_expand_k
 from ep_comm.kernels.count import MAX_COUNT_WARPS, count_kernel, count_shared_words
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                      receive_place_kernel, receive_rows_kernel)
-from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel
+from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.bound import BoundLaunch
@@ -242,16 +242,26 @@ class Kernels:
         ``topk_weights [T, K]`` float32 or None. ``slot_idx [T, K]`` int32 is written
         (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot`` on the first entry per rank, else
         -1), or read with ``mode=SLOT_CACHED``. SLOT_ATOMIC/SLOT_STABLE need :meth:`count` just before.
+        When rows are cut into pieces (few tokens), the slots are assigned first (not with
+        ``SLOT_CACHED``) and a second launch copies the rows, one warp per piece.
         """
         if x.shape[0] == 0:
             return
         weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
         num_units, units_per_warp = self.token_cut(x.shape[0])
         x_words = payload_words(x)
-        self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
-            x_words, wide_rows(x_words, *rows), topk_idx, weights, topk_weights is not None, self.num_local,
-            src_rank, step, ahead, mode, num_units, units_per_warp, self._rank_cursor, self._send_units,
-            self._send_groups, slot_idx, tuple(rows), tuple(metas))
+        wide = wide_rows(x_words, *rows)
+        span, blocks = self._row_pieces(topk_idx.size, x_words.shape[1], _copy_step(wide))
+        pieces = span < x_words.shape[1]  # few tokens: slots by unit first, then the rows by pieces
+        if mode != SLOT_CACHED or not pieces:
+            self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
+                x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
+                mode, num_units, units_per_warp, self._rank_cursor, self._send_units, self._send_groups, slot_idx,
+                not pieces, tuple(rows), tuple(metas))
+        if pieces:
+            self._launch(scatter_rows_kernel, blocks=blocks)(
+                x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
+                span, slot_idx, tuple(rows), tuple(metas))
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool) -> ReceiveCounts:

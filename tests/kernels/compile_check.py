@@ -26,6 +26,7 @@ from ep_comm.symmetric import SymmetricLayout
 
 CC = (9, 0)
 R, E, K, T, H = 2, 16, 4, 8, 24
+LONG_H = 4096  # rows of several copy steps
 
 
 class Recorder(Kernels):
@@ -65,7 +66,13 @@ def record_all(dtype: np.dtype) -> list:
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
                      bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)])
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0)  # bf16: the wide one
-    return k.launches
+    long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows
+    sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize)
+    views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(LONG_H, dtype.itemsize))
+             for _ in range(R)]
+    long_rows.scatter(np.zeros((T, LONG_H), dtype), topk, np.zeros((T, K), np.float32), slot_idx,
+                      [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE)
+    return k.launches + long_rows.launches
 
 
 def main(out_dir: str) -> None:

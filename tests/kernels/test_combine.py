@@ -9,7 +9,7 @@ from ep_comm import reduce
 from ep_comm.host import to_host
 from ep_comm.launching.views import payload_rows
 from test_dispatch import make_world, run_dispatch
-from world import bits, random_payload
+from world import bits, random_payload, spy_launches
 
 PARITY = 0  # dispatch ran with parity 1
 
@@ -79,17 +79,9 @@ def test_bfloat16_combine_without_bias_reduces_16_bytes_per_access(xp, monkeypat
     """The wide bfloat16 reduce (hidden a multiple of 8, no bias) is the one launched, and it is bit
     for bit the reference sum, NaN and infinity rounding included (random payloads hold both)."""
     from ep_comm.kernels.combine import combine_reduce_bf16_kernel, combine_reduce_kernel
-    from ep_comm.launching.kernels import Kernels
 
     world = make_world(xp, seed=15, dtype="bfloat16", hidden=72, masked=0.2)
-    launched = []
-    launch = Kernels._launch
-
-    def spy(self, kernel, *args, **kwargs):
-        launched.append(kernel)
-        return launch(self, kernel, *args, **kwargs)
-
-    monkeypatch.setattr(Kernels, "_launch", spy)
+    launched = spy_launches(monkeypatch)
     run_combine(world, expand=expand, weighted=expand, bias=0)
     assert combine_reduce_bf16_kernel in launched and combine_reduce_kernel not in launched
 
@@ -111,7 +103,7 @@ def test_payload_rows_views_words_as_elements():
     ("float16", 2601, 1, False),  # 16-bit words: narrow copies
 ])
 def test_long_rows_are_cut_into_uneven_pieces(xp, monkeypatch, dtype, hidden, bias, expand):
-    """Few tokens with long rows: the row kernels (receive rows, combine copy, reduce) cut rows into
+    """Few tokens with long rows: the row kernels (scatter, receive rows, combine copy, reduce) cut rows into
     pieces, the last one shorter, one warp per piece; every output stays bit for bit the reference."""
     from ep_comm.launching.kernels import Kernels
 
@@ -127,5 +119,5 @@ def test_long_rows_are_cut_into_uneven_pieces(xp, monkeypatch, dtype, hidden, bi
 
     monkeypatch.setattr(Kernels, "_row_pieces", spy)
     run_combine(world, expand=expand, weighted=expand, bias=bias)
-    assert len(cuts) == 9 - 3 * expand  # receive rows and reduce per rank, combine copy (compact)
+    assert len(cuts) == 12 - 3 * expand  # scatter, receive rows and reduce per rank, combine copy (compact)
     assert all(span < n and n % span for n, span in cuts)

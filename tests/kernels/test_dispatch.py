@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ep_comm import layout as ref
 from ep_comm.host import to_host
-from world import DTYPES, World, bits, random_payload, random_routing
+from world import DTYPES, World, bits, random_payload, random_routing, spy_launches
 
 MAX_TOKENS = 24
 
@@ -180,3 +180,26 @@ def test_random_routings(xp, seed, ranks, topk, alignment, deterministic):
     world = make_world(xp, seed=seed, ranks=ranks, experts=4 * ranks + 4 * (ranks == 1), topk=topk, hidden=6,
                        tokens=tokens, masked=0.25)
     run_dispatch(world, deterministic=deterministic, expand=True, alignment=alignment, zero_padding=True)
+
+
+@pytest.mark.parametrize("dtype, hidden", [("bfloat16", 2600), ("float16", 2601)])
+def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden):
+    """Few tokens with long rows (650 wide words, or 2601 narrow ones): the scatter assigns slots by
+    unit, then one warp per piece of a row copies it (the last piece shorter); atomic, stable and
+    cached dispatches stay bit for bit the reference."""
+    from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
+
+    world = make_world(xp, seed=17, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
+    world.kernels.split_warps = 64
+    launched = spy_launches(monkeypatch)
+    run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
+    sent, first = run_dispatch(world, deterministic=False, expand=False, parity=0)
+    assert launched.count(scatter_kernel) == launched.count(scatter_rows_kernel) == 2 * world.num_ranks
+    for buf in world.buffers:
+        buf[...] = 0
+    world.send(1, deterministic=False, cached=[item.slot_idx for item in sent])
+    assert launched.count(scatter_kernel) == 2 * world.num_ranks and launched.count(scatter_rows_kernel) == 3 * world.num_ranks
+    for d in range(world.num_ranks):
+        again = world.receive(d, 1, expand=False, alignment=1, zero_padding=False, deterministic=False,
+                              cached=first[d])
+        check_compact(world, d, again, world.expected_compact(d, sent))

@@ -43,6 +43,19 @@ def random_payload(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> n
     return gen.random_payload(rng, shape, dtype, NEGATIVE_ZERO_RATE)
 
 
+def spy_launches(monkeypatch) -> list:
+    """The kernels every ``Kernels`` launches from now on (within the test), in launch order."""
+    launched = []
+    launch = Kernels._launch
+
+    def spy(self, kernel, *args, **kwargs):
+        launched.append(kernel)
+        return launch(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(Kernels, "_launch", spy)
+    return launched
+
+
 @dataclass
 class Sent:
     slot_idx: np.ndarray  # [T, K] int32 as the kernel wrote it
