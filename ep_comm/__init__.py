@@ -4,10 +4,10 @@
 windows, ``backend="nvshmem"`` on GPUs over NVSHMEM symmetric memory.
 """
 from .buffer import Buffer
-from .errors import BufferUnusableError, TimeoutError
+from .errors import BufferUnusableError, PeerAbortedError, TimeoutError
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
 
 __all__ = ["Buffer", "BufferUnusableError", "CombineOutput", "DispatchLayout", "DispatchOutput", "EPHandle",
-           "TimeoutError"]
+           "PeerAbortedError", "TimeoutError"]
 __version__ = "0.1.0"

@@ -40,7 +40,8 @@ class Buffer:
     Rank ``r`` owns global experts ``[r*E/R, (r+1)*E/R)``. Buffers are allocated once, at the
     worst case of ``R * num_max_tokens_per_rank`` rows. Every rank must call ``dispatch`` and
     ``combine`` collectively; a rank that does not arrive within ``timeout_s`` makes the others
-    raise ``ep_comm.TimeoutError`` naming it.
+    raise ``ep_comm.TimeoutError`` naming it, and they post abort records that make it raise
+    ``ep_comm.PeerAbortedError`` at its next call or wait.
 
     Attributes: ``backend`` (``"mpi"``/``"nvshmem"``), ``num_sms`` (the SM count in effect: an int
     on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"`` on ``nvshmem``, None on
@@ -277,11 +278,15 @@ class Buffer:
         return self._closed_profile if self._backend is None else self._backend.profile_table()
 
     def close(self) -> None:
-        """Release the buffer (collective, bounded wait). Safe to call twice.
+        """Release the buffer: collective (bounded wait) after a clean run; after any failure (this rank's
+        timeout or error, a peer's abort record) a local release without collective calls, whose window or
+        symmetric memory and communicator are leaked to the process (README, Reliability). Safe to call twice.
 
         Raises:
             ep_comm.TimeoutError: a peer did not close within ``timeout_s`` (local resources are
-            released anyway).
+            released anyway, and the peers get this rank's abort record).
+            ep_comm.PeerAbortedError: a peer had given up on the Buffer (its abort record was here on entry
+            or came during the wait); released locally, at once.
         """
         if self._backend is not None:
             backend, self._backend = self._backend, None

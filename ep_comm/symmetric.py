@@ -9,7 +9,10 @@ that a peer's region is addressed by the same offsets everywhere:
 * ``counts[2][R]`` int64: rows source ``s`` wrote in the operation of that parity;
 * ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
 * ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
-  (as raw bits).
+  (as raw bits);
+* ``abort[R][ABORT_WORDS]`` int64: the abort record source rank ``s`` posted here when it gave up on
+  the Buffer (``ep_comm.backends.aborts``; all zero until then). Last, so that the offsets of the
+  regions the kernels use do not depend on it.
 
 Operations alternate between two parities (``seq % 2``): a peer is at most one operation ahead
 (it cannot finish operation ``n+1`` before this rank has sent its own signal for ``n+1``, which
@@ -20,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _ALIGN = 128
+STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}  # the low bits of a signal word (collective_steps)
+ABORT_WORDS = 16  # int64 words of one abort record (ep_comm.backends.aborts)
 
 
 def _up(n: int) -> int:
@@ -59,8 +64,19 @@ class SymmetricLayout:
         return self.rows_offset + _up(2 * self.num_ranks * self.max_tokens * self.row_bytes)
 
     @property
-    def total_bytes(self) -> int:
+    def abort_offset(self) -> int:
         return self.meta_offset + _up(2 * self.num_ranks * self.max_tokens * self.meta_words * 4)
+
+    @property
+    def abort_bytes(self) -> int:
+        return 8 * ABORT_WORDS * self.num_ranks
+
+    @property
+    def total_bytes(self) -> int:
+        return self.abort_offset + _up(self.abort_bytes)
+
+    def abort_at(self, src: int) -> int:
+        return self.abort_offset + 8 * ABORT_WORDS * src
 
     def signal_at(self, src: int) -> int:
         return self.signal_offset + 8 * src

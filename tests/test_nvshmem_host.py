@@ -9,14 +9,16 @@ import pytest
 from mpi4py import MPI
 
 from ep_comm.backends import make_backend
+from ep_comm.backends.aborts import REASON_BYTES, decode, encode
 from ep_comm.backends.collective_steps import STEP_KINDS, step_word
 from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.mpi import MpiBackend
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.dtypes import payload_dtype
+from ep_comm.errors import BufferUnusableError, PeerAbortedError
 from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
-from ep_comm.symmetric import SymmetricLayout
+from ep_comm.symmetric import ABORT_WORDS, SymmetricLayout
 from ep_comm.testing.routing import mask_routing, uniform_routing
 from ep_comm.transport.nvshmem_heap import HEAP_ENV, heap_size_for, parse_size, pick_device
 from ep_comm.transport.signals import STATUS_FLAGS, read_status
@@ -86,6 +88,15 @@ def test_step_words_are_monotone_and_tell_kinds_apart():
     assert all(step_word(seq, kind) < (seq + 1) << 2 for seq in range(1, 5) for kind in STEP_KINDS)
 
 
+def test_abort_records_round_trip_and_cut_long_reasons():
+    table = np.zeros((3, ABORT_WORDS), np.int64)
+    assert decode(table) == []
+    table[2] = encode("combine", 4, "timed out after 3 s waiting for ranks [0]")
+    table[0] = encode("", 0, "x" * (REASON_BYTES + 10))
+    assert decode(table) == [(0, "construction", "x" * REASON_BYTES),
+                             (2, "combine #4", "timed out after 3 s waiting for ranks [0]")]
+
+
 # ------------------------------------------------------------ the call sequence in the simulator
 class LoopbackTransport:
     """``NvshmemTransport`` for one rank on host arrays: the rank is its own only peer."""
@@ -109,6 +120,9 @@ class LoopbackTransport:
             self.rows, self.meta = staged_destinations(self.stage_rows, self.stage_meta, 1)
         else:
             self.rows, self.meta = (self.own.rows,), (self.own.meta,)
+        self.aborts = self.buffer[sym.abort_offset: sym.abort_offset + sym.abort_bytes].view(np.int64).reshape(
+            1, ABORT_WORDS)
+        self.closed_collectively = None
 
     def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
         """What ``put_blocks`` does for one rank: staged block 0 -> region [parity][0]."""
@@ -134,8 +148,14 @@ class LoopbackTransport:
     def missing_ranks(self):
         return self.missing
 
+    def post_abort(self, record) -> None:
+        """The rank is its own only peer: nobody to tell."""
+
+    def abort_table(self):
+        return self.aborts
+
     def close(self, collective: bool) -> None:
-        pass
+        self.closed_collectively = collective
 
 
 class HostDevice:
@@ -270,6 +290,25 @@ def test_call_sequence_matches_the_mpi_backend(dtype, expand, alignment, cpu_syn
         _same("combine.topk_weights", cm.topk_weights, cn.topk_weights)
     nv.close()
     mpi.close()
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_a_peer_abort_record_is_raised_by_the_next_call_and_close_releases_locally():
+    geo = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))
+    nv = simulated_backend(geo, True, False)
+    transport = nv.transport
+    x = np.ones((4, geo.hidden), np.float32)
+    idx = uniform_routing(4, geo.num_experts, geo.num_topk, seed=1).topk_idx
+    out = dispatch(nv, x, idx, None, None, False, 1, False, True, None)
+    transport.aborts[0] = encode("dispatch", 2, "timed out after 3 s waiting for ranks [1]")  # as a peer posts it
+    with pytest.raises(PeerAbortedError, match=r"rank 0: cannot dispatch: rank 0 gave up at dispatch #2 "
+                                               r"\(timed out after 3 s waiting for ranks \[1\]\)") as info:
+        dispatch(nv, x, idx, None, None, False, 1, False, True, None)
+    assert info.value.records == ((0, "dispatch #2", "timed out after 3 s waiting for ranks [1]"),)
+    with pytest.raises(BufferUnusableError, match="rank 0 gave up at dispatch #2"):
+        combine(nv, out.recv_x, out.handle, None, ())
+    nv.close()
+    assert transport.closed_collectively is False and nv.transport is None
 
 
 class _OnGpu1(np.ndarray):

@@ -2,18 +2,23 @@
 
 Every dispatch, combine and close is one collective step ``seq`` (1, 2, ...) using buffer parity
 ``seq % 2``; messages count each kind apart (``dispatch #4`` is the 4th dispatch). A step that times
-out or fails midway leaves the peers out of step: from then on the buffer refuses work with
-``BufferUnusableError`` and must be closed and recreated.
+out or fails midway leaves the peers out of step: this rank posts an abort record to every peer
+(``aborts``) and from then on the buffer refuses work with ``BufferUnusableError`` and must be closed
+and recreated. A rank that finds a peer's abort record (on entering a step, :meth:`Steps.check_peers`;
+after a wait, :meth:`Steps.after_wait`) raises ``PeerAbortedError`` and is unusable too, without
+posting a record of its own.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Sequence
 
-from ..errors import BufferUnusableError, TimeoutError
+from .. import exit_guard
+from ..errors import BufferUnusableError, PeerAbortedError, TimeoutError
+from ..symmetric import STEP_KINDS
+from . import aborts
 
-
-STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}
+__all__ = ["STEP_KINDS", "Steps", "step_word"]
 
 
 def step_word(seq: int, what: str) -> int:
@@ -27,19 +32,21 @@ def step_word(seq: int, what: str) -> int:
 
 
 class Steps:
-    """The step counter of one Buffer on one rank.
+    """The step counter of one Buffer on one rank, and its abort records (``board``).
 
     ``seq`` numbers every step (the signal words and parities); messages name a step by its kind and
     its number among the steps of that kind (``dispatch #4`` is the 4th dispatch), :meth:`name`.
     """
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, board: aborts.AbortBoard):
         self.rank = rank
         self.timeout_s = timeout_s
+        self.board = board
         self.seq = 0
         self.unusable: Optional[str] = None
         self._calls: Dict[str, int] = dict.fromkeys(STEP_KINDS, 0)
         self._last = "no step yet"
+        self._last_kind = ""
 
     def name(self, what: str) -> str:
         """``what`` with the latest step: ``"combine #2"``, or ``"an earlier operation (combine #2)"``."""
@@ -51,21 +58,66 @@ class Steps:
         if self.unusable:
             raise BufferUnusableError(
                 f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
+        self.check_peers(f"cannot {what}")
         self.seq += 1
         self._calls[what] += 1
         self._last = f"{what} #{self._calls[what]}"
+        self._last_kind = what
         try:
             yield self.seq, self.seq % 2
         except BaseException as exc:
             if not self.unusable:
-                self.unusable = f"{self.name(what)} failed midway ({type(exc).__name__}: {exc})"
+                self._give_up(f"{self.name(what)} failed midway", f"failed midway ({type(exc).__name__}: {exc})")
             raise
 
+    def check_peers(self, doing: str) -> None:
+        """Raise ``PeerAbortedError`` (and mark the buffer unusable) when a peer posted an abort record.
+
+        Args:
+            doing: what this rank is doing, for the message (``"cannot dispatch"``, ``"dispatch #3"``).
+        """
+        records = aborts.decode(self.board.abort_table())
+        if records:
+            raise self._peer_aborted(doing, records)
+
+    def after_wait(self, what: str, missing: Sequence[int]) -> None:
+        """The outcome of this step's wait, ``missing`` the ranks that did not arrive: ``PeerAbortedError``
+        when one of them posted an abort record (it left the protocol), or when every rank arrived but a
+        peer posted one (the step's rows are not to be used); this rank's own ``ep_comm.TimeoutError`` when
+        ranks are missing and none of them posted (records of ranks that did arrive, e.g. a peer that timed
+        out first waiting for the same missing rank, do not replace it).
+
+        Args:
+            what: the step's kind.
+            missing: the ranks the wait gave up on (empty when all arrived).
+        """
+        records = aborts.decode(self.board.abort_table())
+        gave_up = [record for record in records if record[0] in set(missing)]
+        if missing and not gave_up:
+            raise self.timed_out(what, missing)
+        if records:
+            raise self._peer_aborted(self.name(what), gave_up or records)
+
+    def _peer_aborted(self, doing: str, records: list) -> PeerAbortedError:
+        """Mark the buffer unusable (no record of its own: the peers already know) and return the error."""
+        self.unusable = "; ".join(f"rank {r} gave up at {step} ({reason})" for r, step, reason in records)
+        exit_guard.note_failure(self.timeout_s)
+        return aborts.peer_aborted(self.rank, doing, records)
+
     def timed_out(self, what: str, missing: Sequence[int]) -> TimeoutError:
-        """Mark the buffer unusable and return the ``ep_comm.TimeoutError`` naming ``missing`` and the latest step."""
+        """Mark the buffer unusable, post the abort record, and return the ``ep_comm.TimeoutError`` naming
+        ``missing`` and the latest step."""
         missing = [int(r) for r in missing]
         step = self.name(what)
-        self.unusable = f"{step} timed out waiting for ranks {missing}"
+        self._give_up(f"{step} timed out waiting for ranks {missing}",
+                      f"timed out after {self.timeout_s:g} s waiting for ranks {missing}")
         return TimeoutError(
             f"rank {self.rank}: {step} timed out after {self.timeout_s:g} s waiting for ranks {missing} "
             f"(every rank must call dispatch/combine/close collectively)", missing)
+
+    def _give_up(self, unusable: str, reason: str) -> None:
+        """This rank leaves the protocol: the buffer is unusable, every peer gets the abort record of the
+        latest step with ``reason``, and the process's exit is bounded (``exit_guard``)."""
+        self.unusable = unusable
+        exit_guard.note_failure(self.timeout_s)
+        self.board.post_abort(aborts.encode(self._last_kind, self._calls.get(self._last_kind, 0), reason))

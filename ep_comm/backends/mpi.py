@@ -25,6 +25,9 @@ from .interface import BackendSettings, CombineRequest, DispatchRequest
 from .profile import Profile, ProfileRow
 
 
+_LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
+
+
 class MpiBackend:
     """CPU backend. Arrays in and out are NumPy arrays.
 
@@ -46,7 +49,7 @@ class MpiBackend:
         self.timeout_s = settings.timeout_s
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
         self.window = MpiWindow(self.comm, self.sym)
-        self.steps = Steps(self.rank, settings.timeout_s)
+        self.steps = Steps(self.rank, settings.timeout_s, self.window)
         self.profile = Profile(settings.profile)
 
     # ------------------------------------------------------------------ inputs
@@ -90,9 +93,10 @@ class MpiBackend:
             self._wait_all(what, seq)
 
     def _wait_all(self, what: str, seq: int) -> None:
+        """Wait for every rank's signal of step ``seq`` (bounded), then raise as ``Steps.after_wait`` says: a
+        missing rank's abort record ends the wait at once."""
         missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
-        if missing:
-            raise self.steps.timed_out(what, missing)
+        self.steps.after_wait(what, missing)
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
@@ -305,17 +309,25 @@ class MpiBackend:
         return out
 
     def close(self) -> None:
-        """Collective close with a bounded wait; after a timeout, release local resources only."""
+        """Collective close with a bounded wait (``Unlock_all``, ``Win.Free``, ``Comm.Free``) after a clean
+        run; after any failure (this rank's, a peer's abort record, a close step that failed) a local
+        release without MPI calls: the window and the communicator are leaked (``MpiWindow.free``).
+
+        Raises:
+            PeerAbortedError: a peer's abort record was here when this rank entered or waited in close.
+            ep_comm.TimeoutError: a peer did not reach close within ``timeout_s``.
+        """
         if self.window is None:
             return
-        if self.steps.unusable:
-            self.window.free(collective=False)
-        else:
-            try:
+        try:
+            if not self.steps.unusable:
                 with self._collective("close") as (seq, _):
                     self._signal_and_wait("close", seq)
-            finally:
-                self.window.free(collective=not self.steps.unusable)
-                if not self.steps.unusable:
-                    self.comm.Free()
-        self.window = None
+        finally:
+            clean = not self.steps.unusable
+            self.window.free(collective=clean)
+            self.window = None
+            if clean:
+                self.comm.Free()
+            else:
+                _LEAKED_COMMS.append(self.comm)  # Comm.Free is collective

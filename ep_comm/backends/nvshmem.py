@@ -109,7 +109,7 @@ class NvshmemBackend:
         self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
         self.capture = CapturePolicy(device, geo.num_experts, transport.use_puts)
         self.profile = Profile(settings.profile, device)
-        self.steps = Steps(self.rank, settings.timeout_s)
+        self.steps = Steps(self.rank, settings.timeout_s, transport)
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,
@@ -245,10 +245,16 @@ class NvshmemBackend:
             self.transport.wait(STEP_KINDS[what], self.timeout_s, counts is not None)
 
     def _sync_and_check(self, what: str) -> None:
-        """Block until the stream is done (bounded by the GPU wait), then raise on a timeout."""
+        """Block until the stream is done (bounded by the GPU wait), then raise on a peer's abort record or
+        a timeout."""
         with self.profile.phase(what, "host sync"):
             self.device.synchronize()
-        self._raise_if_timed_out(what)
+        self._after_host_wait(what)
+
+    def _after_host_wait(self, what: str) -> None:
+        """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
+        ``Steps.after_wait`` says (a peer's abort record: the rows of this step are not to be used)."""
+        self.steps.after_wait(what, self.transport.missing_ranks())
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
@@ -282,7 +288,7 @@ class NvshmemBackend:
         if request.cpu_sync:
             with self.profile.phase("dispatch", "host sync"):
                 (num_recv, num_expanded), aligned = self.device.read_int32(recv.totals, recv.num_aligned_per_expert)
-            self._raise_if_timed_out("dispatch")
+            self._after_host_wait("dispatch")
             counts = (int(num_recv), int(num_expanded), [int(c) for c in aligned])
         else:
             counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
@@ -407,7 +413,9 @@ class NvshmemBackend:
 
     # ------------------------------------------------------------------- close
     def close(self) -> None:
-        """Collective close with a bounded wait; after a timeout, release local resources only."""
+        """Collective close with a bounded wait after a clean run; after any failure (this rank's timeout or
+        error, a peer's abort record) a local release: the symmetric heap is leaked and NVSHMEM's finalize
+        skipped at exit (``transport.nvshmem_heap``), the communicator is not freed (collective)."""
         if self.transport is None:
             return
         clean = False

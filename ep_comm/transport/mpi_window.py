@@ -3,7 +3,12 @@
 One window per Buffer, allocated once at worst-case capacity (``SymmetricLayout.total_bytes``)
 and kept in a passive-target ``Lock_all`` epoch for its whole life. Data goes out with
 ``Put`` + ``Flush``; only then is the signal word put, so a receiver that sees the signal sees
-the data. Receivers poll their own window memory (``Win.Sync``) against a deadline.
+the data. Receivers poll their own window memory (``Win.Sync``) against a deadline, and stop early
+when a peer's abort record arrives (``ep_comm.backends.aborts``).
+
+``Put`` and ``Flush`` complete without the target's help (a stopped, late or killed peer included);
+``Unlock_all`` and ``Free`` do not (MPICH's need every peer to make MPI progress), so a window whose
+peers are out of step is dropped without them and leaked (:meth:`MpiWindow.free`).
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ from typing import Iterable, List
 import numpy as np
 from mpi4py import MPI
 
-from ..symmetric import SymmetricLayout
+from ..symmetric import ABORT_WORDS, SymmetricLayout
+
+_LEAKED: List[MPI.Win] = []  # windows dropped after a failure: never freed (Unlock_all / Free wait for the peers)
 
 
 class MpiWindow:
@@ -25,7 +32,10 @@ class MpiWindow:
         self.win = MPI.Win.Allocate(layout.total_bytes, disp_unit=1, comm=comm)
         self.mem = np.frombuffer(self.win.tomemory(), dtype=np.uint8)
         self.mem[: layout.rows_offset] = 0  # signals and counts start at zero
+        self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes] = 0  # and no abort record
         self._signals = self.mem[layout.signal_offset : layout.signal_offset + 8 * comm.size].view(np.int64)
+        self._aborts = self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes].view(
+            np.int64).reshape(comm.size, ABORT_WORDS)
         self.win.Lock_all()
         comm.Barrier()
 
@@ -52,9 +62,32 @@ class MpiWindow:
         """A uint8 view of ``nbytes`` of this rank's own window at ``offset``."""
         return self.mem[offset : offset + nbytes]
 
+    def post_abort(self, record: np.ndarray) -> None:
+        """Put ``record`` (int64 ``[ABORT_WORDS]``) into this rank's abort slot of every peer's window, word 0
+        last (``aborts.AbortBoard``); a put that MPI refuses (a peer gone) is skipped."""
+        me = self.comm.rank
+        offset = self.layout.abort_at(me)
+        for target in range(self.comm.size):
+            if target == me:
+                continue
+            try:
+                self.put(record[1:], target, offset + 8)
+                self.win.Flush(target)
+                self.put(record[:1], target, offset)
+                self.win.Flush(target)
+            except MPI.Exception:
+                continue
+
+    def abort_table(self) -> np.ndarray:
+        """The int64 ``[R, ABORT_WORDS]`` abort records peers put here (``aborts.AbortBoard``)."""
+        self.win.Sync()
+        return self._aborts
+
     def wait(self, sources: Iterable[int], word: int, deadline: float) -> List[int]:
-        """Poll until every source's signal shows it reached step ``word``; return the sources still
-        missing at ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived.
+        """Poll until every source's signal shows it reached step ``word``, or a source still missing
+        posted an abort record (it will not come); return the sources still missing then, or at
+        ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived (the caller reads the
+        abort records: ``abort_table``).
 
         Signal words are ``seq << 2 | kind`` (see ``ep_comm.backends.collective_steps.step_word``): a
         source has arrived when its word equals ``word`` or it has moved past ``seq``. A peer in
@@ -66,14 +99,17 @@ class MpiWindow:
             self.win.Sync()
             seen = self._signals[pending]
             pending = pending[(seen != word) & ((seen >> 2) <= (word >> 2))]
-            if pending.size == 0 or time.monotonic() >= deadline:
+            if pending.size == 0 or self._aborts[pending, 0].any() or time.monotonic() >= deadline:
                 return [int(r) for r in pending]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def free(self, collective: bool = True) -> None:
-        """Release the window: collectively when every peer frees it too, else only locally."""
-        self.win.Unlock_all()
+    def free(self, collective: bool) -> None:
+        """Release the window: collectively (``Unlock_all``, ``Free``) when every peer frees it too; else
+        drop it without any MPI call, leaking its memory until the process exits."""
         if collective:
+            self.win.Unlock_all()
             self.win.Free()
-        self.mem = None
+        else:
+            _LEAKED.append(self.win)
+        self.win = self.mem = self._signals = self._aborts = None

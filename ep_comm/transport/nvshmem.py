@@ -16,7 +16,7 @@ from mpi4py import MPI
 from numba import cuda
 
 from ..launching.views import symmetric_views
-from ..symmetric import SymmetricLayout
+from ..symmetric import ABORT_WORDS, SymmetricLayout
 from . import nvshmem_puts, signals
 from .nvshmem_heap import NvshmemHeap
 from .staging import staged_destinations, staging_bytes
@@ -52,6 +52,9 @@ class NvshmemTransport:
         rows, meta = self._staged(word) if use_puts else self._peer_views(word)
         self.rows = tuple(numba_view(v) for v in rows)
         self.meta = tuple(numba_view(v) for v in meta)
+        self._aborts = self.heap.local[sym.abort_offset: sym.abort_offset + sym.abort_bytes]
+        self._side = cupy.cuda.Stream(non_blocking=True)  # abort records: never queued behind the caller's waits
+        self._no_records = np.zeros((sym.num_ranks, ABORT_WORDS), dtype=np.int64)
 
     def _peer_views(self, word: np.dtype) -> tuple:
         """Every rank's rows and meta views (stores)."""
@@ -102,6 +105,29 @@ class NvshmemTransport:
         the received count words of missing ranks are zeroed."""
         signals.wait_signals(self.own.signal, self.sym.num_ranks, self.step, kind, timeout_s, self.status.device,
                              self.own.counts if with_counts else None)
+
+    def post_abort(self, record: np.ndarray) -> None:
+        """Host copies of ``record`` (int64 ``[ABORT_WORDS]``) into this rank's abort slot of every peer
+        reachable through a peer view, word 0 last, on a stream of their own (``aborts.AbortBoard``). A peer
+        without a peer view (no P2P) is not told and finds out at its own deadline."""
+        offset = self.sym.abort_at(self.rank)
+        raw = record.view(np.uint8)
+        with self._side:
+            for r, peer in enumerate(self.heap.peers):
+                if r != self.rank and peer is not None:
+                    peer[offset + 8: offset + raw.size].set(raw[8:])
+                    peer[offset: offset + 8].set(raw[:8])
+            self._side.synchronize()
+
+    def abort_table(self) -> np.ndarray:
+        """The int64 ``[R, ABORT_WORDS]`` abort records peers wrote here, copied out on the side stream
+        (``aborts.AbortBoard``); all zero while the caller's stream is being captured into a CUDA graph
+        (nothing can be read back then: the next call outside the capture reads them)."""
+        if cupy.cuda.get_current_stream().is_capturing():
+            return self._no_records
+        with self._side:
+            raw = self._aborts.get(stream=self._side)
+        return raw.view(np.int64).reshape(self.sym.num_ranks, ABORT_WORDS)
 
     def missing_ranks(self) -> List[int]:
         """Ranks any wait so far gave up on (sticky; read without a synchronisation)."""

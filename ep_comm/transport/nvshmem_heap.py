@@ -3,8 +3,9 @@
 One NVSHMEM runtime per process: the first ``NvshmemHeap`` picks the GPU (by local rank on the
 node, unless ``CUDA_VISIBLE_DEVICES`` left one device), sizes the heap (``NVSHMEM_SYMMETRIC_SIZE``)
 and initialises NVSHMEM with a unique id broadcast over the communicator; the runtime is
-finalised once, at interpreter exit, and only when no buffer lost step with its peers
-(``nvshmem_free`` and ``nvshmem_finalize`` are collective: after a timeout they could hang).
+finalised once, at interpreter exit, and only when no buffer lost step with its peers and no Buffer
+of the process failed (``nvshmem_free`` and ``nvshmem_finalize`` are collective: after a timeout they
+could hang).
 
 The NVSHMEM world is the communicator of the first heap: later heaps must use a communicator
 over the same processes (``nvshmem_malloc`` is collective over all of them).
@@ -22,6 +23,8 @@ import os
 from typing import List, Optional, Tuple
 
 from mpi4py import MPI
+
+from .. import exit_guard
 
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
 _HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric objects and rounding
@@ -112,13 +115,14 @@ class _Runtime:
                              "processes in the same order as the first one (NVSHMEM's world is fixed at init)")
 
     def finalize(self) -> None:
-        """Collective NVSHMEM teardown at exit, skipped once any heap lost step with its peers."""
+        """Collective NVSHMEM teardown at exit, skipped once any heap lost step with its peers or any Buffer
+        of the process failed (``exit_guard``, which may have finalized MPI already)."""
         if self.group is None:
             return
         group, self.group = self.group, None
-        group.Free()
-        if self.poisoned:
+        if self.poisoned or exit_guard.failed():
             return
+        group.Free()
         import nvshmem.core as nvs
 
         nvs.finalize()

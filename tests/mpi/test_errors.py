@@ -1,4 +1,5 @@
-"""Bad input is refused before anything is sent, and a missing rank is named within ``timeout_s``.
+"""Bad input is refused before anything is sent; a missing rank is named within ``timeout_s``, and a rank that
+comes after its peers gave up gets their abort records (``PeerAbortedError``).
 
 Collective like the rest of ``tests/mpi``: every rank passes the same bad argument.
 """
@@ -210,6 +211,11 @@ def test_bad_constructor_arguments(world):
         ep_comm.Buffer(num_experts=WORLD * 4, timeout_s=0, **common)
 
 
+HEAD_START_S = 1.0  # a rank that skips a call enters its next one this much later, so that its peers' deadlines
+# pass first (two ranks waiting for each other in different calls race to time out: the first to give up posts
+# its abort record and the other raises PeerAbortedError)
+
+
 @pytest.mark.mpi(min_size=2)  # a peer that can go missing
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_missing_rank_raises_timeout_naming_it(world, op):
@@ -233,9 +239,14 @@ def test_missing_rank_raises_timeout_naming_it(world, op):
             dispatch(buf, world)
         buf.close()  # local release, no hang
     else:
-        # the rank that skipped finds its peers gone at close: bounded, named
-        with pytest.raises(ep_comm.TimeoutError):
+        # the rank that skipped finds its peers' abort records at close: raised at once, named
+        time.sleep(timeout_s + HEAD_START_S)
+        start = time.monotonic()
+        with pytest.raises(ep_comm.PeerAbortedError) as info:
             buf.close()
+        assert time.monotonic() - start < 1.0
+        assert info.value.aborted_ranks == tuple(range(WORLD - 1))
+        assert f"gave up at {op} #{2 if op == 'dispatch' else 1}" in str(info.value)
     COMM.Barrier()
     # a fresh buffer works again
     with make_buffer(world) as again:
@@ -252,7 +263,8 @@ def _recv_and_handle(buf, world):
 def test_after_a_timeout_the_buffer_says_how_to_recover(world):
     """A rank skips a combine: the others' TimeoutError names it, then every call raises a
     BufferUnusableError naming the failed step and the way out; close is bounded and idempotent;
-    the skipping rank's close names the peers it waited for; a fresh buffer is exact again."""
+    the skipping rank's close, while its peers still wait, gets their abort records (PeerAbortedError
+    naming them) instead of waiting out its own timeout; a fresh buffer is exact again."""
     timeout_s = 1.0
     skipper = WORLD - 1
     buf = make_buffer(world, timeout_s=timeout_s)
@@ -268,9 +280,12 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
             assert "combine #1 timed out" in str(info.value) and "create a new one" in str(info.value)
         buf.close()
     else:
-        with pytest.raises(ep_comm.TimeoutError) as info:
+        time.sleep(HEAD_START_S / 2)  # in close while the peers still wait: the abort records reach its wait
+        with pytest.raises(ep_comm.PeerAbortedError) as info:
             buf.close()
-        assert info.value.missing_ranks == tuple(range(WORLD - 1))
+        # the first record to land ends the wait: with 3+ ranks the others may not have landed yet
+        assert info.value.aborted_ranks and set(info.value.aborted_ranks) <= set(range(WORLD - 1))
+        assert time.monotonic() - start < timeout_s + HEAD_START_S, "the abort record ends the wait"
     assert time.monotonic() - start < 2 * timeout_s + 10, "close must not hang"
     buf.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match="closed"):
@@ -286,7 +301,7 @@ def test_after_a_timeout_the_buffer_says_how_to_recover(world):
 def test_messages_count_dispatches_and_combines_apart(world):
     """Three dispatch/combine pairs, then a rank skips the 4th dispatch: the others' TimeoutError and
     every later BufferUnusableError say "dispatch #4" (the 4th dispatch, the 7th step); the skipper's close
-    is its "close #1"."""
+    names the step its peers gave up at, "dispatch #4"."""
     timeout_s = 1.0
     skipper = WORLD - 1
     buf = make_buffer(world, timeout_s=timeout_s)
@@ -301,33 +316,33 @@ def test_messages_count_dispatches_and_combines_apart(world):
         assert f"rank {RANK}: cannot dispatch: dispatch #4 timed out waiting for ranks [{skipper}]" in str(info.value)
         buf.close()
     else:
-        with pytest.raises(ep_comm.TimeoutError) as info:
+        time.sleep(timeout_s + HEAD_START_S)
+        with pytest.raises(ep_comm.PeerAbortedError) as info:
             buf.close()
-        assert f"close #1 timed out after 1 s waiting for ranks {list(range(WORLD - 1))}" in str(info.value)
+        assert (f"rank {RANK}: cannot close: rank 0 gave up at dispatch #4 (timed out after 1 s waiting for ranks "
+                f"[{skipper}])") in str(info.value)
     COMM.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)  # a peer that can be late
-def test_a_late_rank_gets_a_bounded_answer(world):
-    """A rank arrives at a combine after its peers timed out: its peers' rows were already there, so
-    its combine may succeed, but its next step (here: close) raises TimeoutError naming the peers
-    instead of waiting for them; nobody hangs and a fresh buffer works."""
+def test_a_late_rank_gets_the_peers_abort_instead_of_stale_rows(world):
+    """A rank arrives at a combine after its peers timed out: the rows it would read belong to a step its
+    peers gave up on, so its combine raises PeerAbortedError at once naming them and the step; its close is
+    then a quiet local release; nobody hangs and a fresh buffer works."""
     timeout_s = 1.0
     late = WORLD - 1
     buf = make_buffer(world, timeout_s=timeout_s)
     out = dispatch(buf, world)
     if RANK == late:
-        time.sleep(timeout_s + 1.0)
-        try:
-            res = buf.combine(out.recv_x, out.handle)
-            assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
-        except ep_comm.TimeoutError as exc:
-            assert exc.missing_ranks
+        time.sleep(timeout_s + HEAD_START_S)
         start = time.monotonic()
-        with pytest.raises(ep_comm.TimeoutError) as info:
-            buf.close()
-        assert set(info.value.missing_ranks) == set(range(WORLD - 1))
-        assert time.monotonic() - start < timeout_s + 10
+        with pytest.raises(ep_comm.PeerAbortedError) as info:
+            buf.combine(out.recv_x, out.handle)
+        assert info.value.aborted_ranks == tuple(range(WORLD - 1))
+        assert all(step == "combine #1" for _, step, _ in info.value.records)
+        assert f"waiting for ranks [{late}]" in str(info.value)
+        buf.close()
+        assert time.monotonic() - start < 1.0
     else:
         with pytest.raises(ep_comm.TimeoutError) as info:
             buf.combine(out.recv_x, out.handle)

@@ -1,0 +1,106 @@
+"""Fault tests: jobs of ``tests/faults/fault_job.py`` where the last rank skips a call, is late, is stopped
+with SIGSTOP, or rank 0 is killed with SIGKILL (under a launcher that keeps the survivors running: MPICH hydra's
+``-disable-auto-cleanup``) or reaches ``close`` 8 s late, each under a hard outer timeout.
+
+Checked on every rank that survives: the ``ep_comm.TimeoutError`` comes within ``timeout_s`` (+ 2 s) of its
+own call and names the faulty rank; a rank that comes after its peers gave up raises ``PeerAbortedError``
+at once instead of returning rows; every ``close`` returns within ``timeout_s + 2`` s (printed); the job
+ends (exit at interpreter shutdown is bounded too).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+from helpers.mpirun import launcher, run_job
+from helpers.options import current
+
+JOB = Path(__file__).parent / "faults" / "fault_job.py"
+TIMEOUT_S = 3.0
+SLACK_S = 2.0  # the issue's bound: survivors out of close within timeout_s + 2 s
+JOB_LIMIT_S = 90  # the hard outer timeout of one job
+SURVIVOR_WAIT_S = 20  # how long the survivors of a kill may outlive the launcher
+CASES = [("skip", 2), ("late", 2), ("late", 3), ("stop", 2), ("kill", 2), ("late_close", 2)]
+
+
+def keep_survivors_flags() -> List[str]:
+    """The launcher flags that keep the other ranks running when one is killed (MPICH's hydra)."""
+    version = subprocess.run([launcher(1, {})[0], "--version"], capture_output=True, text=True).stdout
+    if "HYDRA" not in version.upper():
+        pytest.skip("the kill case needs MPICH hydra's -disable-auto-cleanup (this mpiexec is another launcher)")
+    return ["-disable-auto-cleanup"]
+
+
+def run_scenario(scenario: str, num_ranks: int, out: Path, expected: Set[int]) -> tuple:
+    """``(records by rank, the job, its wall seconds)`` of one scenario's job; waits up to ``SURVIVOR_WAIT_S``
+    after the launcher ended for the result files of ranks ``expected`` (after a kill it may end first)."""
+    env = dict(os.environ, UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1")
+    flags = keep_survivors_flags() if scenario == "kill" else []
+    cmd = launcher(num_ranks, env) + flags + [sys.executable, str(JOB), scenario, "--backend", current().backend,
+                                              "--timeout", str(TIMEOUT_S), "--out", str(out)]
+    start = time.monotonic()
+    job = run_job(cmd, env, JOB_LIMIT_S)
+    wall = time.monotonic() - start
+    deadline = time.monotonic() + SURVIVOR_WAIT_S
+    while any(not (out / f"rank{r}.json").exists() for r in expected) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    return records, job, wall
+
+
+def calls_of(record: dict) -> Dict[str, dict]:
+    """The record's calls by ``name#n`` (``dispatch#2`` is the second dispatch)."""
+    seen: Dict[str, int] = {}
+    out = {}
+    for c in record["calls"]:
+        seen[c["call"]] = seen.get(c["call"], 0) + 1
+        out[f"{c['call']}#{seen[c['call']]}"] = c
+    return out
+
+
+@pytest.mark.parametrize("scenario, num_ranks", CASES)
+def test_fault(scenario, num_ranks, capsys, tmp_path):
+    faulty = 0 if scenario == "kill" else num_ranks - 1  # fault_job.faulty_rank
+    expected = set(range(num_ranks)) - ({faulty} if scenario == "kill" else set())
+    records, job, wall = run_scenario(scenario, num_ranks, tmp_path, expected)
+    output = f"{' '.join(job.args)} exited {job.returncode} after {wall:.1f} s:\n{job.stdout[-8000:]}\n{job.stderr[-4000:]}"
+    assert set(records) == expected, output
+    first_fault = "close#1" if scenario == "late_close" else "dispatch#2"
+    lines = []
+    for rank, record in sorted(records.items()):
+        calls = calls_of(record)
+        assert calls["dispatch#1"]["outcome"] == "ok" and calls["combine#1"]["outcome"] == "ok", output
+        close = calls["close#1"]
+        lines.append(f"rank {rank}: close {close['seconds']:.2f} s ({close['outcome']})")
+        assert close["seconds"] < TIMEOUT_S + SLACK_S, output
+        if rank != faulty:  # a punctual rank: its own timeout, naming the faulty rank, within timeout_s
+            timed_out = calls[first_fault]
+            assert timed_out["outcome"] == "TimeoutError", output
+            assert f"waiting for ranks [{faulty}]" in timed_out["message"], output
+            assert TIMEOUT_S <= timed_out["seconds"] < TIMEOUT_S + SLACK_S, output
+            if scenario != "late_close":
+                assert calls["combine#2"]["outcome"] == "BufferUnusableError", output
+                assert close["outcome"] == "ok", output
+        elif scenario == "skip":  # in close while its peers waited: their abort records end its wait
+            assert close["outcome"] == "PeerAbortedError", output
+            assert "gave up at dispatch #2" in close["message"], output
+        else:  # late, stopped, late to close: the peers' abort records at once, no stale rows, no own timeout
+            late_call = calls[first_fault]
+            assert late_call["outcome"] == "PeerAbortedError", output
+            assert late_call["seconds"] < 1.0, output
+            step = first_fault.replace("#", " #")
+            assert all(f"rank {r} gave up at {step}" in late_call["message"] for r in expected - {faulty}), output
+            if scenario != "late_close":
+                assert calls["combine#2"]["outcome"] == "BufferUnusableError", output
+                assert close["outcome"] == "ok", output
+    if scenario != "kill":
+        assert job.returncode == 0, output
+    with capsys.disabled():
+        print(f"\n[fault {scenario}, {num_ranks} ranks, timeout_s={TIMEOUT_S:g}] job {wall:.1f} s; " + "; ".join(lines))
