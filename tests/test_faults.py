@@ -31,11 +31,14 @@ CASES = [("skip", 2), ("late", 2), ("late", 3), ("stop", 2), ("kill", 2), ("late
 
 
 def keep_survivors_flags() -> List[str]:
-    """The launcher flags that keep the other ranks running when one is killed (MPICH's hydra)."""
+    """The launcher flags that keep the other ranks running when one is killed: MPICH hydra's
+    ``-disable-auto-cleanup``, Open MPI's ``--enable-recovery``."""
     version = subprocess.run([launcher(1, {})[0], "--version"], capture_output=True, text=True).stdout
-    if "HYDRA" not in version.upper():
-        pytest.skip("the kill case needs MPICH hydra's -disable-auto-cleanup (this mpiexec is another launcher)")
-    return ["-disable-auto-cleanup"]
+    if "HYDRA" in version.upper():
+        return ["-disable-auto-cleanup"]
+    if "OPEN MPI" in version.upper():
+        return ["--enable-recovery"]
+    pytest.skip(f"the kill case needs a launcher that keeps the survivors running (hydra, Open MPI): {version[:80]!r}")
 
 
 def run_scenario(scenario: str, num_ranks: int, out: Path, expected: Set[int]) -> tuple:
