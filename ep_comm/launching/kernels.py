@@ -35,7 +35,7 @@ import numpy as np
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
-from ep_comm.kernels.count import MAX_COUNT_WARPS, count_kernel, count_shared_words
+from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
                                      receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
@@ -51,7 +51,6 @@ __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMI
 
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
-COUNT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch gets without opting in to more
 
 
 class SendLayout(NamedTuple):
@@ -110,12 +109,12 @@ class Kernels:
 
     ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
     one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
-    (count and scatter agree on the cut); the count runs in one block of ``count_warps`` warps (default
-    32) and leaves the stable cursors per group of about ``count_tokens_per_warp`` tokens. Received
-    rows are cut into units of about ``recv_rows_per_unit`` rows, at most ``recv_units`` (default:
-    ``num_blocks``), because the stable expand placement scans its per-unit counts once per local
-    expert; the receive count runs on blocks of ``recv_count_warps_per_block`` warps (default:
-    ``2 * warps_per_block``), whose last block does those scans (one column per warp at a time). The row-streaming
+    (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
+    tokens on as few blocks as that needs. Received rows are cut into units of about
+    ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
+    stable expand placement scans its per-unit counts once per local expert; the receive count
+    runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
+    whose last block does those scans (one column per warp at a time). The row-streaming
     kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
     ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy; they cut rows into pieces
     when rows are few, about ``split_warps`` pieces in all (default: ``2 * num_blocks * warps_per_block``),
@@ -137,7 +136,6 @@ class Kernels:
     count_tokens_per_warp: int = 16
     recv_rows_per_unit: int = 32
     recv_count_warps_per_block: int = 0
-    count_warps: int = MAX_COUNT_WARPS
     split_warps: int = 0
 
     def __post_init__(self) -> None:
@@ -145,12 +143,7 @@ class Kernels:
             raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
         if self.warps_per_block < 2:
             raise ValueError("warps_per_block must be at least 2")
-        if not 1 <= self.count_warps <= MAX_COUNT_WARPS:
-            raise ValueError(f"count_warps={self.count_warps}: the count runs 1..{MAX_COUNT_WARPS} warps")
-        if 4 * count_shared_words(self.num_experts, self.num_ranks, self.count_warps) > COUNT_SHARED_BYTES:
-            raise ValueError(f"num_experts={self.num_experts}, num_ranks={self.num_ranks}: the one-block count needs "
-                             f"more than {COUNT_SHARED_BYTES} bytes of shared memory")
-        xp, r = self.xp, self.num_ranks
+        xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
         self.recv_units = self.recv_units or self.num_blocks
         self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
@@ -160,7 +153,7 @@ class Kernels:
         # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
         prebound = xp is not np and not NUMBA_LAUNCH_ONLY
         self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
-        self._counters = xp.zeros(self.num_local, dtype=np.int64)
+        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
         self._ticket = xp.zeros(1, dtype=np.uint32)
         self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))
         self._rank_cursor = xp.zeros(r, dtype=np.int32)
@@ -225,10 +218,12 @@ class Kernels:
                          xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
                          xp.empty((num_tokens, self.num_topk), np.int32))
         num_units, units_per_warp = self.token_cut(num_tokens)
-        self._launch(count_kernel, 4 * count_shared_words(e, r, self.count_warps), 1, self.count_warps)(
-            topk_idx, self.num_local, num_units, units_per_warp, stable, self._send_units, self._send_groups,
-            self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum, out.expert_psum,
-            out.is_token_in_rank.reshape(-1))
+        count_warps = -(-num_units // units_per_warp)
+        blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
+        self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
+            topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
+            self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
+            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,

@@ -2,9 +2,8 @@
 
 Run as ``python tests/kernels/compile_check.py OUT_DIR`` outside the simulator: ``Kernels`` methods
 are called with NumPy arrays and a launcher that records instead of launching; each recorded
-launch is compiled to PTX with the kernel's launch bounds, written to ``OUT_DIR/<kernel>.ptx``. This
-type-checks the real kernels (the simulator runs them as Python) and lets tests inspect the
-generated code. Every kernel must
+launch is compiled to PTX, written to ``OUT_DIR/<kernel>.ptx``. This type-checks the real kernels
+(the simulator runs them as Python) and lets tests inspect the generated code. Every kernel must
 also be disk-cached under the package's sources digest (``ep_comm/kernels/jit.py``).
 """
 from __future__ import annotations
@@ -81,8 +80,7 @@ def main(out_dir: str) -> None:
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         for kernel, args in record_all(dtype):
             assert source_stamp(kernel) == SOURCES_DIGEST, f"{kernel} is not cached by sources"
-            ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC,
-                                      launch_bounds=kernel.targetoptions.get("launch_bounds"))
+            ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
             (out / f"{kernel.py_func.__name__}.{dtype.name}.ptx").write_text(ptx)
 
 

@@ -43,7 +43,7 @@ def check_count(world: World, deterministic: bool) -> None:
 def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     world = make_world(xp, **case)
     check_count(world, deterministic=True)
-    check_count(world, deterministic=False)  # a second count on the same workspace: nothing left over
+    check_count(world, deterministic=False)  # counters and ticket were reset by the last block
     assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
 
 
