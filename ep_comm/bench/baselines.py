@@ -49,8 +49,10 @@ def torch_distributed(comm: MPI.Comm):
         endpoint = (os.environ.get("MASTER_ADDR", socket.gethostbyname(socket.gethostname())), port)
     addr, port = comm.bcast(endpoint, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    torch.cuda.set_device(cupy.cuda.Device().id)
-    dist.init_process_group("nccl", rank=comm.rank, world_size=comm.size)
+    device = torch.device("cuda", cupy.cuda.Device().id)
+    torch.cuda.set_device(device)
+    # device_id binds the group to this rank's GPU (no "barrier(): using the device under current context" warning)
+    dist.init_process_group("nccl", rank=comm.rank, world_size=comm.size, device_id=device)
     return dist
 
 
