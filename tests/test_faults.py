@@ -36,7 +36,7 @@ def keep_survivors_flags() -> List[str]:
     version = subprocess.run([launcher(1, {})[0], "--version"], capture_output=True, text=True).stdout
     if "HYDRA" in version.upper():
         return ["-disable-auto-cleanup"]
-    if "OPEN MPI" in version.upper():
+    if "OPEN MPI" in version.upper() or "OPENRTE" in version.upper():  # Open MPI 4 says "mpiexec (OpenRTE) 4.1"
         return ["--enable-recovery"]
     pytest.skip(f"the kill case needs a launcher that keeps the survivors running (hydra, Open MPI): {version[:80]!r}")
 
