@@ -1,8 +1,8 @@
 """Results of a dispatch and of a combine, and the handle that replays a routing."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 from .validate import Geometry
 
@@ -43,6 +43,9 @@ class EPHandle:
     cpu_sync: bool
     num_out_rows: int  # rows of recv_x (M when expand, else N)
     geometry: Geometry  # of the Buffer that made it: only a Buffer of the same geometry takes the handle
+    # device arrays a backend derived from the fields above for replays (the handle is never changed
+    # after the dispatch that made it, so they are computed once), by name; not part of the contract
+    derived: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def routing(self) -> "Routing":

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from ep_comm.backends import make_backend
 from ep_comm.backends.aborts import REASON_BYTES, decode, encode
-from ep_comm.backends.collective_steps import STEP_KINDS, step_word
+from ep_comm.backends.collective_steps import STEP_KINDS, Steps, step_word
 from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.mpi import MpiBackend
 from ep_comm.backends.nvshmem import NvshmemBackend
@@ -60,11 +60,12 @@ def test_pick_device_without_gpu_says_so():
         pick_device(0, 0)
 
 
-def test_read_status_reports_sticky_missing_ranks():
-    words = [13, 0, 0, 0, 0]
-    assert read_status(words, 3).missing_ranks == [] and read_status(words, 3).last_seq == 13
-    words = [17, 2, 1, 0, 1]
-    assert read_status(words, 3).missing_ranks == [0, 2]
+def test_read_status_reports_sticky_missing_ranks_and_posted_abort_records():
+    words = [13, 0, 0, 0, 0, 0, 0, 0]
+    outcome = read_status(words, 3)
+    assert outcome.missing_ranks == [] and outcome.last_seq == 13 and outcome.aborted_ranks == []
+    words = [17, 2, 1, 0, 1, 0, 0, 1]
+    assert read_status(words, 3).missing_ranks == [0, 2] and read_status(words, 3).aborted_ranks == [2]
     assert STATUS_FLAGS == 2
 
 
@@ -132,15 +133,13 @@ class LoopbackTransport:
             if with_meta:
                 self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
 
-    def signal(self, stream, seq: int, kind: int, counts=None) -> None:
+    def exchange(self, stream, seq: int, kind: int, timeout_s: float, counts=None) -> None:
+        """Signal, then wait: the rank's own signal is the only one."""
         self.step[0] += 1
         assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
         if counts is not None:
             self.own.counts[seq % 2, 0] = counts[0]
         self.own.signal[0] = int(self.step[0]) << 2 | kind
-
-    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
-        seq = int(self.step[0])
         got = int(self.own.signal[0])
         if not (got == seq << 2 | kind or got >= (seq + 1) << 2):
             self.missing = [0]
@@ -153,6 +152,9 @@ class LoopbackTransport:
 
     def abort_table(self):
         return self.aborts
+
+    def abort_seen(self) -> bool:
+        return bool(self.aborts[:, 0].any())
 
     def close(self, collective: bool) -> None:
         self.closed_collectively = collective
@@ -488,3 +490,46 @@ def test_the_nvshmem_profile_table_times_every_phase_of_the_call_sequence():
     assert {("combine", p) for p in ("total", "send", "signal+wait", "reduce", "host sync")} <= set(rows)
     assert all(row.host_us_p50 > 0 and row.gpu_us_p50 is None for row in rows.values())  # no events on the host
     be.close()
+
+
+class _CountingBoard:
+    """An abort board that counts its device reads; ``hint`` is what the last wait saw."""
+
+    def __init__(self, num_ranks: int):
+        self.table = np.zeros((num_ranks, ABORT_WORDS), np.int64)
+        self.hint = False
+        self.reads = 0
+
+    def post_abort(self, record) -> None:
+        pass
+
+    def abort_table(self):
+        self.reads += 1
+        return self.table
+
+    def abort_seen(self) -> bool:
+        return self.hint
+
+
+def test_a_call_that_does_not_wait_on_the_host_reads_the_abort_records_only_when_the_last_wait_saw_one():
+    board = _CountingBoard(2)
+    steps = Steps(0, 3.0, board)
+    board.table[1] = encode("combine", 1, "timed out after 3 s waiting for ranks [0]")
+    with steps.collective("dispatch", read_board=False) as (seq, _):  # the last wait saw nothing yet
+        assert seq == 1
+    assert board.reads == 0
+    board.hint = True
+    with pytest.raises(PeerAbortedError, match=r"rank 0: cannot combine: rank 1 gave up at combine #1"):
+        with steps.collective("combine", read_board=False):
+            pass
+    assert board.reads == 1 and steps.unusable
+
+
+def test_a_call_that_waits_on_the_host_reads_the_abort_records_on_entry():
+    board = _CountingBoard(2)
+    steps = Steps(0, 3.0, board)
+    board.table[1] = encode("dispatch", 1, "failed midway")
+    with pytest.raises(PeerAbortedError, match="rank 1 gave up at dispatch #1"):
+        with steps.collective("dispatch"):
+            pass
+    assert board.reads == 1

@@ -3,7 +3,8 @@
 A rank whose step times out or fails midway writes one record into its slot ``abort[me]`` of every
 peer's symmetric buffer (``SymmetricLayout.abort_at``) before it raises, with a one-sided put or a
 host store that never waits for the peer. Every rank reads the records peers posted into its own
-buffer on entering a call and while it waits, and raises ``PeerAbortedError`` naming them.
+buffer on entering a call (a GPU call that does not wait on the host: as its last finished wait saw
+them) and while it waits, and raises ``PeerAbortedError`` naming them.
 
 A record is ``ABORT_WORDS`` int64 words: ``[posted (1), kind (STEP_KINDS, 0 before any step), the
 kind's call number, reason length in bytes, reason (UTF-8, cut to REASON_BYTES)]``. The posting rank
@@ -34,6 +35,10 @@ class AbortBoard(Protocol):
 
     def abort_table(self) -> np.ndarray:
         """The int64 ``[R, ABORT_WORDS]`` records the peers posted into this rank's buffer (current values)."""
+
+    def abort_seen(self) -> bool:
+        """A cheap hint, read without touching the device: False when no record was posted as of the last
+        finished wait (True may just mean "read ``abort_table`` to know")."""
 
 
 def encode(kind: str, number: int, reason: str) -> np.ndarray:

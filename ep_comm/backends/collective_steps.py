@@ -53,12 +53,22 @@ class Steps:
         return self._last if self._last.startswith(what + " #") else f"{what} ({self._last})"
 
     @contextmanager
-    def collective(self, what: str) -> Iterator[tuple]:
-        """Number the next step and yield ``(seq, parity)``; an exception inside marks the buffer unusable."""
+    def collective(self, what: str, read_board: bool = True) -> Iterator[tuple]:
+        """Number the next step and yield ``(seq, parity)``; an exception inside marks the buffer unusable.
+
+        Args:
+            what: the step's kind.
+            read_board: read the peers' abort records first (:meth:`check_peers`); False reads them only
+                when the board's cheap hint (``AbortBoard.abort_seen``: what the last finished wait saw)
+                says one was posted, so that a call that does not wait on the host does not read the
+                device either; such a call learns of a record posted since at its own wait (which ends
+                early) and raises at the next call.
+        """
         if self.unusable:
             raise BufferUnusableError(
                 f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
-        self.check_peers(f"cannot {what}")
+        if read_board or self.board.abort_seen():
+            self.check_peers(f"cannot {what}")
         self.seq += 1
         self._calls[what] += 1
         self._last = f"{what} #{self._calls[what]}"

@@ -214,13 +214,16 @@ class NvshmemBackend:
     def _collective(self, what: str, host_wait: bool) -> Iterator[int]:
         """The next collective step's host number ``seq``, on the caller's stream, after raising any
         timeout an earlier asynchronous wait recorded (the step's signal advances the device counter).
-        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold."""
+        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold; such a
+        step also reads the peers' abort records from the device on entry, where a ``cpu_sync=False``
+        step relies on what the last finished wait saw (``Steps.collective``)."""
         self.capture.begin(what, host_wait)
         if not self.capture.active and what != "close":
             self.capture.raise_for_checks()
         if not self.steps.unusable:
             self._raise_if_timed_out("an earlier operation")
-        with self.steps.collective(what) as (seq, _), self.profile.phase(what, "total"), self._launching():
+        with self.steps.collective(what, read_board=host_wait) as (seq, _), self.profile.phase(what, "total"), \
+                self._launching():
             yield seq
 
     def _contiguous(self, a: Optional[Array]) -> Optional[Array]:
@@ -241,8 +244,7 @@ class NvshmemBackend:
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
         with self.profile.phase(what, "signal+wait"):
-            self.transport.signal(self.kernels.stream, seq, STEP_KINDS[what], counts)
-            self.transport.wait(STEP_KINDS[what], self.timeout_s, counts is not None)
+            self.transport.exchange(self.kernels.stream, seq, STEP_KINDS[what], self.timeout_s, counts)
 
     def _sync_and_check(self, what: str) -> None:
         """Block until the stream is done (bounded by the GPU wait), then raise on a peer's abort record or
@@ -299,8 +301,7 @@ class NvshmemBackend:
         """Replay the handle's routing: recorded slots and layout, no counting, no count exchange."""
         xp, h = self.xp, request.handle
         psum = h.psum_num_recv_tokens_per_rank
-        send_psum = (xp.cumsum(h.is_token_in_rank.sum(axis=0, dtype=xp.int32), dtype=xp.int32)
-                     if self.transport.use_puts else None)
+        send_psum = self._derived(h, "send_psum", _send_psum) if self.transport.use_puts else None
         self._send(seq, request, h.routing, SLOT_CACHED, send_psum)
         self._signal_and_wait("dispatch", seq)
         if request.stats is not None:
@@ -310,9 +311,20 @@ class NvshmemBackend:
             counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
                       [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
-            counts = (psum[-1],) + _device_counts(xp, h)
+            counts = self._derived(h, "device_counts", _device_counts)
         layout = (psum, h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert)
         return self._receive(request, h.routing, layout, counts, h.recv_src_metadata, PLACE_CACHED)
+
+    def _derived(self, h: EPHandle, name: str, derive: Any) -> Any:
+        """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture
+        computed anew on every call (the capture holds what it allocates: a graph must not depend on a
+        handle that its user may drop)."""
+        if self.capture.active:
+            return derive(self.xp, h)
+        value = h.derived.get(name)
+        if value is None:
+            value = h.derived[name] = derive(self.xp, h)
+        return value
 
     def _receive(self, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
                  recorded: Optional[Array], mode: int) -> DispatchOutput:
@@ -440,14 +452,21 @@ def _host(values: Any) -> Sequence:
 
 
 def _device_counts(xp: Any, h: EPHandle) -> tuple:
-    """``(num_expanded_tokens, num_recv_tokens_per_expert)`` of handle ``h`` as device arrays, for the
-    outputs of a ``cpu_sync=False`` replay. A ``cpu_sync=True`` handle holds them as host values: they
-    are derived on the device from its unaligned counts (no host-to-device copy, which a CUDA graph
-    capture cannot hold): the aligned counts, and their sum (expanded rows, padding included)."""
+    """``(num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert)`` of handle ``h`` as device
+    arrays, for the outputs of a ``cpu_sync=False`` replay. A ``cpu_sync=True`` handle holds the last two
+    as host values: they are derived on the device from its unaligned counts (no host-to-device copy,
+    which a CUDA graph capture cannot hold): the aligned counts, and their sum (expanded rows, padding
+    included)."""
+    received = h.psum_num_recv_tokens_per_rank[-1]
     if not h.cpu_sync:
-        return h.num_expanded_tokens, h.num_recv_tokens_per_expert
+        return received, h.num_expanded_tokens, h.num_recv_tokens_per_expert
     aligned = _align_up(h.num_unaligned_recv_tokens_per_expert.astype(xp.int32), h.expert_alignment)
-    return aligned.sum(dtype=xp.int64), aligned
+    return received, aligned.sum(dtype=xp.int64), aligned
+
+
+def _send_psum(xp: Any, h: EPHandle) -> Array:
+    """int32 ``[R]``: inclusive prefix sum of the rows handle ``h`` sends to each rank (the puts' blocks)."""
+    return xp.cumsum(h.is_token_in_rank.sum(axis=0, dtype=xp.int32), dtype=xp.int32)
 
 
 def _align_up(values: Array, alignment: int) -> Array:

@@ -53,6 +53,7 @@ class NvshmemTransport:
         self.rows = tuple(numba_view(v) for v in rows)
         self.meta = tuple(numba_view(v) for v in meta)
         self._aborts = self.heap.local[sym.abort_offset: sym.abort_offset + sym.abort_bytes]
+        self._abort_words = self._aborts.view(cupy.int64).reshape(sym.num_ranks, ABORT_WORDS)
         self._side = cupy.cuda.Stream(non_blocking=True)  # abort records: never queued behind the caller's waits
         self._no_records = np.zeros((sym.num_ranks, ABORT_WORDS), dtype=np.int64)
 
@@ -85,26 +86,27 @@ class NvshmemTransport:
             nvshmem_puts.put_blocks(stream, self._stage_meta, me, sym.max_tokens * meta_bytes, self._sym,
                                     sym.meta_at(parity, me), meta_bytes, psum)
 
-    def signal(self, stream: Any, seq: int, kind: int, counts: Any = None) -> None:
-        """Advance the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the
-        step word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R]``) went to their count
-        words of the step's parity. Peer stores read the step from the device counter; puts use the
-        host's ``seq`` (equal to it: the puts path is never captured into a graph)."""
-        sym, me = self.sym, self.rank
-        if self.use_puts:
-            signals.advance_step(self.step)
-            nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), sym.num_ranks, me, seq << 2 | kind,
-                                      None if counts is None else numba_view(counts),
-                                      numba_view(self.own.counts[seq % 2]))
-        else:
-            signals.signal_peers(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, self.step, kind,
-                                 counts, sym.counts_offset)
+    def exchange(self, stream: Any, seq: int, kind: int, timeout_s: float, counts: Any = None) -> None:
+        """Enqueue step ``seq``'s signal to every rank, then the bounded wait for every rank's signal.
 
-    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
-        """Enqueue the bounded wait for every rank's signal of this step of ``kind``; with ``with_counts``
-        the received count words of missing ranks are zeroed."""
-        signals.wait_signals(self.own.signal, self.sym.num_ranks, self.step, kind, timeout_s, self.status.device,
-                             self.own.counts if with_counts else None)
+        Advances the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the step
+        word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R]``) went to their count words of
+        the step's parity; with ``counts`` the received count words of missing ranks are zeroed. Peer stores
+        read the step from the device counter, in one launch (``signals.signal_and_wait``); puts signal
+        with the host's ``seq`` (equal to it: the puts path is never captured into a graph) through
+        NVSHMEM, then wait. The wait ends early for a rank that posted an abort record."""
+        sym, me = self.sym, self.rank
+        received = self.own.counts if counts is not None else None
+        if not self.use_puts:
+            signals.signal_and_wait(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, self.step, kind, counts,
+                                    sym.counts_offset, self.own.signal, timeout_s, self.status.device, received,
+                                    self._abort_words)
+            return
+        signals.advance_step(self.step)
+        nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), sym.num_ranks, me, seq << 2 | kind,
+                                  None if counts is None else numba_view(counts), numba_view(self.own.counts[seq % 2]))
+        signals.wait_signals(self.own.signal, sym.num_ranks, self.step, kind, timeout_s, self.status.device, received,
+                             self._abort_words)
 
     def post_abort(self, record: np.ndarray) -> None:
         """Host copies of ``record`` (int64 ``[ABORT_WORDS]``) into this rank's abort slot of every peer
@@ -132,6 +134,11 @@ class NvshmemTransport:
     def missing_ranks(self) -> List[int]:
         """Ranks any wait so far gave up on (sticky; read without a synchronisation)."""
         return self.status.read().missing_ranks
+
+    def abort_seen(self) -> bool:
+        """Whether the last finished wait saw a peer's abort record (read without a synchronisation: the
+        wait kernel copies word 0 of every record into the mapped status record)."""
+        return bool(self.status.read().aborted_ranks)
 
     def close(self, collective: bool) -> None:
         """Free the heap: collectively, or (after a timeout) locally only."""
