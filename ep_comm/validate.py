@@ -195,7 +195,7 @@ def is_floating(dtype: Any) -> bool:
 def check_handle(handle: Any, geo: Geometry) -> None:
     """A handle must come from a dispatch of a Buffer of this geometry (ranks, experts, hidden, top-k, capacity,
     dtype: the geometry it recorded), with arrays of that geometry's shapes."""
-    differ = handle.geometry.differences(geo)
+    differ = handle.geometry.differences(geo) if handle.geometry is not geo else []
     if differ:
         raise ValueError(f"handle comes from a dispatch of a Buffer with {', '.join(differ)}: a handle replays "
                          "and combines only on a Buffer of the geometry it was made with")
