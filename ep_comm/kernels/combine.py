@@ -179,6 +179,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
 
 BF16_PER_WORD = 4  # bfloat16 elements in one 64-bit word
 BF16_PER_LANE = 8  # elements a lane sums per pass: one 16-byte access (two words)
+BF16_PASSES = 2  # passes per loop trip: their loads are issued before any of their adds
 BF16_SHIFTS = (np.uint64(0), np.uint64(16), np.uint64(32), np.uint64(48))
 BF16_MASK = np.uint64(0xFFFF)
 
@@ -206,7 +207,10 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     ``rows_by_parity [2, R, max_tokens, W]`` and ``out [T, W]`` are uint64 words of 4 bfloat16 each, W
     even, rows 16-byte aligned. Each lane sums 8 elements per pass (two words), in the same float32
     order as the general kernel (``0 + partial of each reached rank, ascending``): bit for bit the same.
-    Rows are cut into pieces of ``span`` words (a multiple of 64), one warp per (token, piece).
+    Rows are cut into pieces of ``span`` words (a multiple of 64), one warp per (token, piece). A loop
+    trip covers two passes (words ``w`` and ``w + 64``), both loads of a term before its adds: a lane
+    keeps two 16-byte loads in flight where one pass would wait for each (measured on the H200: 100 ->
+    77 us at 4096 tokens, 11.5 -> 9.1 us at 128).
     """
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
@@ -215,17 +219,27 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     src_base = my_rank * rows.shape[1]
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
-    acc = cuda.local.array(BF16_PER_LANE, float32)
+    acc = cuda.local.array(BF16_PASSES * BF16_PER_LANE, float32)
+    second = BF16_PER_LANE  # where the second pass's accumulators start
     warp, num_warps = global_warp()
     for item in range(warp, num_tokens * pieces, num_warps):
         token, begin, end = row_piece(item, pieces, span, words)
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
-        for w in range(begin + 2 * lane_id(), end, 2 * WARP):
-            for u in range(BF16_PER_LANE):
+        for w in range(begin + 2 * lane_id(), end, BF16_PASSES * 2 * WARP):
+            w2 = w + 2 * WARP
+            for u in range(BF16_PASSES * BF16_PER_LANE):
                 acc[u] = np.float32(0.0)
             for j in range(reached):
-                low, high = load_pair(rows[order[j], order[num_topk + j]], w)
+                row = rows[order[j], order[num_topk + j]]
+                low, high = load_pair(row, w)
+                low2, high2 = np.uint64(0), np.uint64(0)
+                if w2 < end:
+                    low2, high2 = load_pair(row, w2)
                 add_bf16_word(acc, 0, low)
                 add_bf16_word(acc, BF16_PER_WORD, high)
+                add_bf16_word(acc, second, low2)
+                add_bf16_word(acc, second + BF16_PER_WORD, high2)
             store_pair(out[token], w, bf16_word(acc, 0), bf16_word(acc, BF16_PER_WORD))
+            if w2 < end:
+                store_pair(out[token], w2, bf16_word(acc, second), bf16_word(acc, second + BF16_PER_WORD))
         cuda.syncwarp(FULL_MASK)

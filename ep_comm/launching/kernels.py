@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
-from ep_comm.kernels.combine import (SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
+from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
@@ -349,7 +349,7 @@ class Kernels:
         shared = 4 * self.warps_per_block * 2 * self.num_topk
         out_words = payload_words(out) if out_bf16 and not terms else None
         if out_words is not None and wide_rows(out_words, rows):  # the common case, 16 bytes per access
-            span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], 2 * WARP)
+            span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
             self._launch(combine_reduce_bf16_kernel, shared, blocks)(
                 rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words, span)
             return
