@@ -15,7 +15,7 @@ from numba import cuda, int32
 
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
-from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
+from ep_comm.kernels.ticket import block_totals
 from ep_comm.kernels.units import lane_entry, unit_range
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, is_group_leader, lane_id, warp_scan
 
@@ -86,10 +86,8 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
         cuda.syncwarp(FULL_MASK)
     cuda.syncthreads()
 
-    flush_counters(hist, counters)
-    if not last_block_to_arrive(ticket):
+    if not block_totals(hist, counters, ticket):
         return
-    drain_counters(counters, hist)
     for i in range(cuda.threadIdx.x, num_experts, cuda.blockDim.x):
         tokens_per_expert[i] = hist[i]
     for i in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):

@@ -17,7 +17,7 @@ from numba import cuda, int32
 
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.ticket import drain_counters, flush_counters, last_block_to_arrive
+from ep_comm.kernels.ticket import block_totals
 from ep_comm.kernels.units import lane_entry, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
 
@@ -113,10 +113,8 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, expa
     count_local_experts(meta, psum, num_units, hist, stable, unit_counts)
     cuda.syncthreads()
 
-    flush_counters(hist, counters)
-    if not last_block_to_arrive(ticket):
+    if not block_totals(hist, counters, ticket):
         return
-    drain_counters(counters, hist)
     for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
         unaligned[e] = hist[e]
         aligned[e] = align_up(hist[e], alignment)

@@ -3,7 +3,8 @@
 Every block adds ``(1 << 32) | count`` to each global counter (high word: blocks arrived, low
 word: the count), fences, and takes a ticket. The block that draws the last ticket does the
 grid-wide epilogue and leaves counters and ticket at zero for the next launch. No block ever
-waits for another, so this also runs in the simulator, which runs one block at a time.
+waits for another, so this also runs in the simulator, which runs one block at a time. A grid of
+one block (decode sizes) skips all of it: its histogram is already the total (:func:`block_totals`).
 """
 from __future__ import annotations
 
@@ -47,3 +48,20 @@ def drain_counters(counters, out):
         out[i] = np.int32(cuda.atomic.exch(counters, i, np.int64(0)) & LOW_WORD)
     cuda.threadfence()
     cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def block_totals(hist, counters, ticket):
+    """Leave the grid-wide totals of every block's int32 histogram ``hist[n]`` (shared) in the ``hist`` of
+    one block, and return True in every thread of that block (False elsewhere): the last block to
+    arrive (flush, ticket, drain), or with a grid of one block that block at once, without a global
+    round trip (``counters`` and ``ticket`` stay untouched at zero). Call it from all threads of the block.
+    """
+    if cuda.gridDim.x == 1:
+        cuda.syncthreads()  # the block's global writes are visible to all of its threads after it
+        return True
+    flush_counters(hist, counters)
+    if not last_block_to_arrive(ticket):
+        return False
+    drain_counters(counters, hist)
+    return True
