@@ -1,14 +1,19 @@
 """Receive kernels: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
 
-Three kernels. ``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts
-into ``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms,
-ticketed last block as in ``count.py``) and lays out the expand placement: aligned expert starts,
-the DeepEP V2 expert psum and, in stable mode, per-unit cursors. ``receive_place_kernel`` gives
-every row its place, grouped by source rank (compact) or expert-major (expand), and writes ids,
-weights and metadata, marking padding and unused tail entries. ``receive_rows_kernel`` then moves
-the payload rows with every warp of the grid: the placement walks few, long units (its stable
-order costs a scan over units per expert), the copy needs many warps in flight. Compact rows are
-cut into units as in ``units.py``; row ``i`` comes from source ``s`` and slot ``i - psum[s-1]``.
+``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts into
+``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms, ticketed
+last block as in ``count.py``) and lays out the expand placement: aligned expert starts, the DeepEP
+V2 expert psum and, in stable mode, per-unit cursors.
+
+Compact mode needs no placement: row ``i`` comes from source ``s`` and slot ``i - psum[s-1]``, so
+``receive_compact_kernel`` does the whole receive in one launch, with every warp of the grid on a
+piece of a row (ids, weights and metadata with the row's first piece), then marks the unused tail.
+
+Expand mode takes two launches. ``receive_place_kernel`` gives every (row, local expert) entry its
+expert-major row and writes ids, weights and metadata, marking padding and unused tail entries;
+``receive_rows_kernel`` then moves the payload rows with every warp of the grid: the placement
+walks few, long units (its stable order costs a scan over units per expert), the copy needs many
+warps in flight. Placement units are cut as in ``units.py``; copies by pieces of rows.
 """
 from __future__ import annotations
 
@@ -155,37 +160,60 @@ def num_expanded_rows(expert_psum, alignment):
 
 
 @cuda.jit(device=True)
-def mark_unused_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum, alignment,
-                        expand):
-    """-1 ids and metadata, zero weights on padding and tail rows (one thread per entry).
-
-    Compact tail: rows past ``num_rows``. Expand (ids and weights ``[M, 1]``): rows between an
-    expert's end ``psum[e]`` and its aligned end, and rows past the last aligned end.
-    """
+def grid_thread():
+    """Index of the calling thread in the grid and the number of threads in the grid (1-D)."""
     warp, num_warps = global_warp()
-    thread = warp * WARP + lane_id()
-    threads = num_warps * WARP
+    return warp * WARP + lane_id(), num_warps * WARP
+
+
+@cuda.jit(device=True)
+def mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, first_unused):
+    """-1 metadata on rows from ``num_rows`` on, -1 ids and zero weights on rows from ``first_unused`` on
+    (one thread of the grid per entry)."""
+    thread, threads = grid_thread()
     meta_width = recv_src_metadata.shape[1]
     for j in range(thread, (recv_src_metadata.shape[0] - num_rows) * meta_width, threads):
         recv_src_metadata[num_rows + j // meta_width, j % meta_width] = -1
-    first_unused = num_expanded_rows(expert_psum, alignment) if expand else num_rows
     width = recv_topk_idx.shape[1]
     for j in range(thread, (recv_topk_idx.shape[0] - first_unused) * width, threads):
         recv_topk_idx[first_unused + j // width, j % width] = -1
         recv_weight_bits[first_unused + j // width, j % width] = 0
-    if expand and alignment > 1:
-        for j in range(thread, expert_psum.shape[0] * (alignment - 1), threads):
-            end = expert_psum[j // (alignment - 1)]
-            row = end + j % (alignment - 1)
-            if row < align_up(end, alignment):
-                recv_topk_idx[row, 0] = -1
-                recv_weight_bits[row, 0] = 0
+
+
+@cuda.jit(device=True)
+def mark_padding(recv_topk_idx, recv_weight_bits, expert_psum, alignment):
+    """-1 ids, zero weights on the expand padding (ids and weights ``[M, 1]``): rows between each expert's
+    end ``expert_psum[e]`` and its aligned end (one thread of the grid per row; ``alignment > 1``)."""
+    thread, threads = grid_thread()
+    for j in range(thread, expert_psum.shape[0] * (alignment - 1), threads):
+        end = expert_psum[j // (alignment - 1)]
+        row = end + j % (alignment - 1)
+        if row < align_up(end, alignment):
+            recv_topk_idx[row, 0] = -1
+            recv_weight_bits[row, 0] = 0
+
+
+@cuda.jit(device=True)
+def entry_weight_bits(meta, src, slot, k, expert):
+    """Bits of the float32 weight of entry ``k`` of source ``src``'s row ``slot``, 0 where its local
+    ``expert`` is -1 (none)."""
+    num_topk = (meta.shape[2] - 1) // 2
+    return meta[src, slot, 1 + num_topk + k] if expert >= 0 else 0
+
+
+@cuda.jit(device=True)
+def write_row_origin(recv_src_metadata, row, src, slot, token, max_tokens):
+    """Columns 0 and 1 of a received row's metadata: ``src * max_tokens`` plus its ``token`` at the
+    source, and plus its ``slot`` in the buffer."""
+    recv_src_metadata[row, 0] = src * max_tokens + token
+    recv_src_metadata[row, 1] = src * max_tokens + slot
 
 
 @kernel
-def receive_place_kernel(rank_psum, meta_by_parity, step, expand, mode, rows_per_unit, max_units, expert_cursor,
+def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, max_units, expert_cursor,
                          unit_cursor, expert_psum, alignment, recv_topk_idx, recv_weight_bits, recv_src_metadata):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`: everything but the payload rows.
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, expand mode: everything but the payload
+    rows (ids and weight bits ``[M_out, 1]``).
 
     Rows are cut into ``units_for(N, rows_per_unit, max_units)`` units: the cut of
     :func:`receive_count_kernel` in stable mode, any other cut else.
@@ -203,31 +231,26 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, expand, mode, rows_per
         begin, end = unit_range(unit, num_units, num_rows)
         for r0 in range(begin, end, group):
             row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, lane)
-            weight_bits = meta[src, slot, 1 + num_topk + k] if expert >= 0 else 0
+            weight_bits = entry_weight_bits(meta, src, slot, k, expert)
             if active and k == 0:
-                recv_src_metadata[row, 0] = src * max_tokens + meta[src, slot, 0]
-                recv_src_metadata[row, 1] = src * max_tokens + slot
-            if expand:
-                dst = place_expanded(mode, recv_src_metadata, expert_cursor, unit_cursor[unit], row, k, active,
-                                     expert, lane)
-                if active:
-                    recv_src_metadata[row, 2 + k] = dst
-                if dst >= 0:
-                    recv_topk_idx[dst, 0] = expert
-                    recv_weight_bits[dst, 0] = weight_bits
-            elif active:
-                recv_topk_idx[row, k] = expert
-                recv_weight_bits[row, k] = weight_bits
-                recv_src_metadata[row, 2 + k] = -1
-    mark_unused_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, expert_psum, alignment,
-                        expand)
+                write_row_origin(recv_src_metadata, row, src, slot, meta[src, slot, 0], max_tokens)
+            dst = place_expanded(mode, recv_src_metadata, expert_cursor, unit_cursor[unit], row, k, active, expert,
+                                 lane)
+            if active:
+                recv_src_metadata[row, 2 + k] = dst
+            if dst >= 0:
+                recv_topk_idx[dst, 0] = expert
+                recv_weight_bits[dst, 0] = weight_bits
+    mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, num_expanded_rows(expert_psum, alignment))
+    if alignment > 1:
+        mark_padding(recv_topk_idx, recv_weight_bits, expert_psum, alignment)
 
 
 @kernel
-def receive_rows_kernel(rank_psum, rows_by_parity, step, expand, zero_padding, expert_psum, alignment,
-                        recv_src_metadata, recv_x, wide, span):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`: the payload rows, one warp per piece of
-    ``span`` words (even) of a compact row.
+def receive_rows_kernel(rank_psum, rows_by_parity, step, zero_padding, expert_psum, alignment, recv_src_metadata,
+                        recv_x, wide, span):
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, expand mode: the payload rows, one warp
+    per piece of ``span`` words (even) of a received row, copied to each of its expanded rows.
 
     Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
     move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
@@ -245,16 +268,69 @@ def receive_rows_kernel(rank_psum, rows_by_parity, step, expand, zero_padding, e
         src = recv_src_metadata[row, 1] // max_tokens
         slot = recv_src_metadata[row, 1] - src * max_tokens
         piece = rows[src, slot, begin:end]
-        if not expand:
-            copy_row(recv_x[row, begin:end], piece, end - begin, wide)
-        for k in range(num_topk if expand else 0):
+        for k in range(num_topk):
             dst = recv_src_metadata[row, 2 + k]
             if dst >= 0:
                 copy_row(recv_x[dst, begin:end], piece, end - begin, wide)
-    if expand and zero_padding and alignment > 1:
+    if zero_padding and alignment > 1:
         for job in range(warp, expert_psum.shape[0] * (alignment - 1), num_warps):
             end = expert_psum[job // (alignment - 1)]
             row = end + job % (alignment - 1)
             if row < align_up(end, alignment):
                 for w in range(lane, words, WARP):
                     recv_x[row, w] = 0
+
+
+@cuda.jit(device=True)
+def load_row_entries(meta, src, slot, lane, first):
+    """What ``lane`` writes for source ``src``'s row ``slot`` on the row's ``first`` piece: the local expert
+    (-1: none) and weight bits of entry ``lane`` (lanes below K), and the row's token at the source (lane 0);
+    ``(-1, 0, 0)`` where there is nothing to write."""
+    num_topk = (meta.shape[2] - 1) // 2
+    expert = meta[src, slot, 1 + lane] if first and lane < num_topk else np.int32(-1)
+    token = meta[src, slot, 0] if first and lane == 0 else np.int32(0)
+    return expert, entry_weight_bits(meta, src, slot, lane, expert), token
+
+
+@cuda.jit(device=True)
+def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, src, slot, max_tokens, lane, loaded):
+    """Write compact row ``row``'s ids, weight bits and metadata from what :func:`load_row_entries` loaded
+    (all lanes of a warp, on the row's first piece)."""
+    expert, weight_bits, token = loaded
+    if lane < recv_topk_idx.shape[1]:
+        recv_topk_idx[row, lane] = expert
+        recv_weight_bits[row, lane] = weight_bits
+        recv_src_metadata[row, 2 + lane] = -1
+    if lane == 0:
+        write_row_origin(recv_src_metadata, row, src, slot, token, max_tokens)
+
+
+@kernel
+def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
+                           recv_src_metadata, recv_x, wide, span):
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, compact mode: the whole receive in one
+    launch, one warp per piece of ``span`` words (even) of a row (ids and weight bits ``[N_out, K]``).
+
+    Row ``i`` is slot ``i - psum[s-1]`` of source ``s`` (:func:`~ep_comm.kernels.units.source_of_row`),
+    so nothing needs placing: a row's first piece also writes its ids, weights and metadata, loaded
+    before the piece's copy so that those loads overlap the payload's. Then the grid marks the tail
+    past ``N``. ``wide``: rows move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
+    """
+    rows = rows_by_parity[step_parity(step, 0)]
+    meta = meta_by_parity[step_parity(step, 0)]
+    max_tokens = meta.shape[1]
+    num_rows = rank_psum[rank_psum.shape[0] - 1]
+    words = recv_x.shape[1]
+    pieces = (words + span - 1) // span
+    lane = lane_id()
+    warp, num_warps = global_warp()
+    for item in range(warp, num_rows * pieces, num_warps):
+        row, begin, end = row_piece(item, pieces, span, words)
+        src, slot = source_of_row(rank_psum, row)
+        first = begin == 0
+        loaded = load_row_entries(meta, src, slot, lane, first)
+        copy_row(recv_x[row, begin:end], rows[src, slot, begin:end], end - begin, wide)
+        if first:
+            store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, src, slot, max_tokens, lane,
+                              loaded)
+    mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, num_rows)

@@ -36,8 +36,8 @@ from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_count_kernel,
-                                     receive_place_kernel, receive_rows_kernel)
+from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
+                                     receive_count_kernel, receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
@@ -115,10 +115,10 @@ class Kernels:
     stable expand placement scans its per-unit counts once per local expert; the receive count
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
     whose last block does those scans (one column per warp at a time). The row-streaming
-    kernels (receive rows, combine) need no unit cut and run on ``stream_blocks`` blocks (default:
-    ``4 * num_blocks``), enough warps per SM to keep HBM and NVLink busy; they cut rows into pieces
-    when rows are few, about ``split_warps`` pieces in all (default: ``2 * num_blocks * warps_per_block``),
-    one warp per piece. ``stream`` is a Numba
+    kernels (compact receive, expand receive rows, combine) need no unit cut and run on
+    ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
+    NVLink busy; they cut rows into pieces when rows are few, about ``split_warps`` pieces in all
+    (default: ``2 * num_blocks * warps_per_block``), one warp per piece. ``stream`` is a Numba
     stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.launching.bound`);
     ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
     """
@@ -290,23 +290,27 @@ class Kernels:
         well with ``mode=PLACE_CACHED``: cols 2.. are the recorded expanded rows). ``rank_psum`` and
         ``expert_psum`` come from :meth:`receive_count` or, cached, from the handle. Rows past
         ``N``/``M`` get -1 ids and metadata (``cpu_sync=False`` outputs).
+
+        Compact mode is one launch (``mode`` is ignored: rows keep their arrival order); expand mode
+        places the entries first, then a second launch copies the rows. Both copy rows by pieces
+        (:meth:`_row_pieces` over ``N_out`` rows).
         """
-        if not expand:
-            mode = PLACE_ATOMIC  # compact rows keep their arrival order: nothing to place
-        width = recv_topk_idx.shape[1] if recv_topk_idx.ndim == 2 else 1
-        rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
-        max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
-        place_units = units_for(max_rows, rows_per_unit, self.recv_units)
-        self._launch(receive_place_kernel, blocks=self._blocks_for(place_units, self.num_blocks))(
-            rank_psum, meta, step, expand, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor,
-            expert_psum, alignment, recv_topk_idx.reshape(-1, width),
-            recv_topk_weights.view(np.int32).reshape(-1, width), recv_src_metadata)
         recv_words = payload_words(recv_x)
         wide = wide_rows(recv_words, rows)
+        max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
         span, blocks = self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
+        weight_bits = recv_topk_weights.view(np.int32)
+        if not expand:
+            self._launch(receive_compact_kernel, blocks=blocks)(
+                rank_psum, rows, meta, step, recv_topk_idx, weight_bits, recv_src_metadata, recv_words, wide, span)
+            return
+        rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
+        place_units = units_for(max_rows, rows_per_unit, self.recv_units)
+        self._launch(receive_place_kernel, blocks=self._blocks_for(place_units, self.num_blocks))(
+            rank_psum, meta, step, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor,
+            expert_psum, alignment, recv_topk_idx.reshape(-1, 1), weight_bits.reshape(-1, 1), recv_src_metadata)
         self._launch(receive_rows_kernel, blocks=blocks)(
-            rank_psum, rows, step, expand, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide,
-            span)
+            rank_psum, rows, step, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide, span)
 
     def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None,

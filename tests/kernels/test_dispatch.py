@@ -203,3 +203,39 @@ def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden):
         again = world.receive(d, 1, expand=False, alignment=1, zero_padding=False, deterministic=False,
                               cached=first[d])
         check_compact(world, d, again, world.expected_compact(d, sent))
+
+
+@pytest.mark.parametrize("dtype, hidden, tokens, split_warps, wide, cut", [
+    ("float32", 20, (10, 13, 0), 0, True, False),  # 10 64-bit words: wide, whole rows
+    ("bfloat16", 20, (10, 13, 0), 0, False, False),  # 5 64-bit words: odd, so narrow
+    ("float16", 11, (10, 13, 0), 0, False, False),  # 11 16-bit words
+    ("bfloat16", 2600, (5, 3, 1), 1024, True, True),  # 650 wide words: a piece of 512 and one of 138
+    ("float16", 2601, (5, 3, 1), 1024, False, True),  # 2601 16-bit words: pieces of 256, the last of 41
+    ("float32", 20, (0, 0, 0), 0, True, False),  # N = 0
+], ids=["f32-wide", "bf16-narrow", "f16-narrow", "bf16-wide-pieces", "f16-narrow-pieces", "nothing"])
+@pytest.mark.parametrize("worst_case", [False, True], ids=["exact", "worst-case"])
+def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, split_warps, wide, cut, worst_case):
+    """A compact receive is one launch of ``receive_compact_kernel`` (rows whole or in pieces, wide or
+    narrow): payload, ids, weight bits and metadata bit for bit the reference, and with worst-case
+    outputs (``cpu_sync=False``) the tail past N marked -1 with zero weight bits."""
+    from ep_comm.kernels.receive import receive_compact_kernel, receive_count_kernel
+
+    world = make_world(xp, seed=21, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
+    world.kernels.split_warps = split_warps or world.kernels.split_warps
+    sent = world.send(1, deterministic=True)
+    launches = []
+    launched = spy_launches(monkeypatch, launches)
+    for d in range(world.num_ranks):
+        got = world.receive(d, 1, expand=False, alignment=1, zero_padding=False, deterministic=True,
+                            worst_case=worst_case)
+        want = world.expected_compact(d, sent)
+        check_compact(world, d, got, want)
+        n = len(want["x"])
+        assert (len(got.recv_x) > n) == worst_case
+        assert not got.recv_topk_weights[n:].view(np.uint32).any()
+    assert set(launched) == {receive_count_kernel, receive_compact_kernel}
+    copies = [args for kernel, args in launches if kernel is receive_compact_kernel]
+    assert len(copies) == world.num_ranks
+    for args in copies:
+        recv_words, is_wide, span = args[-3:]
+        assert is_wide == wide and (span < recv_words.shape[1]) == cut

@@ -43,14 +43,22 @@ def random_payload(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> n
     return gen.random_payload(rng, shape, dtype, NEGATIVE_ZERO_RATE)
 
 
-def spy_launches(monkeypatch) -> list:
-    """The kernels every ``Kernels`` launches from now on (within the test), in launch order."""
+def spy_launches(monkeypatch, arguments: Optional[list] = None) -> list:
+    """The kernels every ``Kernels`` launches from now on (within the test), in launch order; with
+    ``arguments``, each launch's ``(kernel, args)`` is appended to it as well."""
     launched = []
     launch = Kernels._launch
 
     def spy(self, kernel, *args, **kwargs):
         launched.append(kernel)
-        return launch(self, kernel, *args, **kwargs)
+        launcher = launch(self, kernel, *args, **kwargs)
+        if arguments is None:
+            return launcher
+
+        def recorded(*kernel_args):
+            arguments.append((kernel, kernel_args))
+            return launcher(*kernel_args)
+        return recorded
 
     monkeypatch.setattr(Kernels, "_launch", spy)
     return launched
