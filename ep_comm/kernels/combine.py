@@ -180,6 +180,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
 BF16_PER_WORD = 4  # bfloat16 elements in one 64-bit word
 BF16_PER_LANE = 8  # elements a lane sums per pass: one 16-byte access (two words)
 BF16_PASSES = 2  # passes per loop trip: their loads are issued before any of their adds
+BF16_ACC = BF16_PASSES * BF16_PER_LANE  # float32 accumulators of a lane (a compile-time constant for Numba)
 BF16_SHIFTS = (np.uint64(0), np.uint64(16), np.uint64(32), np.uint64(48))
 BF16_MASK = np.uint64(0xFFFF)
 
@@ -219,7 +220,7 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     src_base = my_rank * rows.shape[1]
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
-    acc = cuda.local.array(BF16_PASSES * BF16_PER_LANE, float32)
+    acc = cuda.local.array(BF16_ACC, float32)
     second = BF16_PER_LANE  # where the second pass's accumulators start
     warp, num_warps = global_warp()
     for item in range(warp, num_tokens * pieces, num_warps):
@@ -227,7 +228,7 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
         for w in range(begin + 2 * lane_id(), end, BF16_PASSES * 2 * WARP):
             w2 = w + 2 * WARP
-            for u in range(BF16_PASSES * BF16_PER_LANE):
+            for u in range(BF16_ACC):
                 acc[u] = np.float32(0.0)
             for j in range(reached):
                 row = rows[order[j], order[num_topk + j]]
