@@ -23,6 +23,7 @@ comes through :mod:`ep_comm.numba_internals`.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -102,12 +103,18 @@ def _role(t: type) -> str:
     return role
 
 
+@functools.lru_cache(maxsize=4096)
+def _c_strides_of(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
+    """:func:`c_strides`, remembered: a launch flattens the same few shapes again and again."""
+    return c_strides(shape, itemsize)
+
+
 def array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
     """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
     if _role(type(a)) == "cupy":
         shape = a.shape
         # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
-        strides = c_strides(shape, a.itemsize) if a.flags.c_contiguous else a.strides
+        strides = _c_strides_of(shape, a.itemsize) if a.flags.c_contiguous else a.strides
         return a.data.ptr, shape, strides, a.itemsize
     return _described(a)[0]
 
@@ -133,11 +140,6 @@ def _expected_layout(kind: Tuple[Any, ...]) -> str:
 
 
 def _flatten_array(a: Any, out: List[Any]) -> None:
-    if _role(type(a)) == "cupy":  # the hot path: CuPy's own strides address the same bytes as Numba's
-        out += (0, 0, a.size, a.itemsize, a.data.ptr)
-        out += a.shape
-        out += a.strides
-        return
     ptr, shape, strides, itemsize = array_fields(a)
     size = 1
     for extent in shape:
