@@ -39,8 +39,10 @@ __all__ = ["BoundLaunch", "arg_kind", "array_fields", "flattener", "c_strides"]
 Flatten = Callable[[Any, List[Any]], None]
 
 
+@functools.lru_cache(maxsize=4096)
 def c_strides(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
-    """Byte strides of a C-contiguous array of ``shape``."""
+    """Byte strides of a C-contiguous array of ``shape`` (a tuple), remembered: launches flatten the same
+    few shapes again and again."""
     strides, step = [], itemsize
     for extent in reversed(shape):
         strides.append(step)
@@ -103,18 +105,12 @@ def _role(t: type) -> str:
     return role
 
 
-@functools.lru_cache(maxsize=4096)
-def _c_strides_of(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
-    """:func:`c_strides`, remembered: a launch flattens the same few shapes again and again."""
-    return c_strides(shape, itemsize)
-
-
 def array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
     """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
     if _role(type(a)) == "cupy":
         shape = a.shape
         # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
-        strides = _c_strides_of(shape, a.itemsize) if a.flags.c_contiguous else a.strides
+        strides = c_strides(shape, a.itemsize) if a.flags.c_contiguous else a.strides
         return a.data.ptr, shape, strides, a.itemsize
     return _described(a)[0]
 
