@@ -72,6 +72,18 @@ def test_summarize_counts_bytes_imbalance_and_ratios():
     assert csv_row(point)["nccl_dedup_over_ep_comm"] == pytest.approx(2.0)
 
 
+def test_summarize_puts_each_graph_replay_over_the_same_run_device_copy():
+    samples = [_sample(r, 8, 8) for r in range(2)]
+    for s, slow in zip(samples, (1, 2)):
+        s.times["device_copy"] = [1e-6 * slow] * 3
+        s.graph_times = {"dispatch": [3e-6] * 3, "combine": [2e-6 * slow] * 3}
+    point = summarize(samples, row_bytes=100)
+    assert point["latency_us"]["device_copy"]["p50"] == pytest.approx(2.0)  # the slowest rank's
+    assert point["graph_over_device_copy"] == {"dispatch": pytest.approx(1.5), "combine": pytest.approx(2.0)}
+    assert csv_row(point)["graph_combine_over_device_copy"] == pytest.approx(2.0)
+    assert summarize([_sample(0, 8, 8)], row_bytes=100)["graph_over_device_copy"] == {}
+
+
 def test_progress_prints_only_a_final_line_off_a_tty_and_nothing_when_quiet():
     out = io.StringIO()
     progress = Progress(live=False, final=True, stream=out)

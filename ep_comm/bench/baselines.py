@@ -4,6 +4,8 @@
   with a small ``all_to_all_single``, rows with ``all_to_all_single`` and the real splits;
 * ``nccl_megatron``: Megatron-style, one row per (token, expert): a stable argsort of the flattened
   top-k ids, then the same exchange;
+* ``device_copy``: a device-to-device copy of the bytes a dispatch delivers to this rank (its received
+  rows), on this GPU: what moving those bytes costs at HBM speed, the reference of a one-rank run;
 * the NVLink ceiling: a CuPy copy of a large buffer into a peer's symmetric-memory view, all GPUs
   at once (rank ``r`` writes to ``r + 1``). The peer view comes from a ``PeerView`` callable so
   that any transport can supply it; :func:`nvshmem_peer_view` uses nvshmem4py.
@@ -148,3 +150,13 @@ def nvlink_ceiling(comm: MPI.Comm, peer_view: PeerView, timer: Timer, nbytes: in
         times = sample_times(comm, lambda: (timer(lambda: cupy.copyto(dst, src))[1],), warmup, iters)
         comm.Barrier()  # no rank frees its buffer while a peer may still write into it
     return nbytes / float(np.median(times)) / 1e9
+
+
+def device_copy_times(comm: MPI.Comm, nbytes: int, warmup: int, iters: int, timer: Timer) -> List[float]:
+    """Seconds per device-to-device copy of ``nbytes`` bytes on this rank's GPU (``cupy.copyto`` of
+    contiguous ``uint8`` arrays: one ``cudaMemcpyAsync``), every rank at once."""
+    import cupy
+
+    src = cupy.ones(max(int(nbytes), 1), dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    return sample_times(comm, lambda: (timer(lambda: cupy.copyto(dst, src))[1],), warmup, iters)[:, 0].tolist()

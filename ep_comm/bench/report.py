@@ -71,6 +71,7 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         for op in EP_OPS
     }
     dispatch_p50 = latency["dispatch"]["p50"]
+    graph = {op: _stats([s.graph_times[op] for s in samples]) for op in samples[0].graph_times}
     point = {
         "tokens_per_rank": samples[0].num_tokens,
         "num_sms": ALL_SMS if num_sms is None else int(num_sms),
@@ -89,14 +90,23 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
         "first_round_trip_s": max(s.first_round_trip_s for s in samples),
         "host_us": {op: _stats([s.host_times[op] for s in samples]) for op in samples[0].host_times},
-        "graph_us": {op: _stats([s.graph_times[op] for s in samples]) for op in samples[0].graph_times},
+        "graph_us": graph,
         "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
                                   for op in latency if op not in EP_OPS + ("round_trip",)},
+        "graph_over_device_copy": _over_copy(latency, graph),
         "shared_gpu": shared_gpu,
     }
     if shared_gpu:
         point["note"] = sharing.NOTE
     return point
+
+
+def _over_copy(latency: Dict[str, Any], graph: Dict[str, Any]) -> Dict[str, float]:
+    """Each CUDA-graph replay's p50 over the same-run device copy's p50 (empty without either)."""
+    copy = latency.get("device_copy")
+    if copy is None or not copy["p50"]:
+        return {}
+    return {op: stats["p50"] / copy["p50"] for op, stats in graph.items()}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -161,6 +171,10 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in graph.items()))
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")
+    over_copy = point.get("graph_over_device_copy")
+    if over_copy:
+        lines.append("  CUDA graph replay over the same-run device copy of the received bytes: "
+                     + ", ".join(f"{op} {ratio:.2f}x" for op, ratio in over_copy.items()))
     lines += [f"  FAILED {f}" for f in point["failures"]]
     return "\n".join(lines)
 
@@ -230,6 +244,8 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"graph_{op}_p50_us"], row[f"graph_{op}_p99_us"] = lat["p50"], lat["p99"]
     for op, ratio in point["baseline_over_ep_comm"].items():
         row[f"{op}_over_ep_comm"] = ratio
+    for op, ratio in point.get("graph_over_device_copy", {}).items():
+        row[f"graph_{op}_over_device_copy"] = ratio
     row["shared_gpu"], row["note"] = point["shared_gpu"], point.get("note", "")
     return row
 

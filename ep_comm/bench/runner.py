@@ -238,6 +238,8 @@ class _Session:
                                              profiler=self.profiler)
             if self.nccl is not None:
                 sample.times.update(self.nccl(spec, x, routing.topk_idx))
+            if buf.backend == "nvshmem":
+                sample.times["device_copy"] = _device_copy(self.comm, spec, sample.recv_rows * row_bytes, self.timer)
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
             if self.comm.rank == 0:
                 self.points.append(report.summarize(samples, row_bytes, num_sms, buf.num_sms, self.shared_gpu))
@@ -257,6 +259,13 @@ class _Session:
             from .baselines import close_torch_distributed
 
             close_torch_distributed()
+
+
+def _device_copy(comm: MPI.Comm, spec: PointSpec, nbytes: int, timer: Callable) -> List[float]:
+    """The same-run reference of a point: seconds per device copy of the ``nbytes`` it delivers to this rank."""
+    from .baselines import device_copy_times
+
+    return device_copy_times(comm, nbytes, spec.warmup, spec.iters, timer)
 
 
 def _summary_line(point: Dict[str, Any]) -> str:
