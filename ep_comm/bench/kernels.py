@@ -151,6 +151,8 @@ class Bench:
             "count + scatter (stable)": (scatter(SLOT_STABLE), pairs * row_bytes),
             "count + scatter (atomic)": (scatter(SLOT_ATOMIC), pairs * row_bytes),
             "scatter (cached)": (scatter(SLOT_CACHED), pairs * row_bytes),
+            "receive_count (compact)": (lambda: k.receive_count(
+                own.counts, own.meta, self.dispatch_step, alignment=1, expand=False, stable=False), 0),
             "receive_count (expand, stable)": (lambda: k.receive_count(
                 own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True), 0),
             "receive_copy (compact)": (receive_copy(False, PLACE_ATOMIC, compact_out), self.num_rows * row_bytes),
