@@ -228,12 +228,13 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
                                rank_psum, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
 
-    ``rows_by_parity [2, R, max_tokens, W]``, ``y [N, W]`` (read as in :func:`combine_reduce_kernel`) and
-    ``out [T, W]`` are uint64 words of 4 bfloat16 each, W even, rows 16-byte aligned. Each lane sums 8 elements per pass (two words), in the same float32
-    order as the general kernel (``0 + partial of each reached rank, ascending``): bit for bit the same.
-    Rows are cut into pieces of ``span`` words (a multiple of 64), one warp per (token, piece). A loop
-    trip covers two passes (words ``w`` and ``w + 64``), both loads of a term before its adds: a lane
-    keeps two 16-byte loads in flight where one pass would wait for each (measured on the H200: 100 ->
+    ``rows_by_parity [2, R, max_tokens, W]``, ``y [N, W]`` (read as in :func:`combine_reduce_kernel`)
+    and ``out [T, W]`` are uint64 words of 4 bfloat16 each, W even, rows 16-byte aligned. Each lane
+    sums 8 elements per pass (two words), in the same float32 order as the general kernel (``0 +
+    partial of each reached rank, ascending``): bit for bit the same. Rows are cut into pieces of
+    ``span`` words (a multiple of 64), one warp per (token, piece). A loop trip covers two passes
+    (words ``w`` and ``w + 64``), both loads of a term before its adds: a lane keeps two 16-byte
+    loads in flight where one pass would wait for each (measured on the H200: 100 ->
     77 us at 4096 tokens, 11.5 -> 9.1 us at 128).
     """
     rows = rows_by_parity[step_parity(step, 0)]

@@ -356,7 +356,8 @@ class Kernels:
         """
         if (y is None) != (recv_rank_psum is None):
             raise ValueError(f"y is {'None' if y is None else 'given'} but recv_rank_psum is "
-                             f"{'None' if recv_rank_psum is None else 'given'}: compact mode gives both, expand neither")
+                             f"{'None' if recv_rank_psum is None else 'given'}: "
+                             "compact mode gives both, expand neither")
         if out.shape[0] == 0:
             return
         out_raw, out_bf16 = _payload(out)
