@@ -18,7 +18,10 @@ calls (a dispatch of a new routing or of a handle, a combine) can be captured in
 replayed, with peer stores (``capture.py`` says what is refused).
 
 Combine runs ``combine_send`` back into the sources' buffers (plus the weights' return route when
-weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias.
+weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias. In
+compact mode the rows this rank received from itself are not sent: ``combine_reduce`` reads their
+partials straight from ``y`` (with one rank there is no send launch at all); expand mode sends its
+own partials too (``combine_expand_kernel`` computes them).
 
 Everything is enqueued on the caller's current stream (``CupyDevice``), with Numba's
 CUDA-array-interface stream sync off during our launches: every array we pass was made on, or
@@ -387,16 +390,19 @@ class NvshmemBackend:
     def _combine(self, seq: int, request: CombineRequest) -> CombineOutput:
         h = request.handle
         weights = self._contiguous(request.topk_weights)
-        self._combine_send(seq, h, self._contiguous(request.y), weights)
+        y = self._contiguous(request.y)
+        self._combine_send(seq, h, y, weights)
         self._signal_and_wait("combine", seq)
         with self.profile.phase("combine", "reduce"):
-            x, back = self._combine_reduce(h, request.bias_terms, weights is not None)
+            x, back = self._combine_reduce(h, y, request.bias_terms, weights is not None)
         if h.cpu_sync:
             self._sync_and_check("combine")
         return CombineOutput(x, back)
 
     def _combine_send(self, seq: int, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
-        """Every row of ``y`` (and its weight) back to its source's buffer, then the puts, if any."""
+        """The rows of ``y`` back to their sources' buffers (compact: those of other sources only, the reduce
+        reads this rank's own from ``y``), the weights' return route, then the puts, if any (with puts the
+        block of this rank's own compact rows is put too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
         with self.profile.phase("combine", "send"):
             k.combine_send(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
@@ -409,12 +415,14 @@ class NvshmemBackend:
                                            step=t.send_step, ahead=t.send_ahead, max_blocks=k.num_blocks)
             t.flush(k.stream, seq % 2, h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
 
-    def _combine_reduce(self, h: EPHandle, bias_terms: Sequence[Array], with_weights: bool) -> tuple:
-        """``(x [T, H], gathered weights [T, K] float32 or None)`` from the rows every rank sent back."""
+    def _combine_reduce(self, h: EPHandle, y: Array, bias_terms: Sequence[Array], with_weights: bool) -> tuple:
+        """``(x [T, H], gathered weights [T, K] float32 or None)`` from the rows every rank sent back and,
+        in compact mode, this rank's own rows straight from ``y``."""
         xp, geo, t, k = self.xp, self.geo, self.transport, self.kernels
         x = xp.empty((h.num_tokens, geo.hidden), dtype=geo.dtype)
+        own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
         k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
-                         bias=[_bias_term(xp, b) for b in bias_terms])
+                         bias=[_bias_term(xp, b) for b in bias_terms], **own)
         if not with_weights:
             return x, None
         back = xp.empty((h.num_tokens, geo.num_topk), dtype=xp.float32)

@@ -1,10 +1,15 @@
 """Combine: the dispatch routes run backwards, with the float32 order of ``ep_comm/reduce.py``.
 
 Expert side: each compact row goes back to the slot it came from in its source rank's buffer,
-``rows[src][parity, my_rank, slot]`` (a tuple of peer arrays): compact mode copies ``y[i]``;
-expand mode first reduces the row's expanded rows in top-k order (``acc = 0; acc = acc + w * y``,
-each operation rounded, no FMA) and rounds once to the payload type. Source side: each token
-sums ``0 + bias terms + the partial of every reached rank, ascending``, rounded once.
+``rows[src][parity, my_rank, slot]`` (a tuple of peer arrays): compact mode copies ``y[i]``, except
+the rows whose source is this rank (the source side reads those from ``y`` itself); expand mode
+first reduces the row's expanded rows in top-k order (``acc = 0; acc = acc + w * y``, each
+operation rounded, no FMA) and rounds once to the payload type, its own rows included. Source
+side: each token sums ``0 + bias terms + the partial of every reached rank, ascending``, rounded
+once; the partial of a reached rank ``r`` is row ``slot`` of ``rows[r]`` in this rank's buffer, or,
+in compact mode for ``r == my_rank``, row ``psum[my_rank - 1] + slot`` of ``y`` (compact rows are
+grouped by source ascending, slot order inside a source; ``psum`` the inclusive prefix sum of the
+rows received per source).
 """
 from __future__ import annotations
 
@@ -57,17 +62,27 @@ def return_address(recv_src_metadata, row, max_tokens):
     return src, recv_src_metadata[row, 1] - src * max_tokens
 
 
+@cuda.jit(device=True)
+def own_rows(rank_psum, my_rank):
+    """``(first, count)``: the compact rows this rank received from itself (``rank_psum`` inclusive)."""
+    first = rank_psum[my_rank - 1] if my_rank > 0 else 0
+    return first, rank_psum[my_rank] - first
+
+
 @kernel
 def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
     """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact): one warp per piece of ``span``
-    words (even) of a row."""
+    words (even) of a row; the rows whose source is ``my_rank`` are skipped (not given a warp)."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     words = y_words.shape[1]
     pieces = (words + span - 1) // span
+    own_first, own_count = own_rows(rank_psum, my_rank)
     warp, num_warps = global_warp()
-    for item in range(warp, rank_psum[rank_psum.shape[0] - 1] * pieces, num_warps):
+    for item in range(warp, (rank_psum[rank_psum.shape[0] - 1] - own_count) * pieces, num_warps):
         row, begin, end = row_piece(item, pieces, span, words)
+        if row >= own_first:
+            row += own_count
         src, slot = return_address(recv_src_metadata, row, max_tokens)
         copy_row(rows[src][parity, my_rank, slot][begin:end], y_words[row, begin:end], end - begin, wide)
 
@@ -143,10 +158,14 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
 
 
 @kernel
-def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, bias0,
-                          bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out, out_is_bf16, span):
+def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, y,
+                          own_from_y, rank_psum, bias0, bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out,
+                          out_is_bf16, span):
     """See :func:`ep_comm.launching.kernels.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``.
 
+    With ``own_from_y`` this rank's own partials are rows of ``y``, row ``rank_psum[my_rank - 1] + slot``
+    (``rank_psum`` the inclusive psum of the compact rows per source), else ``y`` and ``rank_psum`` are
+    not read.
     Each token's row is cut into pieces of ``span`` elements (a multiple of ``SPAN * 32``), one warp per
     (token, piece): every element still sums its terms in the same order.
     """
@@ -155,6 +174,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
     hidden = out.shape[1]
     pieces = (hidden + span - 1) // span
     src_base = my_rank * rows.shape[1]
+    own_first = own_rows(rank_psum, my_rank)[0] if own_from_y else -1
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
     acc = cuda.local.array(SPAN, float32)
@@ -172,7 +192,9 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
             if num_bias > 1:
                 add_span(acc, vals, bias1[token], h, bias1_is_bf16, one, False)
             for j in range(reached):
-                add_span(acc, vals, rows[order[j], order[num_topk + j]], h, rows_is_bf16, one, False)
+                rank, slot = order[j], order[num_topk + j]
+                row = y[own_first + slot] if rank == my_rank and own_first >= 0 else rows[rank, slot]
+                add_span(acc, vals, row, h, rows_is_bf16, one, False)
             store_span(out[token], h, acc, out_is_bf16)
         cuda.syncwarp(FULL_MASK)
 
@@ -202,15 +224,17 @@ def bf16_word(acc, first):
 
 
 @kernel
-def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out, span):
+def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, y, own_from_y,
+                               rank_psum, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
 
-    ``rows_by_parity [2, R, max_tokens, W]`` and ``out [T, W]`` are uint64 words of 4 bfloat16 each, W
-    even, rows 16-byte aligned. Each lane sums 8 elements per pass (two words), in the same float32
-    order as the general kernel (``0 + partial of each reached rank, ascending``): bit for bit the same.
-    Rows are cut into pieces of ``span`` words (a multiple of 64), one warp per (token, piece). A loop
-    trip covers two passes (words ``w`` and ``w + 64``), both loads of a term before its adds: a lane
-    keeps two 16-byte loads in flight where one pass would wait for each (measured on the H200: 100 ->
+    ``rows_by_parity [2, R, max_tokens, W]``, ``y [N, W]`` (read as in :func:`combine_reduce_kernel`)
+    and ``out [T, W]`` are uint64 words of 4 bfloat16 each, W even, rows 16-byte aligned. Each lane
+    sums 8 elements per pass (two words), in the same float32 order as the general kernel (``0 +
+    partial of each reached rank, ascending``): bit for bit the same. Rows are cut into pieces of
+    ``span`` words (a multiple of 64), one warp per (token, piece). A loop trip covers two passes
+    (words ``w`` and ``w + 64``), both loads of a term before its adds: a lane keeps two 16-byte
+    loads in flight where one pass would wait for each (measured on the H200: 100 ->
     77 us at 4096 tokens, 11.5 -> 9.1 us at 128).
     """
     rows = rows_by_parity[step_parity(step, 0)]
@@ -218,6 +242,7 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     words = out.shape[1]
     pieces = (words + span - 1) // span
     src_base = my_rank * rows.shape[1]
+    own_first = own_rows(rank_psum, my_rank)[0] if own_from_y else -1
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
     acc = cuda.local.array(BF16_ACC, float32)
@@ -231,7 +256,8 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
             for u in range(BF16_ACC):
                 acc[u] = np.float32(0.0)
             for j in range(reached):
-                row = rows[order[j], order[num_topk + j]]
+                rank, slot = order[j], order[num_topk + j]
+                row = y[own_first + slot] if rank == my_rank and own_first >= 0 else rows[rank, slot]
                 low, high = load_pair(row, w)
                 low2, high2 = np.uint64(0), np.uint64(0)
                 if w2 < end:

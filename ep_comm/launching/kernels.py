@@ -321,10 +321,14 @@ class Kernels:
         ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
         ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
         or the same bytes viewed as ``[2, R, max_tokens, row_bytes // itemsize]`` payload elements
-        (expand, see :func:`~ep_comm.launching.views.payload_rows`). Expand reduces the row's expanded
-        rows in top-k order, weighted by ``weights [M]`` float32 when given.
+        (expand, see :func:`~ep_comm.launching.views.payload_rows`). Compact copies only the rows of
+        other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
+        launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
+        float32 when given, this rank's own rows included.
         """
         if not expand:
+            if self.num_ranks == 1:  # every row is this rank's own: nothing to send (shapes only, as capture needs)
+                return
             y_words = payload_words(y)
             wide = wide_rows(y_words, *rows)
             span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], _copy_step(wide))
@@ -339,26 +343,41 @@ class Kernels:
             my_rank, step, ahead, tuple(payload_rows(v, y.dtype) for v in rows))
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
-                       my_rank: int, bias: Optional[Sequence[Array]] = None) -> None:
+                       my_rank: int, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,
+                       recv_rank_psum: Optional[Array] = None) -> None:
         """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
 
         ``rows``: this rank's ``[2, R, max_tokens, ...]`` rows, read at the parity of ``step`` (words or payload
         view); ``slot_idx``/``topk_idx`` ``[T, K]`` from the dispatch; ``bias``: up to two ``[T, H]``
-        arrays of any payload dtype.
+        arrays of any payload dtype. Compact mode gives ``y [N, H]`` (the combine's input, ``out``'s
+        dtype) and ``recv_rank_psum`` (int32 ``[R]``, the dispatch's inclusive psum of rows per source):
+        this rank's own partials are then read from ``y`` (row ``recv_rank_psum[my_rank - 1] + slot``),
+        as :meth:`combine_send` did not copy them; expand mode gives neither (they are in ``rows``).
         """
+        if (y is None) != (recv_rank_psum is None):
+            raise ValueError(f"y is {'None' if y is None else 'given'} but recv_rank_psum is "
+                             f"{'None' if recv_rank_psum is None else 'given'}: "
+                             "compact mode gives both, expand neither")
         if out.shape[0] == 0:
             return
         out_raw, out_bf16 = _payload(out)
         terms = [_payload(b) for b in (bias or ()) if b is not None]
         shared = 4 * self.warps_per_block * 2 * self.num_topk
-        out_words = payload_words(out) if out_bf16 and not terms else None
-        if out_words is not None and wide_rows(out_words, rows):  # the common case, 16 bytes per access
-            span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
-            self._launch(combine_reduce_bf16_kernel, shared, blocks)(
-                rows, step, slot_idx, topk_idx, self.num_local, my_rank, out_words, span)
-            return
+        # without y (expand) the kernels get a stand-in of y's array type, never read: a block of rows
+        from_y = y is not None
+        psum = recv_rank_psum if from_y else self._rank_cursor
+        if out_bf16 and not terms:  # the common case, 16 bytes per access when every row array allows it
+            out_words = payload_words(out)
+            y_words = payload_words(y) if from_y else rows[0, 0]
+            if wide_rows(out_words, rows, y_words):
+                span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
+                self._launch(combine_reduce_bf16_kernel, shared, blocks)(
+                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, y_words, from_y, psum, out_words, span)
+                return
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
         span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
+        elements = payload_rows(rows, out.dtype)
+        y_elements = _payload(y)[0] if from_y else elements[0, 0]
         self._launch(combine_reduce_kernel, shared, blocks)(
-            payload_rows(rows, out.dtype), step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, *padded[0],
-            *padded[1], len(terms), out_raw, out_bf16, span)
+            elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, y_elements, from_y, psum,
+            *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)

@@ -1,4 +1,8 @@
-"""Combine kernels against ``ep_comm.reduce``: bit for bit, float32/float16/bfloat16, with weights and bias."""
+"""Combine kernels against ``ep_comm.reduce``: bit for bit, float32/float16/bfloat16, with weights and bias.
+
+Compact mode: the rows a rank received from itself are not sent back into its own buffer; the reduce
+reads them from ``y``.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -36,18 +40,35 @@ def expected_combine(world, sent, received, ys, weights, bias_terms, expand: boo
     return out
 
 
-def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic: bool = True):
+def poison_own_regions(world) -> list:
+    """Fill every rank's own region ``rows[PARITY, rank]`` with all-one bits (NaN in every payload dtype);
+    returns a copy of each region as filled."""
+    filled = []
+    for s, view in enumerate(world.views):
+        view.rows[PARITY, s] = np.iinfo(view.rows.dtype).max
+        filled.append(to_host(view.rows[PARITY, s]).copy())
+    return filled
+
+
+def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic: bool = True,
+                poison_own: bool = False):
+    """Dispatch, combine on every rank and compare with the reference bit for bit; with ``poison_own``
+    (compact), every rank's own region is poisoned before the combine and must stay untouched by it."""
     sent, received = run_dispatch(world, deterministic=deterministic, expand=expand, alignment=2, zero_padding=True)
+    poisoned = poison_own_regions(world) if poison_own else None
     rng = np.random.default_rng(7)
     k, xp = world.kernels, world.xp
-    ys, weights = [], []
+    ys, device_ys, weights = [], [], []
     for d in range(world.num_ranks):
         rows = len(received[d].recv_x) if expand else received[d].recv_src_metadata.shape[0]
         ys.append(random_payload(rng, (rows, world.hidden), world.dtype))
+        device_ys.append(world.device_payload(ys[d]))
         weights.append(rng.standard_normal(rows).astype(np.float32) if weighted and expand else None)
-        k.combine_send(world.device_payload(ys[d]), xp.asarray(received[d].recv_src_metadata),
+        k.combine_send(device_ys[d], xp.asarray(received[d].recv_src_metadata),
                        received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, step=world.step(PARITY),
                        expand=expand, weights=world.dev(weights[d]))
+    for s, region in enumerate(poisoned or ()):
+        np.testing.assert_array_equal(to_host(world.views[s].rows[PARITY, s]), region)
     bias_terms = []
     for s in range(world.num_ranks):
         shape = (world.topk[s].shape[0], world.hidden)
@@ -56,9 +77,10 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
     want = expected_combine(world, sent, received, ys, weights, bias_terms, expand)
     for s in range(world.num_ranks):
         out = xp.full((world.topk[s].shape[0], world.hidden), 3, world.device_payload(world.x[s]).dtype)
+        own = {} if expand else dict(y=device_ys[s], recv_rank_psum=received[s].counts.rank_psum)
         k.combine_reduce(world.views[s].rows, world.step(PARITY), xp.asarray(sent[s].slot_idx),
                          world.dev(world.topk[s]), out, my_rank=s,
-                         bias=[world.device_payload(b) for b in bias_terms[s]])
+                         bias=[world.device_payload(b) for b in bias_terms[s]], **own)
         np.testing.assert_array_equal(bits(to_host(out)), bits(want[s]))
 
 
@@ -68,10 +90,28 @@ def test_expand_combine_weighted_with_bias_pair(xp, dtype):
     run_combine(world, expand=True, weighted=True, bias=2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compact_combine(xp, dtype):
-    world = make_world(xp, seed=12, dtype=dtype, hidden=33)
-    run_combine(world, expand=False, weighted=False, bias=1, deterministic=False)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bias", [0, 2])
+def test_compact_combine_reads_own_rows_from_y(xp, monkeypatch, ranks, dtype, bias):
+    """Compact combine at 1-3 ranks is bit for bit the reference while every rank's own region is poisoned
+    and stays so: the own rows are neither copied there nor read from there. With one rank the send
+    launches nothing; with several, one copy per rank."""
+    from ep_comm.kernels.combine import combine_copy_kernel
+
+    world = make_world(xp, seed=20 + ranks, ranks=ranks, experts=12, dtype=dtype, hidden=40, tokens=(7, 9, 4),
+                       masked=0.2, nowhere=1)
+    launched = spy_launches(monkeypatch)
+    run_combine(world, expand=False, weighted=False, bias=bias, deterministic=False, poison_own=True)
+    assert launched.count(combine_copy_kernel) == (0 if ranks == 1 else ranks)
+
+
+def test_compact_reduce_takes_y_and_its_psum_together(xp):
+    world = make_world(xp, seed=12, ranks=2, experts=4, hidden=8, tokens=(3, 2))
+    out = xp.zeros((3, 8), world.device_payload(world.x[0]).dtype)
+    with pytest.raises(ValueError, match="y is given but recv_rank_psum is None"):
+        world.kernels.combine_reduce(world.views[0].rows, world.step(PARITY), xp.zeros((3, 3), np.int32),
+                                     world.dev(world.topk[0]), out, my_rank=0, y=out)
 
 
 @pytest.mark.parametrize("expand", [False, True])
