@@ -122,6 +122,7 @@ class Bench:
         compact_out, expand_out = self.outputs(False), self.outputs(True)
         row_bytes = a.hidden * 2
         pairs = int(to_host(lay.num_tokens_per_rank).sum())
+        own_rows = int(to_host(self.recv.rank_psum)[0])  # the rows rank 0 received from itself
 
         def scatter(mode: int) -> Callable[[], None]:
             def run():
@@ -163,13 +164,15 @@ class Bench:
             "combine_send (compact copy)": (lambda: k.combine_send(
                 y_compact, compact_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
                 expand=False),
-                self.num_rows * row_bytes),
+                (self.num_rows - own_rows) * row_bytes),  # rank 0's own rows stay in y
             "combine_send (expand reduce)": (lambda: k.combine_send(
                 y_expand, expand_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
                 expand=True, weights=weights), self.num_expanded * row_bytes),
-            "combine_reduce": (lambda: k.combine_reduce(own.rows, self.combine_step, lay.slot_idx, self.topk[0], out,
-                                                        my_rank=0),
-                               pairs * row_bytes),
+            "combine_reduce (compact, own rows from y)": (lambda: k.combine_reduce(
+                own.rows, self.combine_step, lay.slot_idx, self.topk[0], out, my_rank=0, y=y_compact,
+                recv_rank_psum=self.recv.rank_psum), pairs * row_bytes),
+            "combine_reduce (expand partials)": (lambda: k.combine_reduce(
+                own.rows, self.combine_step, lay.slot_idx, self.topk[0], out, my_rank=0), pairs * row_bytes),
         }
 
     def with_count(self, copy: Callable[[], None]) -> Callable[[], None]:
