@@ -73,7 +73,8 @@ class _Described:
         return held is not None and held[0] is a
 
     def __call__(self, a: Any) -> Tuple[tuple, tuple]:
-        """``((pointer, shape, byte strides, itemsize), arg kind)`` of ``a``."""
+        """``((pointer, shape, byte strides, itemsize), arg kind)`` of ``a``, which has a
+        ``__cuda_array_interface__``."""
         held = self._held.get(id(a))
         if held is None or held[0] is not a:
             desc = a.__cuda_array_interface__
@@ -114,30 +115,43 @@ def _role(t: type) -> str:
     return role
 
 
-def array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
-    """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
-    if _role(type(a)) == "cupy":
-        shape = a.shape
+ArrayFields = Tuple[int, Tuple[int, ...], Tuple[int, ...], int]
+
+
+def _array(a: Any) -> Optional[Tuple[ArrayFields, Tuple[Any, ...]]]:
+    """``(array fields, arg kind)`` of a CuPy array or any CUDA-array-interface object, each attribute
+    read once (None: ``a`` is neither)."""
+    role = _role(type(a))
+    if role == "cupy":
+        flags, shape, itemsize = a.flags, a.shape, a.itemsize
+        c = flags.c_contiguous
         # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
-        strides = c_strides(shape, a.itemsize) if a.flags.c_contiguous else a.strides
-        return a.data.ptr, shape, strides, a.itemsize
-    return _described(a)[0]
+        strides = c_strides(shape, itemsize) if c else a.strides
+        return (a.data.ptr, shape, strides, itemsize), ("array", a.dtype, len(shape), c, flags.f_contiguous)
+    if role == "other" and (_described.knows(a) or hasattr(a, "__cuda_array_interface__")):
+        return _described(a)
+    return None
+
+
+def array_fields(a: Any) -> ArrayFields:
+    """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
+    described = _array(a)
+    if described is None:
+        raise TypeError(f"array_fields: a of type {type(a).__name__} is neither a CuPy array nor has a "
+                        "__cuda_array_interface__")
+    return described[0]
 
 
 def arg_kind(a: Any) -> Optional[Tuple[Any, ...]]:
     """A hashable key that decides how Numba types ``a`` (None: not a kind this module binds)."""
     role = _role(type(a))
-    if role == "cupy":
-        flags = a.flags
-        return ("array", a.dtype, a.ndim, flags.c_contiguous, flags.f_contiguous)
     if role == "scalar":
         return ("scalar", type(a))
     if role == "tuple":
         items = tuple(arg_kind(item) for item in a)
         return None if any(item is None for item in items) else ("tuple",) + items
-    if not _described.knows(a) and not hasattr(a, "__cuda_array_interface__"):
-        return None
-    return _described(a)[1]
+    described = _array(a)
+    return None if described is None else described[1]
 
 
 def _expected_layout(kind: Tuple[Any, ...]) -> str:
@@ -171,9 +185,10 @@ class _ArraySlot:
         held = self._held
         if held is not None and held() is a:
             return True
-        if arg_kind(a) != self.kind:
+        described = _array(a)
+        if described is None or described[1] != self.kind:
             return False
-        ptr, shape, strides, itemsize = array_fields(a)
+        ptr, shape, strides, itemsize = described[0]
         size = 1
         for extent in shape:
             size *= extent

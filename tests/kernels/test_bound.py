@@ -19,7 +19,7 @@ from numba.core import types
 from numba.cuda.np.numpy_support import strides_from_shape
 
 from ep_comm.launching import bound as bound_module
-from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, c_strides, param_slot
+from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -56,6 +56,8 @@ def test_arg_kind_of_scalars_and_tuples():
     assert arg_kind((a, a)) == ("tuple", arg_kind(a), arg_kind(a))
     assert arg_kind("text") is None
     assert arg_kind((a, None)) is None
+    with pytest.raises(TypeError, match="array_fields: a of type str"):
+        array_fields("text")
 
 
 class FakeCupyArray:
@@ -155,8 +157,8 @@ def test_patching_a_changed_argument_gives_a_fresh_packs_bytes(monkeypatch):
     p, q = FakeCupyArray(0x100, (2,), np.int64), FakeCupyArray(0x300, (9,), np.int64)
     block, _, _ = packed(sig, [x, y, np.int32(3), 0.5, (p, p), True])
     reads = []
-    fields = bound_module.array_fields
-    monkeypatch.setattr(bound_module, "array_fields", lambda a: reads.append(a) or fields(a))
+    describe = bound_module._array  # what an array slot reads of an array it has not taken yet
+    monkeypatch.setattr(bound_module, "_array", lambda a: reads.append(a) or describe(a))
     z = FakeCupyArray(0x9100, (3, 4), np.int32, (32, 4))
     for args, read in (([z, y, np.int32(3), 0.5, (p, q), True], [z, q]),  # two arrays new, the rest the same
                        ([z, y, np.int32(-1), -0.5, (p, q), False], []),  # scalars only
