@@ -344,3 +344,25 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
         run_combine(world, expand=expand, weighted=expand, bias=1)
     assert len(set(map(id, checked))) >= 6
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU: runs the kernels")
+def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
+    """The same small dispatch and combine through Numba's launch only, then pre-bound: both bit-exact against
+    the NumPy reference (``run_combine`` asserts it), and the pre-bound run launches through the driver."""
+    import cupy as cp
+
+    from test_combine import run_combine
+    from test_dispatch import make_world
+
+    raw_launches = []
+    launch = bound_module.cuLaunchKernel
+    monkeypatch.setattr(bound_module, "cuLaunchKernel", lambda *a: raw_launches.append(a[0]) or launch(*a))
+    with monkeypatch.context() as numba_only:
+        numba_only.setattr(BoundLaunch, "_launch_packed", lambda *a: False)
+        for expand in (False, True):
+            run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
+    assert raw_launches == []
+    for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
+        run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
+    assert len(set(map(int, raw_launches))) >= 6
