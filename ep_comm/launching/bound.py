@@ -281,22 +281,20 @@ def param_slot(ty: Any, kind: Tuple[Any, ...]) -> Optional[Slot]:
     return _ScalarSlot(kind[1], ctype, by_value=ty not in (numba_types.float32, numba_types.float64))
 
 
-class ParamBlock:
-    """The parameters of one launch: a slot per argument and ``params``, the ``void*[]`` of every
-    parameter's address that ``cuLaunchKernel`` reads (``address`` is where it lies)."""
+class ParamBlock(_TupleSlot):
+    """The parameters of one launch: the argument tuple's slots (its parameters are its items', as a
+    tuple argument's are) and ``params``, the ``void*[]`` of every parameter's address that
+    ``cuLaunchKernel`` reads (``address`` is where it lies). :meth:`patch` takes a launch's arguments,
+    writing only those that differ from the last ones taken; where one is not of its slot's kind it
+    answers False and the block stays usable (every slot holds what it last took)."""
 
-    __slots__ = ("_args", "params", "address")
+    __slots__ = ("params", "address")
 
     def __init__(self, slots: List[Slot]):
-        self._args = _TupleSlot(slots)  # the argument tuple: its parameters are its items', as a tuple's
-        addresses = self._args.addresses()
+        super().__init__(slots)
+        addresses = self.addresses()
         self.params = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
         self.address = ctypes.addressof(self.params)
-
-    def patch(self, args: tuple) -> bool:
-        """Take ``args`` (a tuple), writing only those that differ from the last ones taken; False where one
-        is not of its slot's kind (the block stays usable: every slot holds what it last took)."""
-        return self._args.patch(args)
 
 
 Config = Tuple[int, int, int]
@@ -396,8 +394,7 @@ class BoundLaunch:
         if chosen is None:
             return None
         plan = _Plan(*chosen, key, getattr(self.dispatcher, "__name__", repr(self.dispatcher)))
-        first = plan.block()
-        return None if first is None else plan
+        return None if plan.block() is None else plan
 
     def _stream(self, stream: Any) -> CUstream:
         """The driver handle of a Numba stream (0: the default stream), kept with its source."""
