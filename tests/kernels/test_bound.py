@@ -1,4 +1,5 @@
-"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, Numba's parameter ABI, plan binding.
+"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, parameter blocks in Numba's ABI, plan binding,
+driver launches.
 
 The first tests need no GPU: fake CUDA arrays, a fake dispatcher and a fake ``cuLaunchKernel`` stand in
 for CuPy, Numba's compiled kernel and the driver; the bytes a parameter block passes are compared with
