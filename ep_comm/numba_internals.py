@@ -9,7 +9,7 @@ rename any of these, and this module is the one place to adapt. Public APIs (``n
 - :func:`interface_sync_disabled`: launches that skip the stream sync Numba does for a
   ``__cuda_array_interface__`` argument naming a stream;
 - :func:`set_source_stamp` / :func:`source_stamp`: the key of a dispatcher's on-disk cache entries;
-- :func:`compiles`, :func:`launchable_overload`, :func:`compiled_function`, :func:`core_stream` and
+- :func:`compiles`, :func:`launchable_overload`, :func:`kernel_handle`, :func:`stream_handle` and
   :data:`numba_types`: what the pre-bound launches (``ep_comm.launching.bound``) take from Numba's
   dispatcher, its driver and its type system.
 """
@@ -23,7 +23,7 @@ from numba.cuda.core import config as _config
 from numba.cuda.cudadrv import driver as _driver
 
 __all__ = ["ENABLE_CUDASIM", "interface_sync_disabled", "set_source_stamp", "source_stamp", "compiles",
-           "launchable_overload", "compiled_function", "core_stream", "numba_types"]
+           "launchable_overload", "kernel_handle", "stream_handle", "numba_types"]
 
 ENABLE_CUDASIM: bool = bool(_config.ENABLE_CUDASIM)
 
@@ -74,11 +74,13 @@ def launchable_overload(dispatcher: Any, numba_args: Any) -> Optional[Tuple[Any,
     return overload, arg_types
 
 
-def compiled_function(overload: Any) -> Any:
-    """The ``cuda.core`` kernel object of a compiled overload, for ``cuda.core.launch``."""
-    return overload._codelibrary.get_cufunc().kernel
+def kernel_handle(overload: Any) -> int:
+    """The driver handle (a ``CUkernel``, which ``cuLaunchKernel`` takes as its ``CUfunction``) of a
+    compiled overload, in the current device's context, as an integer."""
+    return int(overload._codelibrary.get_cufunc().kernel.handle)
 
 
-def core_stream(stream: Any) -> Any:
-    """The ``cuda.core`` stream of a Numba stream (0: the default stream)."""
-    return _driver._to_core_stream(stream)
+def stream_handle(stream: Any) -> int:
+    """The driver handle of a Numba stream as Numba's own launch sees it, as an integer (0: the default
+    stream, ``stream`` 0 included)."""
+    return int(_driver._to_core_stream(stream).handle)

@@ -5,8 +5,13 @@ array on every call: 80-230 us of Python per launch on the H200 machines, far mo
 kernels take at decode sizes. :class:`BoundLaunch` does that work once per *argument kind* (array
 dtype, rank and contiguity; scalar type; tuples of those): the first launch of a kind goes
 through Numba (which compiles it if needed), then the overload Numba chose is looked up and every
-later launch of that kind flattens its arguments straight into the kernel's parameter list (Numba's
-ABI, below) and calls ``cuda.core.launch`` on the compiled function.
+later launch of that kind goes straight to the driver (``cuLaunchKernel``) with a *parameter block*:
+ctypes storage for every kernel parameter in Numba's ABI (below) and the ``void*[]`` array of their
+addresses, kept per launch configuration (grid, block, shared bytes) and filled once. A launch
+rewrites only the arguments that differ from the ones the block last took: an array argument that
+is the same object (a weak reference tells, so no user array is kept alive by it) is skipped, a
+scalar of the same type and value too; any other argument is checked against its kind and written
+in place.
 
 Numba's kernel ABI (``numba.cuda.dispatcher._Kernel._prepare_args``), per argument type:
 
@@ -18,25 +23,29 @@ Numba's kernel ABI (``numba.cuda.dispatcher._Kernel._prepare_args``), per argume
 
 Anything else (records, complex numbers, debug or cooperative kernels, kernels with argument
 extensions) keeps Numba's own launch path. What this takes from Numba's dispatcher, driver and types
-comes through :mod:`ep_comm.numba_internals`.
+comes through :mod:`ep_comm.numba_internals`. An array object's data pointer, shape and strides are
+taken as fixed for its life (true of CuPy arrays and Numba device arrays unless reshaped in place).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-import cuda.core
 import numpy as np
+from cuda.bindings.driver import CUfunction, CUresult, CUstream, cuLaunchKernel
 
-from ep_comm.numba_internals import compiled_function, compiles, core_stream, launchable_overload, numba_types
+from ep_comm.numba_internals import compiles, kernel_handle, launchable_overload, numba_types, stream_handle
 
 from .occupancy import quiet_low_occupancy
 
-__all__ = ["BoundLaunch", "arg_kind", "array_fields", "flattener", "c_strides"]
+__all__ = ["BoundLaunch", "ParamBlock", "arg_kind", "array_fields", "param_slot", "c_strides"]
 
-Flatten = Callable[[Any, List[Any]], None]
+_SUCCESS = CUresult.CUDA_SUCCESS
+_WORD = ctypes.c_int64  # Numba's pointer-sized array fields (64-bit hosts only, as CUDA is)
+_ARRAY_HEAD = 5  # meminfo, parent, nitems, itemsize, data: then shape and strides
 
 
 @functools.lru_cache(maxsize=4096)
@@ -64,7 +73,8 @@ class _Described:
         return held is not None and held[0] is a
 
     def __call__(self, a: Any) -> Tuple[tuple, tuple]:
-        """``((pointer, shape, byte strides, itemsize), arg kind)`` of ``a``."""
+        """``((pointer, shape, byte strides, itemsize), arg kind)`` of ``a``, which has a
+        ``__cuda_array_interface__``."""
         held = self._held.get(id(a))
         if held is None or held[0] is not a:
             desc = a.__cuda_array_interface__
@@ -105,99 +115,215 @@ def _role(t: type) -> str:
     return role
 
 
-def array_fields(a: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...], int]:
-    """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
-    if _role(type(a)) == "cupy":
-        shape = a.shape
+ArrayFields = Tuple[int, Tuple[int, ...], Tuple[int, ...], int]
+
+
+def _array(a: Any) -> Optional[Tuple[ArrayFields, Tuple[Any, ...]]]:
+    """``(array fields, arg kind)`` of a CuPy array or any CUDA-array-interface object, each attribute
+    read once (None: ``a`` is neither)."""
+    role = _role(type(a))
+    if role == "cupy":
+        flags, shape, itemsize = a.flags, a.shape, a.itemsize
+        c = flags.c_contiguous
         # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
-        strides = c_strides(shape, a.itemsize) if a.flags.c_contiguous else a.strides
-        return a.data.ptr, shape, strides, a.itemsize
-    return _described(a)[0]
+        strides = c_strides(shape, itemsize) if c else a.strides
+        return (a.data.ptr, shape, strides, itemsize), ("array", a.dtype, len(shape), c, flags.f_contiguous)
+    if role == "other" and (_described.knows(a) or hasattr(a, "__cuda_array_interface__")):
+        return _described(a)
+    return None
+
+
+def array_fields(a: Any) -> ArrayFields:
+    """``(data pointer, shape, byte strides, itemsize)`` of a CuPy array or any CUDA-array-interface object."""
+    described = _array(a)
+    if described is None:
+        raise TypeError(f"array_fields: a of type {type(a).__name__} is neither a CuPy array nor has a "
+                        "__cuda_array_interface__")
+    return described[0]
 
 
 def arg_kind(a: Any) -> Optional[Tuple[Any, ...]]:
     """A hashable key that decides how Numba types ``a`` (None: not a kind this module binds)."""
     role = _role(type(a))
-    if role == "cupy":
-        flags = a.flags
-        return ("array", a.dtype, a.ndim, flags.c_contiguous, flags.f_contiguous)
     if role == "scalar":
         return ("scalar", type(a))
     if role == "tuple":
         items = tuple(arg_kind(item) for item in a)
         return None if any(item is None for item in items) else ("tuple",) + items
-    if not _described.knows(a) and not hasattr(a, "__cuda_array_interface__"):
-        return None
-    return _described(a)[1]
+    described = _array(a)
+    return None if described is None else described[1]
 
 
 def _expected_layout(kind: Tuple[Any, ...]) -> str:
     return "C" if kind[3] else "F" if kind[4] else "A"
 
 
-def _flatten_array(a: Any, out: List[Any]) -> None:
-    ptr, shape, strides, itemsize = array_fields(a)
-    size = 1
-    for extent in shape:
-        size *= extent
-    out += (0, 0, size, itemsize, ptr)
-    out += shape
-    out += strides
+def _reference(a: Any) -> Optional[weakref.ref]:
+    """A weak reference to ``a`` (None where its type takes none: then it is rewritten every launch)."""
+    try:
+        return weakref.ref(a)
+    except TypeError:
+        return None
 
 
-def _scalar_flattener(ty: Any) -> Optional[Flatten]:
+class _ArraySlot:
+    """The ``5 + 2 * ndim`` pointer-sized parameters of one array argument of kind ``kind``."""
+
+    __slots__ = ("kind", "store", "_held")
+
+    def __init__(self, kind: Tuple[Any, ...]):
+        self.kind = kind
+        self.store = (_WORD * (_ARRAY_HEAD + 2 * kind[2]))()  # meminfo and parent stay 0
+        self._held: Optional[weakref.ref] = None
+
+    def addresses(self) -> List[int]:
+        base = ctypes.addressof(self.store)
+        return [base + i * ctypes.sizeof(_WORD) for i in range(len(self.store))]
+
+    def patch(self, a: Any) -> bool:
+        """Take ``a``; False (nothing written) where it is not an array of this slot's kind."""
+        held = self._held
+        if held is not None and held() is a:
+            return True
+        described = _array(a)
+        if described is None or described[1] != self.kind:
+            return False
+        ptr, shape, strides, itemsize = described[0]
+        size = 1
+        for extent in shape:
+            size *= extent
+        self._held = None  # until the store is whole again
+        self.store[2:] = (size, itemsize, ptr, *shape, *strides)
+        self._held = _reference(a)
+        return True
+
+
+class _ScalarSlot:
+    """One scalar parameter: a C value of the Numba type's width, taken from Python values of type ``kind``."""
+
+    __slots__ = ("kind", "store", "_value", "_by_value")
+
+    def __init__(self, kind: type, ctype: Any, by_value: bool):
+        self.kind = kind
+        self.store = ctype()
+        self._by_value = by_value  # floats are always written: 0.0 == -0.0, nan != nan
+        self._value: Any = None
+
+    def addresses(self) -> List[int]:
+        return [ctypes.addressof(self.store)]
+
+    def patch(self, v: Any) -> bool:
+        """Take ``v``; False (nothing written) where it is not of this slot's type."""
+        if type(v) is not self.kind:
+            return False
+        if not self._by_value:
+            self.store.value = v
+        elif v != self._value:
+            self._value = None
+            self.store.value = v
+            self._value = v
+        return True
+
+
+class _TupleSlot:
+    """The parameters of a tuple argument: its items', in order."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: List["Slot"]):
+        self.items = items
+
+    def addresses(self) -> List[int]:
+        return [address for item in self.items for address in item.addresses()]
+
+    def patch(self, value: Any) -> bool:
+        """Take ``value``; False where it is not a tuple of this slot's kinds (its items up to the first
+        that is not are taken)."""
+        items = self.items
+        if not isinstance(value, tuple) or len(value) != len(items):
+            return False
+        for item, v in zip(items, value):
+            if not item.patch(v):
+                return False
+        return True
+
+
+Slot = Union[_ArraySlot, _ScalarSlot, _TupleSlot]
+
+
+def _scalar_ctype(ty: Any) -> Optional[Any]:
     if ty == numba_types.boolean:
-        return lambda v, out: out.append(bool(v))
+        return ctypes.c_bool
     if isinstance(ty, numba_types.Integer):
-        if ty.bitwidth == 64 and ty.signed:  # cuda.core passes a Python int as a pointer-sized integer
-            return lambda v, out: out.append(int(v))
-        ctype = getattr(ctypes, f"c_{ty}")
-        return lambda v, out: out.append(ctype(int(v)))
+        return getattr(ctypes, f"c_{ty}")
     if ty == numba_types.float64:
-        return lambda v, out: out.append(ctypes.c_double(v))
+        return ctypes.c_double
     if ty == numba_types.float32:
-        return lambda v, out: out.append(ctypes.c_float(v))
+        return ctypes.c_float
     return None
 
 
-def flattener(ty: Any, kind: Tuple[Any, ...]) -> Optional[Flatten]:
-    """How to append a value of Numba type ``ty`` (whose :func:`arg_kind` is ``kind``) to a parameter
-    list in Numba's ABI; None where this module does not bind that type (Numba keeps launching it)."""
+def param_slot(ty: Any, kind: Tuple[Any, ...]) -> Optional[Slot]:
+    """Fresh parameter storage for an argument of Numba type ``ty`` whose :func:`arg_kind` is ``kind``, in
+    Numba's ABI; None where this module does not bind that type (Numba keeps launching it)."""
     if isinstance(ty, numba_types.Array):
         if kind[0] != "array" or ty.ndim != kind[2] or ty.layout != _expected_layout(kind):
             return None
-        return _flatten_array
+        return _ArraySlot(kind)
     if isinstance(ty, numba_types.BaseTuple):
         if kind[0] != "tuple" or len(ty) != len(kind) - 1:
             return None
-        parts = [flattener(t, k) for t, k in zip(ty, kind[1:])]
-        if any(p is None for p in parts):
-            return None
-
-        def flatten_tuple(value: tuple, out: List[Any]) -> None:
-            for part, item in zip(parts, value):
-                part(item, out)
-        return flatten_tuple
-    if kind[0] != "scalar":
+        items = [param_slot(t, k) for t, k in zip(ty, kind[1:])]
+        return None if any(item is None for item in items) else _TupleSlot(items)
+    ctype = _scalar_ctype(ty) if kind[0] == "scalar" else None
+    if ctype is None:
         return None
-    return _scalar_flattener(ty)
+    return _ScalarSlot(kind[1], ctype, by_value=ty not in (numba_types.float32, numba_types.float64))
+
+
+class ParamBlock(_TupleSlot):
+    """The parameters of one launch: the argument tuple's slots (its parameters are its items', as a
+    tuple argument's are) and ``params``, the ``void*[]`` of every parameter's address that
+    ``cuLaunchKernel`` reads (``address`` is where it lies). :meth:`patch` takes a launch's arguments,
+    writing only those that differ from the last ones taken; where one is not of its slot's kind it
+    answers False and the block stays usable (every slot holds what it last took)."""
+
+    __slots__ = ("params", "address")
+
+    def __init__(self, slots: List[Slot]):
+        super().__init__(slots)
+        addresses = self.addresses()
+        self.params = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
+        self.address = ctypes.addressof(self.params)
+
+
+Config = Tuple[int, int, int]
 
 
 class _Plan:
-    """One argument kind of one kernel: Numba's overload (``types``: its signature), its compiled
-    function, and the flattening of each argument."""
+    """One argument kind of one kernel: Numba's overload (``types``: its signature), its driver handle,
+    and free parameter blocks per launch configuration."""
 
-    def __init__(self, overload: Any, types: Tuple[Any, ...], parts: List[Flatten]):
+    def __init__(self, overload: Any, types: Tuple[Any, ...], key: Tuple[Any, ...], name: str):
         self.overload = overload
         self.types = types
-        self.function = compiled_function(overload)
-        self.parts = parts
+        self.key = key
+        self.name = name
+        self.function = CUfunction(kernel_handle(overload))
+        self._free: Dict[Config, List[ParamBlock]] = {}
 
-    def params(self, args: tuple) -> List[Any]:
-        out: List[Any] = []
-        for part, arg in zip(self.parts, args):
-            part(arg, out)
-        return out
+    def block(self) -> Optional[ParamBlock]:
+        """A new parameter block (None: some argument type is not bound)."""
+        slots = [param_slot(t, k) for t, k in zip(self.types, self.key)]
+        return None if any(s is None for s in slots) else ParamBlock(slots)
+
+    def free(self, config: Config) -> List[ParamBlock]:
+        """The free blocks of ``config``: a launch pops one (or makes one) and puts it back after the
+        driver has copied its parameters, so that launches from two threads never share a block."""
+        free = self._free.get(config)
+        if free is None:
+            free = self._free.setdefault(config, [])
+        return free
 
 
 class BoundLaunch:
@@ -215,24 +341,50 @@ class BoundLaunch:
         self._to_numba = to_numba
         self._enabled = enabled and compiles(dispatcher)
         self._plans: Dict[Tuple[Any, ...], Optional[_Plan]] = {}
-        self._configs: Dict[Tuple[int, int, int], Any] = {}
+        self._recent: Dict[Config, Tuple[_Plan, List[ParamBlock]]] = {}  # the plan last launched per config
         self._streams: Dict[int, Tuple[Any, Any]] = {}
 
     def __call__(self, grid: int, block: int, stream: Any, shared_bytes: int, *args: Any) -> None:
         """Launch ``grid`` blocks of ``block`` threads with ``shared_bytes`` of dynamic shared memory
-        on ``stream`` (a Numba stream or 0)."""
+        on ``stream`` (a Numba stream or 0: the default stream)."""
         if self._enabled:
+            config = (grid, block, shared_bytes)
+            recent = self._recent.get(config)
+            if recent is not None and self._launch_packed(recent[0], recent[1], config, stream, args):
+                return
             key = tuple(arg_kind(a) for a in args)
             plan = self._plans.get(key)
             if plan is not None:
-                cuda.core.launch(self._core_stream(stream), self._config(grid, block, shared_bytes), plan.function,
-                                 *plan.params(args))
-                return
+                free = plan.free(config)
+                self._recent[config] = (plan, free)
+                if self._launch_packed(plan, free, config, stream, args):
+                    return
         numba_args = [self._to_numba(a) for a in args]
         with quiet_low_occupancy():  # small grids are deliberate: no warning per launch
             self.dispatcher[grid, block, stream, shared_bytes](*numba_args)
         if self._enabled and key not in self._plans:
             self._plans[key] = self._bind(key, numba_args)
+
+    def _launch_packed(self, plan: _Plan, free: List[ParamBlock], config: Config, stream: Any,
+                       args: tuple) -> bool:
+        """Launch ``plan`` with ``args`` patched into a free block of ``config``; False (nothing launched)
+        where ``args`` are not of the plan's kinds."""
+        try:
+            packed = free.pop()
+        except IndexError:  # another thread holds it, or this config's first launch
+            packed = plan.block()
+        if not packed.patch(args):
+            free.append(packed)
+            return False
+        try:
+            (result,) = cuLaunchKernel(plan.function, config[0], 1, 1, config[1], 1, 1, config[2],
+                                       self._stream(stream), packed.address, 0)
+        finally:
+            free.append(packed)  # the driver has copied the parameters
+        if result != _SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel of kernel {plan.name} (grid={config[0]}, block={config[1]}, "
+                               f"shared_bytes={config[2]}) returned {result!r}")
+        return True
 
     def _bind(self, key: Tuple[Any, ...], numba_args: List[Any]) -> Optional[_Plan]:
         """The plan for ``key`` from the overload Numba just launched (None: keep Numba's launch)."""
@@ -241,22 +393,12 @@ class BoundLaunch:
         chosen = launchable_overload(self.dispatcher, numba_args)
         if chosen is None:
             return None
-        overload, types = chosen
-        parts = [flattener(t, k) for t, k in zip(types, key)]
-        if any(p is None for p in parts):
-            return None
-        return _Plan(overload, types, parts)
+        plan = _Plan(*chosen, key, getattr(self.dispatcher, "__name__", repr(self.dispatcher)))
+        return None if plan.block() is None else plan
 
-    def _config(self, grid: int, block: int, shared_bytes: int) -> Any:
-        key = (grid, block, shared_bytes)
-        config = self._configs.get(key)
-        if config is None:
-            config = self._configs[key] = cuda.core.LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-        return config
-
-    def _core_stream(self, stream: Any) -> Any:
-        """The ``cuda.core`` stream of a Numba stream (0: the default stream), kept with its source."""
+    def _stream(self, stream: Any) -> CUstream:
+        """The driver handle of a Numba stream (0: the default stream), kept with its source."""
         held = self._streams.get(id(stream))
         if held is None or held[0] is not stream:
-            held = self._streams[id(stream)] = (stream, core_stream(stream))
+            held = self._streams[id(stream)] = (stream, CUstream(stream_handle(stream)))
         return held[1]

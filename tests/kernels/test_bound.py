@@ -1,20 +1,26 @@
-"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, Numba's parameter ABI, plan binding.
+"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, parameter blocks in Numba's ABI, plan binding,
+driver launches.
 
-The first tests need no GPU: fake CUDA arrays and a fake dispatcher stand in for CuPy and Numba's
-compiled kernel. On a GPU, the parameters of every kernel launch of a small dispatch are compared
-with the ones Numba's own launch builds (``_Kernel._prepare_args``).
+The first tests need no GPU: fake CUDA arrays, a fake dispatcher and a fake ``cuLaunchKernel`` stand in
+for CuPy, Numba's compiled kernel and the driver; the bytes a parameter block passes are compared with
+Numba's ABI computed here from the array interface. On a GPU, the parameters of every driver launch of a
+small dispatch and combine are compared with the ones Numba's own launch builds (``_Kernel._prepare_args``).
 """
 from __future__ import annotations
 
 import ctypes
+import gc
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from cuda.bindings.driver import CUresult
 from numba.core import types
+from numba.cuda.np.numpy_support import strides_from_shape
 
 from ep_comm.launching import bound as bound_module
-from ep_comm.launching.bound import BoundLaunch, arg_kind, c_strides, flattener
+from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -24,10 +30,6 @@ class FakeCudaArray:
     def __init__(self, ptr: int, shape, dtype, strides=None):
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": tuple(shape), "strides": strides,
                                          "typestr": np.dtype(dtype).str, "version": 3}
-
-
-def params_as_ints(params):
-    return [p.value if isinstance(p, ctypes._SimpleCData) else p for p in params]
 
 
 def test_c_strides():
@@ -55,49 +57,160 @@ def test_arg_kind_of_scalars_and_tuples():
     assert arg_kind((a, a)) == ("tuple", arg_kind(a), arg_kind(a))
     assert arg_kind("text") is None
     assert arg_kind((a, None)) is None
+    with pytest.raises(TypeError, match="array_fields: a of type str"):
+        array_fields("text")
 
 
-def test_array_parameters_follow_numbas_abi():
-    a = FakeCudaArray(0x7000, (3, 5), np.uint16, (20, 2))
-    flat = []
-    flattener(types.Array(types.uint16, 2, "A"), arg_kind(a))(a, flat)
-    assert flat == [0, 0, 15, 2, 0x7000, 3, 5, 20, 2]  # meminfo, parent, nitems, itemsize, data, shape, strides
-    c = FakeCudaArray(0x8000, (2, 4), np.float32)
-    flat = []
-    flattener(types.Array(types.float32, 2, "C"), arg_kind(c))(c, flat)
-    assert flat == [0, 0, 8, 4, 0x8000, 2, 4, 16, 4]
+class FakeCupyArray:
+    """A CuPy array as :func:`arg_kind` reads one (attributes, no interface), weakly referenceable as CuPy's are."""
+
+    __module__ = "cupy._core.core"
+    data = flags = None  # class attributes, as CuPy's are
+
+    def __init__(self, ptr: int, shape, dtype, strides=None, contiguous=None):
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+        self.itemsize, self.ndim = self.dtype.itemsize, len(shape)
+        self.strides = tuple(strides) if strides else c_strides(self.shape, self.itemsize)
+        self.data = SimpleNamespace(ptr=ptr)
+        if contiguous is None:
+            contiguous = self.strides == c_strides(self.shape, self.itemsize)
+        self.flags = SimpleNamespace(c_contiguous=contiguous, f_contiguous=self.ndim <= 1 and contiguous)
+
+
+def reference_params(ty, value):
+    """The bytes of each kernel parameter Numba's ABI gives ``value`` of type ``ty`` (the module docstring of
+    ``ep_comm.launching.bound``), computed independently from the array interface."""
+    if isinstance(ty, types.BaseTuple):
+        return [p for t, v in zip(ty, value) for p in reference_params(t, v)]
+    if isinstance(ty, types.Array):
+        if isinstance(value, FakeCupyArray):  # CuPy's interface names no strides for a C-contiguous array
+            ptr, shape, itemsize = value.data.ptr, value.shape, value.itemsize
+            strides = None if value.flags.c_contiguous else value.strides
+        else:
+            desc = value.__cuda_array_interface__
+            ptr, shape, itemsize = desc["data"][0], desc["shape"], np.dtype(desc["typestr"]).itemsize
+            strides = desc["strides"]
+        if strides is None:  # as Numba's launch computes them
+            strides = strides_from_shape(shape=shape, itemsize=itemsize, c_contiguous=True, f_contiguous=False)
+        words = [0, 0, int(np.prod(shape, dtype=np.int64)), itemsize, ptr, *shape, *strides]
+        return [bytes(ctypes.c_ssize_t(w)) for w in words]
+    if ty == types.boolean:
+        return [bytes(ctypes.c_bool(value))]
+    if ty in (types.float32, types.float64):
+        return [bytes((ctypes.c_float if ty == types.float32 else ctypes.c_double)(value))]
+    return [bytes(getattr(ctypes, f"c_{ty}")(int(value)))]
+
+
+def block_params(address: int, sizes):
+    """The bytes the driver reads through the ``void*[]`` at ``address``: ``sizes[i]`` from parameter ``i``."""
+    pointers = (ctypes.c_void_p * len(sizes)).from_address(address)
+    return [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
+
+
+def packed(types_, args):
+    """A fresh parameter block of ``args`` (Numba types ``types_``), and the bytes it passes."""
+    block = ParamBlock([param_slot(t, arg_kind(a)) for t, a in zip(types_, args)])
+    assert block.patch(tuple(args))
+    want = [p for t, a in zip(types_, args) for p in reference_params(t, a)]
+    return block, block_params(block.address, [len(p) for p in want]), want
+
+
+ARRAYS = [  # (value, Numba type): C, F, non-contiguous, 0-d, empty, CuPy-like
+    (FakeCudaArray(0x8000, (2, 4), np.float32), types.Array(types.float32, 2, "C")),
+    (FakeCudaArray(0x7000, (4, 6), np.int32, (4, 16)), types.Array(types.int32, 2, "F")),
+    (FakeCudaArray(0x7000, (3, 5), np.uint16, (20, 2)), types.Array(types.uint16, 2, "A")),
+    (FakeCudaArray(0x6000, (), np.float64), types.Array(types.float64, 0, "C")),
+    (FakeCudaArray(0x5000, (0, 7), np.int64), types.Array(types.int64, 2, "C")),
+    (FakeCupyArray(0x9000, (3, 2, 4), np.uint64), types.Array(types.uint64, 3, "C")),
+    (FakeCupyArray(0x9000, (3, 4), np.int32, (32, 4)), types.Array(types.int32, 2, "A")),
+    (FakeCupyArray(2**63 + 2**40, (5,), np.uint8), types.Array(types.uint8, 1, "C")),  # a pointer past int64
+    (FakeCupyArray(0xA000, (0, 7), np.int64, (0, 8), contiguous=True), types.Array(types.int64, 2, "C")),
+]
+
+
+@pytest.mark.parametrize("value, ty", ARRAYS)
+def test_array_parameters_follow_numbas_abi(value, ty):
+    _, got, want = packed([ty], [value])
+    assert got == want and len(got) == 5 + 2 * ty.ndim
+
+
+SCALARS = [(types.boolean, True), (types.boolean, np.bool_(False)), (types.int8, np.int8(-7)),
+           (types.uint8, np.uint8(200)), (types.int16, np.int16(-300)), (types.uint16, np.uint16(60000)),
+           (types.int32, np.int32(-5)), (types.uint32, np.uint32(2**32 - 2)), (types.int64, -3),
+           (types.int64, np.int64(2**40)), (types.uint64, np.uint64(2**64 - 1)), (types.float32, np.float32(0.5)),
+           (types.float64, 0.25), (types.float64, -0.0)]
 
 
 def test_scalar_and_tuple_parameters_follow_numbas_abi():
-    a = FakeCudaArray(0x100, (2,), np.int64)
-    b = FakeCudaArray(0x200, (2,), np.int64)
-    pair = types.UniTuple(types.Array(types.int64, 1, "C"), 2)
-    flat = []
-    flattener(pair, arg_kind((a, b)))((a, b), flat)
-    assert flat == [0, 0, 2, 8, 0x100, 2, 8, 0, 0, 2, 8, 0x200, 2, 8]
-    flat = []
-    for ty, value in ((types.boolean, True), (types.int64, -3), (types.int32, -5), (types.uint32, 9),
-                      (types.float32, 0.5), (types.float64, 0.25)):
-        flattener(ty, arg_kind(value))(value, flat)
-    assert [type(p) for p in flat] == [bool, int, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_double]
-    assert params_as_ints(flat) == [True, -3, -5, 9, 0.5, 0.25]
+    a, b = FakeCudaArray(0x100, (2,), np.int64), FakeCupyArray(0x200, (2,), np.int64)
+    array = types.Array(types.int64, 1, "C")
+    sig = [ty for ty, _ in SCALARS] + [types.UniTuple(array, 2), types.Tuple((array, types.int32, types.boolean))]
+    args = [v for _, v in SCALARS] + [(a, b), (b, np.int32(4), False)]
+    _, got, want = packed(sig, args)
+    assert got == want
+    assert [len(p) for p in got[:len(SCALARS)]] == [1, 1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 4, 8, 8]
+
+
+def test_patching_a_changed_argument_gives_a_fresh_packs_bytes(monkeypatch):
+    sig = [types.Array(types.int32, 2, "A"), types.Array(types.uint64, 3, "C"), types.int32, types.float64,
+           types.UniTuple(types.Array(types.int64, 1, "C"), 2), types.boolean]
+    x, y = ARRAYS[6][0], ARRAYS[5][0]
+    p, q = FakeCupyArray(0x100, (2,), np.int64), FakeCupyArray(0x300, (9,), np.int64)
+    block, _, _ = packed(sig, [x, y, np.int32(3), 0.5, (p, p), True])
+    reads = []
+    describe = bound_module._array  # what an array slot reads of an array it has not taken yet
+    monkeypatch.setattr(bound_module, "_array", lambda a: reads.append(a) or describe(a))
+    z = FakeCupyArray(0x9100, (3, 4), np.int32, (32, 4))
+    for args, read in (([z, y, np.int32(3), 0.5, (p, q), True], [z, q]),  # two arrays new, the rest the same
+                       ([z, y, np.int32(-1), -0.5, (p, q), False], []),  # scalars only
+                       ([x, y, np.int32(-1), -0.5, (q, p), False], [x, q, p])):
+        reads.clear()
+        assert block.patch(tuple(args))
+        assert reads == read
+        _, fresh, want = packed(sig, args)
+        assert block_params(block.address, [len(w) for w in want]) == fresh == want
+
+
+def test_an_argument_of_another_kind_is_refused_and_the_block_stays_whole():
+    sig = [types.Array(types.int32, 2, "A"), types.int32, types.UniTuple(types.int64, 2)]
+    args = [ARRAYS[6][0], np.int32(3), (1, 2)]
+    block, before, want = packed(sig, args)
+    for other in ([ARRAYS[5][0], np.int32(3), (1, 2)], [args[0], 3, (1, 2)], [args[0], np.int32(3), (1, 2, 3)],
+                  [args[0], np.int32(3), (1, 2.0)], [args[0], np.int32(3)], ["text", np.int32(3), (1, 2)]):
+        assert not block.patch(tuple(other))
+        assert block.patch(tuple(args)) and block_params(block.address, [len(w) for w in want]) == before
+
+
+def test_a_block_holds_no_strong_reference_to_cupy_arrays():
+    x = FakeCupyArray(0x100, (2,), np.int64)
+    alive = weakref.ref(x)
+    block, _, _ = packed([types.Array(types.int64, 1, "C")], [x])
+    del x
+    gc.collect()
+    assert alive() is None
+    y = FakeCupyArray(0x400, (3,), np.int64)  # may reuse x's id: its own fields all the same
+    assert block.patch((y,))
+    assert block_params(block.address, [8] * 7) == reference_params(types.Array(types.int64, 1, "C"), y)
 
 
 def test_layout_mismatch_or_unknown_types_are_not_bound():
     a = FakeCudaArray(0x100, (4, 6), np.int32, (48, 4))  # not contiguous: Numba types it "A"
-    assert flattener(types.Array(types.int32, 2, "C"), arg_kind(a)) is None
-    assert flattener(types.complex64, arg_kind(1.0)) is None
-    assert flattener(types.int64, arg_kind(a)) is None
+    assert param_slot(types.Array(types.int32, 2, "C"), arg_kind(a)) is None
+    assert param_slot(types.complex64, arg_kind(1.0)) is None
+    assert param_slot(types.int64, arg_kind(a)) is None
+    assert param_slot(types.UniTuple(types.complex64, 2), arg_kind((1.0, 2.0))) is None
 
 
 class FakeDispatcher:
     """Numba's dispatcher as BoundLaunch uses it: ``[config](*args)``, ``typeof_pyval``, ``overloads``."""
 
+    __name__ = "fake_kernel"
+    sig = (types.Array(types.int32, 1, "C"), types.int64, types.boolean)
+
     def __init__(self, overload_flags=None):
         self.numba_launches = []
-        self.sig = (types.Array(types.int32, 1, "C"), types.int64, types.boolean)
         flags = {**dict(debug=False, cooperative=False, extensions=[]), **(overload_flags or {})}
-        function = SimpleNamespace(kernel="compiled kernel")
+        function = SimpleNamespace(kernel=SimpleNamespace(handle=0xABC))
         self.overloads = {self.sig: SimpleNamespace(
             _codelibrary=SimpleNamespace(get_cufunc=lambda: function), **flags)}
 
@@ -105,80 +218,152 @@ class FakeDispatcher:
         return lambda *args: self.numba_launches.append((config, args))
 
     def typeof_pyval(self, value):
-        return {FakeCudaArray: self.sig[0], int: types.int64, bool: types.boolean}[type(value)]
+        return {FakeCudaArray: self.sig[0], FakeCupyArray: self.sig[0], int: types.int64,
+                bool: types.boolean}[type(value)]
+
+
+class FakeDriver:
+    """``cuLaunchKernel`` as the driver sees it: each launch's function, shape, stream and the bytes its
+    parameters point at (read during the call, as the driver copies them), answering ``result``."""
+
+    def __init__(self, sizes):
+        self.sizes, self.launches, self.result, self.during = sizes, [], CUresult.CUDA_SUCCESS, None
+
+    def __call__(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        self.launches.append((int(f), (gx, gy, gz), (bx, by, bz), shared, int(stream), extra,
+                              block_params(params, self.sizes)))
+        if self.during is not None:
+            during, self.during = self.during, None
+            during()
+        return (self.result,)
 
 
 @pytest.fixture
-def fake_core(monkeypatch):
-    import cuda.core
-
-    launches = []
-    monkeypatch.setattr(cuda.core, "launch", lambda stream, config, kernel, *params: launches.append(
-        (stream, config, kernel, params)))
-    monkeypatch.setattr(cuda.core, "LaunchConfig", lambda **kw: kw)
-    monkeypatch.setattr(bound_module.BoundLaunch, "_core_stream", lambda self, stream: f"core({stream})")
-    return launches
+def driver(monkeypatch):
+    fake = FakeDriver([len(p) for p in reference_params(
+        types.Tuple(FakeDispatcher.sig), (FakeCudaArray(0, (1,), np.int32), 0, False))])
+    monkeypatch.setattr(bound_module, "cuLaunchKernel", fake)
+    monkeypatch.setattr(bound_module, "stream_handle", lambda stream: {"s": 0x5, 0: 0}[stream])
+    return fake
 
 
-def test_first_launch_goes_through_numba_then_the_plan_is_used(fake_core):
+def raw(args, grid=8, block=32, shared=0, stream=0x5):
+    return (0xABC, (grid, 1, 1), (block, 1, 1), shared, stream, 0,
+            reference_params(types.Tuple(FakeDispatcher.sig), args))
+
+
+def test_first_launch_goes_through_numba_then_the_driver(driver):
     dispatcher = FakeDispatcher()
     bound = BoundLaunch(dispatcher, to_numba=lambda a: a)
     x = FakeCudaArray(0x500, (6,), np.int32)
     bound(4, 64, "s", 128, x, 11, True)
-    assert dispatcher.numba_launches == [((4, 64, "s", 128), (x, 11, True))] and fake_core == []
-    y = FakeCudaArray(0x900, (3,), np.int32)
+    assert dispatcher.numba_launches == [((4, 64, "s", 128), (x, 11, True))] and driver.launches == []
+    y = FakeCupyArray(0x900, (3,), np.int32)
     bound(8, 32, "s", 0, y, 12, False)
+    bound(8, 32, "s", 0, y, 13, False)  # the block again, one scalar patched
+    bound(4, 64, 0, 128, x, 11, True)  # another config: its own block
     assert len(dispatcher.numba_launches) == 1
-    assert fake_core == [("core(s)", dict(grid=8, block=32, shmem_size=0), "compiled kernel",
-                          (0, 0, 3, 4, 0x900, 3, 4, 12, False))]
+    assert driver.launches == [raw((y, 12, False)), raw((y, 13, False)), raw((x, 11, True), 4, 64, 128, 0)]
     z = FakeCudaArray(0x900, (3, 2), np.int32)  # another kind: Numba again, and (types disagree) every time
     bound(8, 32, "s", 0, z, 12, False)
     bound(8, 32, "s", 0, z, 12, False)
-    assert len(dispatcher.numba_launches) == 3 and len(fake_core) == 1
+    assert len(dispatcher.numba_launches) == 3 and len(driver.launches) == 3
+    bound(8, 32, "s", 0, y, 12, True)  # back to the bound kind
+    assert len(dispatcher.numba_launches) == 3 and driver.launches[-1] == raw((y, 12, True))
+
+
+def test_interleaved_launches_never_share_a_block(driver):
+    """A launch that starts while another is inside the driver call (two Buffers on two threads share
+    one BoundLaunch) gets a block of its own; both pass their own parameters."""
+    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    x, y = FakeCupyArray(0x500, (6,), np.int32), FakeCupyArray(0x700, (2,), np.int32)
+    bound(8, 32, "s", 0, x, 1, True)  # binds
+    driver.during = lambda: bound(8, 32, "s", 0, y, 2, False)
+    bound(8, 32, "s", 0, x, 3, True)
+    bound(8, 32, "s", 0, x, 4, True)
+    assert driver.launches == [raw((x, 3, True)), raw((y, 2, False)), raw((x, 4, True))]
+
+
+def test_a_failed_launch_names_the_kernel_and_the_result(driver):
+    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    x = FakeCupyArray(0x500, (6,), np.int32)
+    bound(8, 32, "s", 0, x, 1, True)
+    driver.result = CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match="fake_kernel.*CUDA_ERROR_INVALID_VALUE"):
+        bound(8, 32, "s", 0, x, 1, True)
+    driver.result = CUresult.CUDA_SUCCESS
+    bound(8, 32, "s", 0, x, 2, True)
+    assert driver.launches[-1] == raw((x, 2, True))
 
 
 @pytest.mark.parametrize("flags", [dict(debug=True), dict(cooperative=True), dict(extensions=[object()])])
-def test_kernels_numba_must_launch_itself_stay_on_numba(fake_core, flags):
+def test_kernels_numba_must_launch_itself_stay_on_numba(driver, flags):
     dispatcher = FakeDispatcher(flags)
     bound = BoundLaunch(dispatcher, to_numba=lambda a: a)
     x = FakeCudaArray(0x500, (6,), np.int32)
     for _ in range(3):
         bound(1, 32, 0, 0, x, 1, True)
-    assert len(dispatcher.numba_launches) == 3 and fake_core == []
+    assert len(dispatcher.numba_launches) == 3 and driver.launches == []
 
 
-def test_disabled_binding_always_uses_numba(fake_core):
+def test_disabled_binding_always_uses_numba(driver):
     dispatcher = FakeDispatcher()
     bound = BoundLaunch(dispatcher, to_numba=lambda a: a, enabled=False)
     x = FakeCudaArray(0x500, (6,), np.int32)
     for _ in range(3):
         bound(1, 32, 0, 0, x, 1, True)
-    assert len(dispatcher.numba_launches) == 3 and fake_core == []
+    assert len(dispatcher.numba_launches) == 3 and driver.launches == []
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU: compares with Numba's own launch parameters")
 def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
-    """A small dispatch and combine, every pre-bound launch's parameters checked against
-    ``_Kernel._prepare_args`` (Numba's launch) on the same arguments."""
+    """A small dispatch and combine (results bit-exact against the NumPy reference), every driver launch's
+    parameters checked against ``_Kernel._prepare_args`` (Numba's launch) on the same arguments."""
     import cupy as cp
 
     from ep_comm.launching.views import DeviceViews
     from test_combine import run_combine
     from test_dispatch import make_world
 
-    views, checked, original = DeviceViews(), [], bound_module._Plan.params
+    views, checked, original = DeviceViews(), [], BoundLaunch._launch_packed
 
-    def checked_params(plan, args):
-        params = original(plan, args)
-        expected = []
-        for ty, value in zip(plan.types, args):
-            plan.overload._prepare_args(ty, views(value), 0, [], expected)
-        assert params_as_ints(params) == params_as_ints(expected), plan.overload.entry_point
-        checked.append(plan.overload)
-        return params
+    def checked_launch(self, plan, free, config, stream, args):
+        launched = original(self, plan, free, config, stream, args)
+        if launched:
+            expected = []
+            for ty, value in zip(plan.types, args):
+                plan.overload._prepare_args(ty, views(value), 0, [], expected)
+            want = [bytes(p) if isinstance(p, ctypes._SimpleCData) else
+                    bytes(ctypes.c_bool(p)) if isinstance(p, (bool, np.bool_)) else bytes(ctypes.c_ssize_t(p))
+                    for p in expected]
+            assert block_params(free[-1].address, [len(w) for w in want]) == want, plan.name
+            checked.append(plan.overload)
+        return launched
 
-    monkeypatch.setattr(bound_module._Plan, "params", checked_params)
+    monkeypatch.setattr(BoundLaunch, "_launch_packed", checked_launch)
     world = make_world(cp, seed=21, hidden=40, masked=0.2)
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
         run_combine(world, expand=expand, weighted=expand, bias=1)
     assert len(set(map(id, checked))) >= 6
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU: runs the kernels")
+def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
+    """The same small dispatch and combine through Numba's launch only, then pre-bound: both bit-exact against
+    the NumPy reference (``run_combine`` asserts it), and the pre-bound run launches through the driver."""
+    import cupy as cp
+
+    from test_combine import run_combine
+    from test_dispatch import make_world
+
+    raw_launches = []
+    launch = bound_module.cuLaunchKernel
+    monkeypatch.setattr(bound_module, "cuLaunchKernel", lambda *a: raw_launches.append(a[0]) or launch(*a))
+    with monkeypatch.context() as numba_only:
+        numba_only.setattr(BoundLaunch, "_launch_packed", lambda *a: False)
+        for expand in (False, True):
+            run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
+    assert raw_launches == []
+    for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
+        run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
+    assert len(set(map(int, raw_launches))) >= 6
