@@ -6,10 +6,13 @@ deterministic mode. The data path is ``ep_comm.launching.kernels.Kernels``; per 
 1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
 2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
    of the destination's symmetric buffer (stores through peer views; with ``transport="puts"``
-   into a local staging block that ``nvshmem_puts.put_blocks`` sends);
+   into a local staging block that ``nvshmem_puts.put_blocks`` sends). A replayed handle in compact
+   mode allocates the outputs first and sends the payload of the rows for ``me`` itself straight to
+   their ``recv_x`` rows instead (their meta rows still go to the own buffer);
 3. signal ``step_word(seq, kind)`` to every rank, carrying this rank's per-destination counts (new
    routing), then a bounded GPU wait for every rank's signal (``ep_comm.transport.signals``);
-4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs.
+4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs (after a compact replay
+   without the payload of the rows from ``me``, already in place).
 
 Every step's signal advances the device step counter (``ep_comm.kernels.step_counter``): the kernels read
 the step number and buffer parity from it, not from the host (the senders, before the signal, one
@@ -269,13 +272,16 @@ class NvshmemBackend:
                 return self._dispatch_new(seq, request)
             return self._dispatch_cached(seq, request)
 
-    def _send(self, seq: int, request: DispatchRequest, routing: Routing, mode: int, psum: Optional[Array]) -> None:
-        """Rank scatter of rows and meta rows into every destination (then the puts, if any)."""
+    def _send(self, seq: int, request: DispatchRequest, routing: Routing, mode: int, psum: Optional[Array],
+              local: Optional[tuple] = None) -> None:
+        """Rank scatter of rows and meta rows into every destination (then the puts, if any); ``local``:
+        ``(recv_x, received psum [R])`` of a compact replay, where the rows for this rank itself go."""
         t = self.transport
+        recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(self._contiguous(request.x), routing.topk_idx, self._contiguous(request.topk_weights),
                                  routing.dst_buffer_slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.send_step,
-                                 ahead=t.send_ahead, mode=mode)
+                                 ahead=t.send_ahead, mode=mode, recv_x=recv_x, recv_psum=recv_psum)
             t.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
 
     def _dispatch_new(self, seq: int, request: DispatchRequest) -> DispatchOutput:
@@ -301,22 +307,28 @@ class NvshmemBackend:
                              counts, None, PLACE_STABLE if stable else PLACE_ATOMIC)
 
     def _dispatch_cached(self, seq: int, request: DispatchRequest) -> DispatchOutput:
-        """Replay the handle's routing: recorded slots and layout, no counting, no count exchange."""
+        """Replay the handle's routing: recorded slots and layout, no counting, no count exchange. The
+        outputs are allocated before the send; in compact mode the scatter writes the payload of this
+        rank's rows to itself straight into ``recv_x`` and the receive skips them."""
         xp, h = self.xp, request.handle
         psum = h.psum_num_recv_tokens_per_rank
         send_psum = self._derived(h, "send_psum", _send_psum) if self.transport.use_puts else None
-        self._send(seq, request, h.routing, SLOT_CACHED, send_psum)
+        if request.cpu_sync:
+            counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
+                      [int(c) for c in _host(h.num_recv_tokens_per_expert)])
+        else:
+            counts = self._derived(h, "device_counts", _device_counts)
+        outputs = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
+        local = None if request.expand else (outputs[0], psum)
+        self._send(seq, request, h.routing, SLOT_CACHED, send_psum, local)
         self._signal_and_wait("dispatch", seq)
         if request.stats is not None:
             _add_counts(xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
         if request.cpu_sync:
             self._sync_and_check("dispatch")
-            counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
-                      [int(c) for c in _host(h.num_recv_tokens_per_expert)])
-        else:
-            counts = self._derived(h, "device_counts", _device_counts)
         layout = (psum, h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert)
-        return self._receive(request, h.routing, layout, counts, h.recv_src_metadata, PLACE_CACHED)
+        return self._receive(request, h.routing, layout, counts, h.recv_src_metadata, PLACE_CACHED, outputs=outputs,
+                             skip_source=-1 if request.expand else self.rank)
 
     def _derived(self, h: EPHandle, name: str, derive: Any) -> Any:
         """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture
@@ -330,20 +342,25 @@ class NvshmemBackend:
         return value
 
     def _receive(self, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
-                 recorded: Optional[Array], mode: int) -> DispatchOutput:
-        """Allocate the outputs, copy the received rows into them, and make the handle.
+                 recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
+                 skip_source: int = -1) -> DispatchOutput:
+        """Allocate the outputs (unless given), copy the received rows into them, and make the handle.
 
         ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
         ``counts``: ``(received rows, expanded rows, aligned counts [L])``, host values with
         ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
-        reused), or None."""
+        reused), or None; ``outputs``: what :meth:`_alloc_outputs` gave before the send, or None;
+        ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
+        (compact only), or -1."""
         rank_psum, expert_psum, unaligned = layout
-        recv_x, recv_idx, recv_w, metadata = self._alloc_outputs(request, counts[:2], recorded)
+        if outputs is None:
+            outputs = self._alloc_outputs(request, counts[:2], recorded)
+        recv_x, recv_idx, recv_w, metadata = outputs
         with self.profile.phase("dispatch", "receive_copy"):
             self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, recv_x,
                                       recv_idx, recv_w, metadata, expand=request.expand, mode=mode,
                                       expert_psum=expert_psum, alignment=request.expert_alignment,
-                                      zero_padding=request.zero_padding)
+                                      zero_padding=request.zero_padding, skip_source=skip_source)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, metadata, counts[0], counts[1],
                             int(recv_x.shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,

@@ -8,6 +8,8 @@ V2 expert psum and, in stable mode, per-unit cursors.
 Compact mode needs no placement: row ``i`` comes from source ``s`` and slot ``i - psum[s-1]``, so
 ``receive_compact_kernel`` does the whole receive in one launch, with every warp of the grid on a
 piece of a row (ids, weights and metadata with the row's first piece), then marks the unused tail.
+A cached compact dispatch has put the payload of this rank's rows to itself in ``recv_x`` already
+(``scatter.py``, ``direct``): the kernel copies only the other sources' payload rows then.
 
 Expand mode takes two launches. ``receive_place_kernel`` gives every (row, local expert) entry its
 expert-major row and writes ids, weights and metadata, marking padding and unused tail entries;
@@ -307,7 +309,7 @@ def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, s
 
 @kernel
 def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
-                           recv_src_metadata, recv_x, wide, span):
+                           recv_src_metadata, recv_x, wide, span, skip_source):
     """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, compact mode: the whole receive in one
     launch, one warp per piece of ``span`` words (even) of a row (ids and weight bits ``[N_out, K]``).
 
@@ -329,7 +331,8 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
         src, slot = source_of_row(rank_psum, row)
         first = begin == 0
         loaded = load_row_entries(meta, src, slot, lane, first)
-        copy_row(recv_x[row, begin:end], rows[src, slot, begin:end], end - begin, wide)
+        if src != skip_source:
+            copy_row(recv_x[row, begin:end], rows[src, slot, begin:end], end - begin, wide)
         if first:
             store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, src, slot, max_tokens, lane,
                               loaded)

@@ -5,6 +5,12 @@ rank. Slots come from one of three sources (``mode``): an atomic counter per des
 (``SLOT_ATOMIC``, any order), the stable per-unit cursors left by the count kernel
 (``SLOT_STABLE``: slot = number of earlier tokens going to the same rank), or a recorded
 ``dst_buffer_slot_idx`` (``SLOT_CACHED``, no counting).
+
+With ``direct`` (a cached compact dispatch, whose receive layout is the handle's) the payload of a
+row this rank sends to itself skips its own buffer: it goes straight to its compact output row
+``recv_x[base + slot]``, ``base`` the rows received from lower sources (``recv_psum[src_rank - 1]``,
+0 at rank 0), and the receive copies only the other sources' rows. Its meta row still goes to the
+own buffer, which the receive reads for ids, weights and metadata.
 """
 from __future__ import annotations
 
@@ -64,20 +70,40 @@ def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
     cuda.syncwarp(FULL_MASK)
 
 
+@cuda.jit(device=True)
+def local_row_base(direct, recv_psum, src_rank):
+    """First compact output row of the rows from ``src_rank`` (``recv_psum [R]`` int32, inclusive), 0
+    without ``direct``."""
+    return np.int64(recv_psum[src_rank - 1]) if direct and src_rank > 0 else np.int64(0)
+
+
+@cuda.jit(device=True)
+def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, row, begin, end, wide):
+    """Copy words ``[begin, end)`` of ``row`` (one token's words) to this source's row ``slot`` for ``rank``:
+    ``recv_x[base + slot]`` when it stays on this rank with ``direct``, else ``rows[rank][parity, src_rank,
+    slot]`` (all lanes of a warp)."""
+    if direct and rank == src_rank:
+        copy_row(recv_x[base + slot, begin:end], row[begin:end], end - begin, wide)
+    else:
+        copy_row(rows[rank][parity, src_rank, slot, begin:end], row[begin:end], end - begin, wide)
+
+
 @kernel
 def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead, mode,
                    num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
-                   metas):
+                   metas, direct, recv_x, recv_psum):
     """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``.
     Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
-    writes the rows and meta rows next."""
+    writes the rows and meta rows next. ``direct``, ``recv_x [N_out, W]`` words and ``recv_psum [R]``: see
+    :func:`copy_payload` (``recv_x`` and ``recv_psum`` are not read without ``direct``)."""
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     num_ranks = len(rows)
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens
+    base = local_row_base(direct, recv_psum, src_rank)
     lane = lane_id()
     group = WARP // num_topk
     warp, num_warps = global_warp()
@@ -99,21 +125,24 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
                 pt = cuda.shfl_sync(FULL_MASK, t, src)
                 pr = cuda.shfl_sync(FULL_MASK, rank, src)
                 ps = cuda.shfl_sync(FULL_MASK, slot, src)
-                copy_row(rows[pr][parity, src_rank, ps], x_words[pt], x_words.shape[1], wide)
+                copy_payload(rows, recv_x, direct, base, parity, src_rank, pr, ps, x_words[pt], 0, x_words.shape[1],
+                             wide)
                 write_meta(metas[pr][parity, src_rank, ps], topk_idx, weight_bits, has_weights, pt, pr,
                            experts_per_rank, lane)
 
 
 @kernel
 def scatter_rows_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
-                        span, slot_idx, rows, metas):
+                        span, slot_idx, rows, metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
     it or cached): one warp per piece of ``span`` words (even) of each entry that has a slot, so that few
-    tokens still spread over many warps; the warp of a row's first piece writes its meta row."""
+    tokens still spread over many warps; the warp of a row's first piece writes its meta row.
+    ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`."""
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens
+    base = local_row_base(direct, recv_psum, src_rank)
     words = x_words.shape[1]
     pieces = (words + span - 1) // span
     lane = lane_id()
@@ -127,7 +156,7 @@ def scatter_rows_kernel(x_words, wide, topk_idx, weight_bits, has_weights, exper
         if recorded >= 0 and expert >= 0:
             rank = expert // experts_per_rank
             slot = recorded - src_base
-            copy_row(rows[rank][parity, src_rank, slot, begin:end], x_words[t, begin:end], end - begin, wide)
+            copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, x_words[t], begin, end, wide)
             if begin == 0:
                 write_meta(metas[rank][parity, src_rank, slot], topk_idx, weight_bits, has_weights, t, rank,
                            experts_per_rank, lane)

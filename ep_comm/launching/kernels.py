@@ -228,35 +228,60 @@ class Kernels:
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
                 rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int,
-                ahead: int = 0) -> None:
+                ahead: int = 0, recv_x: Optional[Array] = None, recv_psum: Optional[Array] = None) -> None:
         """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
 
-        ``rows[r]``/``metas[r]``: rank r's ``SymmetricViews.rows``/``.meta`` (``[2, R, max_tokens, ...]``,
-        peer views on a GPU); row ``slot`` of this source goes to ``[parity, src_rank, slot]``, ``parity``
-        that of step ``step[0] + ahead`` (``ahead=1`` before the step's signal advances the counter).
-        ``topk_weights [T, K]`` float32 or None. ``slot_idx [T, K]`` int32 is written
-        (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot`` on the first entry per rank, else
-        -1), or read with ``mode=SLOT_CACHED``. SLOT_ATOMIC/SLOT_STABLE need :meth:`count` just before.
+        Args:
+            x: ``[T, H]`` float32/float16/bfloat16 payload.
+            topk_idx: ``[T, K]`` routing (-1: no expert).
+            topk_weights: ``[T, K]`` float32 or None.
+            slot_idx: ``[T, K]`` int32, written (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot``
+                on the first entry per rank, else -1), or read with ``mode=SLOT_CACHED``.
+            rows, metas: rank r's ``SymmetricViews.rows``/``.meta`` (``[2, R, max_tokens, ...]``, peer
+                views on a GPU); row ``slot`` of this source goes to ``[parity, src_rank, slot]``,
+                ``parity`` that of step ``step[0] + ahead`` (``ahead=1`` before the step's signal
+                advances the counter).
+            src_rank: this rank.
+            step: the device step counter (int64 ``[1]``).
+            mode: ``SLOT_ATOMIC``/``SLOT_STABLE`` (need :meth:`count` just before) or ``SLOT_CACHED``.
+            ahead: see ``rows``.
+            recv_x: with ``mode=SLOT_CACHED`` only, this rank's compact output ``[N_out, H]`` of the
+                dispatch: the payload of a row for ``src_rank`` itself goes straight to
+                ``recv_x[recv_psum[src_rank - 1] + slot]`` (row ``slot`` at rank 0) instead of
+                ``rows[src_rank]``, so that :meth:`receive_copy` with ``skip_source=src_rank`` leaves
+                it there; its meta row still goes to ``metas[src_rank]``.
+            recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
+                received per source (on the device).
+
         When rows are cut into pieces (few tokens), the slots are assigned first (not with
-        ``SLOT_CACHED``) and a second launch copies the rows, one warp per piece.
+        ``SLOT_CACHED``) and a second launch copies the rows, one warp per piece. The launches do not
+        depend on whether ``recv_x`` is given (a flag argument of the same kernels).
         """
+        direct = recv_x is not None
+        if direct != (recv_psum is not None) or (direct and mode != SLOT_CACHED):
+            raise ValueError(f"recv_x given: {direct}, recv_psum given: {recv_psum is not None}, mode={mode}: "
+                             "recv_x and recv_psum go together, with mode=SLOT_CACHED only (the received layout "
+                             "is known before the send only from a handle)")
         if x.shape[0] == 0:
             return
         weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
         num_units, units_per_warp = self.token_cut(x.shape[0])
         x_words = payload_words(x)
-        wide = wide_rows(x_words, *rows)
+        # without recv_x the kernels get unread stand-ins of the same kinds
+        recv_words = payload_words(recv_x) if direct else x_words
+        local = (recv_words, recv_psum if direct else self._rank_cursor)
+        wide = wide_rows(x_words, recv_words, *rows)
         span, blocks = self._row_pieces(topk_idx.size, x_words.shape[1], _copy_step(wide))
         pieces = span < x_words.shape[1]  # few tokens: slots by unit first, then the rows by pieces
         if mode != SLOT_CACHED or not pieces:
             self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
                 x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 mode, num_units, units_per_warp, self._rank_cursor, self._send_units, self._send_groups, slot_idx,
-                not pieces, tuple(rows), tuple(metas))
+                not pieces, tuple(rows), tuple(metas), direct, *local)
         if pieces:
             self._launch(scatter_rows_kernel, blocks=blocks)(
                 x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                span, slot_idx, tuple(rows), tuple(metas))
+                span, slot_idx, tuple(rows), tuple(metas), direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool) -> ReceiveCounts:
@@ -279,7 +304,8 @@ class Kernels:
 
     def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, step: Array, recv_x: Array,
                      recv_topk_idx: Array, recv_topk_weights: Array, recv_src_metadata: Array, *, expand: bool,
-                     mode: int, expert_psum: Array, alignment: int, zero_padding: bool) -> None:
+                     mode: int, expert_psum: Array, alignment: int, zero_padding: bool,
+                     skip_source: int = -1) -> None:
         """Copy received rows out of this rank's buffer at the parity of ``step`` (``rows``/``meta``:
         ``SymmetricViews.rows/meta``, ``[2, R, max_tokens, ...]``).
 
@@ -293,8 +319,13 @@ class Kernels:
 
         Compact mode is one launch (``mode`` is ignored: rows keep their arrival order); expand mode
         places the entries first, then a second launch copies the rows. Both copy rows by pieces
-        (:meth:`_row_pieces` over ``N_out`` rows).
+        (:meth:`_row_pieces` over ``N_out`` rows). ``skip_source`` (compact only; -1: none): the source
+        whose payload rows :meth:`scatter` already wrote into ``recv_x`` (its ``recv_x`` argument); only
+        their ids, weights and metadata are written here.
         """
+        if expand and skip_source != -1:
+            raise ValueError(f"skip_source={skip_source} with expand=True: only a compact receive can leave a "
+                             "source's rows to the scatter (-1 in expand mode)")
         recv_words = payload_words(recv_x)
         wide = wide_rows(recv_words, rows)
         max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
@@ -302,7 +333,8 @@ class Kernels:
         weight_bits = recv_topk_weights.view(np.int32)
         if not expand:
             self._launch(receive_compact_kernel, blocks=blocks)(
-                rank_psum, rows, meta, step, recv_topk_idx, weight_bits, recv_src_metadata, recv_words, wide, span)
+                rank_psum, rows, meta, step, recv_topk_idx, weight_bits, recv_src_metadata, recv_words, wide, span,
+                skip_source)
             return
         rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
         place_units = units_for(max_rows, rows_per_unit, self.recv_units)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from ep_comm import layout as ref
 from ep_comm.host import to_host
+from ep_comm.launching.kernels import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED
 from world import DTYPES, World, bits, random_payload, random_routing, spy_launches
 
 MAX_TOKENS = 24
@@ -237,5 +238,70 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
     copies = [args for kernel, args in launches if kernel is receive_compact_kernel]
     assert len(copies) == world.num_ranks
     for args in copies:
-        recv_words, is_wide, span = args[-3:]
-        assert is_wide == wide and (span < recv_words.shape[1]) == cut
+        recv_words, is_wide, span, skip_source = args[-4:]
+        assert is_wide == wide and (span < recv_words.shape[1]) == cut and skip_source == -1
+
+
+POISON = 0xA5  # every byte of the symmetric buffers before a direct replay
+
+
+@pytest.mark.parametrize("ranks, dtype, hidden, tokens, split_warps, worst_case", [
+    (1, "bfloat16", 20, (10,), 0, False),  # whole rows, every row local
+    (2, "float32", 20, (10, 13), 0, True),  # whole rows, worst-case outputs (cpu_sync=False)
+    (3, "float16", 11, (10, 13, 0), 0, False),  # whole rows, 16-bit words, a source without tokens
+    (1, "float32", 1100, (4,), 64, False),  # 550 wide words in pieces of 512 and 38
+    (2, "float16", 601, (5, 3), 64, True),  # 601 16-bit words in pieces of 256
+    (3, "bfloat16", 2600, (5, 3, 1), 64, False),  # 650 wide words in pieces of 512 and 138
+], ids=["1-bf16-rows", "2-f32-rows-worst", "3-f16-rows", "1-f32-pieces", "2-f16-pieces-worst", "3-bf16-pieces"])
+def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, monkeypatch, ranks, dtype, hidden,
+                                                                          tokens, split_warps, worst_case):
+    """A cached compact dispatch with its outputs allocated before the send: the scatter (whole rows, or
+    pieces at few tokens) writes the payload of the rows a rank sends to itself straight into its
+    ``recv_x`` and leaves region ``[parity, me]`` of its own rows untouched (poisoned here), the receive
+    copies only the other sources' payload; every output stays bit for bit the reference."""
+    from ep_comm.kernels.receive import receive_compact_kernel
+    from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
+
+    world = make_world(xp, seed=31, ranks=ranks, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
+    world.kernels.split_warps = split_warps or world.kernels.split_warps
+    sent, first = run_dispatch(world, deterministic=False, expand=False)
+    rng = np.random.default_rng(32)
+    world.x = [random_payload(rng, x.shape, x.dtype) for x in world.x]
+    for buf in world.buffers:
+        buf[...] = POISON
+    outputs = [world.outputs(expand=False, alignment=1, worst_case=worst_case, num_rows=len(got.recv_x),
+                             num_expanded=len(got.recv_x), cached=got) for got in first]
+    launches = []
+    launched = spy_launches(monkeypatch, launches)
+    world.send(1, deterministic=False, cached=[item.slot_idx for item in sent],
+               direct=[(out[0], got.counts.rank_psum) for out, got in zip(outputs, first)])
+    senders = sum(t > 0 for t in tokens)
+    assert launched == [scatter_rows_kernel if split_warps else scatter_kernel] * senders
+    assert all(args[-3] is True for _, args in launches)  # direct
+    for d in range(world.num_ranks):
+        assert (to_host(world.views[d].rows[1, d]).view(np.uint8) == POISON).all()
+        again = world.receive(d, 1, expand=False, alignment=1, zero_padding=False, deterministic=False,
+                              cached=first[d], outputs=outputs[d], skip_source=d)
+        check_compact(world, d, again, world.expected_compact(d, sent))
+    skipped = [args[-1] for kernel, args in launches if kernel is receive_compact_kernel]
+    assert skipped == list(range(world.num_ranks))
+
+
+def test_own_rows_straight_into_recv_x_only_for_a_cached_compact_dispatch(xp):
+    """``recv_x`` needs ``recv_psum`` and the recorded slots of a handle; ``skip_source`` a compact receive."""
+    world = make_world(xp, ranks=1, tokens=(4,))
+    k, view = world.kernels, world.views[0]
+    topk, x = world.dev(world.topk[0]), world.device_payload(world.x[0])
+    recv_x = xp.zeros_like(x)
+    slots = xp.full(topk.shape, -1, np.int32)
+    with pytest.raises(ValueError, match="recv_x given: True, recv_psum given: False, mode=2"):
+        k.scatter(x, topk, None, slots, [view.rows], [view.meta], src_rank=0, step=world.step(0), mode=SLOT_CACHED,
+                  recv_x=recv_x)
+    with pytest.raises(ValueError, match="mode=0: recv_x and recv_psum go together, with mode=SLOT_CACHED only"):
+        k.scatter(x, topk, None, slots, [view.rows], [view.meta], src_rank=0, step=world.step(0), mode=SLOT_ATOMIC,
+                  recv_x=recv_x, recv_psum=xp.zeros(1, np.int32))
+    none = xp.zeros(0, np.int32)
+    with pytest.raises(ValueError, match="skip_source=0 with expand=True"):
+        k.receive_copy(none, view.rows, view.meta, world.step(0), recv_x, none, none.view(np.float32), none,
+                       expand=True, mode=PLACE_CACHED, expert_psum=none, alignment=1, zero_padding=False,
+                       skip_source=0)

@@ -119,8 +119,10 @@ class World:
         return self.xp.asarray(a.view(np.uint16) if a.dtype == DTYPES["bfloat16"] else a)
 
     # ---- dispatch -------------------------------------------------------------------------------
-    def send(self, parity: int, deterministic: bool, cached: Optional[list] = None) -> list:
-        """Count and scatter on every source rank; the count exchange done by hand."""
+    def send(self, parity: int, deterministic: bool, cached: Optional[list] = None,
+             direct: Optional[list] = None) -> list:
+        """Count and scatter on every source rank; the count exchange done by hand. ``direct[s]``: with
+        ``cached``, ``(recv_x, rank_psum)`` of receiver ``s``, where source ``s``'s rows to itself go."""
         k = self.kernels
         sent = []
         for s in range(self.num_ranks):
@@ -130,9 +132,10 @@ class World:
                 slot_idx, mode = lay.slot_idx, SLOT_STABLE if deterministic else SLOT_ATOMIC
             else:
                 lay, slot_idx, mode = None, self.dev(cached[s]), SLOT_CACHED
+            recv_x, recv_psum = direct[s] if direct is not None else (None, None)
             k.scatter(self.device_payload(self.x[s]), topk, self.dev(self.w[s]), slot_idx,
                       [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, step=self.step(parity),
-                      mode=mode)
+                      mode=mode, recv_x=recv_x, recv_psum=recv_psum)
             sent.append(Sent(to_host(slot_idx), lay))
         for s, item in enumerate(sent):
             per_rank = ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks).num_tokens_per_rank
@@ -140,19 +143,12 @@ class World:
                 self.views[d].counts[parity, s] = int(per_rank[d])
         return sent
 
-    def receive(self, d: int, parity: int, *, expand: bool, alignment: int, zero_padding: bool,
-                deterministic: bool, worst_case: bool = False, cached: Optional[Received] = None) -> Received:
-        """Receiver ``d``'s receive kernels; outputs at worst-case size when ``worst_case`` (cpu_sync=False)."""
-        k, view, xp = self.kernels, self.views[d], self.xp
-        if cached is None:
-            counts = k.receive_count(view.counts, view.meta, self.step(parity), alignment=alignment, expand=expand,
-                                     stable=deterministic)
-            mode = PLACE_STABLE if deterministic else PLACE_ATOMIC
-            num_rows, num_expanded = (int(v) for v in to_host(counts.totals))
-        else:
-            counts, mode = cached.counts, PLACE_CACHED
-            num_rows = cached.recv_src_metadata.shape[0]
-            num_expanded = cached.recv_x.shape[0]
+    def outputs(self, *, expand: bool, alignment: int, worst_case: bool, num_rows: int, num_expanded: int,
+                cached: Optional[Received] = None) -> tuple:
+        """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` on the device, filled with values
+        no kernel writes; worst-case sized when ``worst_case`` (cpu_sync=False); with ``cached`` the
+        metadata holds the replayed handle's."""
+        xp = self.xp
         if worst_case:
             num_rows = ref.worst_case_recv_rows(self.num_ranks, self.max_tokens)
             num_expanded = ref.worst_case_expanded_rows(self.num_ranks, self.max_tokens, self.num_topk, self.local,
@@ -165,9 +161,30 @@ class World:
         metadata = xp.full((num_rows, 2 + self.num_topk), 99, dtype=np.int32)
         if cached is not None:
             metadata[: cached.recv_src_metadata.shape[0]] = xp.asarray(cached.recv_src_metadata)
+        return recv_x, topk_idx, weights, metadata
+
+    def receive(self, d: int, parity: int, *, expand: bool, alignment: int, zero_padding: bool,
+                deterministic: bool, worst_case: bool = False, cached: Optional[Received] = None,
+                outputs: Optional[tuple] = None, skip_source: int = -1) -> Received:
+        """Receiver ``d``'s receive kernels; outputs at worst-case size when ``worst_case`` (cpu_sync=False),
+        or ``outputs`` (from :meth:`outputs`, given to the scatter with ``skip_source=d``)."""
+        k, view = self.kernels, self.views[d]
+        if cached is None:
+            counts = k.receive_count(view.counts, view.meta, self.step(parity), alignment=alignment, expand=expand,
+                                     stable=deterministic)
+            mode = PLACE_STABLE if deterministic else PLACE_ATOMIC
+            num_rows, num_expanded = (int(v) for v in to_host(counts.totals))
+        else:
+            counts, mode = cached.counts, PLACE_CACHED
+            num_rows = cached.recv_src_metadata.shape[0]
+            num_expanded = cached.recv_x.shape[0]
+        if outputs is None:
+            outputs = self.outputs(expand=expand, alignment=alignment, worst_case=worst_case, num_rows=num_rows,
+                                   num_expanded=num_expanded, cached=cached)
+        recv_x, topk_idx, weights, metadata = outputs
         k.receive_copy(counts.rank_psum, view.rows, view.meta, self.step(parity), recv_x, topk_idx, weights, metadata,
                        expand=expand, mode=mode, expert_psum=counts.expert_psum, alignment=alignment,
-                       zero_padding=zero_padding)
+                       zero_padding=zero_padding, skip_source=skip_source)
         host_x = to_host(recv_x)
         if host_x.dtype == np.uint16:
             host_x = host_x.view(self.dtype)
