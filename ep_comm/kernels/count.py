@@ -2,16 +2,19 @@
 
 A counting sort of the (token, destination rank) pairs that needs no global counters: one block of
 ``W`` warps, warp ``w`` owning the ``w``-th of ``W`` even, contiguous token ranges, one token per lane in
-chunks of 32 tokens. Pass 1 counts each warp's tokens per rank (ballots, shared ``[W, R]``) and the
-per-expert histogram (shared atomics); one warp per rank scans the warps' counts; pass 2 re-reads the
-routing (now cached) and gives each (token, rank) pair its slot: the warp's start plus the earlier
-chunks' pairs plus the lanes below with the same rank (a ballot per rank). So a slot is the number of
-earlier tokens going to the same rank, the order ``deterministic=True`` promises, at no extra cost.
+chunks of 32 tokens. Pass 1 reads the routing once (a token's entries loaded together), counts each
+warp's tokens per rank (a ballot per rank, shared ``[W, R]``), the per-expert histogram (shared
+atomics) and ``is_token_in_rank``, and keeps each entry's rank as a byte in shared memory (the *rank
+cache*, as many tokens as fit); one warp per rank scans the warps' counts; pass 2 gives each (token,
+rank) pair its slot from the cached ranks (tokens past the cache re-read the routing): the warp's
+start plus the earlier chunks' pairs plus the lanes below with the same rank. So a slot is the
+number of earlier tokens going to the same rank, the order ``deterministic=True`` promises, at no
+extra cost.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32
+from numba import cuda, int32, int64
 
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
@@ -19,85 +22,111 @@ from ep_comm.kernels.units import unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, count_lanes, lane_id, lanes_below, warp_inclusive_sum,
                                   warp_scan)
 
-LOAD_UNROLL = 8  # top-k entries a lane loads before it uses them (a literal trip count, unrolled)
+LOAD_UNROLL = 8  # top-k entries a lane loads before it uses any (a literal trip count: unrolled)
+RANKS_PER_WORD = 4  # cached entry ranks per int32 word of the rank cache, a byte each (rank + 1, 0: none)
+MAX_CACHED_RANKS = 127  # ranks that fit the cache's bytes while a word stays a non-negative int32
 
 
 @cuda.jit(device=True)
-def rank_bits(topk_idx, t, active, experts_per_rank, num_experts, first_rank):
-    """uint32 with bit ``j`` set when token ``t`` names an expert of rank ``first_rank + j`` (``j < 32``);
-    0 when not ``active``. Ids outside ``[0, num_experts)`` name no rank."""
-    num_topk = topk_idx.shape[1]
+def entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens):
+    """Rank of entry ``(t, k)``, -1 for no expert: from the rank cache when ``t < cached_tokens``, else by
+    ``rank_of [E]`` (shared, each expert's rank)."""
+    if t < cached_tokens:
+        words = (topk_idx.shape[1] + RANKS_PER_WORD - 1) // RANKS_PER_WORD
+        byte = (cache[t * words + k // RANKS_PER_WORD] >> (8 * (k % RANKS_PER_WORD))) & 0xFF
+        return np.int64(byte) - 1
+    expert = routed_expert(topk_idx, t, k, rank_of.shape[0])
+    return np.int64(rank_of[expert]) if expert >= 0 else np.int64(-1)
+
+
+@cuda.jit(device=True)
+def rank_bits(topk_idx, t, active, rank_of, first_rank, cache, cached_tokens):
+    """uint32 with bit ``j`` set when token ``t`` reaches rank ``first_rank + j`` (``j < 32``); 0 when not
+    ``active``."""
     bits = np.uint32(0)
     if active:
-        for k0 in range(0, num_topk, LOAD_UNROLL):
-            for j in range(LOAD_UNROLL):
-                if k0 + j < num_topk:
-                    expert = routed_expert(topk_idx, t, k0 + j, num_experts)
-                    bit = expert // experts_per_rank - first_rank if expert >= 0 else np.int64(-1)
-                    if 0 <= bit < WARP:
-                        bits |= np.uint32(1) << np.uint32(bit)
+        for k in range(topk_idx.shape[1]):
+            bit = entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens) - first_rank
+            if 0 <= bit < WARP:
+                bits |= np.uint32(1) << np.uint32(bit)
     return bits
 
 
 @cuda.jit(device=True)
-def count_experts(topk_idx, t, hist):
-    """Add token ``t``'s experts to the shared int32 histogram ``hist [E]``."""
-    for k in range(topk_idx.shape[1]):
-        expert = routed_expert(topk_idx, t, k, hist.shape[0])
-        if expert >= 0:
-            cuda.atomic.add(hist, expert, 1)
+def load_token(topk_idx, t, active, rank_of, hist, cache, cache_token):
+    """Read token ``t``'s entries once (``LOAD_UNROLL`` loads in flight): add its experts to the shared
+    histogram ``hist [E]``, cache its entry ranks when ``cache_token`` (an active token below the cache's
+    size: lanes past their warp's tokens must not overwrite the next warp's), and return its ranks below 32 as
+    bits (see :func:`rank_bits`). An id outside ``[0, E)`` is no expert, as :func:`routed_expert` reads it."""
+    num_topk = topk_idx.shape[1]
+    num_experts = hist.shape[0]
+    words = (num_topk + RANKS_PER_WORD - 1) // RANKS_PER_WORD
+    ids = cuda.local.array(LOAD_UNROLL, int64)
+    bits = np.uint32(0)
+    for k0 in range(0, num_topk, LOAD_UNROLL):
+        for j in range(LOAD_UNROLL):
+            ids[j] = np.int64(topk_idx[t, k0 + j]) if active and k0 + j < num_topk else np.int64(-1)
+        packed = np.int32(0)
+        for j in range(LOAD_UNROLL):
+            expert = ids[j]
+            rank = np.int64(rank_of[expert]) if 0 <= expert < num_experts else np.int64(-1)
+            if rank >= 0:
+                cuda.atomic.add(hist, expert, 1)
+                if rank < WARP:
+                    bits |= np.uint32(1) << np.uint32(rank)
+            packed |= np.int32(rank + 1) << np.int32(8 * (j % RANKS_PER_WORD))
+            if j % RANKS_PER_WORD == RANKS_PER_WORD - 1:
+                word = (k0 + j) // RANKS_PER_WORD
+                if cache_token and word < words:
+                    cache[t * words + word] = packed
+                packed = np.int32(0)
+    return bits
 
 
 @cuda.jit(device=True)
-def named_before(topk_idx, t, k, rank, experts_per_rank, num_experts):
-    """True when an entry of token ``t`` before ``k`` names an expert of ``rank``."""
-    for k2 in range(k):
-        expert = routed_expert(topk_idx, t, k2, num_experts)
-        if expert >= 0 and expert // experts_per_rank == rank:
-            return True
-    return False
-
-
-@cuda.jit(device=True)
-def write_slots(topk_idx, t, slot_idx, start, masks, src_base, experts_per_rank, num_experts, lane):
-    """``slot_idx[t, k]``: ``src_base + slot`` on the first entry of each rank token ``t`` reaches, else -1.
-
-    ``slot = start[r] + `` the lanes below ``lane`` in this chunk's ballot ``masks[r]`` (int32 bits) of rank r.
-    """
-    seen = np.uint32(0)  # ranks below 32 already named by an earlier entry
+def write_slots(topk_idx, t, slot_idx, start, masks, src_base, rank_of, cache, cached_tokens, lane):
+    """``slot_idx[t, k]``: ``src_base + slot`` on the first entry of each rank token ``t`` reaches, else -1,
+    where ``slot = start[r] +`` the lanes below ``lane`` in this chunk's ballot ``masks[r]`` (int32 bits)."""
+    seen = np.uint32(0)  # ranks below 32 named by an earlier entry
     for k in range(topk_idx.shape[1]):
-        expert = routed_expert(topk_idx, t, k, num_experts)
+        rank = entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens)
         slot = np.int32(-1)
-        if expert >= 0:
-            rank = expert // experts_per_rank
+        if rank >= 0:
             if rank < WARP:
                 bit = np.uint32(1) << np.uint32(rank)
                 first = (seen & bit) == 0
                 seen |= bit
             else:
-                first = not named_before(topk_idx, t, k, rank, experts_per_rank, num_experts)
+                first = True
+                for k2 in range(k):
+                    if entry_rank(topk_idx, t, k2, rank_of, cache, cached_tokens) == rank:
+                        first = False
             if first:
-                below = count_lanes(np.uint32(masks[rank]) & lanes_below(lane))
-                slot = np.int32(src_base + start[rank] + below)
+                slot = np.int32(src_base + start[rank] + count_lanes(np.uint32(masks[rank]) & lanes_below(lane)))
         slot_idx[t, k] = slot
 
 
 @cuda.jit(device=True)
-def count_ranks(topk_idx, begin, end, experts_per_rank, hist, counts, lane):
+def count_ranks(topk_idx, begin, end, rank_of, hist, counts, in_rank, cache, cached_tokens, lane):
     """Pass 1 of one warp over tokens ``[begin, end)``: ``counts[r]`` (shared, owned by the warp) = its
-    tokens that reach rank ``r``; its experts go into the shared histogram ``hist``."""
+    tokens that reach rank ``r``, their ``in_rank`` rows, their experts in the shared histogram ``hist``
+    and their entry ranks in the rank cache (tokens below ``cached_tokens``)."""
     num_ranks = counts.shape[0]
     for first_rank in range(0, num_ranks, WARP):
         mine = np.int32(0)  # lane j: the count of rank first_rank + j
         for t0 in range(begin, end, WARP):
             t = t0 + lane
-            bits = rank_bits(topk_idx, t, t < end, experts_per_rank, hist.shape[0], first_rank)
-            if first_rank == 0 and t < end:
-                count_experts(topk_idx, t, hist)
+            if first_rank == 0:  # the one read of the routing
+                bits = load_token(topk_idx, t, t < end, rank_of, hist, cache, t < min(end, cached_tokens))
+            else:
+                bits = rank_bits(topk_idx, t, t < end, rank_of, first_rank, cache, cached_tokens)
             for r in range(first_rank, min(first_rank + WARP, num_ranks)):
-                ranked = ballot((bits >> np.uint32(r - first_rank)) & np.uint32(1) != 0)
+                reached = (bits >> np.uint32(r - first_rank)) & np.uint32(1) != 0
+                ranked = ballot(reached)
                 if lane == r - first_rank:
                     mine += count_lanes(ranked)
+                if t < end:
+                    in_rank[t, r] = reached
         if first_rank + lane < num_ranks:
             counts[first_rank + lane] = mine
 
@@ -118,31 +147,28 @@ def scan_warps(counts, totals, num_warps, lane):
 
 
 @cuda.jit(device=True)
-def place_ranks(topk_idx, begin, end, experts_per_rank, num_experts, src_base, start, masks, in_rank, slot_idx,
-                num_units, unit_cursor, group_counts, lane):
-    """Pass 2 of one warp over tokens ``[begin, end)``: ``in_rank`` rows and ``slot_idx`` rows, from the
-    warp's per-rank starts ``start [R]`` (shared, advanced chunk by chunk); ``masks [R]`` is its shared
-    ballot scratch. With ``num_units`` > 0 also the scatter's ``SLOT_STABLE`` cursors of the units that
-    ``unit_range`` cuts out of the tokens: ``group_counts[u, r]`` the unit's start, ``unit_cursor[u, r] = 0``.
+def place_ranks(topk_idx, begin, end, rank_of, src_base, start, masks, slot_idx, cache, cached_tokens, num_units,
+                unit_cursor, group_counts, lane):
+    """Pass 2 of one warp over tokens ``[begin, end)``: their ``slot_idx`` rows, from the warp's per-rank
+    starts ``start [R]`` (shared, advanced chunk by chunk); ``masks [R]`` is its shared ballot scratch.
+    With ``num_units`` > 0 also the scatter's ``SLOT_STABLE`` cursors of the units that ``unit_range``
+    cuts out of the tokens: ``group_counts[u, r]`` the unit's start, ``unit_cursor[u, r] = 0``.
     """
-    num_tokens = in_rank.shape[0]
-    num_ranks = in_rank.shape[1]
+    num_tokens = slot_idx.shape[0]
+    num_ranks = start.shape[0]
     per_unit = (num_tokens + num_units - 1) // num_units if num_units > 0 else 0
     for t0 in range(begin, end, WARP):
         t = t0 + lane
         active = t < end
         for first_rank in range(0, num_ranks, WARP):
-            bits = rank_bits(topk_idx, t, active, experts_per_rank, num_experts, first_rank)
+            bits = rank_bits(topk_idx, t, active, rank_of, first_rank, cache, cached_tokens)
             for r in range(first_rank, min(first_rank + WARP, num_ranks)):
-                reached = (bits >> np.uint32(r - first_rank)) & np.uint32(1) != 0
-                ranked = ballot(reached)
+                ranked = ballot((bits >> np.uint32(r - first_rank)) & np.uint32(1) != 0)
                 if lane == r - first_rank:
                     masks[r] = np.int32(ranked)
-                if active:
-                    in_rank[t, r] = reached
         cuda.syncwarp(FULL_MASK)
         if active:
-            write_slots(topk_idx, t, slot_idx, start, masks, src_base, experts_per_rank, num_experts, lane)
+            write_slots(topk_idx, t, slot_idx, start, masks, src_base, rank_of, cache, cached_tokens, lane)
             if per_unit > 0 and t % per_unit == 0:
                 for r in range(num_ranks):
                     group_counts[t // per_unit, r] = start[r] + count_lanes(np.uint32(masks[r]) & lanes_below(lane))
@@ -154,10 +180,11 @@ def place_ranks(topk_idx, begin, end, experts_per_rank, num_experts, src_base, s
 
 
 @kernel
-def count_kernel(topk_idx, experts_per_rank, src_base, num_units, unit_cursor, group_counts, rank_cursor,
-                 tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank, slot_idx):
+def count_kernel(topk_idx, experts_per_rank, src_base, cached_tokens, num_units, unit_cursor, group_counts,
+                 rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank, slot_idx):
     """See :meth:`ep_comm.launching.kernels.Kernels.count`. One block of ``W <= 32`` warps; dynamic shared
-    memory: int32 ``[E + 2 * W * R + R]`` (histogram, per-warp starts, per-warp ballots, rank totals).
+    memory: int32 ``[2 * E + 2 * W * R + R + cached_tokens * ceil(K / 4)]`` (histogram, expert ranks,
+    per-warp starts, per-warp ballots, rank totals, rank cache; ``cached_tokens`` 0 when ``R > MAX_CACHED_RANKS``).
 
     ``slot_idx [T, K]`` int32: ``src_base + slot`` on the first entry of each (token, rank) pair, else -1.
     ``num_units`` > 0 also leaves the scatter's ``SLOT_STABLE`` cursors for that unit cut with one unit
@@ -172,26 +199,30 @@ def count_kernel(topk_idx, experts_per_rank, src_base, num_units, unit_cursor, g
     lane = lane_id()
     smem = cuda.shared.array(0, int32)
     hist = smem[:num_experts]
-    starts = smem[num_experts: num_experts + num_warps * num_ranks]  # [W, R] row-major, then [W, R] ballots
-    mine = num_experts + warp * num_ranks
+    rank_of = smem[num_experts: 2 * num_experts]
+    starts = smem[2 * num_experts: 2 * num_experts + num_warps * num_ranks]  # [W, R] row-major, then [W, R] ballots
+    mine = 2 * num_experts + warp * num_ranks
     own_start = smem[mine: mine + num_ranks]
     own_masks = smem[mine + num_warps * num_ranks: mine + num_warps * num_ranks + num_ranks]
-    totals = smem[num_experts + 2 * num_warps * num_ranks: num_experts + 2 * num_warps * num_ranks + num_ranks]
+    totals_first = 2 * num_experts + 2 * num_warps * num_ranks
+    totals = smem[totals_first: totals_first + num_ranks]
+    cache = smem[totals_first + num_ranks:]
     for i in range(cuda.threadIdx.x, num_experts, cuda.blockDim.x):
         hist[i] = 0
+        rank_of[i] = i // experts_per_rank  # the one division per expert: entries look their rank up
     for i in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):
         rank_cursor[i] = 0
     cuda.syncthreads()
 
     begin, end = unit_range(warp, num_warps, num_tokens)
-    count_ranks(topk_idx, begin, end, experts_per_rank, hist, own_start, lane)
+    count_ranks(topk_idx, begin, end, rank_of, hist, own_start, in_rank, cache, cached_tokens, lane)
     cuda.syncthreads()
     scan_warps(starts, totals, num_warps, lane)
     cuda.syncthreads()
-    place_ranks(topk_idx, begin, end, experts_per_rank, num_experts, src_base, own_start, own_masks, in_rank,
-                slot_idx, num_units, unit_cursor, group_counts, lane)
+    place_ranks(topk_idx, begin, end, rank_of, src_base, own_start, own_masks, slot_idx, cache, cached_tokens,
+                num_units, unit_cursor, group_counts, lane)
 
-    # the totals and the histogram are complete since the scan: one warp scans each (round-robin)
+    # the totals and the histogram are complete since the scan: one warp scans each
     if warp == 0:
         warp_scan(totals, rank_psum, num_ranks, False, 0, False)
         for i in range(lane, num_ranks, WARP):

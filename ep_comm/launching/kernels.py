@@ -35,7 +35,7 @@ import numpy as np
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
                                      combine_reduce_kernel)
-from ep_comm.kernels.count import count_kernel
+from ep_comm.kernels.count import MAX_CACHED_RANKS, RANKS_PER_WORD, count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
                                      receive_count_kernel, receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
@@ -202,9 +202,9 @@ class Kernels:
         """Warps of the one count block for ``num_tokens`` tokens: one per ``count_tokens_per_warp`` tokens, at
         least 1, at most 32 and at most what leaves the kernel's shared memory within 48 KiB."""
         r, e = self.num_ranks, self.num_experts
-        fit = (_COUNT_SHARED_BYTES // 4 - e - r) // (2 * r)
+        fit = (_COUNT_SHARED_BYTES // 4 - 2 * e - r) // (2 * r)
         if fit < 1:
-            raise ValueError(f"num_experts={e}, num_ranks={r}: the count kernel needs 4 * (E + 3 * R) <= "
+            raise ValueError(f"num_experts={e}, num_ranks={r}: the count kernel needs 4 * (2 * E + 3 * R) <= "
                              f"{_COUNT_SHARED_BYTES} bytes of shared memory")
         return max(1, min(WARP, fit, -(-num_tokens // self.count_tokens_per_warp)))
 
@@ -239,11 +239,14 @@ class Kernels:
                          xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
                          xp.empty((num_tokens, self.num_topk), np.int32))
         warps = self.count_warps(num_tokens)
+        fixed = 4 * (2 * e + 2 * warps * r + r)  # bytes: histogram, expert ranks, per-warp starts and ballots, totals
+        per_token = 4 * -(-self.num_topk // RANKS_PER_WORD)
+        cached = min(num_tokens, (_COUNT_SHARED_BYTES - fixed) // per_token) if r <= MAX_CACHED_RANKS else 0
         num_units = self.token_cut(num_tokens)[0] if stable else 0
-        self._launch(count_kernel, 4 * (e + 2 * warps * r + r), 1, warps)(
-            topk_idx, self.num_local, src_rank * self.max_tokens, num_units, self._send_units, self._send_groups,
-            self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum, out.expert_psum,
-            out.is_token_in_rank, out.slot_idx)
+        self._launch(count_kernel, fixed + cached * per_token, 1, warps)(
+            topk_idx, self.num_local, src_rank * self.max_tokens, cached, num_units, self._send_units,
+            self._send_groups, self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum,
+            out.expert_psum, out.is_token_in_rank, out.slot_idx)
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
