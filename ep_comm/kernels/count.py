@@ -28,13 +28,20 @@ MAX_CACHED_RANKS = 127  # ranks that fit the cache's bytes while a word stays a 
 
 
 @cuda.jit(device=True)
-def entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens):
-    """Rank of entry ``(t, k)``, -1 for no expert: from the rank cache when ``t < cached_tokens``, else by
-    ``rank_of [E]`` (shared, each expert's rank)."""
-    if t < cached_tokens:
-        words = (topk_idx.shape[1] + RANKS_PER_WORD - 1) // RANKS_PER_WORD
-        byte = (cache[t * words + k // RANKS_PER_WORD] >> (8 * (k % RANKS_PER_WORD))) & 0xFF
-        return np.int64(byte) - 1
+def cache_word(cache, t, k0, cached_tokens, num_topk):
+    """The rank-cache word of token ``t`` that holds entries ``k0 .. k0 + 3`` (``k0 % 4 == 0``), -1 when
+    the token is not cached (cached words are never negative)."""
+    if t >= cached_tokens:
+        return np.int32(-1)
+    return cache[t * ((num_topk + RANKS_PER_WORD - 1) // RANKS_PER_WORD) + k0 // RANKS_PER_WORD]
+
+
+@cuda.jit(device=True)
+def entry_rank(topk_idx, t, k, rank_of, word):
+    """Rank of entry ``(t, k)``, -1 for no expert: the low byte of ``word`` (its cache word shifted by
+    ``8 * (k % 4)``) minus 1, or with ``word < 0`` (not cached) its expert's ``rank_of [E]`` (shared)."""
+    if word >= 0:
+        return np.int64(word & 0xFF) - 1
     expert = routed_expert(topk_idx, t, k, rank_of.shape[0])
     return np.int64(rank_of[expert]) if expert >= 0 else np.int64(-1)
 
@@ -43,12 +50,16 @@ def entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens):
 def rank_bits(topk_idx, t, active, rank_of, first_rank, cache, cached_tokens):
     """uint32 with bit ``j`` set when token ``t`` reaches rank ``first_rank + j`` (``j < 32``); 0 when not
     ``active``."""
+    num_topk = topk_idx.shape[1]
     bits = np.uint32(0)
     if active:
-        for k in range(topk_idx.shape[1]):
-            bit = entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens) - first_rank
-            if 0 <= bit < WARP:
-                bits |= np.uint32(1) << np.uint32(bit)
+        for k0 in range(0, num_topk, RANKS_PER_WORD):
+            word = cache_word(cache, t, k0, cached_tokens, num_topk)
+            for j in range(RANKS_PER_WORD):
+                if k0 + j < num_topk:
+                    bit = entry_rank(topk_idx, t, k0 + j, rank_of, word >> np.int32(8 * j)) - first_rank
+                    if 0 <= bit < WARP:
+                        bits |= np.uint32(1) << np.uint32(bit)
     return bits
 
 
@@ -84,26 +95,39 @@ def load_token(topk_idx, t, active, rank_of, hist, cache, cache_token):
 
 
 @cuda.jit(device=True)
+def named_before(topk_idx, t, k, rank, rank_of, cache, cached_tokens):
+    """True when an entry of token ``t`` before ``k`` goes to ``rank``."""
+    for k2 in range(k):
+        word = cache_word(cache, t, k2 - k2 % RANKS_PER_WORD, cached_tokens, topk_idx.shape[1])
+        if entry_rank(topk_idx, t, k2, rank_of, word >> np.int32(8 * (k2 % RANKS_PER_WORD))) == rank:
+            return True
+    return False
+
+
+@cuda.jit(device=True)
 def write_slots(topk_idx, t, slot_idx, start, masks, src_base, rank_of, cache, cached_tokens, lane):
     """``slot_idx[t, k]``: ``src_base + slot`` on the first entry of each rank token ``t`` reaches, else -1,
     where ``slot = start[r] +`` the lanes below ``lane`` in this chunk's ballot ``masks[r]`` (int32 bits)."""
+    num_topk = topk_idx.shape[1]
     seen = np.uint32(0)  # ranks below 32 named by an earlier entry
-    for k in range(topk_idx.shape[1]):
-        rank = entry_rank(topk_idx, t, k, rank_of, cache, cached_tokens)
-        slot = np.int32(-1)
-        if rank >= 0:
-            if rank < WARP:
-                bit = np.uint32(1) << np.uint32(rank)
-                first = (seen & bit) == 0
-                seen |= bit
-            else:
-                first = True
-                for k2 in range(k):
-                    if entry_rank(topk_idx, t, k2, rank_of, cache, cached_tokens) == rank:
-                        first = False
-            if first:
-                slot = np.int32(src_base + start[rank] + count_lanes(np.uint32(masks[rank]) & lanes_below(lane)))
-        slot_idx[t, k] = slot
+    for k0 in range(0, num_topk, RANKS_PER_WORD):
+        word = cache_word(cache, t, k0, cached_tokens, num_topk)
+        for j in range(RANKS_PER_WORD):
+            k = k0 + j
+            if k < num_topk:
+                rank = entry_rank(topk_idx, t, k, rank_of, word >> np.int32(8 * j))
+                slot = np.int32(-1)
+                if rank >= 0:
+                    if rank < WARP:
+                        bit = np.uint32(1) << np.uint32(rank)
+                        first = (seen & bit) == 0
+                        seen |= bit
+                    else:
+                        first = not named_before(topk_idx, t, k, rank, rank_of, cache, cached_tokens)
+                    if first:
+                        below = count_lanes(np.uint32(masks[rank]) & lanes_below(lane))
+                        slot = np.int32(src_base + start[rank] + below)
+                slot_idx[t, k] = slot
 
 
 @cuda.jit(device=True)
