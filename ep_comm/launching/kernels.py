@@ -52,6 +52,9 @@ __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMI
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
 _COUNT_SHARED_BYTES = 48 * 1024  # the count kernel's dynamic shared memory at most (no opt-in needed)
+# warps of the count block at most: its kernel takes 120 registers per thread (ptxas -v, sm_90), and 16 warps
+# of 120 registers fit the SM's 64K-register file (32 would not launch)
+_COUNT_MAX_WARPS = 16
 
 
 class SendLayout(NamedTuple):
@@ -111,7 +114,7 @@ class Kernels:
     ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
     one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
     (the count leaves each unit's start for the stable scatter); the count runs one block of one warp
-    per ``count_tokens_per_warp`` tokens, at most 32 (:meth:`count_warps`). Received rows are cut into units of about
+    per ``count_tokens_per_warp`` tokens, at most 16 (:meth:`count_warps`). Received rows are cut into units of about
     ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
     stable expand placement scans its per-unit counts once per local expert; the receive count
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
@@ -200,13 +203,13 @@ class Kernels:
 
     def count_warps(self, num_tokens: int) -> int:
         """Warps of the one count block for ``num_tokens`` tokens: one per ``count_tokens_per_warp`` tokens, at
-        least 1, at most 32 and at most what leaves the kernel's shared memory within 48 KiB."""
+        least 1, at most 16 (its registers) and at most what leaves the kernel's shared memory within 48 KiB."""
         r, e = self.num_ranks, self.num_experts
         fit = (_COUNT_SHARED_BYTES // 4 - 2 * e - r) // (2 * r)
         if fit < 1:
             raise ValueError(f"num_experts={e}, num_ranks={r}: the count kernel needs 4 * (2 * E + 3 * R) <= "
                              f"{_COUNT_SHARED_BYTES} bytes of shared memory")
-        return max(1, min(WARP, fit, -(-num_tokens // self.count_tokens_per_warp)))
+        return max(1, min(_COUNT_MAX_WARPS, fit, -(-num_tokens // self.count_tokens_per_warp)))
 
     def check_routing(self, topk_idx: Array, into: Optional[Array] = None) -> Array:
         """``[2]`` int64 on the device: the largest id in ``topk_idx [T, K]`` (signed ints, T >= 1) or -1,

@@ -51,7 +51,7 @@ def test_count_matches_the_reference(xp, tokens, ranks, topk, experts, routing):
     check(count(xp, idx, ranks, experts), idx, ranks, experts)
 
 
-@pytest.mark.parametrize("tokens_per_warp", [1, 8, 32, 5000])  # 32 warps, 13 warps, 4 warps, one warp
+@pytest.mark.parametrize("tokens_per_warp", [1, 8, 32, 5000])  # 16 warps (the most), 13, 4, one warp
 def test_block_sizes_give_the_same_slots(xp, tokens_per_warp):
     idx = random_routing(np.random.default_rng(7), 100, 3, 12, masked=0.2)
     check(count(xp, idx, 3, 12, count_tokens_per_warp=tokens_per_warp), idx, 3, 12)
@@ -95,3 +95,12 @@ def test_one_launch_of_one_block(xp, monkeypatch):
     idx = random_routing(np.random.default_rng(2), 50, 2, 8)
     check(count(xp, idx, 2, 8), idx, 2, 8)
     assert [kernel for kernel, _ in arguments] == [count_kernel] and blocks == [1]
+
+
+def test_the_block_fits_the_registers_and_the_shared_memory(xp):
+    """At most 16 warps (120 registers a thread), one per 32 tokens by default; geometries whose fixed
+    shared memory passes 48 KiB are refused."""
+    k = Kernels(xp, num_ranks=8, num_experts=256, num_topk=8, max_tokens=4096)
+    assert [k.count_warps(t) for t in (0, 1, 128, 500, 4096)] == [1, 1, 4, 16, 16]
+    with pytest.raises(ValueError, match=r"num_experts=8192, num_ranks=8: the count kernel needs"):
+        Kernels(xp, num_ranks=8, num_experts=8192, num_topk=8, max_tokens=16).count_warps(16)
