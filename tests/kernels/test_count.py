@@ -45,6 +45,8 @@ def check(lay, topk_idx: np.ndarray, num_ranks: int, num_experts: int) -> None:
     (128, 2, 8, 16, dict(hot_expert=5, masked=0.0)),
     (128, 8, 1, 256, dict(masked=0.1)),
     (1000, 8, 8, 256, dict(masked=0.1)),
+    (50, 4, 12, 32, dict(masked=0.2)),  # K past one load round and not a multiple of 4 (cache words)
+    (40, 2, 32, 64, dict(masked=0.1)),  # the widest top-k
 ])
 def test_count_matches_the_reference(xp, tokens, ranks, topk, experts, routing):
     idx = random_routing(np.random.default_rng(tokens + ranks), tokens, topk, experts, **routing)
