@@ -10,6 +10,11 @@ once; the partial of a reached rank ``r`` is row ``slot`` of ``rows[r]`` in this
 in compact mode for ``r == my_rank``, row ``psum[my_rank - 1] + slot`` of ``y`` (compact rows are
 grouped by source ascending, slot order inside a source; ``psum`` the inclusive prefix sum of the
 rows received per source).
+
+Both sides have a bfloat16 kernel with 16-byte accesses (uint64 words of 4 bfloat16, a lane's 8
+elements per pass): :func:`combine_expand_bf16_kernel` for the expert side's expand send,
+:func:`combine_reduce_bf16_kernel` for the source side's reduce without bias; each gives the bits of
+its general kernel, which handles every other payload and row shape.
 """
 from __future__ import annotations
 
@@ -278,7 +283,9 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
         cuda.syncwarp(FULL_MASK)
 
 
-BF16_GROUP = 4  # expanded rows whose loads (both passes) a lane issues before their adds: 8 x 16 bytes in flight
+# expanded rows whose loads (both passes) a lane issues before their adds: 8 x 16 bytes in flight. ptxas
+# sm_90: 127 registers, no stack (2: 70 registers, half the loads; 8: the loaded words go to a stack frame)
+BF16_GROUP = 4
 BF16_WORDS = 2 * BF16_PASSES  # 64-bit words a lane loads per term in one loop trip
 BF16_LOADED = BF16_GROUP * BF16_WORDS  # a lane's loaded words (registers: a compile-time size, indices unrolled)
 
