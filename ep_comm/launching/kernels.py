@@ -356,10 +356,11 @@ class Kernels:
         (expand, see :func:`~ep_comm.launching.views.payload_rows`). Compact copies only the rows of
         other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
         launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
-        float32 when given, this rank's own rows included: bfloat16 ``y`` whose rows and ``rows``' are
-        16-byte aligned whole uint64 words (hidden a multiple of 8) goes through
-        :func:`~ep_comm.kernels.combine.combine_expand_bf16_kernel`, 16 bytes per access, rows cut into
-        pieces when few (:meth:`_row_pieces`); anything else through the general
+        float32 when given, this rank's own rows included. Bfloat16 ``y`` goes through
+        :func:`~ep_comm.kernels.combine.combine_expand_bf16_kernel` (16 bytes per access, rows cut into
+        pieces when few, :meth:`_row_pieces`) when ``y``'s rows and ``rows`` (as uint64 words, i.e.
+        ``SymmetricViews.rows`` itself) are an even number of words and 16-byte aligned (hidden a
+        multiple of 8); anything else through the general
         :func:`~ep_comm.kernels.combine.combine_expand_kernel`, one warp per row. Both give the same bits.
         """
         if not expand:
