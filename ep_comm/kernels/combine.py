@@ -10,11 +10,16 @@ once; the partial of a reached rank ``r`` is row ``slot`` of ``rows[r]`` in this
 in compact mode for ``r == my_rank``, row ``psum[my_rank - 1] + slot`` of ``y`` (compact rows are
 grouped by source ascending, slot order inside a source; ``psum`` the inclusive prefix sum of the
 rows received per source).
+
+Both sides have a bfloat16 kernel with 16-byte accesses (uint64 words of 4 bfloat16, a lane's 8
+elements per pass): :func:`combine_expand_bf16_kernel` for the expert side's expand send,
+:func:`combine_reduce_bf16_kernel` for the source side's reduce without bias; each gives the bits of
+its general kernel, which handles every other payload and row shape.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 
 from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, load_f32, mul_rn, store_f32
 from ep_comm.kernels.jit import kernel
@@ -105,6 +110,16 @@ def gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales):
     return count_lanes(valid)
 
 
+@cuda.jit(device=True)
+def term_lists(num_topk):
+    """This warp's ``(terms, scales)``: int32 ``[K]`` and float32 ``[K]`` slices of the dynamic shared memory,
+    laid out as ``[warps * K]`` int32 then ``[warps * K]`` float32 (what :func:`gather_terms` fills)."""
+    first = cuda.threadIdx.x // WARP * num_topk
+    scales_first = cuda.blockDim.x // WARP * num_topk + first
+    return (cuda.shared.array(0, int32)[first: first + num_topk],
+            cuda.shared.array(0, float32)[scales_first: scales_first + num_topk])
+
+
 @kernel
 def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
                           rows):
@@ -113,11 +128,7 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     hidden = y.shape[1]
-    num_topk = recv_src_metadata.shape[1] - 2
-    first = cuda.threadIdx.x // WARP * num_topk
-    terms = cuda.shared.array(0, int32)[first: first + num_topk]
-    scales_first = cuda.blockDim.x // WARP * num_topk + first
-    scales = cuda.shared.array(0, float32)[scales_first: scales_first + num_topk]
+    terms, scales = term_lists(recv_src_metadata.shape[1] - 2)
     acc = cuda.local.array(SPAN, float32)
     vals = cuda.local.array(SPAN, float32)
     lane = lane_id()
@@ -269,4 +280,89 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
             store_pair(out[token], w, bf16_word(acc, 0), bf16_word(acc, BF16_PER_WORD))
             if w2 < end:
                 store_pair(out[token], w2, bf16_word(acc, second), bf16_word(acc, second + BF16_PER_WORD))
+        cuda.syncwarp(FULL_MASK)
+
+
+# expanded rows whose loads (both passes) a lane issues before their adds: 8 x 16 bytes in flight. ptxas
+# sm_90: 127 registers, no stack (2: 70 registers, half the loads; 8: the loaded words go to a stack frame)
+BF16_GROUP = 4
+BF16_WORDS = 2 * BF16_PASSES  # 64-bit words a lane loads per term in one loop trip
+BF16_LOADED = BF16_GROUP * BF16_WORDS  # a lane's loaded words (registers: a compile-time size, indices unrolled)
+
+
+@cuda.jit(device=True)
+def add_scaled_bf16_word(acc, first, word, scale, scaled):
+    """``acc[first + i] += (scale *) element i`` of the 4 bfloat16 in a 64-bit ``word``: with ``scaled``,
+    ``add_rn(acc, mul_rn(scale, x))``, else ``add_rn(acc, x)`` (the order of :func:`add_span`)."""
+    for i in range(BF16_PER_WORD):
+        value = bf16_bits_to_f32((word >> BF16_SHIFTS[i]) & BF16_MASK)
+        acc[first + i] = add_rn(acc[first + i], mul_rn(scale, value) if scaled else value)
+
+
+@cuda.jit(device=True)
+def load_term_group(y_words, terms, group, count, w, w2, end, loaded):
+    """Load words ``w, w + 1`` and, when ``w2 < end``, ``w2, w2 + 1`` (else zeros) of the expanded rows
+    ``terms[group:group + BF16_GROUP]`` (those below ``count``) of ``y_words [M, W]`` into
+    ``loaded[t * 4: t * 4 + 4]`` for term ``group + t``: every load before any add, in flight together."""
+    for t in range(BF16_GROUP):
+        if group + t < count:
+            row = y_words[terms[group + t]]
+            low, high = load_pair(row, w)
+            low2, high2 = np.uint64(0), np.uint64(0)
+            if w2 < end:
+                low2, high2 = load_pair(row, w2)
+            loaded[t * BF16_WORDS] = low
+            loaded[t * BF16_WORDS + 1] = high
+            loaded[t * BF16_WORDS + 2] = low2
+            loaded[t * BF16_WORDS + 3] = high2
+
+
+@cuda.jit(device=True)
+def add_term_group(acc, loaded, scales, group, count, scaled):
+    """Add the words :func:`load_term_group` loaded to the lane's ``acc [16]``, term by term in top-k order
+    (word ``p`` of a term into ``acc[4p: 4p + 4]``), weighted by ``scales`` when ``scaled``."""
+    for t in range(BF16_GROUP):
+        if group + t < count:
+            for p in range(BF16_WORDS):
+                add_scaled_bf16_word(acc, p * BF16_PER_WORD, loaded[t * BF16_WORDS + p], scales[group + t], scaled)
+
+
+@kernel
+def combine_expand_bf16_kernel(y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
+                               span, rows):
+    """:func:`combine_expand_kernel` for bfloat16 ``y`` and rows, 16 bytes per lane access.
+
+    ``y_words [M, W]`` and ``rows[r] [2, R, max_tokens, W]`` are uint64 words of 4 bfloat16 each, W
+    even, rows 16-byte aligned. Each element sums its row's expanded rows in top-k order, ``acc = 0;
+    acc = add_rn(acc, mul_rn(w, x))`` (``add_rn(acc, x)`` without ``has_weights``), rounded once: bit
+    for bit the general kernel. Rows are cut into pieces of ``span`` words (a multiple of 128), one
+    warp per (row, piece). A loop trip covers two passes (words ``w`` and ``w + 64``, 8 elements per
+    lane each) and takes the terms in groups of ``BF16_GROUP``: all of a group's loads (both passes)
+    are issued before its adds, so a lane keeps up to 8 16-byte loads in flight. Dynamic shared
+    memory as :func:`combine_expand_kernel`.
+    """
+    parity = step_parity(step, ahead)
+    max_tokens = rows[0].shape[2]
+    words = y_words.shape[1]
+    pieces = (words + span - 1) // span
+    terms, scales = term_lists(recv_src_metadata.shape[1] - 2)
+    acc = cuda.local.array(BF16_ACC, float32)
+    loaded = cuda.local.array(BF16_LOADED, uint64)
+    second = BF16_PER_LANE  # where the second pass's accumulators start
+    warp, num_warps = global_warp()
+    for item in range(warp, rank_psum[rank_psum.shape[0] - 1] * pieces, num_warps):
+        row, begin, end = row_piece(item, pieces, span, words)
+        src, slot = return_address(recv_src_metadata, row, max_tokens)
+        dst = rows[src][parity, my_rank, slot]
+        count = gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales)
+        for w in range(begin + 2 * lane_id(), end, BF16_PASSES * 2 * WARP):
+            w2 = w + 2 * WARP
+            for u in range(BF16_ACC):
+                acc[u] = np.float32(0.0)
+            for group in range(0, count, BF16_GROUP):
+                load_term_group(y_words, terms, group, count, w, w2, end, loaded)
+                add_term_group(acc, loaded, scales, group, count, has_weights)
+            store_pair(dst, w, bf16_word(acc, 0), bf16_word(acc, BF16_PER_WORD))
+            if w2 < end:
+                store_pair(dst, w2, bf16_word(acc, second), bf16_word(acc, second + BF16_PER_WORD))
         cuda.syncwarp(FULL_MASK)

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
-from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_bf16_kernel,
-                                     combine_reduce_kernel)
+from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_bf16_kernel,
+                                     combine_expand_kernel, combine_reduce_bf16_kernel, combine_reduce_kernel)
 from ep_comm.kernels.count import COUNT_MAX_THREADS, MAX_CACHED_RANKS, RANKS_PER_WORD, count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
                                      receive_count_kernel, receive_place_kernel, receive_rows_kernel)
@@ -382,7 +382,12 @@ class Kernels:
         (expand, see :func:`~ep_comm.launching.views.payload_rows`). Compact copies only the rows of
         other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
         launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
-        float32 when given, this rank's own rows included.
+        float32 when given, this rank's own rows included. Bfloat16 ``y`` goes through
+        :func:`~ep_comm.kernels.combine.combine_expand_bf16_kernel` (16 bytes per access, rows cut into
+        pieces when few, :meth:`_row_pieces`) when ``y``'s rows and ``rows`` (as uint64 words, i.e.
+        ``SymmetricViews.rows`` itself) are an even number of words and 16-byte aligned (hidden a
+        multiple of 8); anything else through the general
+        :func:`~ep_comm.kernels.combine.combine_expand_kernel`, one warp per row. Both give the same bits.
         """
         if not expand:
             if self.num_ranks == 1:  # every row is this rank's own: nothing to send (shapes only, as capture needs)
@@ -393,12 +398,22 @@ class Kernels:
             self._launch(combine_copy_kernel, blocks=blocks)(
                 y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, tuple(rows))
             return
-        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
-        self._launch(combine_expand_kernel, 8 * self.warps_per_block * self.num_topk, blocks)(
-            y_raw, is_bf16, weights if has_weights else self._no_bias[0], has_weights, recv_src_metadata, rank_psum,
-            my_rank, step, ahead, tuple(payload_rows(v, y.dtype) for v in rows))
+        weights = weights if has_weights else self._no_bias[0]
+        shared = 8 * self.warps_per_block * self.num_topk
+        if is_bf16:  # 16 bytes per access when every row array allows it
+            y_words = payload_words(y)
+            if wide_rows(y_words, *rows):
+                span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], BF16_PASSES * 2 * WARP)
+                self._launch(combine_expand_bf16_kernel, shared, blocks)(
+                    y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead, span,
+                    tuple(rows))
+                return
+        blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
+        self._launch(combine_expand_kernel, shared, blocks)(
+            y_raw, is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
+            tuple(payload_rows(v, y.dtype) for v in rows))
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
                        my_rank: int, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,

@@ -161,3 +161,67 @@ def test_long_rows_are_cut_into_uneven_pieces(xp, monkeypatch, dtype, hidden, bi
     run_combine(world, expand=expand, weighted=expand, bias=bias)
     assert len(cuts) == 12 - 3 * expand  # scatter, receive rows and reduce per rank, combine copy (compact)
     assert all(span < n and n % span for n, span in cuts)
+
+
+@pytest.mark.parametrize("ranks, hidden, topk, weighted, bias, split", [
+    (1, 8, 8, True, 0, False),  # one word pair per row, two groups of terms
+    (1, 1000, 8, False, 0, True),  # rows cut into pieces (few rows), the last piece shorter
+    (2, 72, 3, False, 2, False),
+    (2, 512, 5, True, 0, False),  # a whole number of loop trips (512 elements)
+    (3, 200, 4, True, 2, False),
+    (3, 1024, 6, False, 0, True),
+])
+def test_expand_combine_bfloat16_sends_16_bytes_per_access(xp, monkeypatch, ranks, hidden, topk, weighted, bias,
+                                                           split):
+    """bfloat16 expand combine with rows of whole 16-byte pairs: the wide expand send is the one launched (once
+    per rank, never the general one) and the combine is bit for bit the reference, weighted or not, with and
+    without bias, whole rows or pieces (``split``: thousands of warps' worth of pieces for few rows)."""
+    from ep_comm.kernels.combine import combine_expand_bf16_kernel, combine_expand_kernel
+
+    world = make_world(xp, seed=30 + hidden, ranks=ranks, experts=16 * ranks, topk=topk, hidden=hidden,
+                       tokens=(6, 4, 3), masked=0.2, nowhere=1)
+    if split:
+        world.kernels.split_warps = 256
+    arguments = []
+    launched = spy_launches(monkeypatch, arguments)
+    run_combine(world, expand=True, weighted=weighted, bias=bias)
+    assert launched.count(combine_expand_bf16_kernel) == ranks and combine_expand_kernel not in launched
+    spans = [args[8] for kernel, args in arguments if kernel is combine_expand_bf16_kernel]  # in words
+    assert all((span < hidden // 4) == split for span in spans)
+
+
+@pytest.mark.parametrize("dtype, hidden", [("float32", 72), ("float16", 72), ("bfloat16", 44)])
+def test_expand_combine_general_kernel_for_narrow_payloads(xp, monkeypatch, dtype, hidden):
+    """float32, float16 and bfloat16 rows that are not whole 16-byte pairs (44 elements: 11 words) take the
+    general expand send, bit for bit the reference."""
+    from ep_comm.kernels.combine import combine_expand_bf16_kernel, combine_expand_kernel
+
+    world = make_world(xp, seed=17, ranks=2, experts=8, topk=3, dtype=dtype, hidden=hidden, tokens=(5, 4))
+    launched = spy_launches(monkeypatch)
+    run_combine(world, expand=True, weighted=True, bias=0)
+    assert launched.count(combine_expand_kernel) == 2 and combine_expand_bf16_kernel not in launched
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_expand_send_bfloat16_signed_zeros_are_the_reference_partials(xp, weighted):
+    """The wide expand send's rows in the sources' buffers are ``reduce.expand_partials`` bit for bit when
+    most terms are -0.0 and weights include -0.0, 0 and negatives (``acc = 0`` first: sums of -0.0 are +0.0)."""
+    world = make_world(xp, seed=18, ranks=2, experts=16, topk=6, hidden=136, tokens=(5, 4), masked=0.1)
+    world.kernels.split_warps = 256
+    sent, received = run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
+    rng = np.random.default_rng(3)
+    for d in range(world.num_ranks):
+        rows = len(received[d].recv_x)
+        y = random_payload(rng, (rows, world.hidden), world.dtype)
+        y[rng.random(y.shape) < 0.7] = -0.0
+        weights = rng.choice(np.float32([-0.0, 0.0, -1.5, 0.75]), rows) if weighted else None
+        meta = received[d].recv_src_metadata
+        world.kernels.combine_send(world.device_payload(y), xp.asarray(meta), received[d].counts.rank_psum,
+                                   [v.rows for v in world.views], my_rank=d, step=world.step(PARITY), expand=True,
+                                   weights=world.dev(weights))
+        n = len(world.arrivals(d, sent))
+        want = reduce.expand_partials(y, meta[:n, 2:], weights, world.dtype)
+        sources = meta[:n, 0] // world.max_tokens
+        for i, (src, slot) in enumerate(zip(sources, meta[:n, 1] - sources * world.max_tokens)):
+            got = to_host(payload_rows(world.views[src].rows, world.dtype)[PARITY, d, slot])
+            np.testing.assert_array_equal(got, bits(want[i]))

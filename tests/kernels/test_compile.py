@@ -35,16 +35,22 @@ def test_every_kernel_compiles(ptx_dir):
     names = {p.name.split(".")[0] for p in ptx_dir.glob("*.ptx")}
     assert names == {"routing_check_kernel", "count_kernel", "scatter_kernel", "scatter_rows_kernel",
                      "receive_count_kernel", "receive_compact_kernel", "receive_place_kernel", "receive_rows_kernel",
-                     "combine_copy_kernel", "combine_expand_kernel", "combine_reduce_kernel",
-                     "combine_reduce_bf16_kernel"}
+                     "combine_copy_kernel", "combine_expand_kernel", "combine_expand_bf16_kernel",
+                     "combine_reduce_kernel", "combine_reduce_bf16_kernel"}
 
 
 def test_no_fused_multiply_add_in_combine(ptx_dir):
     for path in ptx_dir.glob("combine_*.ptx"):
         ptx = path.read_text()
         assert "fma." not in ptx, path.name
-    for path in ptx_dir.glob("combine_expand_kernel.*.ptx"):
+    for path in ptx_dir.glob("combine_expand*_kernel.*.ptx"):
         assert "mul.rn.f32" in path.read_text()
+
+
+def test_wide_bfloat16_combine_moves_16_bytes_per_access(ptx_dir):
+    for name in ("combine_expand_bf16_kernel", "combine_reduce_bf16_kernel"):
+        ptx = (ptx_dir / f"{name}.bfloat16.ptx").read_text()
+        assert "ld.v2.b64" in ptx and "st.v2.b64" in ptx, name
 
 
 def test_lane_masks_stay_32_bit(ptx_dir):
