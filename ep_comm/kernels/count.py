@@ -25,7 +25,6 @@ from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, count_lanes, lane_id,
 LOAD_UNROLL = 8  # top-k entries a lane loads before it uses any (a literal trip count: unrolled)
 RANKS_PER_WORD = 4  # cached entry ranks per int32 word of the rank cache, a byte each (rank + 1, 0: none)
 MAX_CACHED_RANKS = 127  # ranks that fit the cache's bytes while a word stays a non-negative int32
-COUNT_MAX_THREADS = 512  # the count block at most: its launch bounds cap the registers so that 16 warps launch
 
 
 @cuda.jit(device=True)
@@ -204,7 +203,7 @@ def place_ranks(topk_idx, begin, end, rank_of, src_base, start, masks, slot_idx,
         cuda.syncwarp(FULL_MASK)
 
 
-@kernel(max_threads=COUNT_MAX_THREADS)
+@kernel
 def count_kernel(topk_idx, experts_per_rank, src_base, cached_tokens, num_units, unit_cursor, group_counts,
                  rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank, slot_idx):
     """See :meth:`ep_comm.launching.kernels.Kernels.count`. One block of ``W <= 32`` warps; dynamic shared

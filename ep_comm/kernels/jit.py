@@ -10,12 +10,11 @@ device functions cannot be cached (Numba cannot pickle their linked code): use `
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-from numba import config, cuda
+from numba import cuda
 
 from ep_comm.numba_internals import set_source_stamp
 
@@ -35,21 +34,16 @@ def sources_digest(package_dir: Path = PACKAGE_DIR) -> str:
 SOURCES_DIGEST = sources_digest()
 
 
-def kernel(fn: Optional[Callable] = None, *, max_threads: Optional[int] = None) -> Callable:
+def kernel(fn: Callable) -> Callable:
     """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`SOURCES_DIGEST`.
 
     ``fn`` must be defined in this package: the digest does not cover other files. The simulator
-    has no cache; a Numba without the (private) stamp falls back to its own keying. ``@kernel(max_threads=N)``
-    compiles with launch bounds of ``N`` threads per block (registers capped so that a block of ``N``
-    launches: the driver refuses a block whose registers exceed the SM's file); the simulator ignores it.
+    has no cache; a Numba without the (private) stamp falls back to its own keying.
     """
-    if fn is None:
-        return functools.partial(kernel, max_threads=max_threads)
     source = Path(fn.__code__.co_filename).resolve()
     if source.parent != PACKAGE_DIR.resolve():
         raise ValueError(f"fn={fn.__qualname__} is defined in {source}: @kernel caches only kernels defined in "
                          f"{PACKAGE_DIR} (the cache key covers that package's files only)")
-    bounds = {} if max_threads is None or config.ENABLE_CUDASIM else {"launch_bounds": max_threads}
-    dispatcher = cuda.jit(cache=True, **bounds)(fn)
+    dispatcher = cuda.jit(cache=True)(fn)
     set_source_stamp(dispatcher, SOURCES_DIGEST)
     return dispatcher

@@ -35,7 +35,7 @@ import numpy as np
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_bf16_kernel,
                                      combine_expand_kernel, combine_reduce_bf16_kernel, combine_reduce_kernel)
-from ep_comm.kernels.count import COUNT_MAX_THREADS, MAX_CACHED_RANKS, RANKS_PER_WORD, count_kernel
+from ep_comm.kernels.count import MAX_CACHED_RANKS, RANKS_PER_WORD, count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
                                      receive_count_kernel, receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
@@ -52,9 +52,9 @@ __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMI
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
 _COUNT_SHARED_BYTES = 48 * 1024  # the count kernel's dynamic shared memory at most (no opt-in needed)
-# warps of the count block at most: the kernel is compiled with launch bounds of that block (ptxas gave it 120
-# registers per thread unbounded, the driver's JIT more: 16 warps did not launch on the H200 without the bounds)
-_COUNT_MAX_WARPS = COUNT_MAX_THREADS // WARP
+# warps of the count block at most: its kernel takes 120 registers per thread (ptxas -v, sm_90), and 16 warps
+# of 120 registers fit the SM's 64K-register file (32 would not launch)
+_COUNT_MAX_WARPS = 16
 
 
 class SendLayout(NamedTuple):

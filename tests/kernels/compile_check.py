@@ -80,8 +80,7 @@ def main(out_dir: str) -> None:
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         for kernel, args in record_all(dtype):
             assert source_stamp(kernel) == SOURCES_DIGEST, f"{kernel} is not cached by sources"
-            ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC,
-                                      launch_bounds=kernel.targetoptions.get("launch_bounds"))
+            ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
             (out / f"{kernel.py_func.__name__}.{dtype.name}.ptx").write_text(ptx)
 
 

@@ -60,10 +60,7 @@ def test_lane_masks_stay_32_bit(ptx_dir):
 
 
 def test_warp_collectives_are_real_instructions(ptx_dir):
-    expected = {"count_kernel": ("shfl.sync.up", "vote.sync.ballot"),
-                "scatter_kernel": ("match.any.sync",),
-                "receive_count_kernel": ("shfl.sync.up", "atom.global.add.u64", "atom.global.exch.b64", "ld.global.cv")}
-    for name, instructions in expected.items():
-        ptx = (ptx_dir / f"{name}.bfloat16.ptx").read_text()
-        for instruction in instructions:
-            assert instruction in ptx, (name, instruction)
+    ptx = (ptx_dir / "count_kernel.bfloat16.ptx").read_text()
+    for instruction in ("match.any.sync", "shfl.sync.up", "atom.global.add.u64", "atom.global.exch.b64",
+                        "ld.global.cv"):
+        assert instruction in ptx
