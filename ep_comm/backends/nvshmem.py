@@ -56,7 +56,7 @@ from .. import layout as lay
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..host import to_host
 from ..launching import weight_return
-from ..launching.kernels import PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_CACHED, Kernels
+from ..launching.kernels import PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels
 from ..launching.views import word_dtype
 from ..symmetric import SymmetricLayout
 from ..validate import Geometry, check_num_sms_fits, topk_values
@@ -197,7 +197,7 @@ class NvshmemBackend:
     def dispatch_layout(self, topk_idx: Array) -> lay.DispatchLayout:
         """``ep_comm.layout.dispatch_layout`` by the count kernel (no host synchronisation)."""
         with self._launching():
-            send = self.kernels.count(topk_idx, src_rank=self.rank)
+            send = self.kernels.count(topk_idx, stable=False)
         return lay.DispatchLayout(send.num_tokens_per_rank, send.num_tokens_per_expert, send.is_token_in_rank)
 
     def captured_memory(self) -> ContextManager[None]:
@@ -287,9 +287,9 @@ class NvshmemBackend:
     def _dispatch_new(self, seq: int, request: DispatchRequest) -> DispatchOutput:
         k, stable = self.kernels, self.deterministic
         with self.profile.phase("dispatch", "count"):
-            send = k.count(request.topk_idx, src_rank=self.rank)
+            send = k.count(request.topk_idx, stable=stable)
         routing = Routing(request.topk_idx, send.is_token_in_rank, send.slot_idx)
-        self._send(seq, request, routing, SLOT_CACHED, send.rank_psum)
+        self._send(seq, request, routing, SLOT_STABLE if stable else SLOT_ATOMIC, send.rank_psum)
         self._signal_and_wait("dispatch", seq, send.num_tokens_per_rank)
         with self.profile.phase("dispatch", "receive_count"):
             recv = k.receive_count(self._own_counts, self._own_meta, self.transport.step,

@@ -145,9 +145,10 @@ class Bench:
         out = self.cp.empty((a.tokens, a.hidden), self.cp.uint16)
         decode = self.cp.ascontiguousarray(self.topk[0][: a.decode_tokens])
         return {
-            "count (with slots)": (lambda: k.count(self.topk[0]), 0),
-            f"count (with slots) T={a.decode_tokens}": (lambda: k.count(decode), 0),
-            "count (+ SLOT_STABLE cursors)": (lambda: k.count(self.topk[0], stable=True), 0),
+            "count (stable)": (lambda: k.count(self.topk[0], stable=True), 0),
+            "count (atomic)": (lambda: k.count(self.topk[0], stable=False), 0),
+            f"count (stable) T={a.decode_tokens}": (lambda: k.count(decode, stable=True), 0),
+            f"count (atomic) T={a.decode_tokens}": (lambda: k.count(decode, stable=False), 0),
             "count + scatter (stable)": (scatter(SLOT_STABLE), pairs * row_bytes),
             "count + scatter (atomic)": (scatter(SLOT_ATOMIC), pairs * row_bytes),
             "scatter (cached)": (scatter(SLOT_CACHED), pairs * row_bytes),

@@ -9,9 +9,9 @@ Typical use by a backend, per dispatch on rank ``me`` (``views[r]`` are rank r's
 buffer, see :func:`ep_comm.launching.views.symmetric_views`)::
 
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
-    send = k.count(topk_idx, src_rank=me)                     # + count exchange by the transport
+    send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
     k.scatter(x, topk_idx, topk_weights, send.slot_idx, [v.rows for v in views],
-              [v.meta for v in views], src_rank=me, step=step, ahead=1, mode=SLOT_CACHED)
+              [v.meta for v in views], src_rank=me, step=step, ahead=1, mode=SLOT_STABLE)
     recv = k.receive_count(own.counts, own.meta, step, alignment=a, expand=e, stable=d)
     k.receive_copy(recv.rank_psum, own.rows, own.meta, step, recv_x, recv_topk_idx, recv_topk_weights,
                    recv_src_metadata, expand=e, mode=PLACE_STABLE, expert_psum=recv.expert_psum,
@@ -35,7 +35,7 @@ import numpy as np
 from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_bf16_kernel,
                                      combine_expand_kernel, combine_reduce_bf16_kernel, combine_reduce_kernel)
-from ep_comm.kernels.count import MAX_CACHED_RANKS, RANKS_PER_WORD, count_kernel
+from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
                                      receive_count_kernel, receive_place_kernel, receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
@@ -51,10 +51,6 @@ __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMI
 
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
-_COUNT_SHARED_BYTES = 48 * 1024  # the count kernel's dynamic shared memory at most (no opt-in needed)
-# warps of the count block at most: its kernel takes 120 registers per thread (ptxas -v, sm_90), and 16 warps
-# of 120 registers fit the SM's 64K-register file (32 would not launch)
-_COUNT_MAX_WARPS = 16
 
 
 class SendLayout(NamedTuple):
@@ -65,7 +61,7 @@ class SendLayout(NamedTuple):
     rank_psum: Array  # [R] int32, inclusive
     expert_psum: Array  # [E + 1] int32, exclusive with the total appended
     is_token_in_rank: Array  # [T, R] bool
-    slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx (stable slots)
+    slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx: filled by :meth:`Kernels.scatter`
 
 
 class ReceiveCounts(NamedTuple):
@@ -113,8 +109,8 @@ class Kernels:
 
     ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
     one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
-    (the count leaves each unit's start for the stable scatter); the count runs one block of one warp
-    per ``count_tokens_per_warp`` tokens, at most 16 (:meth:`count_warps`). Received rows are cut into units of about
+    (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
+    tokens on as few blocks as that needs. Received rows are cut into units of about
     ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
     stable expand placement scans its per-unit counts once per local expert; the receive count
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
@@ -137,7 +133,7 @@ class Kernels:
     recv_units: int = 0
     stream: Any = 0
     stream_blocks: int = 0
-    count_tokens_per_warp: int = 32
+    count_tokens_per_warp: int = 16
     recv_rows_per_unit: int = 32
     recv_count_warps_per_block: int = 0
     split_warps: int = 0
@@ -147,7 +143,7 @@ class Kernels:
             raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
         if self.warps_per_block < 2:
             raise ValueError("warps_per_block must be at least 2")
-        xp, r = self.xp, self.num_ranks
+        xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
         self.recv_units = self.recv_units or self.num_blocks
         self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
@@ -157,7 +153,7 @@ class Kernels:
         # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
         prebound = xp is not np and not NUMBA_LAUNCH_ONLY
         self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
-        self._counters = xp.zeros(self.num_local, dtype=np.int64)
+        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
         self._ticket = xp.zeros(1, dtype=np.uint32)
         self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))
         self._rank_cursor = xp.zeros(r, dtype=np.int32)
@@ -193,23 +189,12 @@ class Kernels:
         return span, self._blocks_for(rows * -(-n // span), self.stream_blocks)
 
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
-        """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens (each unit a whole
-        number of warp steps, ``32 // K`` tokens, at most one unit per warp), and 1: :meth:`count` leaves
-        every unit's start itself, one unit per cursor group."""
+        """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
+        consecutive units one count warp walks."""
         step = WARP // self.num_topk
         per_unit = -(-max(num_tokens, 1) // self.num_units)
         per_unit = -(-per_unit // step) * step
-        return units_for(num_tokens, per_unit, self.num_units), 1
-
-    def count_warps(self, num_tokens: int) -> int:
-        """Warps of the one count block for ``num_tokens`` tokens: one per ``count_tokens_per_warp`` tokens, at
-        least 1, at most 16 (its registers) and at most what leaves the kernel's shared memory within 48 KiB."""
-        r, e = self.num_ranks, self.num_experts
-        fit = (_COUNT_SHARED_BYTES // 4 - 2 * e - r) // (2 * r)
-        if fit < 1:
-            raise ValueError(f"num_experts={e}, num_ranks={r}: the count kernel needs 4 * (2 * E + 3 * R) <= "
-                             f"{_COUNT_SHARED_BYTES} bytes of shared memory")
-        return max(1, min(_COUNT_MAX_WARPS, fit, -(-num_tokens // self.count_tokens_per_warp)))
+        return units_for(num_tokens, per_unit, self.num_units), max(1, self.count_tokens_per_warp // per_unit)
 
     def check_routing(self, topk_idx: Array, into: Optional[Array] = None) -> Array:
         """``[2]`` int64 on the device: the largest id in ``topk_idx [T, K]`` (signed ints, T >= 1) or -1,
@@ -220,36 +205,25 @@ class Kernels:
         self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out, into is not None)
         return out
 
-    def count(self, topk_idx: Array, *, src_rank: int = 0, stable: bool = False) -> SendLayout:
-        """Count a routing ``topk_idx [T, K]`` (int32/int64; ids < 0 or >= E: no expert) on the sender, in one
-        launch of one block (:meth:`count_warps` warps), and give every (token, rank) pair its slot.
+    def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:
+        """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
 
-        Args:
-            topk_idx: ``[T, K]`` signed expert ids, C-contiguous on the device.
-            src_rank: this rank: ``slot_idx`` rows are ``src_rank * max_tokens + slot``.
-            stable: also leave the per-unit cursors that :meth:`scatter` with ``SLOT_STABLE`` consumes next
-                (the atomic slot counters of ``SLOT_ATOMIC`` are reset by every count).
-
-        Returns:
-            A :class:`SendLayout` whose ``slot_idx [T, K]`` int32 is ``dst_buffer_slot_idx``: on the first
-            entry (in k order) of each rank a token reaches, ``src_rank * max_tokens + slot`` with ``slot``
-            the number of earlier tokens reaching that rank (``ep_comm.layout.stable_rank_slots``); -1 on
-            the other entries. :meth:`scatter` with ``SLOT_CACHED`` sends by these slots.
+        Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
+        :meth:`scatter` consumes next. Returns a :class:`SendLayout`
+        with a fresh, unfilled ``slot_idx``.
         """
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         num_tokens = topk_idx.shape[0]
         out = SendLayout(xp.empty(r, np.int32), xp.empty(e, np.int32), xp.empty(r, np.int32),
                          xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
                          xp.empty((num_tokens, self.num_topk), np.int32))
-        warps = self.count_warps(num_tokens)
-        fixed = 4 * (2 * e + 2 * warps * r + r)  # bytes: histogram, expert ranks, per-warp starts and ballots, totals
-        per_token = 4 * -(-self.num_topk // RANKS_PER_WORD)
-        cached = min(num_tokens, (_COUNT_SHARED_BYTES - fixed) // per_token) if r <= MAX_CACHED_RANKS else 0
-        num_units = self.token_cut(num_tokens)[0] if stable else 0
-        self._launch(count_kernel, fixed + cached * per_token, 1, warps)(
-            topk_idx, self.num_local, src_rank * self.max_tokens, cached, num_units, self._send_units,
-            self._send_groups, self._rank_cursor, out.num_tokens_per_rank, out.num_tokens_per_expert, out.rank_psum,
-            out.expert_psum, out.is_token_in_rank, out.slot_idx)
+        num_units, units_per_warp = self.token_cut(num_tokens)
+        count_warps = -(-num_units // units_per_warp)
+        blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
+        self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
+            topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
+            self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
+            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
