@@ -330,6 +330,11 @@ def check_timeout(transport: str) -> None:
         buf.close()
     except ep_comm.TimeoutError as exc:
         print(f"RANK {RANK} OK close gave up waiting: {exc}", flush=True)
+    except ep_comm.PeerAbortedError as exc:  # rank 0 posted its abort record when it gave up: the late ranks learn it
+        assert RANK != 0 and exc.aborted_ranks == (0,), (RANK, exc.records)
+        print(f"RANK {RANK} OK close raised the abort record of rank 0: {exc}", flush=True)
+    else:
+        assert RANK == 0, "a rank that missed the timed-out dispatch must learn of rank 0's abort record at close"
     print(f"RANK {RANK} OK closed {time.monotonic() - start:.1f} s after the timeout test began", flush=True)
 
 
