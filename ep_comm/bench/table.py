@@ -20,7 +20,7 @@ __all__ = ["ResultError", "load_results", "markdown_table", "main"]
 
 COLUMNS = ("config", "ranks", "tokens/rank", "eager dispatch p50 / p99 (us)", "eager combine p50 / p99 (us)",
            "graph dispatch cached / new p50 (us)", "graph combine p50 (us)", "host us per call: dispatch / combine",
-           "dispatch logical / NVLink GB/s", "NCCL dedup p50 (us)")
+           "dispatch logical / NVLink GB/s", "NCCL dedup p50 (us)", "same-run device copy p50 (us)")
 SAME_RUN = ("git_commit", "gpu")  # meta fields every file of one recorded run shares
 
 
@@ -82,7 +82,7 @@ def _row(meta: Dict[str, Any], point: Dict[str, Any]) -> List[str]:
             _p50_p99(lat["dispatch"]), _p50_p99(lat["combine"]),
             _pair(_p50(graph.get("dispatch")), _p50(graph.get("dispatch_new"))), _p50(graph.get("combine")),
             _pair(_p50(host.get("dispatch_cached_async")), _p50(host.get("combine"))),
-            f"{bandwidth['logical']:.1f} / {bandwidth['nvlink']:.1f}", _nccl(meta, lat)]
+            f"{bandwidth['logical']:.1f} / {bandwidth['nvlink']:.1f}", _nccl(meta, lat), _p50(lat.get("device_copy"))]
 
 
 def _nccl(meta: Dict[str, Any], latency: Dict[str, Any]) -> str:
