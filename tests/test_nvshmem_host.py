@@ -422,13 +422,15 @@ def _launch_log(monkeypatch) -> list:
 
 
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
-def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch):
+@pytest.mark.parametrize("expand", [True, False], ids=["expand", "compact"])
+def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch, expand):
     """What a CUDA graph replay relies on: a cached dispatch launches the same kernels with the same
     shapes and scalars at an even step as at an odd one, and so does a combine (the buffer parity
-    comes from the device step counter)."""
+    comes from the device step counter). Compact mode writes the rank's own rows straight into
+    ``recv_x`` and reads its own partials from ``y``: the same at every step too."""
     be = simulated_backend(CAPTURE_GEO, True, False)
     x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
-    first = dispatch(be, x, CAPTURE_IDX, None, None, True, 2, False, False, None)
+    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 2 if expand else 1, False, False, None)
     log = _launch_log(monkeypatch)
 
     def launches(call) -> list:
@@ -436,7 +438,8 @@ def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch):
         call()
         return log[start:]
 
-    dispatches = [launches(lambda: dispatch(be, x, None, None, first.handle, True, 2, False, False, None))
+    dispatches = [launches(lambda: dispatch(be, x, None, None, first.handle, expand, 2 if expand else 1, False,
+                                            False, None))
                   for _ in range(2)]
     combines = [launches(lambda: combine(be, first.recv_x, first.handle, None, ())) for _ in range(2)]
     assert dispatches[0] and dispatches[0] == dispatches[1]
