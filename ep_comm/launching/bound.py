@@ -320,10 +320,7 @@ class _Plan:
     def free(self, config: Config) -> List[ParamBlock]:
         """The free blocks of ``config``: a launch pops one (or makes one) and puts it back after the
         driver has copied its parameters, so that launches from two threads never share a block."""
-        free = self._free.get(config)
-        if free is None:
-            free = self._free.setdefault(config, [])
-        return free
+        return self._free.setdefault(config, [])
 
 
 class BoundLaunch:
