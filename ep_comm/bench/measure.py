@@ -179,7 +179,7 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any
     """GPU seconds per CUDA graph replay of the path that never waits on the host, captured on a side
     stream one call per graph (each graph is one collective step: the buffer parity comes from the
     device): the cached dispatch with ``cpu_sync=False`` and its combine, then a dispatch of the
-    routing ``didx`` as new (count, count exchange and all) and its combine. All four are replayed
+    routing ``didx`` as new (count, count exchange and all, in the point's mode) and its combine. All four are replayed
     ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events. Returns
     ``{"dispatch": [...], "combine": [...], "dispatch_new": [...], "combine_new": [...], "host":
     {"graph_launch_dispatch": [...], "graph_launch_combine": [...]}`` (host seconds per replay
@@ -187,15 +187,19 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
+
+    def dispatch_new() -> Any:  # the point's mode: an expand point replays an expand dispatch
+        return buf.dispatch(dx, didx, cpu_sync=False, expand=spec.expand, expert_alignment=spec.expert_alignment)
+
     with stream:
-        warm = buf.dispatch(dx, didx, cpu_sync=False)  # every launch bound before the captures
+        warm = dispatch_new()  # every launch bound before the captures
         buf.combine(warm.recv_x, warm.handle)
         warm = buf.dispatch(dx, handle=handle, cpu_sync=False)
         buf.combine(warm.recv_x, warm.handle)
         stream.synchronize()
         cached, cached_dispatch = captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
         cached_sum, cached_combine = captured(stream, lambda: buf.combine(cached.recv_x, cached.handle))
-        new, new_dispatch = captured(stream, lambda: buf.dispatch(dx, didx, cpu_sync=False))
+        new, new_dispatch = captured(stream, dispatch_new)
         new_sum, new_combine = captured(stream, lambda: buf.combine(new.recv_x, new.handle))
     graphs = (cached_dispatch, cached_combine, new_dispatch, new_combine)
     marks = [cupy.cuda.Event() for _ in range(len(graphs) + 1)]
