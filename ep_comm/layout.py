@@ -64,6 +64,15 @@ def dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> D
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
+def send_count_words(layout: DispatchLayout) -> np.ndarray:
+    """The count exchange's blocks of a sender, int64 ``[R, 1 + L]``: row ``r`` is what goes to rank ``r``,
+    ``layout.num_tokens_per_rank[r]`` then ``layout.num_tokens_per_expert[r*L:(r+1)*L]`` (its rows, and its
+    entries per local expert of ``r``)."""
+    per_rank = np.asarray(layout.num_tokens_per_rank, dtype=np.int64)
+    per_expert = np.asarray(layout.num_tokens_per_expert, dtype=np.int64).reshape(len(per_rank), -1)
+    return np.concatenate([per_rank[:, None], per_expert], axis=1)
+
+
 def inclusive_psum(counts: np.ndarray) -> np.ndarray:
     """Inclusive prefix sum, int32: ``out[i] = counts[0] + ... + counts[i]``."""
     return np.cumsum(np.asarray(counts, dtype=np.int64)).astype(np.int32)

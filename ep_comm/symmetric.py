@@ -6,7 +6,9 @@ that a peer's region is addressed by the same offsets everywhere:
 * ``signal[R]`` int64: the step word ``seq << 2 | kind`` (kind 1 dispatch, 2 combine, 3 close) of
   the last collective step source rank ``s`` finished writing into this rank (monotone; a waiter
   wants ``signal[s]`` equal to its own step's word, or a later step number);
-* ``counts[2][R]`` int64: rows source ``s`` wrote in the operation of that parity;
+* ``counts[2][R][1 + L]`` int64 (``L`` local experts): what source ``s`` sent in the operation of that
+  parity (new routing only): word 0 its rows, word ``1 + j`` its entries for local expert ``j`` (the
+  slice ``[r*L:(r+1)*L]`` of its count kernel's tokens per expert, for this rank ``r``);
 * ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
 * ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
   (as raw bits);
@@ -38,6 +40,13 @@ class SymmetricLayout:
     hidden: int
     num_topk: int
     itemsize: int
+    num_local_experts: int
+
+    @property
+    def count_words(self) -> int:
+        """int64 words one source writes per operation into a destination's counts: rows, then one per local
+        expert."""
+        return 1 + self.num_local_experts
 
     @property
     def row_bytes(self) -> int:
@@ -57,7 +66,7 @@ class SymmetricLayout:
 
     @property
     def rows_offset(self) -> int:
-        return self.counts_offset + _up(2 * 8 * self.num_ranks)
+        return self.counts_offset + _up(2 * 8 * self.num_ranks * self.count_words)
 
     @property
     def meta_offset(self) -> int:
@@ -82,7 +91,8 @@ class SymmetricLayout:
         return self.signal_offset + 8 * src
 
     def count_at(self, parity: int, src: int) -> int:
-        return self.counts_offset + 8 * (parity * self.num_ranks + src)
+        """Byte offset of source ``src``'s ``count_words`` words of the operation of ``parity``."""
+        return self.counts_offset + 8 * (parity * self.num_ranks + src) * self.count_words
 
     def row_at(self, parity: int, src: int, slot: int = 0) -> int:
         return self.rows_offset + ((parity * self.num_ranks + src) * self.max_tokens + slot) * self.row_bytes

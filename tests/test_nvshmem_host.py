@@ -200,7 +200,8 @@ class HostDevice:
 
 def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False):
     """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator."""
-    sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
+    sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
+                          geo.experts_per_rank)
     transport = LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
     settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
     return NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,

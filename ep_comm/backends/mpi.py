@@ -47,7 +47,8 @@ class MpiBackend:
         self.geo = geo
         self.deterministic = settings.deterministic
         self.timeout_s = settings.timeout_s
-        self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
+        self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
+                                   geo.experts_per_rank)
         self.window = MpiWindow(self.comm, self.sym)
         self.steps = Steps(self.rank, settings.timeout_s, self.window)
         self.profile = Profile(settings.profile)
@@ -163,8 +164,11 @@ class MpiBackend:
 
     def _scatter(self, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray) -> None:
         """Rank scatter: each destination's rows in slot order, one put per destination (and, for a new
-        routing, the count exchange)."""
+        routing, the count exchange: per destination its rows, then its entries per local expert,
+        ``layout.send_count_words``)."""
         geo, weights = self.geo, request.topk_weights
+        if request.handle is None:
+            words = lay.send_count_words(lay.dispatch_layout(routing.topk_idx, geo.num_experts, geo.num_ranks))
         for dst in range(geo.num_ranks):
             tokens = np.nonzero(routing.is_token_in_rank[:, dst])[0]
             tokens = tokens[np.argsort(slots[tokens, dst], kind="stable")]
@@ -172,7 +176,7 @@ class MpiBackend:
             self._put_block(dst, parity, request.x[tokens],
                             self._pack_meta(tokens, local_ids, None if weights is None else weights[tokens]))
             if request.handle is None:  # count exchange
-                self.window.put(np.array([len(tokens)], dtype=np.int64), dst, self.sym.count_at(parity, self.rank))
+                self.window.put(words[dst], dst, self.sym.count_at(parity, self.rank))
 
     def _slots_from_handle(self, handle: EPHandle) -> np.ndarray:
         """``[T, R]`` slots recorded in a handle's ``dst_buffer_slot_idx``."""

@@ -10,9 +10,11 @@ deterministic mode. The data path is ``ep_comm.launching.kernels.Kernels``; per 
    mode allocates the outputs first and sends the payload of the rows for ``me`` itself straight to
    their ``recv_x`` rows instead (their meta rows still go to the own buffer);
 3. signal ``step_word(seq, kind)`` to every rank, carrying this rank's per-destination counts (new
-   routing), then a bounded GPU wait for every rank's signal (``ep_comm.transport.signals``);
-4. ``receive_count`` (new routing) and ``receive_copy`` into the outputs (after a compact replay
-   without the payload of the rows from ``me``, already in place).
+   routing: rows and entries per local expert), then a bounded GPU wait for every rank's signal
+   (``ep_comm.transport.signals``);
+4. ``receive_count`` (new routing; in compact mode from the count words alone) and ``receive_copy``
+   into the outputs (after a compact replay without the payload of the rows from ``me``, already in
+   place).
 
 Every step's signal advances the device step counter (``ep_comm.kernels.step_counter``): the kernels read
 the step number and buffer parity from it, not from the host (the senders, before the signal, one
@@ -134,7 +136,8 @@ class NvshmemBackend:
             everything released, when that exceeds any rank's SM count).
         """
         comm = comm.Dup()
-        sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize)
+        sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
+                              geo.experts_per_rank)
         transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize),
                                    settings.transport == "puts")
         device = device_type(transport.device, geo.experts_per_rank)
@@ -243,8 +246,9 @@ class NvshmemBackend:
             raise self.steps.timed_out(what, missing)
 
     def _signal_and_wait(self, what: str, seq: int, counts: Optional[Array] = None) -> None:
-        """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``), then enqueue
-        the bounded wait for every rank's signal (the received counts of a missing rank become 0).
+        """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``, int32 ``[R, 1 + L]``:
+        rows, then entries per local expert, ``SendLayout.count_words``), then enqueue the bounded wait for
+        every rank's signal (the received counts of a missing rank become 0).
 
         The signal word is ``step_word(seq, what)`` (monotone). A peer has arrived when its word equals
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
@@ -290,7 +294,7 @@ class NvshmemBackend:
             send = k.count(request.topk_idx, stable=stable)
         routing = Routing(request.topk_idx, send.is_token_in_rank, send.slot_idx)
         self._send(seq, request, routing, SLOT_STABLE if stable else SLOT_ATOMIC, send.rank_psum)
-        self._signal_and_wait("dispatch", seq, send.num_tokens_per_rank)
+        self._signal_and_wait("dispatch", seq, send.count_words)
         with self.profile.phase("dispatch", "receive_count"):
             recv = k.receive_count(self._own_counts, self._own_meta, self.transport.step,
                                    alignment=request.expert_alignment, expand=request.expand, stable=stable)

@@ -85,7 +85,7 @@ class Bench:
         self.cp, self.a = cp, a
         self.k = Kernels(cp, num_ranks=a.ranks, num_experts=a.experts, num_topk=a.topk, max_tokens=a.tokens,
                          num_blocks=a.blocks, warps_per_block=a.warps_per_block)
-        sym = SymmetricLayout(a.ranks, a.tokens, a.hidden, a.topk, 2)
+        sym = SymmetricLayout(a.ranks, a.tokens, a.hidden, a.topk, 2, a.experts // a.ranks)
         word = word_dtype(a.hidden, 2)
         self.views = [symmetric_views(cp.zeros(sym.total_bytes, np.uint8), sym, word) for _ in range(a.ranks)]
         self.rows = [v.rows for v in self.views]
@@ -106,7 +106,7 @@ class Bench:
         self.k.scatter(self.x, self.topk[s], self.w, lay.slot_idx, self.rows, self.metas, src_rank=s,
                        step=self.dispatch_step, mode=mode)
         for d, view in enumerate(self.views):
-            view.counts[1, s] = int(to_host(lay.num_tokens_per_rank)[d])
+            view.counts[1, s] = lay.count_words[d]
         return lay
 
     def outputs(self, expand: bool) -> tuple:

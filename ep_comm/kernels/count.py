@@ -52,8 +52,12 @@ def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stabl
 
 @kernel
 def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, counters, ticket, unit_counts,
-                 group_counts, rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank):
+                 group_counts, rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum, in_rank,
+                 count_words):
     """See :meth:`ep_comm.launching.kernels.Kernels.count`; dynamic shared memory: int32 ``[E + R + warps * R]``.
+
+    ``count_words [R, 1 + L]`` gets, per destination ``r``, ``tokens_per_rank[r]`` then
+    ``tokens_per_expert[r*L:(r+1)*L]``: the block the count exchange sends to ``r``.
 
     Stable mode leaves ``unit_counts[u, r]``: rank-r tokens of ``u``'s group before ``u``, and
     ``group_counts[g, r]``: rank-r tokens before group ``g`` (exclusive scan over groups).
@@ -93,6 +97,11 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
     for i in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):
         tokens_per_rank[i] = hist[num_experts + i]
         rank_cursor[i] = 0
+    width = count_words.shape[1]
+    for i in range(cuda.threadIdx.x, num_ranks * width, cuda.blockDim.x):
+        r = i // width
+        j = i - r * width
+        count_words[r, j] = hist[num_experts + r] if j == 0 else hist[r * experts_per_rank + j - 1]
     # Scan jobs round-robin over the block's warps: ranks and experts from shared memory, then one
     # per rank over the groups (written by other blocks: coherent loads).
     num_jobs = 2 + (num_ranks if stable else 0)

@@ -1,9 +1,13 @@
 """Receive kernels: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
 
-``receive_count_kernel`` (not for a cached dispatch) scans the per-source counts into
-``psum_num_recv_tokens_per_rank``, counts rows per local expert (shared-memory histograms, ticketed
-last block as in ``count.py``) and lays out the expand placement: aligned expert starts, the DeepEP
-V2 expert psum and, in stable mode, per-unit cursors.
+Not for a cached dispatch, the counts: every source sent, with its signal, its rows and its entries per
+local expert (``ep_comm.symmetric``, ``counts[2][R][1 + L]``). In compact mode
+``receive_count_words_kernel`` (one block) derives everything from those words alone: the
+``psum_num_recv_tokens_per_rank`` scan, the per-expert sums, aligned counts and expert psum. Expand mode
+needs the per-unit cursors of a scan over the received meta rows: ``receive_count_kernel`` scans the
+rows words into the psum, counts rows per local expert (shared-memory histograms, ticketed last block
+as in ``count.py``) and lays out the expand placement: aligned expert starts, the DeepEP V2 expert psum
+and, in stable mode, per-unit cursors.
 
 Compact mode needs no placement: row ``i`` comes from source ``s`` and slot ``i - psum[s-1]``, so
 ``receive_compact_kernel`` does the whole receive in one launch, with every warp of the grid on a
@@ -93,15 +97,16 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
 
 
 @kernel
-def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, expand, stable, rows_per_unit, max_units,
+def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stable, rows_per_unit, max_units,
                          counters, ticket, unit_counts, rank_psum, unaligned, aligned, expert_psum, expert_cursor,
                          totals):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_count`; dynamic shared memory: int32 ``[R + 2L]``.
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_count`, expand mode; dynamic shared memory: int32
+    ``[R + 2L]``.
 
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
     :func:`receive_place_kernel` repeats from the same arguments.
     """
-    src_counts = counts_by_parity[step_parity(step, 0)]
+    src_counts = counts_by_parity[step_parity(step, 0), :, 0]
     meta = meta_by_parity[step_parity(step, 0)]
     num_ranks = src_counts.shape[0]
     num_local = unaligned.shape[0]
@@ -137,11 +142,40 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, expa
     cuda.syncthreads()
     for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
         expert_cursor[e] = start[e]
-        expert_psum[e] = start[e] + (hist[e] if expand else align_up(hist[e], alignment))
+        expert_psum[e] = start[e] + hist[e]
     if stable:
         for e in range(cuda.threadIdx.x // WARP, num_local, cuda.blockDim.x // WARP):
             column = unit_counts[:num_units, e]
             warp_scan(column, column, num_units, True, start[e], True)
+
+
+@kernel
+def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
+                               totals):
+    """See :func:`ep_comm.launching.kernels.Kernels.receive_count`, compact mode: one block, which reads only
+    the ``[R, 1 + L]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
+    """
+    words = counts_by_parity[step_parity(step, 0)]
+    num_ranks = words.shape[0]
+    num_local = unaligned.shape[0]
+    sizes = cuda.shared.array(0, int32)
+    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+        count = 0
+        for s in range(num_ranks):
+            count += words[s, 1 + e]
+        unaligned[e] = count
+        aligned[e] = align_up(count, alignment)
+        sizes[e] = align_up(count, alignment)
+    cuda.syncthreads()
+    warp = cuda.threadIdx.x // WARP
+    if warp == 0:
+        num_rows = warp_scan(words[:, 0], rank_psum, num_ranks, False, 0, False)
+        if lane_id() == 0:
+            totals[0] = num_rows
+    elif warp == 1:
+        total = warp_scan(sizes, expert_psum, num_local, False, 0, False)
+        if lane_id() == 0:
+            totals[1] = total
 
 
 @cuda.jit(device=True)

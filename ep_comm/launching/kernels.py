@@ -37,7 +37,8 @@ from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, com
                                      combine_expand_kernel, combine_reduce_bf16_kernel, combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
-                                     receive_count_kernel, receive_place_kernel, receive_rows_kernel)
+                                     receive_count_kernel, receive_count_words_kernel, receive_place_kernel,
+                                     receive_rows_kernel)
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
@@ -62,6 +63,7 @@ class SendLayout(NamedTuple):
     expert_psum: Array  # [E + 1] int32, exclusive with the total appended
     is_token_in_rank: Array  # [T, R] bool
     slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx: filled by :meth:`Kernels.scatter`
+    count_words: Array  # [R, 1 + L] int32: row r is num_tokens_per_rank[r], num_tokens_per_expert[r*L:(r+1)*L]
 
 
 class ReceiveCounts(NamedTuple):
@@ -209,21 +211,21 @@ class Kernels:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
 
         Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
-        :meth:`scatter` consumes next. Returns a :class:`SendLayout`
-        with a fresh, unfilled ``slot_idx``.
+        :meth:`scatter` consumes next. Returns a :class:`SendLayout` with a fresh, unfilled ``slot_idx``
+        and, in ``count_words``, the block the count exchange sends (written by the same launch).
         """
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         num_tokens = topk_idx.shape[0]
         out = SendLayout(xp.empty(r, np.int32), xp.empty(e, np.int32), xp.empty(r, np.int32),
                          xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
-                         xp.empty((num_tokens, self.num_topk), np.int32))
+                         xp.empty((num_tokens, self.num_topk), np.int32), xp.empty((r, 1 + self.num_local), np.int32))
         num_units, units_per_warp = self.token_cut(num_tokens)
         count_warps = -(-num_units // units_per_warp)
         blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
         self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
             topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
             self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
-            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank)
+            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words)
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
@@ -285,19 +287,35 @@ class Kernels:
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool) -> ReceiveCounts:
-        """Count what arrived at the parity of ``step``: ``src_counts [2, R]`` rows per source (int64,
-        ``SymmetricViews.counts``), ``meta [2, R, max_tokens, 1 + 2K]`` int32 (``SymmetricViews.meta``).
+        """Count what arrived at the parity of ``step``.
 
-        Also prepares the expand placement that :meth:`receive_copy` consumes next.
+        Args:
+            src_counts: ``[2, R, 1 + L]`` int64 (``SymmetricViews.counts``): per source its rows, then its
+                entries per local expert.
+            meta: ``[2, R, max_tokens, 1 + 2K]`` int32 (``SymmetricViews.meta``), read in expand mode only.
+            step: the device step counter (int64 ``[1]``).
+            alignment: the expert alignment of the aligned counts and the expert psum.
+            expand: expand mode, which also prepares the placement that :meth:`receive_copy` consumes next
+                (a scan over the received meta rows, with per-unit cursors when ``stable``); compact mode
+                is one single-block launch over the count words alone.
+            stable: stable (deterministic) expand placement.
+
+        Returns:
+            A :class:`ReceiveCounts` on the device.
         """
         xp, r, local = self.xp, self.num_ranks, self.num_local
         out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
                             xp.empty(local, np.int32), xp.empty(2, np.int32))
+        if not expand:
+            self._launch(receive_count_words_kernel, 4 * local, 1)(
+                src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
+                out.expert_psum, out.totals)
+            return out
         worst_units = units_for(meta.shape[1] * meta.shape[2], self.recv_rows_per_unit, self.recv_units)
         warps = self.recv_count_warps_per_block
         blocks = min(self.num_blocks, -(-worst_units // warps))
         self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks, warps)(
-            src_counts, meta, step, alignment, expand, stable and expand, self.recv_rows_per_unit, self.recv_units,
+            src_counts, meta, step, alignment, stable, self.recv_rows_per_unit, self.recv_units,
             self._counters[:local], self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
             out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)
         return out

@@ -27,7 +27,7 @@ class SymmetricViews(NamedTuple):
     """Typed views of one rank's symmetric buffer (``ep_comm.symmetric`` byte layout)."""
 
     signal: Array  # [R] int64
-    counts: Array  # [2, R] int64
+    counts: Array  # [2, R, 1 + L] int64: per source rows, then entries per local expert
     rows: Array  # [2, R, max_tokens, row_bytes // word] words
     meta: Array  # [2, R, max_tokens, 1 + 2K] int32
 
@@ -70,7 +70,7 @@ def symmetric_views(buffer: Array, layout: SymmetricLayout, word: np.dtype) -> S
     rows_bytes = 2 * r * t * layout.row_bytes
     return SymmetricViews(
         signal=region(layout.signal_offset, 8 * r, np.int64),
-        counts=region(layout.counts_offset, 16 * r, np.int64).reshape(2, r),
+        counts=region(layout.counts_offset, 16 * r * layout.count_words, np.int64).reshape(2, r, layout.count_words),
         rows=region(layout.rows_offset, rows_bytes, word).reshape(2, r, t, layout.row_bytes // np.dtype(word).itemsize),
         meta=region(layout.meta_offset, 2 * r * t * layout.meta_words * 4, np.int32).reshape(
             2, r, t, layout.meta_words),

@@ -90,8 +90,9 @@ class NvshmemTransport:
         """Enqueue step ``seq``'s signal to every rank, then the bounded wait for every rank's signal.
 
         Advances the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the step
-        word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R]``) went to their count words of
-        the step's parity; with ``counts`` the received count words of missing ranks are zeroed. Peer stores
+        word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R, 1 + L]``: per destination its
+        rows, then its entries per local expert) went to their count words of the step's parity; with
+        ``counts`` the received count words of missing ranks are zeroed. Peer stores
         read the step from the device counter, in one launch (``signals.signal_and_wait``); puts signal
         with the host's ``seq`` (equal to it: the puts path is never captured into a graph) through
         NVSHMEM, then wait. The wait ends early for a rank that posted an abort record."""
@@ -103,8 +104,8 @@ class NvshmemTransport:
                                     self._abort_words)
             return
         signals.advance_step(self.step)
-        nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), sym.num_ranks, me, seq << 2 | kind,
-                                  None if counts is None else numba_view(counts), numba_view(self.own.counts[seq % 2]))
+        nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), numba_view(self.own.counts[seq % 2]),
+                                  sym.num_ranks, me, seq << 2 | kind, None if counts is None else numba_view(counts))
         signals.wait_signals(self.own.signal, sym.num_ranks, self.step, kind, timeout_s, self.status.device, received,
                              self._abort_words)
 

@@ -4,7 +4,7 @@ With puts, the kernels of ``ep_comm.kernels`` write each destination's rows into
 block (see ``NvshmemTransport``); then ``put_blocks`` sends every destination its block, one
 contiguous run of ``count`` rows, with ``put_nbi_block`` in chunks, and ``nvshmem_quiet`` at the
 end of every CTA (so every byte has landed when the kernel ends); a later kernel
-(``signal_peers``) writes each peer's count word (optional) and ``signal[me]`` with ``nvshmem_p``.
+(``signal_peers``) writes each peer's count block (optional) and ``signal[me]`` with ``nvshmem_p``.
 Kernels that call NVSHMEM device functions cannot be cached on disk: the first call in a process
 compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank is its PE. Staging
 blocks live in the symmetric heap, so every transport can read them.
@@ -48,7 +48,8 @@ def _kernels():
         r = cuda.threadIdx.x
         if r < num_ranks:
             if has_counts:
-                nvd.p(count_words[me:me + 1], int64(counts[r]), int32(r))
+                for w in range(count_words.shape[1]):
+                    nvd.p(count_words[me, w:w + 1], int64(counts[r, w]), int32(r))
                 quiet()
             nvd.p(signals[me:me + 1], seq, int32(r))
 
@@ -67,12 +68,13 @@ def put_blocks(stream, stage, first_block: int, block_bytes: int, sym, dst_offse
                                                  np.int64(dst_offset), np.int64(row_bytes), psum, np.int64(chunks))
 
 
-def signal_peers(stream, signals, num_ranks: int, me: int, seq: int, counts=None, count_words=None) -> None:
+def signal_peers(stream, signals, count_words, num_ranks: int, me: int, seq: int, counts=None) -> None:
     """After every earlier put on the stream: ``signal[me] = seq`` on every PE (``signals``: this rank's
-    int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R]``), first
-    ``count_words[me] = counts[r]`` on PE ``r`` (``count_words``: int64 ``[R]`` symmetric words)."""
+    int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R, 1 + L]``: per destination
+    its rows, then its entries per local expert), first ``count_words[me] = counts[r]`` on PE ``r``
+    (``count_words``: int64 ``[R, 1 + L]`` symmetric words, the step's parity; not written without ``counts``)."""
     _, signal_kernel = _kernels()
     has_counts = counts is not None
     signal_kernel[1, max(32, -(-num_ranks // 32) * 32), stream](
-        signals, count_words if has_counts else signals, counts if has_counts else signals, has_counts,
-        np.int64(num_ranks), np.int64(me), np.int64(seq))
+        signals, count_words, counts if has_counts else count_words, has_counts, np.int64(num_ranks), np.int64(me),
+        np.int64(seq))

@@ -6,10 +6,10 @@ Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer vie
 see ``ep_comm.kernels.step_counter``) so that a CUDA graph can replay them:
 
 * ``signal_and_wait`` (peer stores), one launch per step: advances the counter to this step,
-  ``step + 1``; optionally sends this rank's per-destination counts into every peer's count words of
-  the step's parity, then a system-scope fence and ``signal[me] = step << 2 | kind`` in every peer
-  with a ``st.release.sys`` store (a receiver that acquires the signal sees every row and count sent
-  before it); then the wait below;
+  ``step + 1``; optionally sends this rank's per-destination count block (rows, then entries per local
+  expert: ``1 + L`` words) into every peer's count words of the step's parity, then a system-scope
+  fence and ``signal[me] = step << 2 | kind`` in every peer with a ``st.release.sys`` store (a
+  receiver that acquires the signal sees every row and count sent before it); then the wait below;
 * ``advance_step``: ``step += 1`` alone (the puts transport signals through NVSHMEM instead);
 * ``wait_signals``: one CTA polls the local ``signal[s]`` words with ``ld.acquire.sys`` until each
   equals the step's word or passed the next step's threshold (a peer at most one step ahead),
@@ -57,16 +57,19 @@ extern "C" __global__ void advance_step(i64* step) {
 }
 
 // The step number this launch signals, step[0] + 1, read by every thread of the CTA; thread 0 stores it
-// back only after all have read it. counts (or NULL): counts[r] goes to word me of the step's parity row of
-// the int64 [2][R] count words at counts_offset of rank r, before the signal.
+// back only after all have read it. counts (or NULL, int32 [R][count_words]): row r goes to block me of the
+// step's parity of the int64 [2][R][count_words] count words at counts_offset of rank r, before the signal.
 __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step, int kind,
-                           const int* counts, i64 counts_offset) {
+                           const int* counts, i64 counts_offset, int count_words) {
     const i64 seq = step[0] + 1;
     __syncthreads();
     if (threadIdx.x == 0) step[0] = seq;
     if (counts)
-        for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
-            ((volatile i64*)(peers[r] + counts_offset))[(seq & 1) * num_ranks + me] = counts[r];
+        for (int i = threadIdx.x; i < num_ranks * count_words; i += blockDim.x) {
+            const int r = i / count_words;
+            volatile i64* block = (volatile i64*)(peers[r] + counts_offset) + ((seq & 1) * num_ranks + me) * count_words;
+            block[i - r * count_words] = counts[i];
+        }
     __threadfence_system();
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
         store_release_sys((i64*)(peers[r] + signal_offset) + me, seq << 2 | kind);
@@ -75,13 +78,13 @@ __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_o
 
 // Rank s arrived when signal[s] == seq << 2 | kind (this step) or >= (seq + 1) << 2 (its next); it gave up
 // when word 0 of its abort record (aborts, int64 [R][abort_words], or NULL) is set: then it is not waited for.
-// status: [want, missing total (sticky), missing flag per rank (sticky), abort word 0 per rank]; counts (or
-// NULL: int64 [2][R], the step's parity row) of a rank that did not arrive are zeroed so that later kernels
-// see an empty, well-formed block.
+// status: [want, missing total (sticky), missing flag per rank (sticky), abort word 0 per rank]; the count
+// words (counts_by_parity, or NULL: int64 [2][R][count_words], the step's parity) of a rank that did not
+// arrive are zeroed so that later kernels see an empty, well-formed block.
 __device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, u64 timeout_ns, i64* status,
-                          i64* counts_by_parity, const i64* aborts, int abort_words) {
+                          i64* counts_by_parity, int count_words, const i64* aborts, int abort_words) {
     const i64 want = seq << 2 | kind, ahead = (seq + 1) << 2;
-    i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks : 0;
+    i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks * count_words : 0;
     __shared__ int missing;
     __shared__ int poisoned;
     if (threadIdx.x == 0) {
@@ -104,7 +107,8 @@ __device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, 
         if (!arrived) {
             atomicAdd(&missing, 1);
             ((volatile i64*)status)[2 + s] = 1;
-            if (counts) counts[s] = 0;
+            if (counts)
+                for (int w = 0; w < count_words; ++w) ((volatile i64*)counts)[s * count_words + w] = 0;
         }
         if (aborts) ((volatile i64*)status)[2 + num_ranks + s] = load_acquire_sys(aborts + (i64)s * abort_words);
     }
@@ -118,17 +122,19 @@ __device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, 
 
 // One CTA: the step's signal to every rank (peer stores), then the bounded wait for every rank's signal.
 extern "C" __global__ void signal_and_wait(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step,
-                                           int kind, const int* counts, i64 counts_offset, const i64* signals,
-                                           u64 timeout_ns, i64* status, i64* counts_by_parity, const i64* aborts,
-                                           int abort_words) {
-    const i64 seq = signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset);
-    wait_step(signals, num_ranks, seq, kind, timeout_ns, status, counts_by_parity, aborts, abort_words);
+                                           int kind, const int* counts, i64 counts_offset, int count_words,
+                                           const i64* signals, u64 timeout_ns, i64* status, i64* counts_by_parity,
+                                           const i64* aborts, int abort_words) {
+    const i64 seq = signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
+    wait_step(signals, num_ranks, seq, kind, timeout_ns, status, counts_by_parity, count_words, aborts, abort_words);
 }
 
 // One CTA: the bounded wait alone, for the step the counter holds (the puts transport signals through NVSHMEM).
 extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const i64* step, int kind, u64 timeout_ns,
-                                        i64* status, i64* counts_by_parity, const i64* aborts, int abort_words) {
-    wait_step(signals, num_ranks, step[0], kind, timeout_ns, status, counts_by_parity, aborts, abort_words);
+                                        i64* status, i64* counts_by_parity, int count_words, const i64* aborts,
+                                        int abort_words) {
+    wait_step(signals, num_ranks, step[0], kind, timeout_ns, status, counts_by_parity, count_words, aborts,
+              abort_words);
 }
 """
 
@@ -161,16 +167,17 @@ def signal_and_wait(peer_ptrs, num_ranks: int, me: int, signal_offset: int, step
                     signals, timeout_s: float, status, counts_by_parity=None, aborts=None) -> None:
     """One launch, after every earlier write on the stream: ``step[0] += 1`` (the device step counter), then
     ``signal[me] = step[0] << 2 | kind`` in every rank's buffer (release, system scope), then the bounded wait
-    of :func:`wait_signals` for every rank's signal of that step. With ``counts`` (int32 ``[R]`` device
-    array, or None), first ``counts[r]`` goes to word ``me`` of the step's parity row of the int64 ``[2, R]``
-    count words at byte ``counts_offset`` of rank ``r``'s buffer (the count exchange rides on the signal).
-    ``peer_ptrs``: uint64 ``[R]`` device addresses of every rank's buffer; ``signals``: this rank's int64
-    ``[R]`` signal words; the rest as in :func:`wait_signals`."""
+    of :func:`wait_signals` for every rank's signal of that step. With ``counts`` (int32 ``[R, 1 + L]`` device
+    array, or None: per destination its rows, then its entries per local expert), first row ``r`` goes to
+    block ``me`` of the step's parity of the int64 ``[2, R, 1 + L]`` count words at byte ``counts_offset`` of
+    rank ``r``'s buffer (the count exchange rides on the signal); ``counts_by_parity`` (this rank's count
+    words) comes with it. ``peer_ptrs``: uint64 ``[R]`` device addresses of every rank's buffer;
+    ``signals``: this rank's int64 ``[R]`` signal words; the rest as in :func:`wait_signals`."""
     _kernel("signal_and_wait")((1,), (WAIT_THREADS,),
                                (peer_ptrs, np.int32(num_ranks), np.int32(me), np.int64(signal_offset), step,
-                                np.int32(kind), _or_null(counts), np.int64(counts_offset), signals,
-                                _timeout_ns(timeout_s), status, _or_null(counts_by_parity), _or_null(aborts),
-                                np.int32(_abort_words(aborts))))
+                                np.int32(kind), _or_null(counts), np.int64(counts_offset),
+                                np.int32(_count_words(counts, counts_by_parity)), signals, _timeout_ns(timeout_s),
+                                status, _or_null(counts_by_parity), _or_null(aborts), np.int32(_abort_words(aborts))))
 
 
 def wait_signals(signals, num_ranks: int, step, kind: int, timeout_s: float, status, counts=None,
@@ -178,11 +185,28 @@ def wait_signals(signals, num_ranks: int, step, kind: int, timeout_s: float, sta
     """Enqueue the bounded wait until ``signals[s] == step[0] << 2 | kind`` or ``>= (step[0] + 1) << 2``
     (int64 device views) for every ``s``, or until rank ``s`` posted an abort record (``aborts``: int64
     ``[R, ABORT_WORDS]``, this rank's abort region, or None); ``status`` is the mapped ``WaitStatus``
-    record, which also gets word 0 of every abort record; ``counts`` (int64 ``[2, R]`` or None): the
-    step's parity row of a missing rank is zeroed."""
+    record, which also gets word 0 of every abort record; ``counts`` (int64 ``[2, R, 1 + L]`` or None): the
+    step's parity block of a missing rank is zeroed."""
     _kernel("wait_signals")((1,), (WAIT_THREADS,),
                             (signals, np.int32(num_ranks), step, np.int32(kind), _timeout_ns(timeout_s), status,
-                             _or_null(counts), _or_null(aborts), np.int32(_abort_words(aborts))))
+                             _or_null(counts), np.int32(_count_words(None, counts)), _or_null(aborts),
+                             np.int32(_abort_words(aborts))))
+
+
+def _count_words(counts, counts_by_parity) -> int:
+    """int64 words of one source's count block (0 without ``counts_by_parity [2, R, words]``); ``counts``
+    (the send block ``[R, words]``, or None) must match it."""
+    if counts_by_parity is None:
+        if counts is not None:
+            raise ValueError("counts given without counts_by_parity: the count exchange needs this rank's count "
+                             "words, whose blocks of a missing rank the wait zeroes")
+        return 0
+    words = int(counts_by_parity.shape[2])
+    if counts is not None and tuple(counts.shape) != (counts_by_parity.shape[1], words):
+        raise ValueError(f"counts has shape {tuple(counts.shape)}: must be [R, 1 + L] = "
+                         f"{(int(counts_by_parity.shape[1]), words)}, one block per destination as counts_by_parity "
+                         "holds them")
+    return words
 
 
 def _timeout_ns(timeout_s: float) -> np.uint64:

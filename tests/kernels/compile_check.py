@@ -41,7 +41,7 @@ class Recorder(Kernels):
 
 def record_all(dtype: np.dtype) -> list:
     k = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)
-    sym = SymmetricLayout(R, T, H, K, dtype.itemsize)
+    sym = SymmetricLayout(R, T, H, K, dtype.itemsize, E // R)
     views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(H, dtype.itemsize)) for _ in range(R)]
     topk = np.zeros((T, K), np.int64)
     x = np.zeros((T, H), dtype)
@@ -53,6 +53,7 @@ def record_all(dtype: np.dtype) -> list:
     k.count(topk, stable=True)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
               src_rank=0, step=step, mode=SLOT_STABLE)
+    k.receive_count(views[0].counts, views[0].meta, step, alignment=2, expand=False, stable=False)
     counts = k.receive_count(views[0].counts, views[0].meta, step, alignment=1, expand=True, stable=True)
     for expand, ids_shape in ((False, (R * T, K)), (True, (R * T * K,))):
         k.receive_copy(counts.rank_psum, views[0].rows, views[0].meta, step, np.zeros((ids_shape[0], H), dtype),
@@ -66,7 +67,7 @@ def record_all(dtype: np.dtype) -> list:
                      bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)])
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0)  # bf16: the wide one
     long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows
-    sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize)
+    sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize, E // R)
     views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(LONG_H, dtype.itemsize))
              for _ in range(R)]
     long_rows.scatter(np.zeros((T, LONG_H), dtype), topk, np.zeros((T, K), np.float32), slot_idx,

@@ -32,6 +32,7 @@ def check_count(world: World, deterministic: bool) -> None:
         np.testing.assert_array_equal(to_host(lay.is_token_in_rank), want.is_token_in_rank)
         np.testing.assert_array_equal(to_host(lay.rank_psum), ref.inclusive_psum(want.num_tokens_per_rank))
         np.testing.assert_array_equal(to_host(lay.expert_psum), ref.exclusive_psum(want.num_tokens_per_expert))
+        np.testing.assert_array_equal(to_host(lay.count_words), ref.send_count_words(want))
 
 
 @pytest.mark.parametrize("case", [
@@ -152,6 +153,45 @@ def test_zero_tokens_everywhere(xp):
     run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
 
 
+@pytest.mark.parametrize("ranks, experts, tokens, alignment, missing", [
+    (1, 4, (9,), 1, None),
+    (1, 4, (0,), 4, None),  # nothing sent
+    (2, 70, (40, 1), 8, None),  # 35 local experts: more than a warp
+    (2, 12, (10, 13), 2, 1),
+    (3, 12, (10, 13, 0), 1, None),  # a source with zero rows
+    (3, 12, (10, 13, 7), 4, 0),
+], ids=["1-rank", "1-rank-empty", "2-ranks-35-local", "2-ranks-missing", "3-ranks-zero-rows", "3-ranks-missing"])
+def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks, experts, tokens, alignment,
+                                                          missing):
+    """Compact mode counts from the ``[R, 1 + L]`` count words alone, in one single-block launch: rank psum,
+    unaligned and aligned counts per local expert, the compact expert psum and the totals are the reference's
+    for the rows received, with every received meta row overwritten first; a missing source's block, zeroed
+    as the wait does, counts as a source that sent nothing."""
+    from ep_comm.kernels.receive import receive_count_words_kernel
+
+    world = make_world(xp, seed=31, ranks=ranks, experts=experts, topk=3, tokens=tokens, masked=0.2,
+                       max_tokens=40)
+    sent = world.send(1, deterministic=True)
+    launched = spy_launches(monkeypatch)
+    for d in range(ranks):
+        if missing is not None:
+            world.views[d].counts[1, missing] = 0
+        world.views[d].meta[...] = -7  # not read
+        got = world.kernels.receive_count(world.views[d].counts, world.views[d].meta, world.step(1),
+                                          alignment=alignment, expand=False, stable=True)
+        arrivals = world.arrivals(d, sent)
+        keep = [i for i, (s, _, _) in enumerate(arrivals) if s != missing]
+        local = world.expected_compact(d, sent)["local"][keep]
+        per_source = np.bincount([arrivals[i][0] for i in keep], minlength=ranks)
+        want = ref.receive_layout(local, world.local, alignment, expand=False)
+        np.testing.assert_array_equal(to_host(got.rank_psum), ref.inclusive_psum(per_source))
+        np.testing.assert_array_equal(to_host(got.num_unaligned_per_expert), want.num_unaligned_per_expert)
+        np.testing.assert_array_equal(to_host(got.num_aligned_per_expert), want.num_aligned_per_expert)
+        np.testing.assert_array_equal(to_host(got.expert_psum), want.psum_per_expert)
+        np.testing.assert_array_equal(to_host(got.totals), [len(keep), want.num_expanded_tokens])
+    assert launched == [receive_count_words_kernel] * ranks
+
+
 @pytest.mark.parametrize("expand", [False, True])
 def test_cached_dispatch_replays_the_routing(xp, expand):
     world = make_world(xp, seed=5, hot_expert=1)
@@ -219,7 +259,7 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
     """A compact receive is one launch of ``receive_compact_kernel`` (rows whole or in pieces, wide or
     narrow): payload, ids, weight bits and metadata bit for bit the reference, and with worst-case
     outputs (``cpu_sync=False``) the tail past N marked -1 with zero weight bits."""
-    from ep_comm.kernels.receive import receive_compact_kernel, receive_count_kernel
+    from ep_comm.kernels.receive import receive_compact_kernel, receive_count_words_kernel
 
     world = make_world(xp, seed=21, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps
@@ -234,7 +274,7 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
         n = len(want["x"])
         assert (len(got.recv_x) > n) == worst_case
         assert not got.recv_topk_weights[n:].view(np.uint32).any()
-    assert set(launched) == {receive_count_kernel, receive_compact_kernel}
+    assert set(launched) == {receive_count_words_kernel, receive_compact_kernel}
     copies = [args for kernel, args in launches if kernel is receive_compact_kernel]
     assert len(copies) == world.num_ranks
     for args in copies:

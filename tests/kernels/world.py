@@ -100,7 +100,8 @@ class World:
         self.kernels = Kernels(self.xp, num_ranks=self.num_ranks, num_experts=self.num_experts,
                                num_topk=self.num_topk, max_tokens=self.max_tokens, num_blocks=3, warps_per_block=2,
                                count_tokens_per_warp=16, recv_rows_per_unit=4)  # several groups and units
-        self.sym = SymmetricLayout(self.num_ranks, self.max_tokens, self.hidden, self.num_topk, self.dtype.itemsize)
+        self.sym = SymmetricLayout(self.num_ranks, self.max_tokens, self.hidden, self.num_topk, self.dtype.itemsize,
+                                   self.local)
         self.buffers = [self.xp.zeros(self.sym.total_bytes, np.uint8) for _ in range(self.num_ranks)]
         self.views = [symmetric_views(b, self.sym, word_dtype(self.hidden, self.dtype.itemsize)) for b in self.buffers]
 
@@ -121,7 +122,8 @@ class World:
     # ---- dispatch -------------------------------------------------------------------------------
     def send(self, parity: int, deterministic: bool, cached: Optional[list] = None,
              direct: Optional[list] = None) -> list:
-        """Count and scatter on every source rank; the count exchange done by hand. ``direct[s]``: with
+        """Count and scatter on every source rank; the count exchange done by hand (the reference's words,
+        ``ep_comm.layout.send_count_words``). ``direct[s]``: with
         ``cached``, ``(recv_x, rank_psum)`` of receiver ``s``, where source ``s``'s rows to itself go."""
         k = self.kernels
         sent = []
@@ -137,11 +139,16 @@ class World:
                       [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, step=self.step(parity),
                       mode=mode, recv_x=recv_x, recv_psum=recv_psum)
             sent.append(Sent(to_host(slot_idx), lay))
-        for s, item in enumerate(sent):
-            per_rank = ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks).num_tokens_per_rank
-            for d in range(self.num_ranks):
-                self.views[d].counts[parity, s] = int(per_rank[d])
+        for s in range(self.num_ranks):
+            self.exchange_counts(parity, s, ref.send_count_words(
+                ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks)))
         return sent
+
+    def exchange_counts(self, parity: int, src: int, words: np.ndarray) -> None:
+        """The count exchange of source ``src``: row ``d`` of its ``words [R, 1 + L]`` into receiver ``d``'s count
+        words of ``parity``."""
+        for d in range(self.num_ranks):
+            self.views[d].counts[parity, src] = self.xp.asarray(words[d])
 
     def outputs(self, *, expand: bool, alignment: int, worst_case: bool, num_rows: int, num_expanded: int,
                 cached: Optional[Received] = None) -> tuple:
