@@ -4,10 +4,10 @@ Not for a cached dispatch, the counts: every source sent, with its signal, its r
 local expert (``ep_comm.symmetric``, ``counts[2][R][1 + L]``). In compact mode
 ``receive_count_words_kernel`` (one block) derives everything from those words alone: the
 ``psum_num_recv_tokens_per_rank`` scan, the per-expert sums, aligned counts and expert psum. Expand mode
-needs the per-unit cursors of a scan over the received meta rows: ``receive_count_kernel`` scans the
-rows words into the psum, counts rows per local expert (shared-memory histograms, ticketed last block
-as in ``count.py``) and lays out the expand placement: aligned expert starts, the DeepEP V2 expert psum
-and, in stable mode, per-unit cursors.
+needs the per-unit cursors of a scan over the received meta rows: ``receive_count_kernel`` scans word 0
+(rows) of every source's count words into the psum, counts rows per local expert (shared-memory
+histograms, ticketed last block as in ``count.py``) and lays out the expand placement: aligned expert
+starts, the DeepEP V2 expert psum and, in stable mode, per-unit cursors.
 
 Compact mode needs no placement: row ``i`` comes from source ``s`` and slot ``i - psum[s-1]``, so
 ``receive_compact_kernel`` does the whole receive in one launch, with every warp of the grid on a
@@ -163,9 +163,10 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
         count = 0
         for s in range(num_ranks):
             count += words[s, 1 + e]
+        size = align_up(count, alignment)
         unaligned[e] = count
-        aligned[e] = align_up(count, alignment)
-        sizes[e] = align_up(count, alignment)
+        aligned[e] = size
+        sizes[e] = size
     cuda.syncthreads()
     warp = cuda.threadIdx.x // WARP
     if warp == 0:
