@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from ep_comm import layout as ref
 from ep_comm.backends import make_backend
 from ep_comm.backends.aborts import REASON_BYTES, decode, encode
 from ep_comm.backends.collective_steps import STEP_KINDS, Steps, step_word
@@ -446,6 +447,29 @@ def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch, ex
     assert dispatches[0] and dispatches[0] == dispatches[1]
     assert combines[0] and combines[0] == combines[1]
     assert int(be.transport.step[0]) == 5
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_new_routing_exchanges_counts_per_local_expert_and_compact_counts_from_them_alone(monkeypatch, expand):
+    """A new routing's count exchange leaves, per source, its rows then its entries per local expert (the
+    reference's ``send_count_words``) in the count words of the step's parity; a compact receive counts from
+    those words alone (``receive_count_words_kernel``, no scan of the meta rows), an expand one scans the
+    meta rows (``receive_count_kernel``); the launches are the same at an odd step as at an even one."""
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    want = ref.send_count_words(ref.dispatch_layout(CAPTURE_IDX, CAPTURE_GEO.num_experts, 1))
+    log = _launch_log(monkeypatch)
+    steps = []
+    for _ in range(2):
+        start = len(log)
+        dispatch(be, x, CAPTURE_IDX, None, None, expand, 2, False, False, None)
+        steps.append(log[start:])
+        np.testing.assert_array_equal(be.transport.own.counts[int(be.transport.step[0]) % 2], want)
+    names = {launch[0] for launch in steps[0]}
+    assert ("receive_count_words_kernel" in names) != expand and ("receive_count_kernel" in names) == expand
+    assert steps[0] == steps[1]
+    be.close()
 
 
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
