@@ -139,9 +139,11 @@ class MpiBackend:
     def _dispatch(self, step: Tuple[int, int], request: DispatchRequest) -> DispatchOutput:
         geo, handle = self.geo, request.handle
         seq, parity = step
+        words = None
         if handle is None:
             topk_idx = request.topk_idx
-            in_rank = lay.is_token_in_rank(topk_idx, geo.num_experts, geo.num_ranks)
+            sent = lay.dispatch_layout(topk_idx, geo.num_experts, geo.num_ranks)
+            in_rank, words = sent.is_token_in_rank, lay.send_count_words(sent)
             slots = lay.stable_rank_slots(in_rank) if self.deterministic else lay.atomic_rank_slots(in_rank, seed=seq)
             slot_idx = lay.dst_buffer_slot_idx(topk_idx, slots, self.rank, geo.experts_per_rank, geo.max_tokens)
             routing = Routing(topk_idx, in_rank, slot_idx)
@@ -149,7 +151,7 @@ class MpiBackend:
             routing = handle.routing
             slots = self._slots_from_handle(handle)
         with self.profile.phase("dispatch", "scatter"):
-            self._scatter(parity, request, routing, slots)
+            self._scatter(parity, request, routing, slots, words)
         self._signal_and_wait("dispatch", seq)
         with self.profile.phase("dispatch", "receive"):
             if handle is None:
@@ -162,20 +164,19 @@ class MpiBackend:
             meta = np.concatenate([b[1] for b in blocks])
             return self._assemble(rows, meta, counts, request, routing)
 
-    def _scatter(self, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray) -> None:
-        """Rank scatter: each destination's rows in slot order, one put per destination (and, for a new
-        routing, the count exchange: per destination its rows, then its entries per local expert,
-        ``layout.send_count_words``)."""
+    def _scatter(self, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray,
+                 words: Optional[np.ndarray]) -> None:
+        """Rank scatter: each destination's rows in slot order, one put per destination, and with ``words``
+        (a new routing: ``layout.send_count_words``, int64 ``[R, 1 + L]``) the count exchange, row ``dst`` to
+        ``dst``: its rows, then its entries per local expert."""
         geo, weights = self.geo, request.topk_weights
-        if request.handle is None:
-            words = lay.send_count_words(lay.dispatch_layout(routing.topk_idx, geo.num_experts, geo.num_ranks))
         for dst in range(geo.num_ranks):
             tokens = np.nonzero(routing.is_token_in_rank[:, dst])[0]
             tokens = tokens[np.argsort(slots[tokens, dst], kind="stable")]
             local_ids = lay.local_topk(routing.topk_idx[tokens], dst, geo.experts_per_rank)
             self._put_block(dst, parity, request.x[tokens],
                             self._pack_meta(tokens, local_ids, None if weights is None else weights[tokens]))
-            if request.handle is None:  # count exchange
+            if words is not None:  # count exchange
                 self.window.put(words[dst], dst, self.sym.count_at(parity, self.rank))
 
     def _slots_from_handle(self, handle: EPHandle) -> np.ndarray:
