@@ -1,14 +1,18 @@
 """The CUDA C kernels of ``ep_comm.transport.signals`` compile for sm_90 with NVRTC, without a GPU (they run
-only on a GPU: CuPy compiles them there; skipped where NVRTC is missing), and their host wrappers size the
-count blocks from the received count words."""
+only on a GPU: CuPy compiles them there; skipped where NVRTC is missing), their host wrappers size the
+count blocks from the received count words, and their prepared launches pass the driver the bytes CuPy's
+``RawKernel`` passed (a fake ``cuLaunchKernel`` records them)."""
 from __future__ import annotations
 
+import ctypes
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from ep_comm.transport.signals import _SOURCE, _count_words
+from ep_comm.transport import signals
+from ep_comm.transport.signals import _SOURCE, PARAMS, SignalLaunches, _count_words
 
 
 def test_count_blocks_are_one_per_destination_of_the_received_width():
@@ -48,3 +52,107 @@ def test_signal_kernels_compile_with_acquire_release_at_system_scope():
     assert entries == {"advance_step", "signal_and_wait", "wait_signals"}
     assert "ld.acquire.sys.global.b64" in ptx and "st.release.sys.global.b64" in ptx
     assert "globaltimer" in ptx and "nanosleep" in ptx
+
+
+_C_TYPES = {"int": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
+
+
+def test_the_prepared_parameters_follow_the_cuda_c_signatures():
+    """Every kernel's parameter names and widths in ``PARAMS`` are those of its signature in ``_SOURCE``
+    (pointers as 8-byte addresses): the block the driver reads is laid out as the kernel expects."""
+    found = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', _SOURCE):
+        found[name] = tuple((decl.split()[-1], ctypes.c_uint64 if "*" in decl else _C_TYPES[decl.split()[-2]])
+                            for decl in (p.strip() for p in params.split(",")))
+    assert found == PARAMS
+
+
+class _DeviceArray:
+    """A CuPy array as the launches see it: its device address (``data.ptr``) and shape."""
+
+    def __init__(self, ptr: int, shape: tuple):
+        self.data = SimpleNamespace(ptr=ptr)
+        self.shape = shape
+
+
+def _rawkernel_bytes(args: tuple) -> list:
+    """The parameter bytes CuPy's ``RawKernel`` passed for ``args`` (``cupy/cuda/function.pyx``, ``_pointer``):
+    an ndarray its data pointer, a NumPy scalar its own bytes."""
+    return [np.uint64(a.data.ptr).tobytes() if hasattr(a, "data") and not isinstance(a, np.generic) else a.tobytes()
+            for a in args]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The launches a fake ``cuLaunchKernel`` saw: ``(function, grid, block, shared bytes, stream, parameter
+    bytes)``, each parameter read at its address in the ``void*[]`` for its width in ``PARAMS``."""
+    seen = []
+
+    def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        name = FUNCTIONS_BY_HANDLE[int(f)]
+        pointers = (ctypes.c_void_p * len(PARAMS[name])).from_address(params)
+        got = [ctypes.string_at(ptr, ctypes.sizeof(ctype)) for ptr, (_, ctype) in zip(pointers, PARAMS[name])]
+        seen.append((name, (gx, gy, gz), (bx, by, bz), shared, int(stream), got, extra))
+        return (signals.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(signals, "cuLaunchKernel", launch)
+    return seen
+
+
+FUNCTIONS_BY_HANDLE = {0x7000 + i: name for i, name in enumerate(PARAMS)}
+
+
+def _compiled(name: str, device: int) -> tuple:
+    assert device == 3
+    return next(h for h, n in FUNCTIONS_BY_HANDLE.items() if n == name), f"the module of {name}"
+
+
+R, WORDS = 3, 5  # ranks, 1 + L count words
+PEERS, STEP, SIGNALS, STATUS = (_DeviceArray(0x10000 * (i + 1), shape) for i, shape in
+                                enumerate([(R,), (1,), (R,), (2 + 2 * R,)]))
+RECEIVED, ABORTS = _DeviceArray(0x50000, (2, R, WORDS)), _DeviceArray(0x60008, (R, 64))
+SEND = _DeviceArray(0x70000, (R, WORDS))
+
+
+def _transport(peers) -> SignalLaunches:
+    """The launches of a transport at rank 1 of 3, device 3: signal words at byte 64, count words at 4096."""
+    return SignalLaunches(peers, R, 1, 64, 4096, STEP, SIGNALS, STATUS, RECEIVED, ABORTS, 3, function=_compiled)
+
+
+def test_signal_and_wait_passes_the_rawkernel_bytes_on_the_callers_stream(launches):
+    stores = _transport(PEERS)
+    stores.signal_and_wait(0xBEEF, 1, SEND, 2.5)
+    stores.signal_and_wait(0xCAFE, 2, None, 0.25)  # a combine after a dispatch: the per-call slots are rewritten
+    for (name, grid, block, shared, stream, got, extra), (kind, counts, words, received, timeout_s, on) in zip(
+            launches, [(1, SEND, WORDS, RECEIVED, 2.5, 0xBEEF), (2, None, 0, None, 0.25, 0xCAFE)]):
+        want = _rawkernel_bytes((PEERS, np.int32(R), np.int32(1), np.int64(64), STEP, np.int32(kind),
+                                 counts or np.uint64(0), np.int64(4096), np.int32(words), SIGNALS,
+                                 np.uint64(int(timeout_s * 1e9)), STATUS, received or np.uint64(0), ABORTS,
+                                 np.int32(64)))
+        assert (name, grid, block, shared, stream, extra) == ("signal_and_wait", (1, 1, 1), (128, 1, 1), 0, on, 0)
+        assert got == want
+
+
+def test_the_puts_advance_then_wait_with_the_rawkernel_bytes(launches):
+    puts = _transport(None)
+    puts.advance_step(7)
+    puts.wait_signals(7, 1, True, 1.0)
+    puts.wait_signals(7, 3, False, 1.0)
+    assert [(name, block[0], stream) for name, _, block, _, stream, _, _ in launches] == [
+        ("advance_step", 32, 7), ("wait_signals", 128, 7), ("wait_signals", 128, 7)]
+    assert launches[0][5] == _rawkernel_bytes((STEP,))
+    for (*_, got, _), (kind, received, words) in zip(launches[1:], [(1, RECEIVED, WORDS), (3, None, 0)]):
+        assert got == _rawkernel_bytes((SIGNALS, np.int32(R), STEP, np.int32(kind), np.uint64(10 ** 9), STATUS,
+                                        received or np.uint64(0), np.int32(words), ABORTS, np.int32(64)))
+
+
+def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):
+    with pytest.raises(ValueError, match=r"counts has shape \(3, 2\): must be \[R, 1 \+ L\] = \(3, 5\)"):
+        _transport(PEERS).signal_and_wait(0, 1, _DeviceArray(0x70000, (R, 2)), 1.0)
+    assert launches == []
+
+
+def test_a_failed_launch_names_the_kernel_and_the_result(monkeypatch):
+    monkeypatch.setattr(signals, "cuLaunchKernel", lambda *args: (signals.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(RuntimeError, match="cuLaunchKernel of signal kernel advance_step returned .*INVALID_VALUE"):
+        _transport(None).advance_step(0)

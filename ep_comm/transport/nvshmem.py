@@ -55,6 +55,9 @@ class NvshmemTransport:
         self._aborts = self.heap.local[sym.abort_offset: sym.abort_offset + sym.abort_bytes]
         self._abort_words = self._aborts.view(cupy.int64).reshape(sym.num_ranks, ABORT_WORDS)
         self._side = cupy.cuda.Stream(non_blocking=True)  # abort records: never queued behind the caller's waits
+        self._signals = signals.SignalLaunches(None if use_puts else self.heap.peer_ptrs, sym.num_ranks, self.rank,
+                                               sym.signal_offset, sym.counts_offset, self.step, self.own.signal,
+                                               self.status.device, self.own.counts, self._abort_words, self.device)
         self._no_records = np.zeros((sym.num_ranks, ABORT_WORDS), dtype=np.int64)
 
     def _peer_views(self, word: np.dtype) -> tuple:
@@ -92,22 +95,21 @@ class NvshmemTransport:
         Advances the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the step
         word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R, 1 + L]``: per destination its
         rows, then its entries per local expert) went to their count words of the step's parity; with
-        ``counts`` the received count words of missing ranks are zeroed. Peer stores
+        ``counts`` the received count words of missing ranks are zeroed. The signal kernels go on CuPy's
+        current stream (``stream`` is its Numba twin, which the puts take) through their prepared launches
+        (``signals.SignalLaunches``). Peer stores
         read the step from the device counter, in one launch (``signals.signal_and_wait``); puts signal
         with the host's ``seq`` (equal to it: the puts path is never captured into a graph) through
         NVSHMEM, then wait. The wait ends early for a rank that posted an abort record."""
         sym, me = self.sym, self.rank
-        received = self.own.counts if counts is not None else None
+        on = cupy.cuda.get_current_stream().ptr  # the stream CuPy's own launches would take
         if not self.use_puts:
-            signals.signal_and_wait(self.heap.peer_ptrs, sym.num_ranks, me, sym.signal_offset, self.step, kind, counts,
-                                    sym.counts_offset, self.own.signal, timeout_s, self.status.device, received,
-                                    self._abort_words)
+            self._signals.signal_and_wait(on, kind, counts, timeout_s)
             return
-        signals.advance_step(self.step)
+        self._signals.advance_step(on)
         nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), numba_view(self.own.counts[seq % 2]),
                                   sym.num_ranks, me, seq << 2 | kind, None if counts is None else numba_view(counts))
-        signals.wait_signals(self.own.signal, sym.num_ranks, self.step, kind, timeout_s, self.status.device, received,
-                             self._abort_words)
+        self._signals.wait_signals(on, kind, counts is not None, timeout_s)
 
     def post_abort(self, record: np.ndarray) -> None:
         """Host copies of ``record`` (int64 ``[ABORT_WORDS]``) into this rank's abort slot of every peer

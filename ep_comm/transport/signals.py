@@ -1,9 +1,11 @@
 """GPU side of the symmetric-buffer protocol: signals (carrying the count exchange) and bounded waits.
 
 Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer views) or through
-``nvshmem_puts``. Small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached,
-~10 us launch), all reading the step number from the Buffer's device step counter (int64 ``[1]``,
-see ``ep_comm.kernels.step_counter``) so that a CUDA graph can replay them:
+``nvshmem_puts``. Small CUDA C kernels compiled once through CuPy (``RawModule``, disk-cached) and
+launched through ``cuLaunchKernel`` with a parameter block built once per transport
+(:class:`SignalLaunches`; a call writes its kind, count block and timeout), all reading the step
+number from the Buffer's device step counter (int64 ``[1]``, see ``ep_comm.kernels.step_counter``)
+so that a CUDA graph can replay them:
 
 * ``signal_and_wait`` (peer stores), one launch per step: advances the counter to this step,
   ``step + 1``; optionally sends this rank's per-destination count block (rows, then entries per local
@@ -23,11 +25,13 @@ host reads it without a copy: after a stream synchronisation (``cpu_sync``), or 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from cuda.bindings.driver import CUfunction, CUresult, CUstream, cuLaunchKernel
 
 STATUS_SEQ, STATUS_MISSING, STATUS_FLAGS = 0, 1, 2  # int64 words of the status record
 WAIT_THREADS = 128
@@ -147,50 +151,150 @@ def _module(device: int):
         return cupy.RawModule(code=_SOURCE, options=("--std=c++14",))
 
 
-def _kernel(name: str):
+def _function(name: str, device: int) -> Tuple[int, object]:
+    """``(CUfunction handle, its owner)`` of kernel ``name`` on CUDA device ``device``, compiled once per device:
+    CuPy's ``Function`` (``RawKernel.kernel``, whose ``ptr`` is the handle) keeps the module loaded while held."""
     import cupy
 
-    return _module(cupy.cuda.Device().id).get_function(name)
+    with cupy.cuda.Device(device):
+        function = _module(device).get_function(name).kernel
+    return int(function.ptr), function
 
 
-def _or_null(arr):
-    """A device array kernel argument, or a NULL pointer for None."""
-    return np.uint64(0) if arr is None else arr
+_PTR, _I32, _I64, _U64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
+# every kernel's parameters in the order of its CUDA C signature in _SOURCE (pointers as 64-bit addresses)
+PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
+    "advance_step": (("step", _PTR),),
+    "signal_and_wait": (("peers", _PTR), ("num_ranks", _I32), ("me", _I32), ("signal_offset", _I64),
+                        ("step", _PTR), ("kind", _I32), ("counts", _PTR), ("counts_offset", _I64),
+                        ("count_words", _I32), ("signals", _PTR), ("timeout_ns", _U64), ("status", _PTR),
+                        ("counts_by_parity", _PTR), ("aborts", _PTR), ("abort_words", _I32)),
+    "wait_signals": (("signals", _PTR), ("num_ranks", _I32), ("step", _PTR), ("kind", _I32), ("timeout_ns", _U64),
+                     ("status", _PTR), ("counts_by_parity", _PTR), ("count_words", _I32), ("aborts", _PTR),
+                     ("abort_words", _I32)),
+}
+THREADS = {"advance_step": 32, "signal_and_wait": WAIT_THREADS, "wait_signals": WAIT_THREADS}  # one CTA each
 
 
-def advance_step(step) -> None:
-    """Enqueue ``step[0] += 1`` (int64 ``[1]`` device array): the start of a collective step."""
-    _kernel("advance_step")((1,), (32,), (step,))
+def address(a: Any) -> int:
+    """The device address of CuPy array ``a`` (``a.data.ptr``), 0 (NULL) for None."""
+    return 0 if a is None else int(a.data.ptr)
 
 
-def signal_and_wait(peer_ptrs, num_ranks: int, me: int, signal_offset: int, step, kind: int, counts, counts_offset: int,
-                    signals, timeout_s: float, status, counts_by_parity=None, aborts=None) -> None:
-    """One launch, after every earlier write on the stream: ``step[0] += 1`` (the device step counter), then
-    ``signal[me] = step[0] << 2 | kind`` in every rank's buffer (release, system scope), then the bounded wait
-    of :func:`wait_signals` for every rank's signal of that step. With ``counts`` (int32 ``[R, 1 + L]`` device
-    array, or None: per destination its rows, then its entries per local expert), first row ``r`` goes to
-    block ``me`` of the step's parity of the int64 ``[2, R, 1 + L]`` count words at byte ``counts_offset`` of
-    rank ``r``'s buffer (the count exchange rides on the signal); ``counts_by_parity`` (this rank's count
-    words) comes with it. ``peer_ptrs``: uint64 ``[R]`` device addresses of every rank's buffer;
-    ``signals``: this rank's int64 ``[R]`` signal words; the rest as in :func:`wait_signals`."""
-    _kernel("signal_and_wait")((1,), (WAIT_THREADS,),
-                               (peer_ptrs, np.int32(num_ranks), np.int32(me), np.int64(signal_offset), step,
-                                np.int32(kind), _or_null(counts), np.int64(counts_offset),
-                                np.int32(_count_words(counts, counts_by_parity)), signals, _timeout_ns(timeout_s),
-                                status, _or_null(counts_by_parity), _or_null(aborts), np.int32(_abort_words(aborts))))
+class PreparedLaunch:
+    """One kernel of ``_SOURCE`` on one CUDA device, launched on one CTA of ``THREADS[name]`` threads through
+    ``cuLaunchKernel`` with a parameter block built once: ctypes storage per parameter (:data:`PARAMS`) and the
+    ``void*[]`` of their addresses. The caller writes the per-call values into their slots (:meth:`slot`) and
+    launches on a stream; the driver copies the parameters at the launch (a CUDA graph capture records them),
+    so the block may be rewritten as soon as the call returns.
+
+    Args:
+        name: a key of :data:`PARAMS`.
+        values: a value for every parameter the calls do not give (addresses as ints, see :func:`address`).
+        function: ``(CUfunction handle, owner)`` of the compiled kernel (:func:`_function`); the owner is held.
+    """
+
+    __slots__ = ("name", "_slots", "_params", "_function", "_owner", "_streams")
+
+    def __init__(self, name: str, values: Dict[str, int], function: Tuple[int, object]):
+        params = PARAMS[name]
+        self.name = name
+        self._slots = {param: ctype() for param, ctype in params}
+        for param, value in values.items():
+            if param not in self._slots:
+                raise ValueError(f"values names {param!r}: kernel {name} takes {[p for p, _ in params]}")
+            self._slots[param].value = value
+        self._params = (ctypes.c_void_p * len(params))(*(ctypes.addressof(self._slots[p]) for p, _ in params))
+        handle, self._owner = function
+        self._function = CUfunction(handle)
+        self._streams: Dict[int, CUstream] = {}
+
+    def slot(self, param: str) -> Any:
+        """The ctypes storage of parameter ``param``: what its ``value`` holds goes to the next launches."""
+        return self._slots[param]
+
+    def __call__(self, stream: int) -> None:
+        """Launch on the stream whose handle is ``stream`` (0: the legacy default stream) with the parameters
+        as their slots hold them now."""
+        handle = self._streams.get(stream)
+        if handle is None:
+            handle = self._streams[stream] = CUstream(stream)
+        (result,) = cuLaunchKernel(self._function, 1, 1, 1, THREADS[self.name], 1, 1, 0, handle,
+                                   ctypes.addressof(self._params), 0)
+        if result != CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel of signal kernel {self.name} returned {result!r}")
 
 
-def wait_signals(signals, num_ranks: int, step, kind: int, timeout_s: float, status, counts=None,
-                 aborts=None) -> None:
-    """Enqueue the bounded wait until ``signals[s] == step[0] << 2 | kind`` or ``>= (step[0] + 1) << 2``
-    (int64 device views) for every ``s``, or until rank ``s`` posted an abort record (``aborts``: int64
-    ``[R, ABORT_WORDS]``, this rank's abort region, or None); ``status`` is the mapped ``WaitStatus``
-    record, which also gets word 0 of every abort record; ``counts`` (int64 ``[2, R, 1 + L]`` or None): the
-    step's parity block of a missing rank is zeroed."""
-    _kernel("wait_signals")((1,), (WAIT_THREADS,),
-                            (signals, np.int32(num_ranks), step, np.int32(kind), _timeout_ns(timeout_s), status,
-                             _or_null(counts), np.int32(_count_words(None, counts)), _or_null(aborts),
-                             np.int32(_abort_words(aborts))))
+class SignalLaunches:
+    """The signal and wait launches of one transport (one Buffer on one rank), each a :class:`PreparedLaunch`
+    whose fixed arguments are written once here; a call writes only the step's kind, the count block and
+    the timeout.
+
+    Args:
+        peer_ptrs: uint64 ``[R]`` device addresses of every rank's buffer (None: the puts transport, which
+            signals through NVSHMEM and launches only ``advance_step`` and ``wait_signals``).
+        num_ranks: ``R``.
+        me: this rank.
+        signal_offset: byte offset of the int64 ``[R]`` signal words in every rank's buffer.
+        counts_offset: byte offset of the int64 ``[2, R, 1 + L]`` count words in every rank's buffer.
+        step: the device step counter (int64 ``[1]``).
+        signals: this rank's int64 ``[R]`` signal words.
+        status: the mapped ``WaitStatus`` record (int64 ``[2 + 2R]``).
+        counts_by_parity: this rank's int64 ``[2, R, 1 + L]`` count words.
+        aborts: this rank's int64 ``[R, ABORT_WORDS]`` abort records, or None.
+        device: the CUDA device ordinal all of these live on.
+        function: ``(name, device) -> (CUfunction handle, owner)``: :func:`_function`, which compiles (the
+            tests give a stand-in).
+    """
+
+    def __init__(self, peer_ptrs: Any, num_ranks: int, me: int, signal_offset: int, counts_offset: int, step: Any,
+                 signals: Any, status: Any, counts_by_parity: Any, aborts: Any, device: int,
+                 function: Callable[[str, int], Tuple[int, object]] = _function):
+        self._counts_by_parity = counts_by_parity
+        self._received = address(counts_by_parity)
+        self._words = _count_words(None, counts_by_parity)
+        waits = dict(signals=address(signals), num_ranks=num_ranks, step=address(step), status=address(status),
+                     aborts=address(aborts), abort_words=_abort_words(aborts))
+        if peer_ptrs is None:
+            self._advance = PreparedLaunch("advance_step", dict(step=waits["step"]), function("advance_step", device))
+            launch = self._wait = PreparedLaunch("wait_signals", waits, function("wait_signals", device))
+        else:
+            fixed = dict(waits, peers=address(peer_ptrs), me=me, signal_offset=signal_offset,
+                         counts_offset=counts_offset)
+            launch = self._signal = PreparedLaunch("signal_and_wait", fixed, function("signal_and_wait", device))
+            self._counts = launch.slot("counts")
+        self._kind, self._timeout = launch.slot("kind"), launch.slot("timeout_ns")
+        self._with_counts = launch.slot("counts_by_parity"), launch.slot("count_words")
+
+    def _per_call(self, kind: int, words: int, timeout_s: float) -> None:
+        """Write a call's kind, count words (0: no count block) and timeout into the slots of the wait."""
+        self._kind.value = kind
+        self._with_counts[0].value = self._received if words else 0
+        self._with_counts[1].value = words
+        self._timeout.value = int(timeout_s * 1e9)  # the kernels' %globaltimer deadline, ns
+
+    def signal_and_wait(self, stream: int, kind: int, counts: Any, timeout_s: float) -> None:
+        """One launch on stream handle ``stream``, after every earlier write on it: ``step[0] += 1`` (the device
+        step counter), then ``signal[me] = step[0] << 2 | kind`` in every rank's buffer (release, system scope),
+        then the bounded wait of :meth:`wait_signals` for every rank's signal of that step. With ``counts``
+        (int32 ``[R, 1 + L]`` device array, or None: per destination its rows, then its entries per local
+        expert), first row ``r`` goes to block ``me`` of the step's parity of rank ``r``'s count words (the
+        count exchange rides on the signal), and the wait zeroes a missing rank's block here."""
+        self._per_call(kind, 0 if counts is None else _count_words(counts, self._counts_by_parity), timeout_s)
+        self._counts.value = address(counts)
+        self._signal(stream)
+
+    def advance_step(self, stream: int) -> None:
+        """Enqueue ``step[0] += 1`` on stream handle ``stream``: the start of a collective step (puts)."""
+        self._advance(stream)
+
+    def wait_signals(self, stream: int, kind: int, with_counts: bool, timeout_s: float) -> None:
+        """Enqueue on stream handle ``stream`` the bounded wait until ``signals[s] == step[0] << 2 | kind`` or
+        ``>= (step[0] + 1) << 2`` for every ``s``, or until rank ``s`` posted an abort record (it is not waited
+        for then); the status record gets the outcome and word 0 of every abort record. ``with_counts``: the
+        step's parity block of this rank's count words of a missing rank is zeroed."""
+        self._per_call(kind, self._words if with_counts else 0, timeout_s)
+        self._wait(stream)
 
 
 def _count_words(counts, counts_by_parity) -> int:
@@ -207,10 +311,6 @@ def _count_words(counts, counts_by_parity) -> int:
                          f"{(int(counts_by_parity.shape[1]), words)}, one block per destination as counts_by_parity "
                          "holds them")
     return words
-
-
-def _timeout_ns(timeout_s: float) -> np.uint64:
-    return np.uint64(int(timeout_s * 1e9))
 
 
 def _abort_words(aborts) -> int:
