@@ -561,3 +561,71 @@ def test_a_call_that_waits_on_the_host_reads_the_abort_records_on_entry():
         with steps.collective("dispatch"):
             pass
     assert board.reads == 1
+
+
+def test_a_wait_every_rank_arrived_at_reads_the_abort_records_only_when_it_saw_one():
+    """``Steps.after_wait``: no device read when every rank arrived and the wait saw no record (the nvshmem
+    wait kernel's mapped status); a read when the wait saw one, or when a rank is missing."""
+    board = _CountingBoard(2)
+    steps = Steps(0, 3.0, board)
+    with steps.collective("dispatch", read_board=False):
+        steps.after_wait("dispatch", [])
+    assert board.reads == 0 and not steps.unusable
+    board.table[1] = encode("dispatch", 1, "failed midway")
+    board.hint = True
+    with pytest.raises(PeerAbortedError, match=r"rank 0: dispatch #1: rank 1 gave up at dispatch #1"):
+        steps.after_wait("dispatch", [])
+    assert board.reads == 1
+    board.table[1], board.hint, board.reads = 0, False, 0
+    late = Steps(0, 3.0, board)
+    with pytest.raises(TimeoutError, match=r"waiting for ranks \[1\]"):
+        late.after_wait("dispatch", [1])
+    assert board.reads == 1
+
+
+def _count_board_reads(transport) -> list:
+    """Count the calls of ``transport.abort_table`` (the device reads of the abort records) in ``reads[0]``."""
+    reads, table = [0], transport.abort_table
+
+    def counted():
+        reads[0] += 1
+        return table()
+
+    transport.abort_table = counted
+    return reads
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_an_eager_step_reads_the_abort_records_on_entry_only_after_a_clean_wait():
+    """One device read of the abort records per ``cpu_sync=True`` dispatch and combine (on entry): none after
+    the host wait when every rank arrived and the wait saw no record."""
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    reads = _count_board_reads(be.transport)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    out = dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
+    assert reads[0] == 1
+    dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
+    combine(be, out.recv_x, out.handle, None, ())
+    assert reads[0] == 3
+    be.close()
+    assert reads[0] == 4 and be.transport is None
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_a_record_the_wait_saw_is_raised_after_the_host_wait():
+    """A peer's record posted while this rank waits (the wait kernel copies it into the mapped status) makes
+    the ``cpu_sync=True`` step raise ``PeerAbortedError`` after its host wait: the step's rows are not used."""
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    transport = be.transport
+    exchange = transport.exchange
+
+    def peer_gives_up_meanwhile(*args):
+        exchange(*args)
+        transport.aborts[0] = encode("dispatch", 1, "failed midway")
+
+    transport.exchange = peer_gives_up_meanwhile
+    reads = _count_board_reads(transport)
+    x = np.ones((3, CAPTURE_GEO.hidden), np.float32)
+    with pytest.raises(PeerAbortedError, match=r"rank 0: dispatch #1: rank 0 gave up at dispatch #1"):
+        dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
+    assert reads[0] == 2 and be.steps.unusable

@@ -4,7 +4,8 @@ A rank whose step times out or fails midway writes one record into its slot ``ab
 peer's symmetric buffer (``SymmetricLayout.abort_at``) before it raises, with a one-sided put or a
 host store that never waits for the peer. Every rank reads the records peers posted into its own
 buffer on entering a call (a GPU call that does not wait on the host: as its last finished wait saw
-them) and while it waits, and raises ``PeerAbortedError`` naming them.
+them) and while it waits (after a GPU wait that every rank arrived at: as that wait saw them), and
+raises ``PeerAbortedError`` naming them.
 
 A record is ``ABORT_WORDS`` int64 words: ``[posted (1), kind (STEP_KINDS, 0 before any step), the
 kind's call number, reason length in bytes, reason (UTF-8, cut to REASON_BYTES)]``. The posting rank
@@ -38,7 +39,9 @@ class AbortBoard(Protocol):
 
     def abort_seen(self) -> bool:
         """A cheap hint, read without touching the device: False when no record was posted as of the last
-        finished wait (True may just mean "read ``abort_table`` to know")."""
+        finished wait (True may just mean "read ``abort_table`` to know"). ``Steps`` reads the records only
+        where it is True: on entering a call that does not wait on the host, and after a wait that every
+        rank arrived at."""
 
 
 def encode(kind: str, number: int, reason: str) -> np.ndarray:

@@ -97,10 +97,17 @@ class Steps:
         ranks are missing and none of them posted (records of ranks that did arrive, e.g. a peer that timed
         out first waiting for the same missing rank, do not replace it).
 
+        When every rank arrived and the board's hint (``AbortBoard.abort_seen``: what the wait itself saw,
+        on ``nvshmem`` the mapped status record the GPU wait kernel wrote) shows no record, the records are
+        not read: a record posted after the wait looked is raised by the next call. ``mpi``'s hint is always
+        True (its records are host memory): it reads them after every wait.
+
         Args:
             what: the step's kind.
             missing: the ranks the wait gave up on (empty when all arrived).
         """
+        if not missing and not self.board.abort_seen():
+            return
         records = aborts.decode(self.board.abort_table())
         gave_up = [record for record in records if record[0] in set(missing)]
         if missing and not gave_up:

@@ -265,7 +265,9 @@ class NvshmemBackend:
 
     def _after_host_wait(self, what: str) -> None:
         """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
-        ``Steps.after_wait`` says (a peer's abort record: the rows of this step are not to be used)."""
+        ``Steps.after_wait`` says (a peer's abort record: the rows of this step are not to be used). The abort
+        records are read from the device only when a rank is missing or the mapped status record shows one
+        (the wait kernel copies word 0 of every record there): no host round trip after a clean wait."""
         self.steps.after_wait(what, self.transport.missing_ranks())
 
     # ---------------------------------------------------------------- dispatch
