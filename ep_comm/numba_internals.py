@@ -15,8 +15,7 @@ rename any of these, and this module is the one place to adapt. Public APIs (``n
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, ContextManager, Optional, Tuple
 
 from numba.core import types as numba_types
 from numba.cuda.core import config as _config
@@ -28,16 +27,23 @@ __all__ = ["ENABLE_CUDASIM", "interface_sync_disabled", "set_source_stamp", "sou
 ENABLE_CUDASIM: bool = bool(_config.ENABLE_CUDASIM)
 
 
-@contextmanager
-def interface_sync_disabled() -> Iterator[None]:
+class _InterfaceSyncDisabled:
+    """The context :func:`interface_sync_disabled` returns (a class: no generator per launch sequence)."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        self._saved = _config.CUDA_ARRAY_INTERFACE_SYNC
+        _config.CUDA_ARRAY_INTERFACE_SYNC = 0
+
+    def __exit__(self, *exc: Any) -> None:
+        _config.CUDA_ARRAY_INTERFACE_SYNC = self._saved
+
+
+def interface_sync_disabled() -> ContextManager[None]:
     """Within the block, Numba does not synchronize the stream a ``__cuda_array_interface__``
     argument names (``CUDA_ARRAY_INTERFACE_SYNC=0``); the previous setting comes back after it."""
-    saved = _config.CUDA_ARRAY_INTERFACE_SYNC
-    _config.CUDA_ARRAY_INTERFACE_SYNC = 0
-    try:
-        yield
-    finally:
-        _config.CUDA_ARRAY_INTERFACE_SYNC = saved
+    return _InterfaceSyncDisabled()
 
 
 def _cache_file(dispatcher: Any) -> Any:

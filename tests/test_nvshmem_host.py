@@ -629,3 +629,34 @@ def test_a_record_the_wait_saw_is_raised_after_the_host_wait():
     with pytest.raises(PeerAbortedError, match=r"rank 0: dispatch #1: rank 0 gave up at dispatch #1"):
         dispatch(be, x, CAPTURE_IDX, None, None, False, 1, False, True, None)
     assert reads[0] == 2 and be.steps.unusable
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_cached_pair_decides_on_the_symmetric_rows_once_per_buffer(monkeypatch, expand):
+    """The 16-byte verdict (``wide_rows``) and the payload views of the Buffer's symmetric rows are made by the
+    first calls and reused by every later cached dispatch and combine (launches stubbed: host work only)."""
+    from ep_comm.launching import bound
+    from ep_comm.launching import kernels as launching
+
+    geo = Geometry(1, 6, 16, 3, 9, payload_dtype("bfloat16"))
+    be = simulated_backend(geo, True, False)
+    monkeypatch.setattr(bound.BoundLaunch, "__call__", lambda self, *args: None)
+    seen = []
+    for name in ("wide_rows", "payload_rows"):
+        made = getattr(launching, name)
+        monkeypatch.setattr(launching, name, lambda *args, made=made: seen.append(args) or made(*args))
+    symmetric = {id(a) for a in (*be.transport.rows, be._own_rows)}
+
+    def on_symmetric_rows() -> int:
+        """How many calls so far were made on the symmetric rows."""
+        return sum(any(id(a) in symmetric for a in args) for args in seen)
+
+    x = np.ones((3, geo.hidden), geo.dtype)
+    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 1, False, False, None)
+    combine(be, first.recv_x, first.handle, None, ())
+    made = on_symmetric_rows()
+    assert made > 0
+    for _ in range(2):
+        out = dispatch(be, x, None, None, first.handle, expand, 1, False, False, None)
+        combine(be, out.recv_x, out.handle, None, ())
+    assert on_symmetric_rows() == made and len(seen) > made

@@ -8,8 +8,10 @@ replay would reuse), is refused before it enqueues anything: the buffer stays us
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Protocol, Tuple
+from contextlib import nullcontext
+from typing import Any, ContextManager, List, Optional, Protocol, Tuple
+
+_NOTHING = nullcontext()  # what an uncaptured call holds: one shared, reusable no-op context
 
 
 class CaptureDevice(Protocol):
@@ -21,7 +23,7 @@ class CaptureDevice(Protocol):
     def mapped_int64(self, count: int, fill: int) -> Tuple[Any, Any]:
         """``(host, device)`` views of ``count`` int64 words of device-mapped memory set to ``fill``."""
 
-    def allocations_into(self, held: List[Any]) -> Any:
+    def allocations_into(self, held: List[Any]) -> ContextManager[None]:
         """A context in which every allocation is also appended to ``held``."""
 
 
@@ -67,22 +69,19 @@ class CapturePolicy:
                                "int32/int64 ids, or handle=...) and the combines of their handles, over peer stores; "
                                "call it outside the capture")
 
-    @contextmanager
-    def memory(self) -> Iterator[None]:
+    def memory(self) -> ContextManager[None]:
         """Around a whole ``Buffer`` call: while the caller's stream is being captured into a CUDA graph,
         every allocation the call makes is held until the Buffer closes (the graph's replays use that
-        memory; back in the pool it would be handed out again). A no-op otherwise."""
+        memory; back in the pool it would be handed out again). A shared no-op otherwise."""
         if not self._device.capturing():
-            yield
-            return
-        with self._device.allocations_into(self.held):
-            yield
+            return _NOTHING
+        return self._device.allocations_into(self.held)
 
     def raise_for_checks(self) -> None:
         """ValueError naming the bad ``topk_idx`` that a dispatch replayed from a CUDA graph was given,
         once (the record is cleared: the buffer stays usable, the ranks stayed in step). Read without
         a synchronisation: a replay still running is reported by a later call."""
-        top, twice = (int(v) for v in self._checks_host)
+        top, twice = self._checks_host.tolist()
         if top < self._num_experts and twice < 0:
             return
         self._checks_host[:] = -1

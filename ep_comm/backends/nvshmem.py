@@ -48,6 +48,7 @@ tensors, zero copy). Outputs: CuPy arrays.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -212,12 +213,11 @@ class NvshmemBackend:
         return self.profile.table()
 
     # ---------------------------------------------------------------- protocol
-    @contextmanager
-    def _launching(self) -> Iterator[None]:
-        """Kernels launch on the caller's current stream, without interface syncs."""
+    def _launching(self) -> ContextManager[None]:
+        """Kernels launch on the caller's current stream (taken now), without interface syncs inside the
+        returned context."""
         self.kernels.stream = self.device.stream()
-        with self.device.launching():
-            yield
+        return self.device.launching()
 
     @contextmanager
     def _collective(self, what: str, host_wait: bool) -> Iterator[int]:
@@ -236,8 +236,8 @@ class NvshmemBackend:
             yield seq
 
     def _contiguous(self, a: Optional[Array]) -> Optional[Array]:
-        """``a`` C-contiguous (a copy only when it is not)."""
-        return None if a is None else self.xp.ascontiguousarray(a)
+        """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
+        return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)
 
     def _raise_if_timed_out(self, what: str) -> None:
         """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
@@ -397,7 +397,7 @@ class NvshmemBackend:
         """A float32 array of ``shape`` for the weights the kernels write when nobody asked for them: one
         reused array, or a new one held for the graph when captured (a later growth of the reused one
         would free it under the graph)."""
-        size = int(np.prod(shape))
+        size = math.prod(shape)  # a tuple of ints: no NumPy call
         if self.capture.active:
             return self.xp.empty(shape, dtype=np.float32)
         if self._scratch.size < size:

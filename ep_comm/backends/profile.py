@@ -12,6 +12,8 @@ from typing import Any, ContextManager, Dict, Iterator, List, NamedTuple, Option
 
 import numpy as np
 
+_OFF = contextlib.nullcontext()  # every phase while profiling is off: one shared, reusable no-op context
+
 
 class EventClock(Protocol):
     """Timing events on the device's stream (``CupyDevice``)."""
@@ -42,8 +44,8 @@ class Profile:
         self._records: List[Tuple[str, str, float, Any, Any]] = []
 
     def phase(self, op: str, name: str) -> ContextManager[None]:
-        """A context that times one phase of operation ``op`` (a no-op when profiling is off)."""
-        return self._timed(op, name) if self.enabled else contextlib.nullcontext()
+        """A context that times one phase of operation ``op`` (a shared no-op when profiling is off)."""
+        return self._timed(op, name) if self.enabled else _OFF
 
     @contextmanager
     def _timed(self, op: str, name: str) -> Iterator[None]:

@@ -26,9 +26,10 @@ reads the buffer parity from it (the senders, which run before the signal that a
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -105,6 +106,34 @@ def _copy_step(wide: bool) -> int:
     return COPY_UNROLL * WARP * (2 if wide else 1)
 
 
+_FIXED_MAX = 64  # views and verdicts of long-lived arrays one Kernels keeps (Kernels._fixed)
+
+
+def _blocks(warps: int, cap: int, warps_per_block: int) -> int:
+    """Blocks of ``warps_per_block`` warps for ``warps`` busy warps: at least 1, at most ``cap``."""
+    return max(1, min(cap, -(-warps // warps_per_block)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_pieces(rows: int, n: int, quantum: int, split_warps: int, warps_per_block: int,
+                stream_blocks: int) -> tuple[int, int]:
+    """:meth:`Kernels._row_pieces` of a Kernels with ``split_warps``, ``warps_per_block`` and ``stream_blocks``
+    (ints in, ints out: remembered, as calls repeat the same few shapes)."""
+    passes = max(1, -(-n // quantum))
+    span = -(-passes // min(passes, max(1, split_warps // max(rows, 1)))) * quantum
+    return span, _blocks(rows * -(-n // span), stream_blocks, warps_per_block)
+
+
+@functools.lru_cache(maxsize=4096)
+def _token_cut(num_tokens: int, num_topk: int, num_units: int, count_tokens_per_warp: int) -> tuple[int, int]:
+    """:meth:`Kernels.token_cut` of a Kernels with ``num_topk``, ``num_units`` and ``count_tokens_per_warp``
+    (remembered, as :func:`_row_pieces`)."""
+    step = WARP // num_topk
+    per_unit = -(-max(num_tokens, 1) // num_units)
+    per_unit = -(-per_unit // step) * step
+    return units_for(num_tokens, per_unit, num_units), max(1, count_tokens_per_warp // per_unit)
+
+
 @dataclass
 class Kernels:
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
@@ -165,6 +194,7 @@ class Kernels:
         self._recv_cursor = xp.zeros((self.recv_units, self.num_local), dtype=np.int32)
         self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
         self._no_bias = xp.zeros((1, 1), dtype=np.float32)
+        self._fixed_views: dict = {}  # _fixed: (what, id(base)) -> (base, view or verdict)
 
     @property
     def num_local(self) -> int:
@@ -179,24 +209,36 @@ class Kernels:
     def _blocks_for(self, warps: int, cap: int) -> int:
         """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride
         kernel needs no more, and idle blocks cost launch time that small (decode) calls feel."""
-        return max(1, min(cap, -(-warps // self.warps_per_block)))
+        return _blocks(warps, cap, self.warps_per_block)
 
     def _row_pieces(self, rows: int, n: int, quantum: int) -> tuple[int, int]:
         """``(span, blocks)`` of a row-streaming kernel over ``rows`` rows of ``n`` indices (elements or
         words) cut into pieces of ``span``, a whole number of ``quantum`` (one warp pass): about
         ``split_warps`` pieces in all, so that few rows (decode) still keep thousands of warps busy, and
         whole rows once there are that many. Depends on shapes only, as graph capture needs."""
-        passes = max(1, -(-n // quantum))
-        span = -(-passes // min(passes, max(1, self.split_warps // max(rows, 1)))) * quantum
-        return span, self._blocks_for(rows * -(-n // span), self.stream_blocks)
+        return _row_pieces(rows, n, quantum, self.split_warps, self.warps_per_block, self.stream_blocks)
 
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
         consecutive units one count warp walks."""
-        step = WARP // self.num_topk
-        per_unit = -(-max(num_tokens, 1) // self.num_units)
-        per_unit = -(-per_unit // step) * step
-        return units_for(num_tokens, per_unit, self.num_units), max(1, self.count_tokens_per_warp // per_unit)
+        return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp)
+
+    def _fixed(self, what: Any, base: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` for a long-lived ``base`` (a symmetric buffer's rows, or the tuple of every rank's: the
+        same objects at every call of a Buffer), made once per (``what``, ``base``) and kept with ``base``.
+        At most ``_FIXED_MAX`` are kept (callers that pass new objects each time only refill the table)."""
+        key = (what, id(base))
+        held = self._fixed_views.get(key)
+        if held is None or held[0] is not base:
+            if len(self._fixed_views) >= _FIXED_MAX:
+                self._fixed_views.clear()
+            held = self._fixed_views[key] = (base, make())
+        return held[1]
+
+    def _wide(self, rows: Any) -> bool:
+        """:func:`~ep_comm.launching.views.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
+        decided once per Buffer."""
+        return self._fixed("wide", rows, lambda: wide_rows(*rows) if isinstance(rows, tuple) else wide_rows(rows))
 
     def check_routing(self, topk_idx: Array, into: Optional[Array] = None) -> Array:
         """``[2]`` int64 on the device: the largest id in ``topk_idx [T, K]`` (signed ints, T >= 1) or -1,
@@ -272,18 +314,19 @@ class Kernels:
         # without recv_x the kernels get unread stand-ins of the same kinds
         recv_words = payload_words(recv_x) if direct else x_words
         local = (recv_words, recv_psum if direct else self._rank_cursor)
-        wide = wide_rows(x_words, recv_words, *rows)
+        rows, metas = tuple(rows), tuple(metas)
+        wide = wide_rows(x_words, recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, x_words.shape[1], _copy_step(wide))
         pieces = span < x_words.shape[1]  # few tokens: slots by unit first, then the rows by pieces
         if mode != SLOT_CACHED or not pieces:
             self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
                 x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 mode, num_units, units_per_warp, self._rank_cursor, self._send_units, self._send_groups, slot_idx,
-                not pieces, tuple(rows), tuple(metas), direct, *local)
+                not pieces, rows, metas, direct, *local)
         if pieces:
             self._launch(scatter_rows_kernel, blocks=blocks)(
                 x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                span, slot_idx, tuple(rows), tuple(metas), direct, *local)
+                span, slot_idx, rows, metas, direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool) -> ReceiveCounts:
@@ -345,7 +388,7 @@ class Kernels:
             raise ValueError(f"skip_source={skip_source} with expand=True: only a compact receive can leave a "
                              "source's rows to the scatter (-1 in expand mode)")
         recv_words = payload_words(recv_x)
-        wide = wide_rows(recv_words, rows)
+        wide = wide_rows(recv_words) and self._wide(rows)
         max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
         span, blocks = self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
         weight_bits = recv_topk_weights.view(np.int32)
@@ -381,14 +424,15 @@ class Kernels:
         multiple of 8); anything else through the general
         :func:`~ep_comm.kernels.combine.combine_expand_kernel`, one warp per row. Both give the same bits.
         """
+        rows = tuple(rows)
         if not expand:
             if self.num_ranks == 1:  # every row is this rank's own: nothing to send (shapes only, as capture needs)
                 return
             y_words = payload_words(y)
-            wide = wide_rows(y_words, *rows)
+            wide = wide_rows(y_words) and self._wide(rows)
             span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], _copy_step(wide))
             self._launch(combine_copy_kernel, blocks=blocks)(
-                y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, tuple(rows))
+                y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows)
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
@@ -396,16 +440,15 @@ class Kernels:
         shared = 8 * self.warps_per_block * self.num_topk
         if is_bf16:  # 16 bytes per access when every row array allows it
             y_words = payload_words(y)
-            if wide_rows(y_words, *rows):
+            if wide_rows(y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], BF16_PASSES * 2 * WARP)
                 self._launch(combine_expand_bf16_kernel, shared, blocks)(
-                    y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead, span,
-                    tuple(rows))
+                    y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows)
                 return
         blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
         self._launch(combine_expand_kernel, shared, blocks)(
             y_raw, is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
-            tuple(payload_rows(v, y.dtype) for v in rows))
+            self._fixed(("payload", y.dtype), rows, lambda: tuple(payload_rows(v, y.dtype) for v in rows)))
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
                        my_rank: int, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,
@@ -433,16 +476,16 @@ class Kernels:
         psum = recv_rank_psum if from_y else self._rank_cursor
         if out_bf16 and not terms:  # the common case, 16 bytes per access when every row array allows it
             out_words = payload_words(out)
-            y_words = payload_words(y) if from_y else rows[0, 0]
-            if wide_rows(out_words, rows, y_words):
+            y_words = payload_words(y) if from_y else self._fixed("first block", rows, lambda: rows[0, 0])
+            if wide_rows(out_words, y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
                 self._launch(combine_reduce_bf16_kernel, shared, blocks)(
                     rows, step, slot_idx, topk_idx, self.num_local, my_rank, y_words, from_y, psum, out_words, span)
                 return
         padded = terms + [(self._no_bias, False)] * (2 - len(terms))
         span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
-        elements = payload_rows(rows, out.dtype)
-        y_elements = _payload(y)[0] if from_y else elements[0, 0]
+        elements = self._fixed(("payload", out.dtype), rows, lambda: payload_rows(rows, out.dtype))
+        y_elements = _payload(y)[0] if from_y else self._fixed("first block", elements, lambda: elements[0, 0])
         self._launch(combine_reduce_kernel, shared, blocks)(
             elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, y_elements, from_y, psum,
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)

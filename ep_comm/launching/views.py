@@ -8,6 +8,7 @@ handled as uint16 bits. Arrays are NumPy (in the simulator) or CuPy / any
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -33,13 +34,9 @@ class SymmetricViews(NamedTuple):
 
 
 def payload_words(x: Array) -> Array:
-    """View ``x [rows, H]`` (float32/float16/bfloat16/uint16) as ``[rows, H * itemsize // word]`` words."""
-    raw = x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-    row_bytes = x.shape[1] * x.dtype.itemsize
-    for word in (np.uint64, np.uint32, np.uint16):
-        if row_bytes % np.dtype(word).itemsize == 0:
-            return raw.view(word)
-    raise AssertionError("unreachable: rows hold a whole number of 16-bit elements")
+    """View ``x [rows, H]`` (float32/float16/bfloat16/uint16) as ``[rows, H * itemsize // word]`` words
+    (:func:`word_dtype`), in one view."""
+    return x.view(word_dtype(x.shape[1], x.dtype.itemsize))
 
 
 def wide_rows(*arrays: Array) -> bool:
@@ -55,8 +52,10 @@ def wide_rows(*arrays: Array) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)
 def word_dtype(hidden: int, itemsize: int) -> np.dtype:
-    """The word type :func:`payload_words` uses for rows of ``hidden`` elements of ``itemsize`` bytes."""
+    """The word type :func:`payload_words` uses for rows of ``hidden`` elements of ``itemsize`` bytes: the widest
+    of uint64/uint32/uint16 that divides a row (remembered: every launch asks it again)."""
     row_bytes = hidden * itemsize
     return np.dtype(next(w for w in (np.uint64, np.uint32, np.uint16) if row_bytes % np.dtype(w).itemsize == 0))
 
