@@ -29,7 +29,7 @@ from numba import cuda, int32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import block_totals
-from ep_comm.kernels.units import lane_entry, row_piece, source_of_row, unit_range, units_for_device
+from ep_comm.kernels.units import lane_entry, lane_place, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
 
 PLACE_ATOMIC = 0
@@ -44,10 +44,10 @@ def align_up(value, alignment):
 
 
 @cuda.jit(device=True)
-def lane_local_expert(meta, rank_psum, first_row, end, lane):
-    """Compact row, entry column, source, slot and local expert (-1: none) of a lane in a row group."""
-    num_topk = (meta.shape[2] - 1) // 2
-    row, k, active = lane_entry(first_row, end, num_topk, lane)
+def lane_local_expert(meta, rank_psum, first_row, end, place):
+    """Compact row, entry column, source, slot and local expert (-1: none) of a lane in a row group, from its
+    :func:`~ep_comm.kernels.units.lane_place` for K entries."""
+    row, k, active = lane_entry(first_row, end, place)
     src = 0
     slot = 0
     expert = np.int32(-1)
@@ -77,6 +77,7 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
     num_local = hist.shape[0]
     num_rows = psum[psum.shape[0] - 1]
     lane = lane_id()
+    place = lane_place(num_topk, lane)
     group = WARP // num_topk
     warp, num_warps = global_warp()
     for unit in range(warp, num_units, num_warps):
@@ -86,10 +87,10 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
                 unit_counts[unit, e] = 0
             cuda.syncwarp(FULL_MASK)
         for r0 in range(begin, end, 4 * group):
-            e0 = lane_local_expert(meta, psum, r0, end, lane)[5]
-            e1 = lane_local_expert(meta, psum, r0 + group, end, lane)[5]
-            e2 = lane_local_expert(meta, psum, r0 + 2 * group, end, lane)[5]
-            e3 = lane_local_expert(meta, psum, r0 + 3 * group, end, lane)[5]
+            e0 = lane_local_expert(meta, psum, r0, end, place)[5]
+            e1 = lane_local_expert(meta, psum, r0 + group, end, place)[5]
+            e2 = lane_local_expert(meta, psum, r0 + 2 * group, end, place)[5]
+            e3 = lane_local_expert(meta, psum, r0 + 3 * group, end, place)[5]
             add_local_expert(e0, hist, stable, unit_counts, unit)
             add_local_expert(e1, hist, stable, unit_counts, unit)
             add_local_expert(e2, hist, stable, unit_counts, unit)
@@ -262,12 +263,13 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
     num_rows = rank_psum[num_ranks - 1]
     num_units = units_for_device(num_rows, rows_per_unit, max_units)
     lane = lane_id()
+    place = lane_place(num_topk, lane)
     group = WARP // num_topk
     warp, num_warps = global_warp()
     for unit in range(warp, num_units, num_warps):
         begin, end = unit_range(unit, num_units, num_rows)
         for r0 in range(begin, end, group):
-            row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, lane)
+            row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, place)
             weight_bits = entry_weight_bits(meta, src, slot, k, expert)
             if active and k == 0:
                 write_row_origin(recv_src_metadata, row, src, slot, meta[src, slot, 0], max_tokens)

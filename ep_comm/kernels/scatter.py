@@ -20,7 +20,7 @@ from numba import cuda
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.units import lane_entry, row_piece, unit_range
+from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
 
@@ -105,6 +105,7 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
     src_base = src_rank * max_tokens
     base = local_row_base(direct, recv_psum, src_rank)
     lane = lane_id()
+    place = lane_place(num_topk, lane)
     group = WARP // num_topk
     warp, num_warps = global_warp()
     for unit in range(warp, num_units, num_warps):
@@ -112,7 +113,7 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
         if mode == SLOT_STABLE:
             start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane)
         for t0 in range(begin, end, group):
-            t, k, active = lane_entry(t0, end, num_topk, lane)
+            t, k, active = lane_entry(t0, end, place)
             expert = routed_expert(topk_idx, t, k, experts_per_rank * num_ranks) if active else np.int64(-1)
             rank = expert // experts_per_rank if expert >= 0 else np.int64(-1)
             key = (t - t0) * num_ranks + rank if expert >= 0 else np.int64(-1 - lane)
