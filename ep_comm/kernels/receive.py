@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import block_totals
@@ -39,8 +40,8 @@ PLACE_CACHED = 2
 
 @cuda.jit(device=True)
 def align_up(value, alignment):
-    """``value`` rounded up to a multiple of ``alignment``."""
-    return (value + alignment - 1) // alignment * alignment
+    """``value`` (>= 0) rounded up to a multiple of ``alignment``."""
+    return quotient32(value + alignment - 1, alignment) * alignment
 
 
 @cuda.jit(device=True)
@@ -160,7 +161,8 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
     num_ranks = words.shape[0]
     num_local = unaligned.shape[0]
     sizes = cuda.shared.array(0, int32)
-    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+    e = cuda.threadIdx.x
+    while e < num_local:
         count = 0
         for s in range(num_ranks):
             count += words[s, 1 + e]
@@ -168,6 +170,7 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
         unaligned[e] = count
         aligned[e] = size
         sizes[e] = size
+        e = np.int32(e + cuda.blockDim.x)
     cuda.syncthreads()
     warp = cuda.threadIdx.x // WARP
     if warp == 0:
@@ -210,12 +213,18 @@ def mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, firs
     (one thread of the grid per entry)."""
     thread, threads = grid_thread()
     meta_width = recv_src_metadata.shape[1]
-    for j in range(thread, (recv_src_metadata.shape[0] - num_rows) * meta_width, threads):
-        recv_src_metadata[num_rows + j // meta_width, j % meta_width] = -1
+    j = np.int32(thread)
+    while j < (recv_src_metadata.shape[0] - num_rows) * meta_width:
+        row, column = divmod32(j, meta_width)
+        recv_src_metadata[num_rows + row, column] = -1
+        j = np.int32(j + threads)
     width = recv_topk_idx.shape[1]
-    for j in range(thread, (recv_topk_idx.shape[0] - first_unused) * width, threads):
-        recv_topk_idx[first_unused + j // width, j % width] = -1
-        recv_weight_bits[first_unused + j // width, j % width] = 0
+    j = np.int32(thread)
+    while j < (recv_topk_idx.shape[0] - first_unused) * width:
+        row, column = divmod32(j, width)
+        recv_topk_idx[first_unused + row, column] = -1
+        recv_weight_bits[first_unused + row, column] = 0
+        j = np.int32(j + threads)
 
 
 @cuda.jit(device=True)
@@ -360,10 +369,11 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
     max_tokens = meta.shape[1]
     num_rows = rank_psum[rank_psum.shape[0] - 1]
     words = recv_x.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     lane = lane_id()
-    warp, num_warps = global_warp()
-    for item in range(warp, num_rows * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_rows * pieces:
         row, begin, end = row_piece(item, pieces, span, words)
         src, slot = source_of_row(rank_psum, row)
         first = begin == 0
@@ -373,4 +383,5 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
         if first:
             store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, src, slot, max_tokens, lane,
                               loaded)
+        item = np.int32(item + num_warps)
     mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, num_rows)

@@ -35,12 +35,13 @@ def global_warp():
 
 @cuda.jit(device=True)
 def warp_inclusive_sum(value, lane):
-    """Kogge-Stone inclusive sum of ``value`` over the lanes of the warp (5 shuffle steps)."""
+    """Kogge-Stone inclusive sum of an int32 ``value`` over the lanes of the warp (5 shuffle steps), as int32:
+    kept 32-bit so that each step shuffles one register (Numba would widen the sum to int64, two)."""
     offset = 1
     while offset < WARP:
         other = cuda.shfl_up_sync(FULL_MASK, value, offset)
         if lane >= offset:
-            value += other
+            value = np.int32(value + other)
         offset *= 2
     return value
 
