@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, load_f32, mul_rn, store_f32
+from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.units import row_piece
@@ -148,13 +149,14 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
 @cuda.jit(device=True)
 def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order):
     """Write this token's reached ranks by ascending rank into ``order[:K]``, their slots into
-    ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair when ``slot_idx`` has a slot.
+    ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair when ``slot_idx`` has a slot (then
+    its expert id is >= 0).
     """
     lane = lane_id()
     num_topk = slot_idx.shape[1]
-    rank = np.int64(-1)
+    rank = np.int32(-1)  # int32: one register per shuffle
     if lane < num_topk and slot_idx[token, lane] >= 0:
-        rank = np.int64(topk_idx[token, lane]) // experts_per_rank
+        rank = np.int32(quotient32(topk_idx[token, lane], experts_per_rank))
     position = 0
     for k in range(num_topk):
         other = cuda.shfl_sync(FULL_MASK, rank, k)
@@ -284,15 +286,16 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     words = out.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     src_base = my_rank * rows.shape[1]
     own_first = own_rows(rank_psum, my_rank)[0] if own_from_y else -1
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
     acc = cuda.local.array(BF16_ACC, float32)
     second = BF16_PER_LANE  # where the second pass's accumulators start
-    warp, num_warps = global_warp()
-    for item in range(warp, num_tokens * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_tokens * pieces:
         token, begin, end = row_piece(item, pieces, span, words)
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
         own = own_term(order, reached, my_rank) if own_first >= 0 else reached
@@ -309,6 +312,7 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
             if w2 < end:
                 store_pair(out[token], w2, bf16_word(acc, second), bf16_word(acc, second + BF16_PER_WORD))
         cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)
 
 
 # expanded rows whose loads (both passes) a lane issues before their adds: 8 x 16 bytes in flight. ptxas
