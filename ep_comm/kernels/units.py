@@ -15,7 +15,7 @@ from ep_comm.kernels.warp import WARP
 
 def units_for(num_items: int, items_per_unit: int, max_units: int) -> int:
     """How many units cut ``num_items``: about ``items_per_unit`` each, at least 1, at most ``max_units``."""
-    return max(1, min(max_units, (num_items + items_per_unit - 1) // items_per_unit))
+    return max(1, min(max_units, quotient32(num_items + items_per_unit - 1, items_per_unit)))
 
 
 units_for_device = cuda.jit(device=True)(units_for)
