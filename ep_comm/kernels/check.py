@@ -48,11 +48,13 @@ def routing_check_kernel(topk_idx, acc, ticket, out, fold):
     cuda.syncthreads()
     top = np.int64(-1)
     first = NO_ROW
-    for t in range(cuda.grid(1), topk_idx.shape[0], cuda.gridsize(1)):
+    t = np.int32(cuda.grid(1))
+    while t < topk_idx.shape[0]:  # not a range: its run-time step would divide for the trip count
         token_top, repeated = token_check(topk_idx, t)
         top = max(top, token_top)
         if repeated and t < first:
             first = np.int64(t)
+        t = np.int32(t + cuda.gridsize(1))
     cuda.atomic.max(block_top, 0, top)
     cuda.atomic.min(block_first, 0, first)
     cuda.syncthreads()

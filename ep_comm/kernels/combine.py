@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, load_f32, mul_rn, store_f32
+from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.units import row_piece
@@ -63,7 +64,7 @@ def store_span(row, h, acc, is_bf16):
 @cuda.jit(device=True)
 def return_address(recv_src_metadata, row, max_tokens):
     """Source rank and slot a compact row came from."""
-    src = recv_src_metadata[row, 0] // max_tokens
+    src = quotient32(recv_src_metadata[row, 0], max_tokens)
     return src, recv_src_metadata[row, 1] - src * max_tokens
 
 
@@ -81,15 +82,17 @@ def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, st
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     words = y_words.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     own_first, own_count = own_rows(rank_psum, my_rank)
-    warp, num_warps = global_warp()
-    for item in range(warp, (rank_psum[rank_psum.shape[0] - 1] - own_count) * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < (rank_psum[rank_psum.shape[0] - 1] - own_count) * pieces:
         row, begin, end = row_piece(item, pieces, span, words)
         if row >= own_first:
             row += own_count
         src, slot = return_address(recv_src_metadata, row, max_tokens)
         copy_row(rows[src][parity, my_rank, slot][begin:end], y_words[row, begin:end], end - begin, wide)
+        item = np.int32(item + num_warps)
 
 
 @cuda.jit(device=True)
@@ -132,8 +135,9 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
     acc = cuda.local.array(SPAN, float32)
     vals = cuda.local.array(SPAN, float32)
     lane = lane_id()
-    warp, num_warps = global_warp()
-    for row in range(warp, rank_psum[rank_psum.shape[0] - 1], num_warps):
+    row, num_warps = global_warp()
+    row = np.int32(row)
+    while row < rank_psum[rank_psum.shape[0] - 1]:
         src, slot = return_address(recv_src_metadata, row, max_tokens)
         dst = rows[src][parity, my_rank, slot]
         count = gather_terms(recv_src_metadata, row, weights, has_weights, terms, scales)
@@ -143,18 +147,20 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
                 add_span(acc, vals, y[terms[j]], h, y_is_bf16, scales[j], has_weights)
             store_span(dst, h, acc, y_is_bf16)
         cuda.syncwarp(FULL_MASK)
+        row = np.int32(row + num_warps)
 
 
 @cuda.jit(device=True)
 def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order):
     """Write this token's reached ranks by ascending rank into ``order[:K]``, their slots into
-    ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair when ``slot_idx`` has a slot.
+    ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair when ``slot_idx`` has a slot (then
+    its expert id is >= 0).
     """
     lane = lane_id()
     num_topk = slot_idx.shape[1]
-    rank = np.int64(-1)
+    rank = np.int32(-1)  # int32: one register per shuffle
     if lane < num_topk and slot_idx[token, lane] >= 0:
-        rank = np.int64(topk_idx[token, lane]) // experts_per_rank
+        rank = np.int32(quotient32(topk_idx[token, lane], experts_per_rank))
     position = 0
     for k in range(num_topk):
         other = cuda.shfl_sync(FULL_MASK, rank, k)
@@ -183,7 +189,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     hidden = out.shape[1]
-    pieces = (hidden + span - 1) // span
+    pieces = quotient32(hidden + span - 1, span)
     src_base = my_rank * rows.shape[1]
     own_first = own_rows(rank_psum, my_rank)[0] if own_from_y else -1
     first = cuda.threadIdx.x // WARP * 2 * num_topk
@@ -192,8 +198,9 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
     vals = cuda.local.array(SPAN, float32)
     one = np.float32(1.0)
     lane = lane_id()
-    warp, num_warps = global_warp()
-    for item in range(warp, num_tokens * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_tokens * pieces:
         token, begin, end = row_piece(item, pieces, span, hidden)
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
         for h in range(begin + lane, end, SPAN * WARP):
@@ -208,6 +215,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
                 add_span(acc, vals, row, h, rows_is_bf16, one, False)
             store_span(out[token], h, acc, out_is_bf16)
         cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)
 
 
 BF16_PER_WORD = 4  # bfloat16 elements in one 64-bit word
@@ -284,15 +292,16 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     words = out.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     src_base = my_rank * rows.shape[1]
     own_first = own_rows(rank_psum, my_rank)[0] if own_from_y else -1
     first = cuda.threadIdx.x // WARP * 2 * num_topk
     order = cuda.shared.array(0, int32)[first: first + 2 * num_topk]
     acc = cuda.local.array(BF16_ACC, float32)
     second = BF16_PER_LANE  # where the second pass's accumulators start
-    warp, num_warps = global_warp()
-    for item in range(warp, num_tokens * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_tokens * pieces:
         token, begin, end = row_piece(item, pieces, span, words)
         reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
         own = own_term(order, reached, my_rank) if own_first >= 0 else reached
@@ -309,10 +318,11 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
             if w2 < end:
                 store_pair(out[token], w2, bf16_word(acc, second), bf16_word(acc, second + BF16_PER_WORD))
         cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)
 
 
 # expanded rows whose loads (both passes) a lane issues before their adds: 8 x 16 bytes in flight. ptxas
-# sm_90: 127 registers, no stack (2: 70 registers, half the loads; 8: the loaded words go to a stack frame)
+# sm_90: 96 registers, no stack (2: 63 registers, half the loads; 8: the loaded words go to a stack frame)
 BF16_GROUP = 4
 BF16_WORDS = 2 * BF16_PASSES  # 64-bit words a lane loads per term in one loop trip
 BF16_LOADED = BF16_GROUP * BF16_WORDS  # a lane's loaded words (registers: a compile-time size, indices unrolled)
@@ -372,13 +382,14 @@ def combine_expand_bf16_kernel(y_words, weights, has_weights, recv_src_metadata,
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     words = y_words.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     terms, scales = term_lists(recv_src_metadata.shape[1] - 2)
     acc = cuda.local.array(BF16_ACC, float32)
     loaded = cuda.local.array(BF16_LOADED, uint64)
     second = BF16_PER_LANE  # where the second pass's accumulators start
-    warp, num_warps = global_warp()
-    for item in range(warp, rank_psum[rank_psum.shape[0] - 1] * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < rank_psum[rank_psum.shape[0] - 1] * pieces:
         row, begin, end = row_piece(item, pieces, span, words)
         src, slot = return_address(recv_src_metadata, row, max_tokens)
         dst = rows[src][parity, my_rank, slot]
@@ -394,3 +405,4 @@ def combine_expand_bf16_kernel(y_words, weights, has_weights, recv_src_metadata,
             if w2 < end:
                 store_pair(dst, w2, bf16_word(acc, second), bf16_word(acc, second + BF16_PER_WORD))
         cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)

@@ -13,32 +13,38 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.ticket import block_totals
-from ep_comm.kernels.units import lane_entry, unit_range
+from ep_comm.kernels.units import lane_entry, lane_place, unit_range
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, is_group_leader, lane_id, warp_scan
 
 
 @cuda.jit(device=True)
-def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, lane):
+def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, place, lane):
     """Count one unit's tokens into the block histogram ``hist [E + R]`` and, with ``stable``, the warp's
-    per-rank running counts ``running [R]`` (shared); write its ``in_rank`` rows."""
+    per-rank running counts ``running [R]`` (shared); write its ``in_rank`` rows. ``place``: the lane's
+    :func:`~ep_comm.kernels.units.lane_place` for K entries."""
     num_tokens, num_topk = topk_idx.shape
     num_ranks = in_rank.shape[1]
     num_experts = hist.shape[0] - num_ranks
-    group = WARP // num_topk
+    group = quotient32(WARP, num_topk)
     begin, end = unit_range(unit, num_units, num_tokens)
-    for t0 in range(begin, end, group):
-        for j in range(lane, group * num_ranks, WARP):
-            if t0 + j // num_ranks < end:
-                in_rank[t0 + j // num_ranks, j % num_ranks] = False
+    t0 = np.int32(begin)
+    while t0 < end:
+        t, k, active = lane_entry(t0, end, place)
+        if active:  # the K lanes of token t clear its row, ranks k, k + K, ...
+            r = np.int32(k)
+            while r < num_ranks:
+                in_rank[t, r] = False
+                r = np.int32(r + num_topk)
         cuda.syncwarp(FULL_MASK)
-        t, k, active = lane_entry(t0, end, num_topk, lane)
         expert = routed_expert(topk_idx, t, k, num_experts) if active else np.int64(-1)
         valid = expert >= 0
-        rank = expert // experts_per_rank if valid else np.int64(-1)
-        key = (t - t0) * num_ranks + rank if valid else np.int64(-1 - lane)
+        rank = quotient32(expert, experts_per_rank) if valid else np.int64(-1)
+        # a 32-bit key: match.any.sync.b32 (a 64-bit match costs two)
+        key = np.int32((t - t0) * num_ranks + rank) if valid else np.int32(-1 - lane)
         first = is_group_leader(key, lane) and valid
         if valid:
             cuda.atomic.add(hist, expert, 1)
@@ -47,6 +53,7 @@ def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stabl
             in_rank[t, rank] = True
             if stable:
                 cuda.atomic.add(running, rank, 1)
+        t0 = np.int32(t0 + group)
     cuda.syncwarp(FULL_MASK)
 
 
@@ -68,14 +75,18 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
     hist = smem[: num_experts + num_ranks]
     running_first = num_experts + num_ranks + cuda.threadIdx.x // WARP * num_ranks
     running = smem[running_first: running_first + num_ranks]
-    for i in range(cuda.threadIdx.x, hist.shape[0], cuda.blockDim.x):
+    i = cuda.threadIdx.x
+    while i < hist.shape[0]:
         hist[i] = 0
+        i = np.int32(i + cuda.blockDim.x)
     cuda.syncthreads()
 
     lane = lane_id()
-    num_groups = (num_units + units_per_warp - 1) // units_per_warp
-    warp, num_warps = global_warp()
-    for g in range(warp, num_groups, num_warps):
+    place = lane_place(topk_idx.shape[1], lane)
+    num_groups = quotient32(num_units + units_per_warp - 1, units_per_warp)
+    g, num_warps = global_warp()
+    g = np.int32(g)
+    while g < num_groups:
         for r in range(lane, num_ranks, WARP):
             running[r] = 0
         cuda.syncwarp(FULL_MASK)
@@ -83,29 +94,35 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
             if stable:
                 for r in range(lane, num_ranks, WARP):
                     unit_counts[unit, r] = running[r]
-            count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, lane)
+            count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, place, lane)
         if stable:
             for r in range(lane, num_ranks, WARP):
                 group_counts[g, r] = running[r]
         cuda.syncwarp(FULL_MASK)
+        g = np.int32(g + num_warps)
     cuda.syncthreads()
 
     if not block_totals(hist, counters, ticket):
         return
-    for i in range(cuda.threadIdx.x, num_experts, cuda.blockDim.x):
-        tokens_per_expert[i] = hist[i]
-    for i in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):
-        tokens_per_rank[i] = hist[num_experts + i]
-        rank_cursor[i] = 0
+    i = cuda.threadIdx.x
+    while i < hist.shape[0]:
+        if i < num_experts:
+            tokens_per_expert[i] = hist[i]
+        else:
+            tokens_per_rank[i - num_experts] = hist[i]
+            rank_cursor[i - num_experts] = 0
+        i = np.int32(i + cuda.blockDim.x)
     width = count_words.shape[1]
-    for i in range(cuda.threadIdx.x, num_ranks * width, cuda.blockDim.x):
-        r = i // width
-        j = i - r * width
+    i = cuda.threadIdx.x
+    while i < num_ranks * width:
+        r, j = divmod32(i, width)
         count_words[r, j] = hist[num_experts + r] if j == 0 else hist[r * experts_per_rank + j - 1]
+        i = np.int32(i + cuda.blockDim.x)
     # Scan jobs round-robin over the block's warps: ranks and experts from shared memory, then one
     # per rank over the groups (written by other blocks: coherent loads).
     num_jobs = 2 + (num_ranks if stable else 0)
-    for job in range(cuda.threadIdx.x // WARP, num_jobs, cuda.blockDim.x // WARP):
+    job = cuda.threadIdx.x // WARP
+    while job < num_jobs:
         if job == 0:
             warp_scan(hist[num_experts:], rank_psum, num_ranks, False, 0, False)
         elif job == 1:
@@ -115,3 +132,4 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
         else:
             column = group_counts[:num_groups, job - 2]
             warp_scan(column, column, num_groups, True, 0, True)
+        job = np.int32(job + cuda.blockDim.x // WARP)

@@ -26,10 +26,11 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import block_totals
-from ep_comm.kernels.units import lane_entry, row_piece, source_of_row, unit_range, units_for_device
+from ep_comm.kernels.units import lane_entry, lane_place, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, global_warp, lane_id, stable_bucket_slots, warp_scan
 
 PLACE_ATOMIC = 0
@@ -39,15 +40,15 @@ PLACE_CACHED = 2
 
 @cuda.jit(device=True)
 def align_up(value, alignment):
-    """``value`` rounded up to a multiple of ``alignment``."""
-    return (value + alignment - 1) // alignment * alignment
+    """``value`` (>= 0) rounded up to a multiple of ``alignment``."""
+    return quotient32(value + alignment - 1, alignment) * alignment
 
 
 @cuda.jit(device=True)
-def lane_local_expert(meta, rank_psum, first_row, end, lane):
-    """Compact row, entry column, source, slot and local expert (-1: none) of a lane in a row group."""
-    num_topk = (meta.shape[2] - 1) // 2
-    row, k, active = lane_entry(first_row, end, num_topk, lane)
+def lane_local_expert(meta, rank_psum, first_row, end, place):
+    """Compact row, entry column, source, slot and local expert (-1: none) of a lane in a row group, from its
+    :func:`~ep_comm.kernels.units.lane_place` for K entries."""
+    row, k, active = lane_entry(first_row, end, place)
     src = 0
     slot = 0
     expert = np.int32(-1)
@@ -77,23 +78,28 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
     num_local = hist.shape[0]
     num_rows = psum[psum.shape[0] - 1]
     lane = lane_id()
-    group = WARP // num_topk
-    warp, num_warps = global_warp()
-    for unit in range(warp, num_units, num_warps):
+    place = lane_place(num_topk, lane)
+    group = quotient32(WARP, num_topk)
+    unit, num_warps = global_warp()
+    unit = np.int32(unit)
+    while unit < num_units:
         begin, end = unit_range(unit, num_units, num_rows)
         if stable:
             for e in range(lane, num_local, WARP):
                 unit_counts[unit, e] = 0
             cuda.syncwarp(FULL_MASK)
-        for r0 in range(begin, end, 4 * group):
-            e0 = lane_local_expert(meta, psum, r0, end, lane)[5]
-            e1 = lane_local_expert(meta, psum, r0 + group, end, lane)[5]
-            e2 = lane_local_expert(meta, psum, r0 + 2 * group, end, lane)[5]
-            e3 = lane_local_expert(meta, psum, r0 + 3 * group, end, lane)[5]
+        r0 = np.int32(begin)
+        while r0 < end:
+            e0 = lane_local_expert(meta, psum, r0, end, place)[5]
+            e1 = lane_local_expert(meta, psum, r0 + group, end, place)[5]
+            e2 = lane_local_expert(meta, psum, r0 + 2 * group, end, place)[5]
+            e3 = lane_local_expert(meta, psum, r0 + 3 * group, end, place)[5]
             add_local_expert(e0, hist, stable, unit_counts, unit)
             add_local_expert(e1, hist, stable, unit_counts, unit)
             add_local_expert(e2, hist, stable, unit_counts, unit)
             add_local_expert(e3, hist, stable, unit_counts, unit)
+            r0 = np.int32(r0 + 4 * group)
+        unit = np.int32(unit + num_warps)
 
 
 @kernel
@@ -114,8 +120,10 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
     psum = smem[:num_ranks]
     hist = smem[num_ranks: num_ranks + num_local]
     start = smem[num_ranks + num_local: num_ranks + 2 * num_local]
-    for i in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+    i = cuda.threadIdx.x
+    while i < num_local:
         hist[i] = 0
+        i = np.int32(i + cuda.blockDim.x)
     if cuda.threadIdx.x < WARP:
         warp_scan(src_counts, psum, num_ranks, False, 0, True)
     cuda.syncthreads()
@@ -127,12 +135,15 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
 
     if not block_totals(hist, counters, ticket):
         return
-    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
-        unaligned[e] = hist[e]
-        aligned[e] = align_up(hist[e], alignment)
-        start[e] = align_up(hist[e], alignment)
-    for r in range(cuda.threadIdx.x, num_ranks, cuda.blockDim.x):
-        rank_psum[r] = psum[r]
+    i = cuda.threadIdx.x
+    while i < num_local + num_ranks:
+        if i < num_local:
+            unaligned[i] = hist[i]
+            aligned[i] = align_up(hist[i], alignment)
+            start[i] = align_up(hist[i], alignment)
+        else:
+            rank_psum[i - num_local] = psum[i - num_local]
+        i = np.int32(i + cuda.blockDim.x)
     cuda.syncthreads()
     if cuda.threadIdx.x < WARP:
         total = warp_scan(start, start, num_local, True, 0, False)
@@ -140,13 +151,16 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
             totals[0] = num_rows
             totals[1] = total
     cuda.syncthreads()
-    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+    e = cuda.threadIdx.x
+    while e < num_local:
         expert_cursor[e] = start[e]
         expert_psum[e] = start[e] + hist[e]
-    if stable:
-        for e in range(cuda.threadIdx.x // WARP, num_local, cuda.blockDim.x // WARP):
-            column = unit_counts[:num_units, e]
-            warp_scan(column, column, num_units, True, start[e], True)
+        e = np.int32(e + cuda.blockDim.x)
+    e = cuda.threadIdx.x // WARP
+    while stable and e < num_local:
+        column = unit_counts[:num_units, e]
+        warp_scan(column, column, num_units, True, start[e], True)
+        e = np.int32(e + cuda.blockDim.x // WARP)
 
 
 @kernel
@@ -159,7 +173,8 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
     num_ranks = words.shape[0]
     num_local = unaligned.shape[0]
     sizes = cuda.shared.array(0, int32)
-    for e in range(cuda.threadIdx.x, num_local, cuda.blockDim.x):
+    e = cuda.threadIdx.x
+    while e < num_local:
         count = 0
         for s in range(num_ranks):
             count += words[s, 1 + e]
@@ -167,6 +182,7 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
         unaligned[e] = count
         aligned[e] = size
         sizes[e] = size
+        e = np.int32(e + cuda.blockDim.x)
     cuda.syncthreads()
     warp = cuda.threadIdx.x // WARP
     if warp == 0:
@@ -209,12 +225,27 @@ def mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, firs
     (one thread of the grid per entry)."""
     thread, threads = grid_thread()
     meta_width = recv_src_metadata.shape[1]
-    for j in range(thread, (recv_src_metadata.shape[0] - num_rows) * meta_width, threads):
-        recv_src_metadata[num_rows + j // meta_width, j % meta_width] = -1
+    j = np.int32(thread)
+    while j < (recv_src_metadata.shape[0] - num_rows) * meta_width:
+        row, column = divmod32(j, meta_width)
+        recv_src_metadata[num_rows + row, column] = -1
+        j = np.int32(j + threads)
     width = recv_topk_idx.shape[1]
-    for j in range(thread, (recv_topk_idx.shape[0] - first_unused) * width, threads):
-        recv_topk_idx[first_unused + j // width, j % width] = -1
-        recv_weight_bits[first_unused + j // width, j % width] = 0
+    j = np.int32(thread)
+    while j < (recv_topk_idx.shape[0] - first_unused) * width:
+        row, column = divmod32(j, width)
+        recv_topk_idx[first_unused + row, column] = -1
+        recv_weight_bits[first_unused + row, column] = 0
+        j = np.int32(j + threads)
+
+
+@cuda.jit(device=True)
+def padding_row(expert_psum, job, alignment):
+    """Row of padding job ``job`` (``alignment - 1`` jobs per local expert, ``alignment > 1``: the rows after its
+    end ``expert_psum[e]``) and whether it is padding (below the expert's aligned end)."""
+    e, offset = divmod32(job, alignment - 1)
+    end = expert_psum[e]
+    return end + offset, end + offset < align_up(end, alignment)
 
 
 @cuda.jit(device=True)
@@ -222,12 +253,13 @@ def mark_padding(recv_topk_idx, recv_weight_bits, expert_psum, alignment):
     """-1 ids, zero weights on the expand padding (ids and weights ``[M, 1]``): rows between each expert's
     end ``expert_psum[e]`` and its aligned end (one thread of the grid per row; ``alignment > 1``)."""
     thread, threads = grid_thread()
-    for j in range(thread, expert_psum.shape[0] * (alignment - 1), threads):
-        end = expert_psum[j // (alignment - 1)]
-        row = end + j % (alignment - 1)
-        if row < align_up(end, alignment):
+    j = np.int32(thread)
+    while j < expert_psum.shape[0] * (alignment - 1):
+        row, padding = padding_row(expert_psum, j, alignment)
+        if padding:
             recv_topk_idx[row, 0] = -1
             recv_weight_bits[row, 0] = 0
+        j = np.int32(j + threads)
 
 
 @cuda.jit(device=True)
@@ -262,12 +294,15 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
     num_rows = rank_psum[num_ranks - 1]
     num_units = units_for_device(num_rows, rows_per_unit, max_units)
     lane = lane_id()
-    group = WARP // num_topk
-    warp, num_warps = global_warp()
-    for unit in range(warp, num_units, num_warps):
+    place = lane_place(num_topk, lane)
+    group = quotient32(WARP, num_topk)
+    unit, num_warps = global_warp()
+    unit = np.int32(unit)
+    while unit < num_units:
         begin, end = unit_range(unit, num_units, num_rows)
-        for r0 in range(begin, end, group):
-            row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, lane)
+        r0 = np.int32(begin)
+        while r0 < end:
+            row, k, active, src, slot, expert = lane_local_expert(meta, rank_psum, r0, end, place)
             weight_bits = entry_weight_bits(meta, src, slot, k, expert)
             if active and k == 0:
                 write_row_origin(recv_src_metadata, row, src, slot, meta[src, slot, 0], max_tokens)
@@ -278,6 +313,8 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
             if dst >= 0:
                 recv_topk_idx[dst, 0] = expert
                 recv_weight_bits[dst, 0] = weight_bits
+            r0 = np.int32(r0 + group)
+        unit = np.int32(unit + num_warps)
     mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, num_expanded_rows(expert_psum, alignment))
     if alignment > 1:
         mark_padding(recv_topk_idx, recv_weight_bits, expert_psum, alignment)
@@ -297,25 +334,26 @@ def receive_rows_kernel(rank_psum, rows_by_parity, step, zero_padding, expert_ps
     num_topk = recv_src_metadata.shape[1] - 2
     num_rows = rank_psum[rank_psum.shape[0] - 1]
     words = recv_x.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     lane = lane_id()
     warp, num_warps = global_warp()
-    for item in range(warp, num_rows * pieces, num_warps):
+    item = np.int32(warp)
+    while item < num_rows * pieces:
         row, begin, end = row_piece(item, pieces, span, words)
-        src = recv_src_metadata[row, 1] // max_tokens
-        slot = recv_src_metadata[row, 1] - src * max_tokens
+        src, slot = divmod32(recv_src_metadata[row, 1], max_tokens)
         piece = rows[src, slot, begin:end]
         for k in range(num_topk):
             dst = recv_src_metadata[row, 2 + k]
             if dst >= 0:
                 copy_row(recv_x[dst, begin:end], piece, end - begin, wide)
-    if zero_padding and alignment > 1:
-        for job in range(warp, expert_psum.shape[0] * (alignment - 1), num_warps):
-            end = expert_psum[job // (alignment - 1)]
-            row = end + job % (alignment - 1)
-            if row < align_up(end, alignment):
-                for w in range(lane, words, WARP):
-                    recv_x[row, w] = 0
+        item = np.int32(item + num_warps)
+    job = np.int32(warp)
+    while zero_padding and alignment > 1 and job < expert_psum.shape[0] * (alignment - 1):
+        row, padding = padding_row(expert_psum, job, alignment)
+        if padding:
+            for w in range(lane, words, WARP):
+                recv_x[row, w] = 0
+        job = np.int32(job + num_warps)
 
 
 @cuda.jit(device=True)
@@ -358,10 +396,11 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
     max_tokens = meta.shape[1]
     num_rows = rank_psum[rank_psum.shape[0] - 1]
     words = recv_x.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     lane = lane_id()
-    warp, num_warps = global_warp()
-    for item in range(warp, num_rows * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_rows * pieces:
         row, begin, end = row_piece(item, pieces, span, words)
         src, slot = source_of_row(rank_psum, row)
         first = begin == 0
@@ -371,4 +410,5 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
         if first:
             store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, src, slot, max_tokens, lane,
                               loaded)
+        item = np.int32(item + num_warps)
     mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, num_rows)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.units import lane_entry, row_piece, unit_range
+from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
 from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
 
@@ -38,7 +39,7 @@ def write_meta(meta, topk_idx, weight_bits, has_weights, token, rank, experts_pe
         meta[0] = token
     if lane < num_topk:
         expert = np.int64(topk_idx[token, lane])
-        on_rank = expert >= 0 and expert // experts_per_rank == rank
+        on_rank = expert >= 0 and quotient32(expert, experts_per_rank) == rank
         meta[1 + lane] = expert - rank * experts_per_rank if on_rank else -1
         meta[1 + num_topk + lane] = weight_bits[token, lane] if has_weights else 0
 
@@ -65,8 +66,9 @@ def assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor, t, k, active
 def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
     """Turn unit ``unit``'s start inside its count group into its start inside each rank (``unit_cursor[unit]``)."""
     num_ranks = unit_cursor.shape[1]
+    group = quotient32(unit, units_per_warp)
     for r in range(lane, num_ranks, WARP):
-        unit_cursor[unit, r] += group_counts[unit // units_per_warp, r]
+        unit_cursor[unit, r] += group_counts[group, r]
     cuda.syncwarp(FULL_MASK)
 
 
@@ -105,17 +107,20 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
     src_base = src_rank * max_tokens
     base = local_row_base(direct, recv_psum, src_rank)
     lane = lane_id()
-    group = WARP // num_topk
-    warp, num_warps = global_warp()
-    for unit in range(warp, num_units, num_warps):
+    place = lane_place(num_topk, lane)
+    group = quotient32(WARP, num_topk)
+    unit, num_warps = global_warp()
+    unit = np.int32(unit)
+    while unit < num_units:
         begin, end = unit_range(unit, num_units, num_tokens)
         if mode == SLOT_STABLE:
             start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane)
-        for t0 in range(begin, end, group):
-            t, k, active = lane_entry(t0, end, num_topk, lane)
+        t0 = np.int32(begin)
+        while t0 < end:
+            t, k, active = lane_entry(t0, end, place)
             expert = routed_expert(topk_idx, t, k, experts_per_rank * num_ranks) if active else np.int64(-1)
-            rank = expert // experts_per_rank if expert >= 0 else np.int64(-1)
-            key = (t - t0) * num_ranks + rank if expert >= 0 else np.int64(-1 - lane)
+            rank = quotient32(expert, experts_per_rank) if expert >= 0 else np.int64(-1)
+            key = np.int32((t - t0) * num_ranks + rank) if expert >= 0 else np.int32(-1 - lane)
             first = is_group_leader(key, lane) and expert >= 0
             slot = assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor[unit], t, k, active, rank, first,
                                src_base, lane)
@@ -129,6 +134,8 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
                              wide)
                 write_meta(metas[pr][parity, src_rank, ps], topk_idx, weight_bits, has_weights, pt, pr,
                            experts_per_rank, lane)
+            t0 = np.int32(t0 + group)
+        unit = np.int32(unit + num_warps)
 
 
 @kernel
@@ -144,19 +151,20 @@ def scatter_rows_kernel(x_words, wide, topk_idx, weight_bits, has_weights, exper
     src_base = src_rank * max_tokens
     base = local_row_base(direct, recv_psum, src_rank)
     words = x_words.shape[1]
-    pieces = (words + span - 1) // span
+    pieces = quotient32(words + span - 1, span)
     lane = lane_id()
-    warp, num_warps = global_warp()
-    for item in range(warp, num_tokens * num_topk * pieces, num_warps):
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_tokens * num_topk * pieces:
         entry, begin, end = row_piece(item, pieces, span, words)
-        t = entry // num_topk
-        k = entry - t * num_topk
+        t, k = divmod32(entry, num_topk)
         expert = routed_expert(topk_idx, t, k, experts_per_rank * len(rows))
         recorded = slot_idx[t, k]
         if recorded >= 0 and expert >= 0:
-            rank = expert // experts_per_rank
+            rank = quotient32(expert, experts_per_rank)
             slot = recorded - src_base
             copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, x_words[t], begin, end, wide)
             if begin == 0:
                 write_meta(metas[rank][parity, src_rank, slot], topk_idx, weight_bits, has_weights, t, rank,
                            experts_per_rank, lane)
+        item = np.int32(item + num_warps)

@@ -18,8 +18,10 @@ LOW_WORD = np.int64(0xFFFFFFFF)
 @cuda.jit(device=True)
 def flush_counters(hist, counters):
     """Add the block's int32 histogram ``hist[n]`` to the global int64 ``counters[n]``, arrival-encoded."""
-    for i in range(cuda.threadIdx.x, hist.shape[0], cuda.blockDim.x):
+    i = cuda.threadIdx.x
+    while i < hist.shape[0]:
         cuda.atomic.add(counters, i, ARRIVED | np.int64(hist[i]))
+        i = np.int32(i + cuda.blockDim.x)
 
 
 @cuda.jit(device=True)
@@ -44,8 +46,10 @@ def last_block_to_arrive(ticket):
 @cuda.jit(device=True)
 def drain_counters(counters, out):
     """In the last block: move the counts out of ``counters[n]`` into int32 ``out[n]``, zeroing them."""
-    for i in range(cuda.threadIdx.x, out.shape[0], cuda.blockDim.x):
+    i = cuda.threadIdx.x
+    while i < out.shape[0]:
         out[i] = np.int32(cuda.atomic.exch(counters, i, np.int64(0)) & LOW_WORD)
+        i = np.int32(i + cuda.blockDim.x)
     cuda.threadfence()
     cuda.syncthreads()
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from numba import cuda
 
+from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.warp import WARP
 
 
 def units_for(num_items: int, items_per_unit: int, max_units: int) -> int:
     """How many units cut ``num_items``: about ``items_per_unit`` each, at least 1, at most ``max_units``."""
-    return max(1, min(max_units, (num_items + items_per_unit - 1) // items_per_unit))
+    return max(1, min(max_units, quotient32(num_items + items_per_unit - 1, items_per_unit)))
 
 
 units_for_device = cuda.jit(device=True)(units_for)
@@ -23,7 +24,7 @@ units_for_device = cuda.jit(device=True)(units_for)
 @cuda.jit(device=True)
 def unit_range(unit, num_units, num_items):
     """``[begin, end)`` items of ``unit`` when ``num_items`` are cut into ``num_units`` even chunks."""
-    per_unit = (num_items + num_units - 1) // num_units
+    per_unit = quotient32(num_items + num_units - 1, num_units)
     begin = min(unit * per_unit, num_items)
     return begin, min(begin + per_unit, num_items)
 
@@ -32,18 +33,28 @@ def unit_range(unit, num_units, num_items):
 def row_piece(item, pieces, span, n):
     """Row and ``[begin, end)`` of work item ``item`` when each row's ``n`` indices (elements or words) are
     cut into ``pieces`` pieces of ``span``, item ``row * pieces + piece``: how row work is cut by bytes."""
-    begin = item % pieces * span
-    return item // pieces, begin, min(begin + span, n)
+    row, piece = divmod32(item, pieces)
+    begin = piece * span
+    return row, begin, min(begin + span, n)
 
 
 @cuda.jit(device=True)
-def lane_entry(first_item, end, width, lane):
-    """Item and entry column a lane handles in a group of ``32 // width`` items starting at ``first_item``.
+def lane_place(width, lane):
+    """Where ``lane`` sits in a warp step of ``32 // width`` items of ``width`` entries each: ``(row, column,
+    in_step)``, its item's row in the step and its entry column; ``in_step`` is False on the lanes past the
+    step's ``32 // width * width`` entries. The same at every step: computed once, outside the walk."""
+    row, column = divmod32(lane, width)
+    return row, column, row < quotient32(WARP, width)
 
-    Returns ``(item, column, active)``; lanes past the group or past ``end`` are inactive.
+
+@cuda.jit(device=True)
+def lane_entry(first_item, end, place):
+    """Item and entry column a lane handles in the warp step starting at ``first_item``, from its
+    :func:`lane_place`. Returns ``(item, column, active)``; lanes past the step or past ``end`` are inactive.
     """
-    item = first_item + lane // width
-    return item, lane % width, lane < (WARP // width) * width and item < end
+    row, column, in_step = place
+    item = first_item + row
+    return item, column, in_step and item < end
 
 
 @cuda.jit(device=True)
@@ -52,7 +63,7 @@ def source_of_row(rank_psum, row):
     lo = 0
     hi = rank_psum.shape[0] - 1
     while lo < hi:  # first source whose inclusive sum exceeds row
-        mid = (lo + hi) // 2
+        mid = (lo + hi) >> 1
         if rank_psum[mid] > row:
             hi = mid
         else:

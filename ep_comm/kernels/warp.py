@@ -35,12 +35,13 @@ def global_warp():
 
 @cuda.jit(device=True)
 def warp_inclusive_sum(value, lane):
-    """Kogge-Stone inclusive sum of ``value`` over the lanes of the warp (5 shuffle steps)."""
+    """Kogge-Stone inclusive sum of an int32 ``value`` over the lanes of the warp (5 shuffle steps), as int32:
+    kept 32-bit so that each step shuffles one register (Numba would widen the sum to int64, two)."""
     offset = 1
     while offset < WARP:
         other = cuda.shfl_up_sync(FULL_MASK, value, offset)
         if lane >= offset:
-            value += other
+            value = np.int32(value + other)
         offset *= 2
     return value
 
@@ -71,8 +72,8 @@ def warp_scan(src, dst, n, exclusive, carry, coherent):
     ``src`` is an integer array (possibly a strided view), global or shared; ``coherent`` when it is
     global memory that other blocks may have written in this launch. ``dst`` is int32, global or
     shared, and may be ``src``. ``SCAN_CHUNKS`` chunks are loaded before they are scanned, so their
-    load latencies overlap: a scan of up to 256 values costs one memory round trip. Returns
-    ``carry + sum(src[:n])`` on every lane.
+    load latencies overlap: a scan of up to 256 values costs one memory round trip; chunks wholly
+    past ``n`` are neither loaded nor scanned. Returns ``carry + sum(src[:n])`` on every lane.
     """
     lane = lane_id()
     values = cuda.local.array(SCAN_CHUNKS, int32)
@@ -80,7 +81,8 @@ def warp_scan(src, dst, n, exclusive, carry, coherent):
         for c in range(SCAN_CHUNKS):
             values[c] = load_or_zero(src, first + c * WARP + lane, n, coherent)
         for c in range(SCAN_CHUNKS):
-            carry = scan_chunk(values[c], first + c * WARP + lane, n, dst, exclusive, carry, lane)
+            if first + c * WARP < n:  # chunks wholly past n add nothing (the test is the same on every lane)
+                carry = scan_chunk(values[c], first + c * WARP + lane, n, dst, exclusive, carry, lane)
     return carry
 
 
@@ -185,7 +187,8 @@ def copy_row(dst, src, n, wide):
     """
     width = 2 if wide else 1
     lane_step = WARP * width
-    for base in range(lane_id() * width, n, COPY_UNROLL * lane_step):
+    base = np.int32(lane_id() * width)
+    while base < n:
         w0 = load_words_below(src, base, n, wide)
         w1 = load_words_below(src, base + lane_step, n, wide)
         w2 = load_words_below(src, base + 2 * lane_step, n, wide)
@@ -202,6 +205,7 @@ def copy_row(dst, src, n, wide):
         store_words_below(dst, base + 5 * lane_step, n, w5, wide)
         store_words_below(dst, base + 6 * lane_step, n, w6, wide)
         store_words_below(dst, base + 7 * lane_step, n, w7, wide)
+        base = np.int32(base + COPY_UNROLL * lane_step)
 
 
 @cuda.jit(device=True)

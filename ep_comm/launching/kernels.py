@@ -174,6 +174,12 @@ class Kernels:
             raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
         if self.warps_per_block < 2:
             raise ValueError("warps_per_block must be at least 2")
+        entries = self.num_ranks * self.max_tokens * (self.num_topk + 2)
+        if entries >= 2**30:
+            raise ValueError(f"num_ranks * max_tokens * (num_topk + 2) = {entries}: must be below 2**30, which bounds "
+                             "every row and entry index of the kernels (the widest arrays: R * max_tokens rows of "
+                             "K + 2 metadata words) with room for a grid stride past the end: kernel indices are "
+                             "32-bit (ep_comm/kernels/index32.py)")
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
         self.recv_units = self.recv_units or self.num_blocks

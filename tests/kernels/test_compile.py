@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ptx_stats import wide_divisions
 
 HERE = Path(__file__).parent
 
@@ -64,3 +65,10 @@ def test_warp_collectives_are_real_instructions(ptx_dir):
     for instruction in ("match.any.sync", "shfl.sync.up", "atom.global.add.u64", "atom.global.exch.b64",
                         "ld.global.cv"):
         assert instruction in ptx
+
+
+def test_index_division_is_32_bit(ptx_dir):
+    """No 64-bit ``div``/``rem`` in any kernel (some 70 SASS instructions each): index quotients go through
+    ``ep_comm/kernels/index32.py`` and stride loops add their step to an int32 index."""
+    for path in ptx_dir.glob("*.ptx"):
+        assert wide_divisions(path.read_text()) == 0, path.name

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ep_comm import layout as ref
 from ep_comm.host import to_host
-from ep_comm.launching.kernels import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED
+from ep_comm.launching.kernels import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
 from world import DTYPES, World, bits, random_payload, random_routing, spy_launches
 
 MAX_TOKENS = 24
@@ -41,12 +41,21 @@ def check_count(world: World, deterministic: bool) -> None:
     dict(nowhere=4, masked=0.3),
     # > 32 experts and ranks' chunks, several groups per unit
     dict(ranks=2, experts=70, topk=8, tokens=(40, 1), max_tokens=40),
+    # more ranks than lanes: a token's in_rank row is cleared by its K lanes, several ranks each
+    dict(ranks=33, experts=66, topk=4, tokens=(30,) + (1,) * 32, max_tokens=30),
 ])
 def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     world = make_world(xp, **case)
     check_count(world, deterministic=True)
     check_count(world, deterministic=False)  # counters and ticket were reset by the last block
     assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
+
+
+def test_indices_must_fit_32_bits():
+    with pytest.raises(ValueError, match=r"num_ranks \* max_tokens \* \(num_topk \+ 2\) = 1073741824: must be "
+                                         r"below 2\*\*30"):
+        Kernels(np, num_ranks=2**10, num_experts=2**10, num_topk=6, max_tokens=2**17)
+    Kernels(np, num_ranks=2**10, num_experts=2**10, num_topk=6, max_tokens=2**17 - 1)
 
 
 def check_sender(world: World, sent: list, deterministic: bool) -> None:

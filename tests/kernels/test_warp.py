@@ -1,4 +1,4 @@
-"""Device building blocks in small test kernels: chunked warp scans, lane masks, payload conversions."""
+"""Device building blocks in small test kernels: chunked warp scans, lane masks, payload conversions, index walks."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -8,7 +8,9 @@ from numba import cuda
 
 from ep_comm import layout as ref
 from ep_comm.kernels.convert import load_f32, store_f32
-from ep_comm.kernels.warp import ballot, copy_row, pop_lowest, stable_bucket_slots, warp_scan
+from ep_comm.kernels.index32 import divmod32
+from ep_comm.kernels.units import lane_entry, lane_place
+from ep_comm.kernels.warp import WARP, ballot, copy_row, pop_lowest, stable_bucket_slots, warp_scan
 from ep_comm.host import to_host
 from ep_comm.launching.views import wide_rows
 
@@ -115,3 +117,41 @@ def test_lane_masks_with_lane_31_set(xp, pattern):
     np.testing.assert_array_equal(to_host(cursor), start + np.bincount(buckets[buckets >= 0], minlength=4))
     active = np.flatnonzero(buckets >= 0)
     np.testing.assert_array_equal(to_host(popped), np.r_[active, np.full(33 - len(active), -1)])
+
+
+@cuda.jit
+def divmod_kernel(a, b, out):
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        out[i, 0], out[i, 1] = divmod32(a[i], b[i])
+
+
+def test_divmod32_on_indices_up_to_2_to_the_31(xp):
+    a = np.array([0, 1, 31, 32, 1000, 2**31 - 1, 2**31 - 1, 2**30 + 5, 7], np.int64)
+    b = np.array([1, 32, 32, 32, 7, 1, 2**31 - 1, 3, 9], np.int32)
+    out = xp.zeros((len(a), 2), np.int64)
+    divmod_kernel[1, 32](xp.asarray(a), xp.asarray(b), out)
+    np.testing.assert_array_equal(to_host(out), np.stack([a // b, a % b], axis=1))
+
+
+@cuda.jit
+def lane_walk_kernel(visits, begin, end):
+    width = visits.shape[1]
+    lane = cuda.threadIdx.x
+    place = lane_place(width, lane)
+    first = np.int32(begin)
+    while first < end:
+        item, column, active = lane_entry(first, end, place)
+        if active:
+            visits[item, column] += 1
+        first = np.int32(first + WARP // width)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 11, 32])
+@pytest.mark.parametrize("begin, end", [(0, 1), (2, 13), (5, 40)])
+def test_lane_entries_visit_every_entry_once(xp, width, begin, end):
+    visits = xp.zeros((40, width), np.int32)
+    lane_walk_kernel[1, 32](visits, begin, end)
+    want = np.zeros((40, width), np.int32)
+    want[begin:end] = 1
+    np.testing.assert_array_equal(to_host(visits), want)
