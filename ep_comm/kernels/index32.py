@@ -20,13 +20,25 @@ from numba.cuda.core.errors import TypingError
 from numba.cuda.extending import intrinsic, overload
 
 
+LIMIT = 1 << 31
+
+
+def _check_operands(a, b) -> None:
+    """The simulator's guard of the compiled division's domain: outside it the unsigned 32-bit quotient is not
+    Python's floor division, so a kernel that divides a negative or too large value fails its simulator tests."""
+    if not (0 <= a < LIMIT and 0 < b < LIMIT):
+        raise ValueError(f"32-bit index division of a={a} by b={b}: needs 0 <= a < 2**31 and 0 < b < 2**31")
+
+
 def divmod32(a, b):
     """``(a // b, a % b)`` of an index ``0 <= a < 2**31`` and ``0 < b < 2**31``."""
+    _check_operands(a, b)
     return a // b, a % b
 
 
 def quotient32(a, b):
     """``a // b`` of an index ``0 <= a < 2**31`` and ``0 < b < 2**31``."""
+    _check_operands(a, b)
     return a // b
 
 

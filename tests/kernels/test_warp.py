@@ -155,3 +155,10 @@ def test_lane_entries_visit_every_entry_once(xp, width, begin, end):
     want = np.zeros((40, width), np.int32)
     want[begin:end] = 1
     np.testing.assert_array_equal(to_host(visits), want)
+
+
+@pytest.mark.parametrize("a, b", [(-1, 3), (2**31, 3), (5, 0), (5, -2), (5, 2**31)])
+def test_divmod32_python_body_refuses_operands_outside_its_domain(a, b):
+    """The body the simulator runs raises where the compiled unsigned division would differ from ``//``."""
+    with pytest.raises(ValueError, match=rf"a={a} by b={b}: needs 0 <= a < 2\*\*31 and 0 < b < 2\*\*31"):
+        divmod32(a, b)
