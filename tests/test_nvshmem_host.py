@@ -83,6 +83,16 @@ def test_nvshmem_backend_without_gpu_stack_names_what_is_missing():
         make_backend("nvshmem", MPI.COMM_SELF, geo, BackendSettings(True, 1.0))
 
 
+def test_open_refuses_indices_past_32_bits_before_allocating_anything():
+    """The kernels index in 32 bits: a geometry past that is refused before the collective heap allocation."""
+    def allocate(*args, **kwargs):
+        raise AssertionError("the transport was built before the index range was checked")
+
+    geo = Geometry(1024, 1024, 8, 6, 2**17, payload_dtype("bfloat16"))
+    with pytest.raises(ValueError, match=r"= 1024 \* 131072 \* \(6 \+ 2\) = 1073741824: must be below 2\*\*30"):
+        NvshmemBackend.open(MPI.COMM_SELF, geo, BackendSettings(True, 1.0), allocate, allocate)
+
+
 def test_step_words_are_monotone_and_tell_kinds_apart():
     assert max(STEP_KINDS.values()) < 4 and len(set(STEP_KINDS.values())) == len(STEP_KINDS)
     words = [step_word(seq, kind) for seq in range(1, 5) for kind in STEP_KINDS]

@@ -59,7 +59,8 @@ from .. import layout as lay
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..host import to_host
 from ..launching import weight_return
-from ..launching.kernels import PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels
+from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
+                                check_index_range)
 from ..launching.views import word_dtype
 from ..symmetric import SymmetricLayout
 from ..validate import Geometry, check_num_sms_fits, topk_values
@@ -136,6 +137,7 @@ class NvshmemBackend:
             The backend; its kernels sized for ``settings.num_sms`` (ValueError on every rank, with
             everything released, when that exceeds any rank's SM count).
         """
+        check_index_range(geo.num_ranks, geo.max_tokens, geo.num_topk)  # before anything collective is allocated
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                               geo.experts_per_rank)

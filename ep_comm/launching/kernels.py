@@ -134,6 +134,20 @@ def _token_cut(num_tokens: int, num_topk: int, num_units: int, count_tokens_per_
     return units_for(num_tokens, per_unit, num_units), max(1, count_tokens_per_warp // per_unit)
 
 
+INDEX_LIMIT = 2**30
+
+
+def check_index_range(num_ranks: int, max_tokens: int, num_topk: int) -> None:
+    """Raise ValueError unless ``num_ranks * max_tokens * (num_topk + 2)`` is below ``2**30``: that bounds every row
+    and entry index of the kernels (the widest arrays: ``R * max_tokens`` rows of ``K + 2`` metadata words), with
+    room for a grid stride past the end, since kernel indices are 32-bit (``ep_comm/kernels/index32.py``)."""
+    entries = num_ranks * max_tokens * (num_topk + 2)
+    if entries >= INDEX_LIMIT:
+        raise ValueError(f"num_ranks * num_max_tokens_per_rank * (num_topk + 2) = {num_ranks} * {max_tokens} * "
+                         f"({num_topk} + 2) = {entries}: must be below 2**30 on the GPU backend, whose kernels "
+                         "index rows and entries in 32 bits")
+
+
 @dataclass
 class Kernels:
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
@@ -174,12 +188,7 @@ class Kernels:
             raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
         if self.warps_per_block < 2:
             raise ValueError("warps_per_block must be at least 2")
-        entries = self.num_ranks * self.max_tokens * (self.num_topk + 2)
-        if entries >= 2**30:
-            raise ValueError(f"num_ranks * max_tokens * (num_topk + 2) = {entries}: must be below 2**30, which bounds "
-                             "every row and entry index of the kernels (the widest arrays: R * max_tokens rows of "
-                             "K + 2 metadata words) with room for a grid stride past the end: kernel indices are "
-                             "32-bit (ep_comm/kernels/index32.py)")
+        check_index_range(self.num_ranks, self.max_tokens, self.num_topk)
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         self.num_units = self.num_blocks * self.warps_per_block
         self.recv_units = self.recv_units or self.num_blocks

@@ -52,8 +52,8 @@ def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
 
 
 def test_indices_must_fit_32_bits():
-    with pytest.raises(ValueError, match=r"num_ranks \* max_tokens \* \(num_topk \+ 2\) = 1073741824: must be "
-                                         r"below 2\*\*30"):
+    with pytest.raises(ValueError, match=r"num_ranks \* num_max_tokens_per_rank \* \(num_topk \+ 2\) = 1024 \* "
+                                         r"131072 \* \(6 \+ 2\) = 1073741824: must be below 2\*\*30"):
         Kernels(np, num_ranks=2**10, num_experts=2**10, num_topk=6, max_tokens=2**17)
     Kernels(np, num_ranks=2**10, num_experts=2**10, num_topk=6, max_tokens=2**17 - 1)
 
