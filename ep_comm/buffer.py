@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional
+import weakref
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -107,6 +108,8 @@ class Buffer:
                                    transport, bool(profile))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
+        # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (see _check_handle)
+        self._checked_handles: Dict[int, weakref.ref] = {}
         self._profiling = bool(profile)
         self.backend: str = self._backend.name
         self.num_sms: Optional[int] = self._backend.num_sms
@@ -134,6 +137,21 @@ class Buffer:
         if self._backend is None:
             raise RuntimeError("this Buffer is closed")
         return self._backend
+
+    def _check_handle(self, handle: Any, doing: str) -> None:
+        """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry
+        (TypeError / ValueError otherwise). The check runs once per handle: a handle is never changed after the
+        dispatch that made it, and the geometry is the Buffer's for good. The handles that passed are kept by
+        weak reference (a handle's lifetime stays its user's), and forgotten when they die."""
+        checked = self._checked_handles
+        key = id(handle)
+        seen = checked.get(key)
+        if seen is not None and seen() is handle:
+            return
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle from {doing}, got {type(handle).__name__}")
+        chk.check_handle(handle, self.geometry)
+        checked[key] = weakref.ref(handle, lambda _, key=key: checked.pop(key, None))
 
     def _topk_idx(self, topk_idx: Any) -> Any:
         be = self._live()
@@ -196,9 +214,7 @@ class Buffer:
         if (topk_idx is None) == (handle is None):
             raise ValueError("give exactly one of topk_idx (a new routing) and handle (a cached dispatch)")
         if handle is not None:
-            if not isinstance(handle, EPHandle):
-                raise TypeError(f"handle must be an EPHandle from an earlier dispatch, got {type(handle).__name__}")
-            chk.check_handle(handle, geo)
+            self._check_handle(handle, "an earlier dispatch")
             num_tokens, idx = handle.num_tokens, handle.topk_idx
             expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
         else:
@@ -246,9 +262,7 @@ class Buffer:
         """
         be = self._live()
         geo = self.geometry
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
-        chk.check_handle(handle, geo)
+        self._check_handle(handle, "dispatch")
         y = be.as_array(y, "y")
         chk.check_payload(y, "y", handle.num_out_rows, geo, "rows of the dispatch's recv_x")
         if topk_weights is not None:

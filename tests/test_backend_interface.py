@@ -2,7 +2,9 @@
 rules, and the mpi backend's profile table. (The nvshmem backend's side runs in ``test_nvshmem_host.py``.)"""
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -78,3 +80,48 @@ def test_the_profile_table_of_a_buffer_without_profiling_says_how_to_get_one():
     with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi") as buf:
         with pytest.raises(RuntimeError, match=re.escape("Buffer(..., profile=True)")):
             buf.profile_table()
+
+
+def _dispatched(buf: ep_comm.Buffer, seed: int = 0):
+    x = np.ones((6, SHAPE["hidden"]), np.float32)
+    return x, buf.dispatch(x, routing(6, seed))
+
+
+def test_a_handle_of_another_geometry_is_refused_on_every_call_and_one_that_passed_is_refused_after_close():
+    """A Buffer checks a handle once (then remembers it by weak reference): a handle of another geometry
+    raises the same ValueError on every dispatch and combine, and after ``close`` every handle is refused."""
+    with ep_comm.Buffer(MPI.COMM_SELF, **dict(SHAPE, num_max_tokens_per_rank=SHAPE["num_max_tokens_per_rank"] + 8),
+                        backend="mpi") as other:
+        _, foreign = _dispatched(other)
+    buf = ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi")
+    x, out = _dispatched(buf)
+    want = (f"handle comes from a dispatch of a Buffer with num_max_tokens_per_rank="
+            f"{SHAPE['num_max_tokens_per_rank'] + 8} (this Buffer: {SHAPE['num_max_tokens_per_rank']}): a handle "
+            "replays and combines only on a Buffer of the geometry it was made with")
+    for _ in range(2):
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(x, handle=foreign.handle)
+        assert str(info.value) == want
+        with pytest.raises(ValueError) as info:
+            buf.combine(foreign.recv_x, foreign.handle)
+        assert str(info.value) == want
+        buf.combine(out.recv_x, out.handle)
+        buf.dispatch(x, handle=out.handle)
+    with pytest.raises(TypeError, match="handle must be an EPHandle from dispatch, got str"):
+        buf.combine(out.recv_x, "handle")
+    buf.close()
+    for call in (lambda: buf.dispatch(x, handle=out.handle), lambda: buf.combine(out.recv_x, out.handle)):
+        with pytest.raises(RuntimeError, match="this Buffer is closed"):
+            call()
+
+
+def test_a_buffer_remembers_the_handles_it_checked_without_keeping_them_alive():
+    """The record of a checked handle holds it weakly and is dropped with the handle."""
+    with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi") as buf:
+        x, out = _dispatched(buf)
+        buf.combine(out.recv_x, out.handle)
+        handle = weakref.ref(out.handle)
+        assert list(buf._checked_handles) == [id(out.handle)]
+        del out
+        gc.collect()
+        assert handle() is None and buf._checked_handles == {}

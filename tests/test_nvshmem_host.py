@@ -155,17 +155,14 @@ class LoopbackTransport:
         if not (got == seq << 2 | kind or got >= (seq + 1) << 2):
             self.missing = [0]
 
-    def missing_ranks(self):
-        return self.missing
+    def wait_state(self):
+        return self.missing, bool(self.aborts[:, 0].any())
 
     def post_abort(self, record) -> None:
         """The rank is its own only peer: nobody to tell."""
 
     def abort_table(self):
         return self.aborts
-
-    def abort_seen(self) -> bool:
-        return bool(self.aborts[:, 0].any())
 
     def close(self, collective: bool) -> None:
         self.closed_collectively = collective
@@ -531,46 +528,56 @@ def test_the_nvshmem_profile_table_times_every_phase_of_the_call_sequence():
 
 
 class _CountingBoard:
-    """An abort board that counts its device reads; ``hint`` is what the last wait saw."""
+    """An abort board that counts its device reads."""
 
     def __init__(self, num_ranks: int):
         self.table = np.zeros((num_ranks, ABORT_WORDS), np.int64)
-        self.hint = False
         self.reads = 0
+        self.posted = []
 
     def post_abort(self, record) -> None:
-        pass
+        self.posted.append(record)
 
     def abort_table(self):
         self.reads += 1
         return self.table
 
-    def abort_seen(self) -> bool:
-        return self.hint
+
+def _nothing(seq: int) -> int:
+    return seq
 
 
-def test_a_call_that_does_not_wait_on_the_host_reads_the_abort_records_only_when_the_last_wait_saw_one():
+def test_a_step_reads_the_abort_records_on_entry_only_when_asked():
+    """``Steps.run(read_board=False)`` (a ``cpu_sync=False`` step whose last wait saw no record) reads no record;
+    ``read_board=True`` reads them and raises a peer's record before the step's body runs."""
     board = _CountingBoard(2)
     steps = Steps(0, 3.0, board)
     board.table[1] = encode("combine", 1, "timed out after 3 s waiting for ranks [0]")
-    with steps.collective("dispatch", read_board=False) as (seq, _):  # the last wait saw nothing yet
-        assert seq == 1
-    assert board.reads == 0
-    board.hint = True
+    assert steps.run("dispatch", False, _nothing) == 1 and board.reads == 0
+    ran = []
     with pytest.raises(PeerAbortedError, match=r"rank 0: cannot combine: rank 1 gave up at combine #1"):
-        with steps.collective("combine", read_board=False):
-            pass
-    assert board.reads == 1 and steps.unusable
+        steps.run("combine", True, ran.append)
+    assert board.reads == 1 and steps.unusable and not ran and not board.posted
+    with pytest.raises(BufferUnusableError, match="cannot dispatch: rank 1 gave up at combine #1"):
+        steps.run("dispatch", False, ran.append)
+    assert board.reads == 1 and not ran
 
 
-def test_a_call_that_waits_on_the_host_reads_the_abort_records_on_entry():
+def test_a_step_whose_body_raises_leaves_the_buffer_unusable_and_posts_its_record():
     board = _CountingBoard(2)
     steps = Steps(0, 3.0, board)
-    board.table[1] = encode("dispatch", 1, "failed midway")
-    with pytest.raises(PeerAbortedError, match="rank 1 gave up at dispatch #1"):
-        with steps.collective("dispatch"):
-            pass
-    assert board.reads == 1
+
+    def fails(seq: int, what: str) -> None:
+        raise RuntimeError(f"{what} at step {seq}")
+
+    with pytest.raises(RuntimeError, match="kernel at step 1"):
+        steps.run("dispatch", False, fails, "kernel")
+    assert steps.unusable == "dispatch #1 failed midway" and len(board.posted) == 1
+    assert decode(np.stack([board.posted[0], np.zeros(ABORT_WORDS, np.int64)])) == [
+        (0, "dispatch #1", "failed midway (RuntimeError: kernel at step 1)")]
+    with pytest.raises(BufferUnusableError, match="cannot combine: dispatch #1 failed midway"):
+        steps.run("combine", True, _nothing)
+    assert steps.seq == 1
 
 
 def test_a_wait_every_rank_arrived_at_reads_the_abort_records_only_when_it_saw_one():
@@ -578,18 +585,16 @@ def test_a_wait_every_rank_arrived_at_reads_the_abort_records_only_when_it_saw_o
     wait kernel's mapped status); a read when the wait saw one, or when a rank is missing."""
     board = _CountingBoard(2)
     steps = Steps(0, 3.0, board)
-    with steps.collective("dispatch", read_board=False):
-        steps.after_wait("dispatch", [])
+    steps.run("dispatch", False, lambda seq: steps.after_wait("dispatch", [], seen=False))
     assert board.reads == 0 and not steps.unusable
     board.table[1] = encode("dispatch", 1, "failed midway")
-    board.hint = True
     with pytest.raises(PeerAbortedError, match=r"rank 0: dispatch #1: rank 1 gave up at dispatch #1"):
-        steps.after_wait("dispatch", [])
+        steps.after_wait("dispatch", [], seen=True)
     assert board.reads == 1
-    board.table[1], board.hint, board.reads = 0, False, 0
+    board.table[1], board.reads = 0, 0
     late = Steps(0, 3.0, board)
     with pytest.raises(TimeoutError, match=r"waiting for ranks \[1\]"):
-        late.after_wait("dispatch", [1])
+        late.after_wait("dispatch", [1], seen=False)
     assert board.reads == 1
 
 

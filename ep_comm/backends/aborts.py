@@ -37,12 +37,6 @@ class AbortBoard(Protocol):
     def abort_table(self) -> np.ndarray:
         """The int64 ``[R, ABORT_WORDS]`` records the peers posted into this rank's buffer (current values)."""
 
-    def abort_seen(self) -> bool:
-        """A cheap hint, read without touching the device: False when no record was posted as of the last
-        finished wait (True may just mean "read ``abort_table`` to know"). ``Steps`` reads the records only
-        where it is True: on entering a call that does not wait on the host, and after a wait that every
-        rank arrived at."""
-
 
 def encode(kind: str, number: int, reason: str) -> np.ndarray:
     """The record of a rank giving up at call ``number`` of ``kind`` (``"dispatch"``, ... or ``""`` before

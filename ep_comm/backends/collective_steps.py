@@ -10,8 +10,7 @@ posting a record of its own.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
 
 from .. import exit_guard
 from ..errors import BufferUnusableError, PeerAbortedError, TimeoutError
@@ -19,6 +18,8 @@ from ..symmetric import STEP_KINDS
 from . import aborts
 
 __all__ = ["STEP_KINDS", "Steps", "step_word"]
+
+T = TypeVar("T")
 
 
 def step_word(seq: int, what: str) -> int:
@@ -52,29 +53,30 @@ class Steps:
         """``what`` with the latest step: ``"combine #2"``, or ``"an earlier operation (combine #2)"``."""
         return self._last if self._last.startswith(what + " #") else f"{what} ({self._last})"
 
-    @contextmanager
-    def collective(self, what: str, read_board: bool = True) -> Iterator[tuple]:
-        """Number the next step and yield ``(seq, parity)``; an exception inside marks the buffer unusable.
+    def run(self, what: str, read_board: bool, body: Callable[..., T], *args: Any) -> T:
+        """Number the next step ``seq`` and return ``body(seq, *args)``; an exception from ``body`` marks the
+        buffer unusable and posts this rank's abort record (then propagates).
 
         Args:
             what: the step's kind.
-            read_board: read the peers' abort records first (:meth:`check_peers`); False reads them only
-                when the board's cheap hint (``AbortBoard.abort_seen``: what the last finished wait saw)
-                says one was posted, so that a call that does not wait on the host does not read the
-                device either; such a call learns of a record posted since at its own wait (which ends
-                early) and raises at the next call.
+            read_board: read the peers' abort records first (:meth:`check_peers`). A step that waits on the host
+                reads them always; one that does not (``cpu_sync=False`` on ``nvshmem``) only when the last
+                finished wait saw a record (the mapped status record), so that it does not read the device
+                either; such a step learns of a record posted since at its own wait (which ends early) and
+                raises at the next call.
+            body: the step's work, called as ``body(seq, *args)``.
         """
         if self.unusable:
             raise BufferUnusableError(
                 f"rank {self.rank}: cannot {what}: {self.unusable}; close this Buffer and create a new one")
-        if read_board or self.board.abort_seen():
+        if read_board:
             self.check_peers(f"cannot {what}")
         self.seq += 1
         self._calls[what] += 1
         self._last = f"{what} #{self._calls[what]}"
         self._last_kind = what
         try:
-            yield self.seq, self.seq % 2
+            return body(self.seq, *args)
         except BaseException as exc:
             if not self.unusable:
                 self._give_up(f"{self.name(what)} failed midway", f"failed midway ({type(exc).__name__}: {exc})")
@@ -90,23 +92,23 @@ class Steps:
         if records:
             raise self._peer_aborted(doing, records)
 
-    def after_wait(self, what: str, missing: Sequence[int]) -> None:
+    def after_wait(self, what: str, missing: Sequence[int], seen: bool) -> None:
         """The outcome of this step's wait, ``missing`` the ranks that did not arrive: ``PeerAbortedError``
         when one of them posted an abort record (it left the protocol), or when every rank arrived but a
         peer posted one (the step's rows are not to be used); this rank's own ``ep_comm.TimeoutError`` when
         ranks are missing and none of them posted (records of ranks that did arrive, e.g. a peer that timed
         out first waiting for the same missing rank, do not replace it).
 
-        When every rank arrived and the board's hint (``AbortBoard.abort_seen``: what the wait itself saw,
-        on ``nvshmem`` the mapped status record the GPU wait kernel wrote) shows no record, the records are
-        not read: a record posted after the wait looked is raised by the next call. ``mpi``'s hint is always
-        True (its records are host memory): it reads them after every wait.
+        When every rank arrived and ``seen`` is False, the records are not read: a record posted after the
+        wait looked is raised by the next call.
 
         Args:
             what: the step's kind.
             missing: the ranks the wait gave up on (empty when all arrived).
+            seen: whether the wait saw a posted record (on ``nvshmem`` the mapped status record the GPU wait
+                kernel wrote); ``mpi`` passes True (its records are host memory): it reads them after every wait.
         """
-        if not missing and not self.board.abort_seen():
+        if not missing and not seen:
             return
         records = aborts.decode(self.board.abort_table())
         gave_up = [record for record in records if record[0] in set(missing)]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from contextlib import contextmanager
-from typing import ContextManager, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -81,11 +80,10 @@ class MpiBackend:
         return self.profile.table()
 
     # ---------------------------------------------------------------- protocol
-    @contextmanager
-    def _collective(self, what: str) -> Iterator[Tuple[int, int]]:
-        """The next collective step ``(seq, parity)``, timed as the step's ``total``."""
-        with self.steps.collective(what) as step, self.profile.phase(what, "total"):
-            yield step
+    def _step(self, seq: int, what: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body((seq, parity), *args)`` of collective step ``seq`` (``Steps.run``), timed as its ``total``."""
+        with self.profile.phase(what, "total"):
+            return body((seq, seq % 2), *args)
 
     def _signal_and_wait(self, what: str, seq: int) -> None:
         """Signal step ``seq`` to every rank, then wait for every rank's signal (bounded)."""
@@ -97,7 +95,7 @@ class MpiBackend:
         """Wait for every rank's signal of step ``seq`` (bounded), then raise as ``Steps.after_wait`` says: a
         missing rank's abort record ends the wait at once."""
         missing = self.window.wait(range(self.geo.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
-        self.steps.after_wait(what, missing)
+        self.steps.after_wait(what, missing, seen=True)
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
@@ -133,8 +131,7 @@ class MpiBackend:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
-        with self._collective("dispatch") as step:
-            return self._dispatch(step, request)
+        return self.steps.run("dispatch", True, self._step, "dispatch", self._dispatch, request)
 
     def _dispatch(self, step: Tuple[int, int], request: DispatchRequest) -> DispatchOutput:
         geo, handle = self.geo, request.handle
@@ -263,8 +260,7 @@ class MpiBackend:
     # ----------------------------------------------------------------- combine
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine of ``request.y`` along the routes of ``request.handle``."""
-        with self._collective("combine") as step:
-            return self._combine(step, request)
+        return self.steps.run("combine", True, self._step, "combine", self._combine, request)
 
     def _combine(self, step: Tuple[int, int], request: CombineRequest) -> CombineOutput:
         geo, handle, topk_weights = self.geo, request.handle, request.topk_weights
@@ -313,6 +309,9 @@ class MpiBackend:
                 out[mask] = w[mask]
         return out
 
+    def _close_step(self, step: Tuple[int, int]) -> None:
+        self._signal_and_wait("close", step[0])
+
     def close(self) -> None:
         """Collective close with a bounded wait (``Unlock_all``, ``Win.Free``, ``Comm.Free``) after a clean
         run; after any failure (this rank's, a peer's abort record, a close step that failed) a local
@@ -326,8 +325,7 @@ class MpiBackend:
             return
         try:
             if not self.steps.unusable:
-                with self._collective("close") as (seq, _):
-                    self._signal_and_wait("close", seq)
+                self.steps.run("close", True, self._step, "close", self._close_step)
         finally:
             clean = not self.steps.unusable
             self.window.free(collective=clean)

@@ -49,8 +49,7 @@ tensors, zero copy). Outputs: CuPy arrays.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -221,31 +220,30 @@ class NvshmemBackend:
         self.kernels.stream = self.device.stream()
         return self.device.launching()
 
-    @contextmanager
-    def _collective(self, what: str, host_wait: bool) -> Iterator[int]:
-        """The next collective step's host number ``seq``, on the caller's stream, after raising any
-        timeout an earlier asynchronous wait recorded (the step's signal advances the device counter).
-        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold; such a
-        step also reads the peers' abort records from the device on entry, where a ``cpu_sync=False``
-        step relies on what the last finished wait saw (``Steps.collective``)."""
+    def _collective(self, what: str, host_wait: bool, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, *args)`` as the next collective step (host number ``seq``), on the caller's stream, after
+        raising any timeout an earlier asynchronous wait recorded (the step's signal advances the device
+        counter). ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold;
+        such a step also reads the peers' abort records from the device on entry, where a ``cpu_sync=False``
+        step reads them only when the last finished wait saw one (``Steps.run``)."""
         self.capture.begin(what, host_wait)
         if not self.capture.active and what != "close":
             self.capture.raise_for_checks()
+        seen = True  # an unusable buffer: Steps.run raises BufferUnusableError before reading anything
         if not self.steps.unusable:
-            self._raise_if_timed_out("an earlier operation")
-        with self.steps.collective(what, read_board=host_wait) as (seq, _), self.profile.phase(what, "total"), \
-                self._launching():
-            yield seq
+            missing, seen = self.transport.wait_state()
+            if missing:
+                raise self.steps.timed_out("an earlier operation", missing)
+        return self.steps.run(what, host_wait or seen, self._step, what, body, *args)
+
+    def _step(self, seq: int, what: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, *args)`` timed as the step's ``total``, launching on the caller's stream."""
+        with self.profile.phase(what, "total"), self._launching():
+            return body(seq, *args)
 
     def _contiguous(self, a: Optional[Array]) -> Optional[Array]:
         """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
         return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)
-
-    def _raise_if_timed_out(self, what: str) -> None:
-        """Raise ep_comm.TimeoutError (and mark the buffer unusable) if any wait so far timed out."""
-        missing = self.transport.missing_ranks()
-        if missing:
-            raise self.steps.timed_out(what, missing)
 
     def _signal_and_wait(self, what: str, seq: int, counts: Optional[Array] = None) -> None:
         """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``, int32 ``[R, 1 + L]``:
@@ -270,15 +268,13 @@ class NvshmemBackend:
         ``Steps.after_wait`` says (a peer's abort record: the rows of this step are not to be used). The abort
         records are read from the device only when a rank is missing or the mapped status record shows one
         (the wait kernel copies word 0 of every record there): no host round trip after a clean wait."""
-        self.steps.after_wait(what, self.transport.missing_ranks())
+        self.steps.after_wait(what, *self.transport.wait_state())
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
-        with self._collective("dispatch", request.cpu_sync) as seq:
-            if request.handle is None:
-                return self._dispatch_new(seq, request)
-            return self._dispatch_cached(seq, request)
+        body = self._dispatch_new if request.handle is None else self._dispatch_cached
+        return self._collective("dispatch", request.cpu_sync, body, request)
 
     def _send(self, seq: int, request: DispatchRequest, routing: Routing, mode: int, psum: Optional[Array],
               local: Optional[tuple] = None) -> None:
@@ -409,8 +405,7 @@ class NvshmemBackend:
     # ----------------------------------------------------------------- combine
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine of ``request.y`` along the routes of ``request.handle``."""
-        with self._collective("combine", request.handle.cpu_sync) as seq:
-            return self._combine(seq, request)
+        return self._collective("combine", request.handle.cpu_sync, self._combine, request)
 
     def _combine(self, seq: int, request: CombineRequest) -> CombineOutput:
         h = request.handle
@@ -457,6 +452,10 @@ class NvshmemBackend:
         return x, back
 
     # ------------------------------------------------------------------- close
+    def _close_step(self, seq: int) -> None:
+        self._signal_and_wait("close", seq)
+        self._sync_and_check("close")
+
     def close(self) -> None:
         """Collective close with a bounded wait after a clean run; after any failure (this rank's timeout or
         error, a peer's abort record) a local release: the symmetric heap is leaked and NVSHMEM's finalize
@@ -466,9 +465,7 @@ class NvshmemBackend:
         clean = False
         try:
             if not self.steps.unusable:
-                with self._collective("close", host_wait=True) as seq:
-                    self._signal_and_wait("close", seq)
-                    self._sync_and_check("close")
+                self._collective("close", True, self._close_step)
                 clean = True
         finally:
             self.device.synchronize()

@@ -106,6 +106,19 @@ def _copy_step(wide: bool) -> int:
     return COPY_UNROLL * WARP * (2 if wide else 1)
 
 
+_CARVE_WORDS = 4  # each array carved from a shared allocation starts on 16 bytes, as vector loads need
+
+
+def _carved(sizes: Sequence[int]) -> tuple[list, int]:
+    """``(slices, words)``: the int32 word slices of consecutive arrays of ``sizes`` words in one allocation
+    of ``words`` words, each slice starting on a multiple of ``_CARVE_WORDS``."""
+    slices, at = [], 0
+    for size in sizes:
+        slices.append(slice(at, at + size))
+        at += -(-size // _CARVE_WORDS) * _CARVE_WORDS
+    return slices, at
+
+
 _FIXED_MAX = 64  # views and verdicts of long-lived arrays one Kernels keeps (Kernels._fixed)
 
 
@@ -210,6 +223,11 @@ class Kernels:
         self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
         self._no_bias = xp.zeros((1, 1), dtype=np.float32)
         self._fixed_views: dict = {}  # _fixed: (what, id(base)) -> (base, view or verdict)
+        # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
+        # return: views of one fresh allocation per call (they are returned together, and kept together)
+        local = self.num_local
+        self._send_slices, self._send_words = _carved((r * (1 + local), r, e, r, e + 1))
+        self._recv_slices, self._recv_words = _carved((2, r, local, local, local))
 
     @property
     def num_local(self) -> int:
@@ -269,13 +287,16 @@ class Kernels:
 
         Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
         :meth:`scatter` consumes next. Returns a :class:`SendLayout` with a fresh, unfilled ``slot_idx``
-        and, in ``count_words``, the block the count exchange sends (written by the same launch).
+        and, in ``count_words``, the block the count exchange sends (written by the same launch). Its arrays
+        are new on every call; the int32 ones are views of one allocation.
         """
         xp, r, e = self.xp, self.num_ranks, self.num_experts
         num_tokens = topk_idx.shape[0]
-        out = SendLayout(xp.empty(r, np.int32), xp.empty(e, np.int32), xp.empty(r, np.int32),
-                         xp.empty(e + 1, np.int32), xp.empty((num_tokens, r), np.bool_),
-                         xp.empty((num_tokens, self.num_topk), np.int32), xp.empty((r, 1 + self.num_local), np.int32))
+        words = self._send_words
+        block = xp.empty(words + num_tokens * self.num_topk, np.int32)
+        count_words, per_rank, per_expert, rank_psum, expert_psum = map(block.__getitem__, self._send_slices)
+        out = SendLayout(per_rank, per_expert, rank_psum, expert_psum, xp.empty((num_tokens, r), np.bool_),
+                         block[words:].reshape(num_tokens, self.num_topk), count_words.reshape(r, 1 + self.num_local))
         num_units, units_per_warp = self.token_cut(num_tokens)
         count_warps = -(-num_units // units_per_warp)
         blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
@@ -359,11 +380,12 @@ class Kernels:
             stable: stable (deterministic) expand placement.
 
         Returns:
-            A :class:`ReceiveCounts` on the device.
+            A :class:`ReceiveCounts` on the device: new arrays on every call, views of one allocation.
         """
-        xp, r, local = self.xp, self.num_ranks, self.num_local
-        out = ReceiveCounts(xp.empty(r, np.int32), xp.empty(local, np.int32), xp.empty(local, np.int32),
-                            xp.empty(local, np.int32), xp.empty(2, np.int32))
+        r, local = self.num_ranks, self.num_local
+        block = self.xp.empty(self._recv_words, np.int32)
+        totals, rank_psum, unaligned, aligned, expert_psum = map(block.__getitem__, self._recv_slices)
+        out = ReceiveCounts(rank_psum, unaligned, aligned, expert_psum, totals)
         if not expand:
             self._launch(receive_count_words_kernel, 4 * local, 1)(
                 src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,

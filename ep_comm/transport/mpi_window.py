@@ -83,10 +83,6 @@ class MpiWindow:
         self.win.Sync()
         return self._aborts
 
-    def abort_seen(self) -> bool:
-        """Always True: the window is host memory, so :meth:`abort_table` is the cheap read."""
-        return True
-
     def wait(self, sources: Iterable[int], word: int, deadline: float) -> List[int]:
         """Poll until every source's signal shows it reached step ``word``, or a source still missing
         posted an abort record (it will not come); return the sources still missing then, or at

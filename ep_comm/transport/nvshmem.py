@@ -8,7 +8,7 @@ without P2P). GPU only: imports CuPy and Numba-CUDA.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import cupy
 import numpy as np
@@ -134,14 +134,12 @@ class NvshmemTransport:
             raw = self._aborts.get(stream=self._side)
         return raw.view(np.int64).reshape(self.sym.num_ranks, ABORT_WORDS)
 
-    def missing_ranks(self) -> List[int]:
-        """Ranks any wait so far gave up on (sticky; read without a synchronisation)."""
-        return self.status.read().missing_ranks
-
-    def abort_seen(self) -> bool:
-        """Whether the last finished wait saw a peer's abort record (read without a synchronisation: the
-        wait kernel copies word 0 of every record into the mapped status record)."""
-        return bool(self.status.read().aborted_ranks)
+    def wait_state(self) -> Tuple[List[int], bool]:
+        """``(ranks any wait so far gave up on (sticky), whether the last finished wait saw a peer's abort
+        record)``, from one read of the mapped status record (no synchronisation: the wait kernel copies
+        word 0 of every record there)."""
+        outcome = self.status.read()
+        return outcome.missing_ranks, bool(outcome.aborted_ranks)
 
     def close(self, collective: bool) -> None:
         """Free the heap: collectively, or (after a timeout) locally only."""

@@ -354,3 +354,25 @@ def test_own_rows_straight_into_recv_x_only_for_a_cached_compact_dispatch(xp):
         k.receive_copy(none, view.rows, view.meta, world.step(0), recv_x, none, none.view(np.float32), none,
                        expand=True, mode=PLACE_CACHED, expert_psum=none, alignment=1, zero_padding=False,
                        skip_source=0)
+
+
+def test_count_and_receive_count_return_new_separate_arrays_on_every_call(monkeypatch):
+    """The int32 arrays of ``count`` and ``receive_count`` are views of one allocation per call: each has its
+    shape and dtype, starts on 16 bytes, overlaps none of the others, and none is shared with an earlier
+    call's (launches stubbed: only the host side)."""
+    k = Kernels(np, num_ranks=3, num_experts=12, num_topk=3, max_tokens=16, num_blocks=4)
+    monkeypatch.setattr(k, "_launch", lambda *args, **kwargs: lambda *launch_args: None)
+    idx = np.zeros((5, 3), np.int64)
+    counts, meta = np.zeros((2, 3, 5), np.int64), np.zeros((2, 3, 16, 7), np.int32)
+    step = np.zeros(1, np.int64)
+    calls = [(k.count(idx, stable=True), k.receive_count(counts, meta, step, alignment=1, expand=False, stable=True))
+             for _ in range(2)]
+    send, recv = calls[0]
+    shapes = [(3,), (12,), (3,), (13,), (5, 3), (5, 3), (3, 5)] + [(3,), (4,), (4,), (4,), (2,)]
+    arrays = list(send) + list(recv)
+    assert [a.shape for a in arrays] == shapes
+    assert [a.dtype for a in arrays] == [np.int32] * 4 + [np.bool_] + [np.int32] * 7
+    assert all(a.ctypes.data % 16 == 0 and a.flags.c_contiguous for a in arrays)
+    later = list(calls[1][0]) + list(calls[1][1])
+    for i, a in enumerate(arrays):
+        assert not any(np.shares_memory(a, b) for b in arrays[i + 1:] + later)
