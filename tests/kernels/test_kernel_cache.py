@@ -48,7 +48,7 @@ from ep_comm.bench.kernels import Bench, parse_args
 from ep_comm.kernels import check, combine, count, receive, scatter
 
 bench = Bench(cp, parse_args(["--tokens", "64", "--hidden", "256", "--experts", "16", "--topk", "4",
-                              "--alignment", "4", "--blocks", "4", "--warps-per-block", "2"]))
+                              "--alignment", "4", "--warps-per-block", "2"]), 2)  # 2 SMs: 4 blocks
 for launch, _ in bench.measurements().values():
     launch()
 cp.cuda.runtime.deviceSynchronize()
