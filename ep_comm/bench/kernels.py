@@ -23,6 +23,9 @@ later send phase (the last remote store) to the later end. Between the phases th
 signal and a wait; here CUDA events order them (each stream waits for the other's send event), so both
 receives start after both sends finished. Today's kernels run the receive side after the transfer, so
 the tail is the receive-side kernels' time; the fused kernels are expected to bring it to 3 us or less.
+GB/s of a pair op: the payload bytes both ranks store into the buffers (dispatch: every scattered row;
+combine: every row sent back, a rank's own rows excepted) per wall p50. JSON: the kernel rows under
+``results`` (with ``sms``, ``num_blocks``, ``stream_blocks``), the pair rows under ``pair``.
 """
 from __future__ import annotations
 
