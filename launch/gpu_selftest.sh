@@ -16,7 +16,7 @@ usage: launch/gpu_selftest.sh [-h|--help] [--ranks LIST] [--mps] [OUT_DIR [STEP[
 
   OUT_DIR         logs and results (default: results/selftest); selftest.log holds every step's output
   STEP[:SECONDS]  the steps to run (default: all, in this order), SECONDS overrides a step's time limit:
-                  bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests
+                  bench-prefill bench-decode kernel-bench kernel-sms contract-stores contract-puts kernels gpu-tests
                   soak create-close determinism examples
   --ranks LIST    rank counts of the multi-rank steps, comma-separated (default: 2). The bench, soak,
                   create-close, determinism and examples steps run once per count (NAME@N, results
@@ -55,7 +55,7 @@ contract_ranks=$ranks
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$repo/results/selftest}
 [ $# -eq 0 ] || shift
-steps=${*:-bench-prefill bench-decode kernel-bench contract-stores contract-puts kernels gpu-tests soak create-close determinism examples}
+steps=${*:-bench-prefill bench-decode kernel-bench kernel-sms contract-stores contract-puts kernels gpu-tests soak create-close determinism examples}
 mkdir -p "$out"
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -134,6 +134,8 @@ for item in $steps; do
         bench-decode) at_each_count "$name" 90 ep_comm.bench --config deepseek_v3_decode --iters 200 --warmup 10 \
                           --json "$out/bench-decode-%N%ranks.json" ;;
         kernel-bench) step "$name" 120 python3 -m ep_comm.bench.kernels --out "$out/kernel-bench.json" ;;
+        kernel-sms) step "$name" 400 python3 -m ep_comm.bench.kernels --sms 16,24,32,66,all --pair \
+                        --out "$out/kernel-sms.json" ;;
         contract-stores) contract "$name" stores ;;
         contract-puts) contract "$name" puts ;;
         kernels) step "$name" 240 python3 -m pytest -q -p no:cacheprovider tests/kernels ;;
