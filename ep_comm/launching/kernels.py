@@ -299,7 +299,7 @@ class Kernels:
                          block[words:].reshape(num_tokens, self.num_topk), count_words.reshape(r, 1 + self.num_local))
         num_units, units_per_warp = self.token_cut(num_tokens)
         count_warps = -(-num_units // units_per_warp)
-        blocks = min(self.num_blocks, -(-count_warps // self.warps_per_block))
+        blocks = self._blocks_for(count_warps, self.num_blocks)
         self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
             topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
             self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
