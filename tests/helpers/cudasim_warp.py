@@ -135,6 +135,11 @@ def _fmul_rn(x, y):
     return np.float32(np.float32(x) * np.float32(y))
 
 
+def _fdiv_rn(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.float32(np.float32(x) / np.float32(y))
+
+
 def _float_as_int(x):
     return np.float32(x).view(np.int32)
 
@@ -143,7 +148,7 @@ def _int_as_float(x):
     return np.uint32(int(x) & 0xFFFFFFFF).view(np.float32)
 
 
-_LIBDEVICE = {"fadd_rn": _fadd_rn, "fmul_rn": _fmul_rn, "float_as_int": _float_as_int, "int_as_float": _int_as_float}
+_LIBDEVICE = {"fadd_rn": _fadd_rn, "fmul_rn": _fmul_rn, "fdiv_rn": _fdiv_rn, "float_as_int": _float_as_int, "int_as_float": _int_as_float}
 
 
 def _yielding_is_alive():

@@ -17,6 +17,7 @@ import numpy as np
 import numba.cuda.dispatcher
 from numba import cuda, typeof
 
+from ep_comm.kernels.fp8 import quantize_kernel
 from ep_comm.kernels.jit import SOURCES_DIGEST
 from ep_comm.launching.kernels import PLACE_STABLE, SLOT_STABLE, Kernels
 from ep_comm.launching.views import symmetric_views, word_dtype
@@ -72,7 +73,10 @@ def record_all(dtype: np.dtype) -> list:
              for _ in range(R)]
     long_rows.scatter(np.zeros((T, LONG_H), dtype), topk, np.zeros((T, K), np.float32), slot_idx,
                       [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE)
-    return k.launches + long_rows.launches
+    fp8_x = np.zeros((T, 256), dtype)  # the FP8 sender cast (ep_comm.launching.fp8.quantize_packed's arguments)
+    is_bf16 = dtype == ml_dtypes.bfloat16
+    fp8_cast = (quantize_kernel, (fp8_x.view(np.uint16) if is_bf16 else fp8_x, is_bf16, np.zeros((T, 68), np.uint32)))
+    return k.launches + long_rows.launches + [fp8_cast]
 
 
 def main(out_dir: str) -> None:

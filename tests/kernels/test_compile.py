@@ -37,7 +37,14 @@ def test_every_kernel_compiles(ptx_dir):
     assert names == {"routing_check_kernel", "count_kernel", "scatter_kernel", "scatter_rows_kernel",
                      "receive_count_kernel", "receive_count_words_kernel", "receive_compact_kernel",
                      "receive_place_kernel", "receive_rows_kernel", "combine_copy_kernel", "combine_expand_kernel", "combine_expand_bf16_kernel",
-                     "combine_reduce_kernel", "combine_reduce_bf16_kernel"}
+                     "combine_reduce_kernel", "combine_reduce_bf16_kernel", "quantize_kernel"}
+
+
+def test_fp8_quantize_divides_exactly(ptx_dir):
+    """The FP8 cast's ``v / scale`` is IEEE float32 division (as NumPy's), never an approximate one."""
+    for path in ptx_dir.glob("quantize_kernel.*.ptx"):
+        ptx = path.read_text()
+        assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, path.name
 
 
 def test_no_fused_multiply_add_in_combine(ptx_dir):

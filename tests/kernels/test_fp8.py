@@ -1,0 +1,91 @@
+"""The FP8 device code (``ep_comm.kernels.fp8``) against ``ml_dtypes`` and ``ep_comm.fp8.quantize``, bit for bit."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda
+
+from ep_comm import fp8
+from ep_comm.host import to_host
+from ep_comm.kernels.fp8 import f32_to_e4m3_bits
+from ep_comm.launching.fp8 import quantize_packed
+from ep_comm.testing.dtypes import DTYPES
+
+
+@cuda.jit
+def convert_kernel(values, out):
+    i = cuda.grid(1)
+    while i < values.shape[0]:
+        out[i] = f32_to_e4m3_bits(values[i])
+        i += cuda.gridsize(1)
+
+
+def boundary_values() -> np.ndarray:
+    """float32 values around every e4m3fn rounding boundary: each finite e4m3fn value, the midpoints between
+    neighbours (ties to even), one and two float32 ulps either side of both; subnormals, ±0, ±448 and past it,
+    the float32 extremes, random bit patterns in and beyond range; both signs."""
+    codes = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)  # 0 .. 448
+    mids = (codes[:-1].astype(np.float64) + codes[1:]) / 2
+    points = np.concatenate([codes, mids.astype(np.float32), [464.0, 480.0, 1e6, np.finfo(np.float32).max,
+                                                             np.finfo(np.float32).tiny, 1e-45, 2.0**-10, 2.0**-11]])
+    bits = points.astype(np.float32).view(np.int32)
+    near = np.concatenate([bits + d for d in (-2, -1, 0, 1, 2)])
+    near = near[near >= 0]
+    rng = np.random.default_rng(7)
+    spread = rng.integers(0, 0x44000000, size=3000, dtype=np.int64).astype(np.int32)  # up to ~512
+    magnitudes = np.concatenate([near, spread, [0x7F800000]]).view(np.float32)
+    return np.concatenate([magnitudes, -magnitudes]).astype(np.float32)
+
+
+def reference_bits(values: np.ndarray) -> np.ndarray:
+    """ml_dtypes' e4m3fn bits of ``clip(values, -448, 448)`` (what ``ep_comm.fp8.quantize`` does)."""
+    return np.clip(values, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def test_conversion_matches_ml_dtypes_at_every_rounding_boundary(xp):
+    values = boundary_values()
+    out = xp.zeros(values.shape, dtype=np.int64)
+    convert_kernel[4, 64](xp.asarray(values), out)
+    got = to_host(out)
+    want = reference_bits(values)
+    bad = np.nonzero(got != want)[0]
+    assert not len(bad), [(float(values[i]), hex(values[i:i + 1].view(np.uint32)[0]), int(got[i]), int(want[i]))
+                          for i in bad[:10]]
+
+
+def test_conversion_of_nan_is_the_signed_nan(xp):
+    values = np.array([np.nan, -np.nan], dtype=np.float32)
+    values[1] = -np.abs(values[1])
+    out = xp.zeros(2, dtype=np.int64)
+    convert_kernel[1, 32](xp.asarray(values), out)
+    assert to_host(out).tolist() == [0x7F, 0xFF]
+
+
+def payload(rng, shape, dtype: str) -> np.ndarray:
+    """Normal values of several magnitudes per block, some zero blocks, a -0.0 and a subnormal-only block."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 4, size=(shape[0], 1))
+    x = x.astype(DTYPES[dtype])
+    if shape[0] > 2:
+        x[1, : fp8.BLOCK] = 0
+        x[2, 0] = -0.0
+        x[2, fp8.BLOCK:] = (np.float32(1e-40) * (np.arange(shape[1] - fp8.BLOCK) % 5)).astype(DTYPES[dtype])
+    return x
+
+
+@pytest.mark.parametrize("dtype, tokens, hidden", [("bfloat16", 5, 256), ("float32", 3, 384), ("float16", 2, 128),
+                                                    ("bfloat16", 0, 128)])
+def test_quantize_kernel_matches_the_reference(xp, dtype, tokens, hidden):
+    rng = np.random.default_rng(hidden + tokens)
+    x = payload(rng, (tokens, hidden), dtype)
+    want = fp8.pack(*fp8.quantize(x))
+    out = xp.full(want.shape, 0xAB, dtype=np.uint8)  # pad bytes must be written too
+    device_x = xp.asarray(x.view(np.uint16) if dtype == "bfloat16" and xp is not np else x)
+    quantize_packed(0, device_x, out, max_blocks=2)  # fewer warps than blocks of 128: the grid-stride loop
+    np.testing.assert_array_equal(to_host(out), want)
+
+
+def test_quantize_refuses_a_wrong_output(xp):
+    x = xp.zeros((2, 128), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"out has shape \(2, 128\) and dtype uint8: must be uint8 \[2, 144\]"):
+        quantize_packed(0, x, xp.zeros((2, 128), dtype=np.uint8), max_blocks=1)
