@@ -1,6 +1,7 @@
 """``ep_comm.Buffer``: the public API. Checks every argument, then hands the work to a backend."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -8,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from . import fp8
 from . import validate as chk
 from .agreement import agree, construction_fields
 from .backends import make_backend, resolve_backend
@@ -175,7 +177,7 @@ class Buffer:
     @_holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
-                 stats: Any = None) -> DispatchOutput:
+                 stats: Any = None, use_fp8: bool = False) -> DispatchOutput:
         """Send each token to the ranks of its experts (collective).
 
         Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay the routing of an
@@ -184,8 +186,19 @@ class Buffer:
         module; a replay of the handle's own arrays copies nothing), so writing into the caller's
         arrays afterwards changes neither replays nor combines.
 
+        FP8 (DeepSeek-V3 format, ``ep_comm.fp8``; ``H % 128 == 0``, else ValueError): ``x`` given as the pair
+        ``(x_fp8, scales)``, or ``use_fp8=True`` with ``x`` in the buffer's dtype (quantized by the sender, as
+        ``ep_comm.fp8.quantize``; on ``nvshmem`` a kernel just before the send, not fused into it). Only the
+        packed FP8 rows (FP8 bytes + scales, ``ep_comm.fp8.packed_row_bytes(H)`` bytes) cross the link, and
+        ``recv_x`` is the pair ``(recv_x_fp8 [rows, H], recv_scales [rows, H // 128] float32)``, byte-exact per
+        row, zero where the non-FP8 ``recv_x`` is zero: two views into one allocation (the received packed
+        rows). ``recv_x_fp8`` is float8_e4m3fn where the array module has it (NumPy), else its uint8 bits
+        (``ep_comm.fp8.fp8_array``). Combine is unchanged: it takes ``y [rows, H]`` in the buffer's dtype.
+
         Args:
-            x: ``[T, H]`` tokens in the buffer's dtype.
+            x: ``[T, H]`` tokens in the buffer's dtype; or a tuple/list ``(x_fp8 [T, H], scales [T, H // 128])``:
+                ``x_fp8`` float8_e4m3fn or its bits in any 1-byte dtype (uint8/int8: GPU users pass
+                ``torch.float8_e4m3fn`` tensors viewed as uint8), ``scales`` float32, one per 128-element block.
             topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
                 token), or None with ``handle``.
             topk_weights: ``[T, K]`` floating-point weights (bfloat16 included) carried along as float32,
@@ -202,9 +215,13 @@ class Buffer:
                 the counts stay on the device (the CUDA-graph path).
             stats: ``[E/R]`` writeable integer array to which the received unaligned per-local-expert
                 counts are added, or None.
+            use_fp8: quantize ``x`` (buffer dtype) to FP8 on the sender (DeepEP's name); with ``x`` given as an
+                FP8 pair a ValueError. On ``mpi`` a non-finite ``x`` raises ValueError; on ``nvshmem`` it is not
+                checked (``ep_comm.kernels.fp8``).
 
         Returns:
-            ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype); ``recv_topk_idx`` int64 ``[N, K]``
+            ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype; the FP8 pair above for an FP8 dispatch);
+            ``recv_topk_idx`` int64 ``[N, K]``
             compact (local expert ids or -1) or ``[M]`` expand (the row's local expert, -1 for
             padding); ``recv_topk_weights`` float32 of the same shape, or None without weights;
             ``handle``, the ``EPHandle`` that replays this routing and combines its outputs.
@@ -221,8 +238,7 @@ class Buffer:
             idx = self._topk_idx(topk_idx)
             num_tokens = idx.shape[0]
             chk.check_alignment(expert_alignment)
-        x = be.as_array(x, "x")
-        chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
+        x, is_fp8 = self._payload(x, num_tokens, use_fp8)
         if topk_weights is not None:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             chk.check_weights(topk_weights, "topk_weights", (num_tokens, geo.num_topk))
@@ -236,8 +252,34 @@ class Buffer:
             topk_weights = _float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
             topk_weights = handle.topk_weights
-        return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
-                                           bool(zero_padding), bool(cpu_sync), stats))
+        out = be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
+                                          bool(zero_padding), bool(cpu_sync), stats))
+        return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, geo.hidden)) if is_fp8 else out
+
+    def _payload(self, x: Any, num_tokens: int, use_fp8: Any) -> tuple:
+        """``(payload, is_fp8)``: ``x`` checked as the dispatch's payload (``num_tokens`` rows). Non-FP8: ``x``
+        itself ``[T, H]``. FP8 (``x`` a pair, or ``use_fp8``): the packed FP8 rows ``[T, P]`` (``ep_comm.fp8``)
+        viewed in the buffer dtype, ``[T, P / itemsize]``, the narrower payload the backends carry."""
+        be, geo = self._live(), self.geometry
+        chk.check_flag(use_fp8, "use_fp8")
+        is_pair = isinstance(x, (tuple, list))
+        if not (is_pair or use_fp8):
+            x = be.as_array(x, "x")
+            chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
+            return x, False
+        if is_pair and use_fp8:
+            raise ValueError("use_fp8=True with x given as an FP8 pair (x_fp8, scales): use_fp8 quantizes x given in "
+                             "the buffer's dtype; pass one or the other")
+        chk.check_fp8_hidden(geo.hidden)
+        if is_pair:
+            x_fp8, scales = (be.as_array(a, f"x[{i}]") for i, a in enumerate(chk.fp8_pair(x)))
+            chk.check_fp8_pair(x_fp8, scales, num_tokens, geo, "num_tokens")
+            packed = fp8.pack(x_fp8, scales, be.xp)
+        else:
+            x = be.as_array(x, "x")
+            chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
+            packed = be.pack_fp8(x)
+        return packed.view(geo.dtype), True
 
     @_holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None) -> CombineOutput:

@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from . import layout as lay
 from .dtypes import PAYLOAD_DTYPES
+from .fp8 import BLOCK as FP8_BLOCK
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 FLOATS = "float16, bfloat16, float32 or float64"  # the weight and bias dtypes taken (as float32)
@@ -98,8 +99,13 @@ def check_transport(transport: Any) -> None:
 
 def check_profile(profile: Any) -> None:
     """``profile``: a bool (``numpy.bool_`` too)."""
-    if not isinstance(profile, (bool, np.bool_)):
-        raise TypeError(f"profile={profile!r}: must be True or False, got {type(profile).__name__}")
+    check_flag(profile, "profile")
+
+
+def check_flag(value: Any, name: str) -> None:
+    """``value`` of the argument ``name``: a bool (``numpy.bool_`` too), TypeError otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r}: must be True or False, got {type(value).__name__}")
 
 
 def check_num_sms_fits(num_sms: Optional[int], sms_per_rank: Sequence[int]) -> None:
@@ -172,6 +178,36 @@ def check_payload(x: Any, name: str, rows: int, geo: Geometry, row_name: str) ->
         raise ValueError(f"{name} has shape {shape}: must be [{row_name}, hidden={geo.hidden}]")
     if shape[0] != rows:
         raise ValueError(f"{name} has {shape[0]} rows: must equal {row_name} ({rows})")
+
+
+def check_fp8_hidden(hidden: int) -> None:
+    """An FP8 dispatch needs ``hidden`` a multiple of 128 (one float32 scale per 128-element block)."""
+    if hidden % FP8_BLOCK:
+        raise ValueError(f"hidden={hidden}: an FP8 dispatch needs hidden a multiple of {FP8_BLOCK} (one float32 "
+                         f"scale per {FP8_BLOCK}-element block)")
+
+
+def fp8_pair(x: Any) -> tuple:
+    """``x`` given as the FP8 pair ``(x_fp8, scales)``: a tuple or list of exactly two items."""
+    if len(x) != 2:
+        raise ValueError(f"x is a {type(x).__name__} of {len(x)} items: an FP8 payload is the pair (x_fp8, scales)")
+    return tuple(x)
+
+
+def check_fp8_pair(x_fp8: Any, scales: Any, rows: int, geo: Geometry, row_name: str) -> None:
+    """The FP8 pair of a dispatch: ``x[0]`` (x_fp8) ``[rows, hidden]`` of a 1-byte dtype (float8_e4m3fn, or its
+    bits as uint8/int8), ``x[1]`` (scales) float32 ``[rows, hidden // 128]``."""
+    parts = (("x[0] (x_fp8)", x_fp8, geo.hidden, f"hidden={geo.hidden}"),
+             ("x[1] (scales)", scales, geo.hidden // FP8_BLOCK, f"hidden // {FP8_BLOCK}={geo.hidden // FP8_BLOCK}"))
+    shapes = [_shape(arr, name) for name, arr, _, _ in parts]
+    if np.dtype(x_fp8.dtype).itemsize != 1:
+        raise TypeError(f"x[0] (x_fp8) has dtype {x_fp8.dtype}: FP8 values must be a 1-byte dtype (float8_e4m3fn, "
+                        "or its bits as uint8/int8)")
+    if np.dtype(scales.dtype) != np.float32:
+        raise TypeError(f"x[1] (scales) has dtype {scales.dtype}: FP8 scales must be float32")
+    for (name, _, width, width_rule), shape in zip(parts, shapes):
+        if shape != (rows, width):
+            raise ValueError(f"{name} has shape {shape}: must be [{row_name}={rows}, {width_rule}]")
 
 
 def check_weights(weights: Optional[Any], name: str, shape: tuple) -> None:

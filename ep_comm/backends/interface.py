@@ -28,7 +28,9 @@ class BackendSettings:
 class DispatchRequest:
     """One checked ``Buffer.dispatch`` call.
 
-    ``x [T, H]`` payload; ``topk_idx [T, K]`` int (the handle's for a replay); ``topk_weights [T, K]``
+    ``x [T, W]`` payload in the buffer dtype: ``W = H``, or for an FP8 dispatch the packed FP8 rows
+    (``ep_comm.fp8``, ``packed_row_bytes(H)`` bytes) viewed in the buffer dtype, ``W = P / itemsize``;
+    ``recv_x`` then has ``W`` columns too. ``topk_idx [T, K]`` int (the handle's for a replay); ``topk_weights [T, K]``
     float32 or None; ``handle`` the routing to replay or None; ``stats [L]`` int or None. For a replay
     ``expand``/``expert_alignment``/``zero_padding`` are the handle's.
     """
@@ -73,6 +75,10 @@ class Backend(Protocol):
 
     def dispatch_layout(self, topk_idx: Array) -> DispatchLayout:
         """The local counts of a routing ``[T, K]`` (no communication)."""
+
+    def pack_fp8(self, x: Array) -> Array:
+        """Packed FP8 rows ``[T, packed_row_bytes(H)]`` uint8 of ``x [T, H]`` (``ep_comm.fp8``; local, no
+        communication): the sender cast of ``Buffer.dispatch(use_fp8=True)``."""
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch."""

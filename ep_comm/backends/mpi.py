@@ -13,6 +13,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from .. import fp8
 from .. import layout as lay
 from ..handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..reduce import combine_rows, expand_partials
@@ -120,15 +121,21 @@ class MpiBackend:
         self.window.put(self._pack_rows(rows), dst, self.sym.row_at(parity, self.rank))
         self.window.put(meta, dst, self.sym.meta_at(parity, self.rank))
 
-    def _read_block(self, parity: int, src: int, count: int) -> tuple:
-        """Rows ``[count, H]`` (payload dtype) and meta ``[count, 1+2K]`` int32 that ``src`` wrote here."""
-        nbytes = self.geo.hidden * self.geo.dtype.itemsize
+    def _read_block(self, parity: int, src: int, count: int, width: int) -> tuple:
+        """Rows ``[count, width]`` (payload dtype; ``width`` is H, or narrower for packed FP8 rows) and meta
+        ``[count, 1+2K]`` int32 that ``src`` wrote here."""
+        nbytes = width * self.geo.dtype.itemsize
         raw = self.window.local(self.sym.row_at(parity, src), count * self.sym.row_bytes)
         rows = np.ascontiguousarray(raw.reshape(count, self.sym.row_bytes)[:, :nbytes]).view(self.geo.dtype)
         meta = self.window.local(self.sym.meta_at(parity, src), count * self.sym.meta_words * 4)
-        return rows.reshape(count, self.geo.hidden), meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
+        return rows.reshape(count, width), meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
 
     # ---------------------------------------------------------------- dispatch
+    def pack_fp8(self, x: np.ndarray) -> np.ndarray:
+        """The sender cast of ``Buffer.dispatch(use_fp8=True)``: packed FP8 rows ``[T, P]`` uint8 of ``x [T, H]``,
+        ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))`` (ValueError for non-finite ``x``)."""
+        return fp8.pack(*fp8.quantize(x))
+
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
         return self.steps.run("dispatch", True, self._step, "dispatch", self._dispatch, request)
@@ -156,7 +163,7 @@ class MpiBackend:
                           for s in range(geo.num_ranks)]
             else:
                 counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0).tolist()
-            blocks = [self._read_block(parity, s, c) for s, c in enumerate(counts)]
+            blocks = [self._read_block(parity, s, c, request.x.shape[1]) for s, c in enumerate(counts)]
             rows = np.concatenate([b[0] for b in blocks])  # one block per source rank, possibly empty
             meta = np.concatenate([b[1] for b in blocks])
             return self._assemble(rows, meta, counts, request, routing)
@@ -234,7 +241,7 @@ class MpiBackend:
     def _compact(self, rows, local_ids, weights, out_rows) -> tuple:
         """Compact outputs: the received rows, then zero rows (ids -1) up to ``out_rows``."""
         n, k = len(rows), self.geo.num_topk
-        recv_x = np.zeros((out_rows, self.geo.hidden), dtype=self.geo.dtype)
+        recv_x = np.zeros((out_rows, rows.shape[1]), dtype=self.geo.dtype)
         recv_x[:n] = rows
         recv_idx = np.full((out_rows, k), -1, dtype=np.int64)
         recv_idx[:n] = local_ids
@@ -246,7 +253,7 @@ class MpiBackend:
 
     def _expand(self, rows, local_ids, weights, expanded_row, out_rows) -> tuple:
         """Expert scatter: one output row per (row, local expert); padding rows stay zero."""
-        recv_x = np.zeros((out_rows, self.geo.hidden), dtype=self.geo.dtype)
+        recv_x = np.zeros((out_rows, rows.shape[1]), dtype=self.geo.dtype)
         recv_idx = np.full(out_rows, -1, dtype=np.int64)
         recv_w = np.zeros(out_rows, dtype=np.float32) if weights is not None else None
         r, k = np.nonzero(expanded_row >= 0)
@@ -291,7 +298,7 @@ class MpiBackend:
         counts = handle.is_token_in_rank.sum(axis=0)
         rows_from_rank, weights_from_rank = [], []
         for r in range(geo.num_ranks):
-            rows, meta = self._read_block(parity, r, int(counts[r]))
+            rows, meta = self._read_block(parity, r, int(counts[r]), geo.hidden)
             pick = np.maximum(slots[:, r], 0)
             rows_from_rank.append(rows[pick] if len(rows) else np.zeros((handle.num_tokens, geo.hidden), geo.dtype))
             weights_from_rank.append(meta[pick, 1 + geo.num_topk :].view(np.float32) if len(rows) else None)

@@ -57,7 +57,9 @@ from mpi4py import MPI
 from .. import layout as lay
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..host import to_host
+from ..fp8 import packed_row_bytes
 from ..launching import weight_return
+from ..launching.fp8 import quantize_packed
 from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
                                 check_index_range)
 from ..launching.views import word_dtype
@@ -271,6 +273,16 @@ class NvshmemBackend:
         self.steps.after_wait(what, *self.transport.wait_state())
 
     # ---------------------------------------------------------------- dispatch
+    def pack_fp8(self, x: Array) -> Array:
+        """The sender cast of ``Buffer.dispatch(use_fp8=True)``: packed FP8 rows ``[T, P]`` uint8 of ``x [T, H]``
+        (``ep_comm.fp8`` layout, the bits of ``ep_comm.fp8.quantize`` for finite ``x``; not checked for
+        non-finite values, see ``ep_comm.kernels.fp8``). One kernel on the caller's stream just before the
+        dispatch's scatter sends the packed rows (not fused into it)."""
+        out = self.xp.empty((x.shape[0], packed_row_bytes(x.shape[1])), dtype=np.uint8)
+        with self._launching():
+            quantize_packed(self.kernels.stream, self._contiguous(x), out, max_blocks=self.kernels.stream_blocks)
+        return out
+
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
@@ -374,14 +386,15 @@ class NvshmemBackend:
         return DispatchOutput(recv_x, recv_idx, recv_w if with_weights else None, handle)
 
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
-        """``(recv_x [rows, H], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K])``, not yet
-        filled; ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array
-        when none were given)."""
+        """``(recv_x [rows, W], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K])``, not yet
+        filled; ``W`` is the payload's width (``request.x.shape[1]``: H, or fewer elements for packed FP8
+        rows, whose words the scatter and receive kernels copy as they copy any row's); ids/weights are
+        ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none were given)."""
         xp, geo, expand = self.xp, self.geo, request.expand
         with self.profile.phase("dispatch", "alloc outputs"):
             n_out, rows = geo.output_rows(exact if request.cpu_sync else None, expand, request.expert_alignment)
             ids_shape = (rows,) if expand else (rows, geo.num_topk)
-            recv_x = xp.empty((rows, geo.hidden), dtype=geo.dtype)
+            recv_x = xp.empty((rows, request.x.shape[1]), dtype=geo.dtype)
             recv_idx = xp.empty(ids_shape, dtype=xp.int64)
             recv_w = (xp.empty(ids_shape, dtype=xp.float32) if request.topk_weights is not None
                       else self._scratch_weights(ids_shape))
