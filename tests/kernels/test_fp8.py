@@ -1,5 +1,8 @@
-"""The FP8 device code (``ep_comm.kernels.fp8``) against ``ml_dtypes`` and ``ep_comm.fp8.quantize``, bit for bit."""
+"""The FP8 device code (``ep_comm.kernels.fp8``) against ``ml_dtypes`` and ``ep_comm.fp8.quantize``, bit for bit,
+and the packed FP8 rows (narrower than the symmetric rows) through the existing scatter and receive kernels."""
 from __future__ import annotations
+
+import dataclasses
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +13,9 @@ from ep_comm import fp8
 from ep_comm.host import to_host
 from ep_comm.kernels.fp8 import f32_to_e4m3_bits
 from ep_comm.launching.fp8 import quantize_packed
+from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.testing.dtypes import DTYPES
+from test_dispatch import check_compact, make_world, run_dispatch
 
 
 @cuda.jit
@@ -89,3 +94,45 @@ def test_quantize_refuses_a_wrong_output(xp):
     x = xp.zeros((2, 128), dtype=np.float32)
     with pytest.raises(ValueError, match=r"out has shape \(2, 128\) and dtype uint8: must be uint8 \[2, 144\]"):
         quantize_packed(0, x, xp.zeros((2, 128), dtype=np.uint8), max_blocks=1)
+
+
+def narrow_world(xp, seed: int, hidden: int, **kw):
+    """A simulated world (``test_dispatch.make_world``) whose payloads are packed FP8 rows of ``hidden``
+    elements, viewed in bfloat16 (``packed_row_bytes(hidden) / 2`` columns), over symmetric buffers sized for
+    ``hidden`` bfloat16 elements: the narrower payload of an FP8 dispatch in the rows of the Buffer's."""
+    width = fp8.packed_row_bytes(hidden) // 2
+    world = make_world(xp, seed=seed, hidden=width, dtype="bfloat16", **kw)
+    rng = np.random.default_rng(seed)
+    world.x = [fp8.pack(*fp8.quantize(payload(rng, (len(x), hidden), "bfloat16"))).view(x.dtype) for x in world.x]
+    world.sym = dataclasses.replace(world.sym, hidden=hidden)
+    world.buffers = [xp.zeros(world.sym.total_bytes, np.uint8) for _ in range(world.num_ranks)]
+    world.views = [symmetric_views(b, world.sym, word_dtype(hidden, 2)) for b in world.buffers]
+    assert word_dtype(width, 2) == word_dtype(hidden, 2) == np.uint64  # the kernels' words on both sides
+    return world
+
+
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_scatter_and_receive_carry_a_payload_narrower_than_the_symmetric_row(xp, expand, deterministic):
+    """The scatter copies ``x_words.shape[1]`` words per row and the receive ``recv_x.shape[1]``: packed FP8 rows
+    (272 bytes for hidden 256) cross rows of 512 bytes byte for byte, compact and expand (aligned, zero padded),
+    exact and worst-case outputs."""
+    world = narrow_world(xp, seed=11, hidden=256, masked=0.2)
+    run_dispatch(world, deterministic=deterministic, expand=expand, alignment=4, zero_padding=True)
+    run_dispatch(world, deterministic=deterministic, expand=expand, alignment=4, zero_padding=True, worst_case=True,
+                 parity=0)
+
+
+def test_a_cached_compact_replay_writes_narrow_rows_straight_into_recv_x(xp):
+    """The direct path of a cached compact dispatch (own rows into ``recv_x``) with a narrow payload."""
+    world = narrow_world(xp, seed=12, hidden=384, masked=0.2)
+    sent, first = run_dispatch(world, deterministic=False, expand=False)
+    world.x = [x[::-1].copy() for x in world.x]  # new payload rows, same routing
+    outputs = [world.outputs(expand=False, alignment=1, worst_case=False, num_rows=len(got.recv_x),
+                             num_expanded=len(got.recv_x), cached=got) for got in first]
+    world.send(0, deterministic=False, cached=[item.slot_idx for item in sent],
+               direct=[(out[0], got.counts.rank_psum) for out, got in zip(outputs, first)])
+    for d in range(world.num_ranks):
+        again = world.receive(d, 0, expand=False, alignment=1, zero_padding=False, deterministic=False,
+                              cached=first[d], outputs=outputs[d], skip_source=d)
+        check_compact(world, d, again, world.expected_compact(d, sent))
