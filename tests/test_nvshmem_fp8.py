@@ -1,0 +1,48 @@
+"""The ``nvshmem`` backend's FP8 path in the Numba CUDA simulator (one rank, loopback transport): its sender cast
+(``pack_fp8``, the quantize kernel) and its dispatch of the narrower packed payload against the ``mpi`` backend's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ep_comm import fp8
+from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.mpi import MpiBackend
+from ep_comm.dtypes import payload_dtype
+from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
+from ep_comm.testing.routing import mask_routing, uniform_routing
+from ep_comm.validate import Geometry
+from test_nvshmem_host import _compare, dispatch, simulated_backend
+
+pytestmark = pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+
+
+@pytest.mark.parametrize("dtype, expand, cpu_sync, use_puts", [
+    ("bfloat16", False, True, False),
+    ("float32", True, True, False),
+    ("float16", True, False, True),
+    ("bfloat16", False, False, True),
+])
+def test_fp8_dispatch_matches_the_mpi_backend(dtype, expand, cpu_sync, use_puts):
+    geo = Geometry(1, 6, 256, 3, 9, payload_dtype(dtype))
+    rng = np.random.default_rng(5)
+    idx = mask_routing(uniform_routing(7, geo.num_experts, geo.num_topk, seed=rng).topk_idx, rng, entry_rate=0.25,
+                       first_tokens=1)
+    x = (rng.standard_normal((7, geo.hidden)) * 10.0 ** rng.integers(-3, 3, size=(7, 1))).astype(geo.dtype)
+    mpi = MpiBackend(MPI.COMM_SELF, geo, BackendSettings(True, 5.0))
+    nv = simulated_backend(geo, True, use_puts)
+    packed = nv.pack_fp8(x)
+    assert packed.tobytes() == mpi.pack_fp8(x).tobytes() == fp8.pack(*fp8.quantize(x)).tobytes()
+    payload = packed.view(geo.dtype)
+    args = (expand, 4, True, cpu_sync, None)
+    om = dispatch(mpi, payload, idx, None, None, *args)
+    on = dispatch(nv, payload, idx, None, None, *args)
+    assert on.recv_x.shape[1] == fp8.packed_row_bytes(geo.hidden) // geo.dtype.itemsize
+    _compare("dispatch", om, on)
+    payload2 = nv.pack_fp8(x[::-1].copy()).view(geo.dtype)
+    rm = dispatch(mpi, payload2, None, None, om.handle, *args)
+    rn = dispatch(nv, payload2, None, None, on.handle, *args)
+    _compare("replay", rm, rn)
+    nv.close()
+    mpi.close()
