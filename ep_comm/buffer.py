@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -16,6 +16,7 @@ from .backends.profile import ProfileRow
 from .dtypes import PAYLOAD_DTYPES, payload_dtype
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
+from .recv_hook import RecvHook
 
 
 def _holds_captured_memory(method: Callable) -> Callable:
@@ -111,6 +112,7 @@ class Buffer:
         # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (see _check_handle)
         self._checked_handles: Dict[int, weakref.ref] = {}
         self._profiling = bool(profile)
+        self._pending: Optional[RecvHook] = None  # the receive hook of a split call, until it is called
         self.backend: str = self._backend.name
         self.num_sms: Optional[int] = self._backend.num_sms
         self.transport: Optional[str] = self._backend.transport_name
@@ -137,6 +139,26 @@ class Buffer:
         if self._backend is None:
             raise RuntimeError("this Buffer is closed")
         return self._backend
+
+    def _ready(self, doing: str) -> Backend:
+        """The backend, for collective call ``doing``: RuntimeError while a receive hook is pending."""
+        be = self._live()
+        if self._pending is not None:
+            raise RuntimeError(f"cannot {doing}: {self._pending.step}'s receive hook has not been called: call it "
+                               "first (a Buffer runs its collective calls one at a time)")
+        return be
+
+    def _start(self, hooked: bool, plain: Callable[[Any], Any], send: Callable[[Any], Any], request: Any) -> Any:
+        """``plain(request)``; with ``hooked`` the backend's send part (``send(request)``) and the pending
+        ``RecvHook`` of its receive part."""
+        if not hooked:
+            return plain(request)
+        self._pending = RecvHook(send(request), self._hook_called)
+        return self._pending
+
+    def _hook_called(self, hook: RecvHook) -> None:
+        """``hook`` (this Buffer's pending one) is being called: collective calls may follow."""
+        self._pending = None
 
     def _check_handle(self, handle: Any, doing: str) -> None:
         """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry
@@ -175,7 +197,7 @@ class Buffer:
     @_holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
-                 stats: Any = None) -> DispatchOutput:
+                 stats: Any = None, return_recv_hook: bool = False) -> Union[DispatchOutput, RecvHook]:
         """Send each token to the ranks of its experts (collective).
 
         Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay the routing of an
@@ -202,14 +224,23 @@ class Buffer:
                 the counts stay on the device (the CUDA-graph path).
             stats: ``[E/R]`` writeable integer array to which the received unaligned per-local-expert
                 counts are added, or None.
+            return_recv_hook: True: enqueue only the send half (count, scatter, signal: nothing waits) and return at
+                once an ``ep_comm.RecvHook``; calling it enqueues the receive half and returns the
+                ``DispatchOutput`` (nothing is received, and no output exists, before). Until it is called this
+                Buffer takes no other dispatch or combine. See ``RecvHook`` (streams, CUDA graphs).
 
         Returns:
             ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype); ``recv_topk_idx`` int64 ``[N, K]``
             compact (local expert ids or -1) or ``[M]`` expand (the row's local expert, -1 for
             padding); ``recv_topk_weights`` float32 of the same shape, or None without weights;
-            ``handle``, the ``EPHandle`` that replays this routing and combines its outputs.
+            ``handle``, the ``EPHandle`` that replays this routing and combines its outputs. With
+            ``return_recv_hook=True`` the ``RecvHook`` that returns it.
+
+        Raises:
+            RuntimeError: a receive hook of this Buffer is pending (call it first).
         """
-        be = self._live()
+        be = self._ready("dispatch")
+        chk.check_flag(return_recv_hook, "return_recv_hook")
         geo = self.geometry
         if (topk_idx is None) == (handle is None):
             raise ValueError("give exactly one of topk_idx (a new routing) and handle (a cached dispatch)")
@@ -236,11 +267,13 @@ class Buffer:
             topk_weights = _float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
             topk_weights = handle.topk_weights
-        return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
+        return self._start(return_recv_hook, be.dispatch, be.dispatch_send,
+                           DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
                                            bool(zero_padding), bool(cpu_sync), stats))
 
     @_holds_captured_memory
-    def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None) -> CombineOutput:
+    def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
+                return_recv_hook: bool = False) -> Union[CombineOutput, RecvHook]:
         """Bring expert outputs back and reduce them (collective).
 
         Compact: ``x[t] = bias + sum over ranks r ascending of y_r[row(t, r)]``. Expand: each rank
@@ -255,12 +288,21 @@ class Buffer:
                 ``res.topk_weights``); or None.
             bias: None, one ``[T, H]`` floating-point array (bfloat16 included) or a pair of them, added
                 to every token (as float32).
+            return_recv_hook: True: enqueue only the send half (the rows and weights back, signal: nothing waits)
+                and return at once an ``ep_comm.RecvHook``; calling it enqueues the wait and the reduce and returns
+                the ``CombineOutput`` (which does not exist before). Until it is called this Buffer takes no other
+                dispatch or combine. See ``RecvHook``.
 
         Returns:
             ``CombineOutput``: ``x [T, H]`` in the buffer's dtype; ``topk_weights [T, K]`` float32
-            gathered back (0 for masked entries), or None without weights.
+            gathered back (0 for masked entries), or None without weights. With ``return_recv_hook=True`` the
+            ``RecvHook`` that returns it.
+
+        Raises:
+            RuntimeError: a receive hook of this Buffer is pending (call it first).
         """
-        be = self._live()
+        be = self._ready("combine")
+        chk.check_flag(return_recv_hook, "return_recv_hook")
         geo = self.geometry
         self._check_handle(handle, "dispatch")
         y = be.as_array(y, "y")
@@ -271,7 +313,8 @@ class Buffer:
             chk.check_weights(topk_weights, "topk_weights", shape)
             topk_weights = _float32(be.xp, topk_weights, copy=False)
         bias_terms = tuple(be.as_array(b, "bias") for b in chk.check_bias(bias, handle.num_tokens, geo))
-        return be.combine(CombineRequest(y, handle, topk_weights, bias_terms))
+        return self._start(return_recv_hook, be.combine, be.combine_send,
+                           CombineRequest(y, handle, topk_weights, bias_terms))
 
     def profile_table(self) -> List[ProfileRow]:
         """This rank's per-phase timings (``Buffer(profile=True)``); after ``close``, those up to the close.
@@ -295,6 +338,8 @@ class Buffer:
         """Release the buffer: collective (bounded wait) after a clean run; after any failure (this rank's
         timeout or error, a peer's abort record) a local release without collective calls, whose window or
         symmetric memory and communicator are leaked to the process (README, Reliability). Safe to call twice.
+        A pending receive hook (``return_recv_hook=True``) is invalidated (calling it raises RuntimeError) and the
+        close proceeds as usual (the peers may still receive what its send half sent).
 
         Raises:
             ep_comm.TimeoutError: a peer did not close within ``timeout_s`` (local resources are
@@ -302,6 +347,9 @@ class Buffer:
             ep_comm.PeerAbortedError: a peer had given up on the Buffer (its abort record was here on entry
             or came during the wait); released locally, at once.
         """
+        if self._pending is not None:
+            self._pending.invalidate()
+            self._pending = None
         if self._backend is not None:
             backend, self._backend = self._backend, None
             try:

@@ -102,6 +102,12 @@ def check_profile(profile: Any) -> None:
         raise TypeError(f"profile={profile!r}: must be True or False, got {type(profile).__name__}")
 
 
+def check_flag(value: Any, name: str) -> None:
+    """A keyword that is True or False (``numpy.bool_`` too): TypeError naming ``name`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r}: must be True or False, got {type(value).__name__}")
+
+
 def check_num_sms_fits(num_sms: Optional[int], sms_per_rank: Sequence[int]) -> None:
     """``num_sms`` must not exceed the SM count of any rank's GPU (``sms_per_rank [R]``, every rank's)."""
     if num_sms is None:
