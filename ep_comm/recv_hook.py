@@ -58,7 +58,7 @@ class RecvHook(Generic[Output]):
             raise RuntimeError(f"{self.step}'s receive hook belongs to a Buffer that was closed after the send: "
                                "nothing can be received; call the hook before Buffer.close()")
         half = self._half
-        half.check()
+        half.prepare()
         self._state, self._half = _CALLED, None
         self._done(self)
         return half.receive()

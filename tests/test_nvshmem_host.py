@@ -145,12 +145,21 @@ class LoopbackTransport:
                 self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
 
     def exchange(self, stream, seq: int, kind: int, timeout_s: float, counts=None) -> None:
-        """Signal, then wait: the rank's own signal is the only one."""
+        """Signal, then wait (one launch on peer stores): the rank's own signal is the only one."""
+        self.signal(stream, seq, kind, counts)
+        self.wait(kind, timeout_s, counts is not None)
+
+    def signal(self, stream, seq: int, kind: int, counts=None) -> None:
+        """The step's signal (and counts) to the rank itself."""
         self.step[0] += 1
         assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
         if counts is not None:
             self.own.counts[seq % 2, 0] = counts[0]
         self.own.signal[0] = int(self.step[0]) << 2 | kind
+
+    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
+        """The wait for the step the counter holds: the rank's own signal arrived unless it was never sent."""
+        seq = int(self.step[0])
         got = int(self.own.signal[0])
         if not (got == seq << 2 | kind or got >= (seq + 1) << 2):
             self.missing = [0]
@@ -204,6 +213,16 @@ class HostDevice:
 
     def event(self):
         return None
+
+    current_stream = 0  # what a mark is taken on: a test sets another to call a hook "on another stream"
+
+    def mark(self):
+        self.marks = getattr(self, "marks", 0) + 1
+        return self.current_stream, f"event {self.marks}"
+
+    def wait_for(self, mark) -> None:
+        if mark[0] != self.current_stream:
+            self.waited = getattr(self, "waited", []) + [mark[1]]
 
 
 def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False):

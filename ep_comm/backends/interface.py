@@ -62,14 +62,15 @@ class CombineRequest:
 class ReceiveHalf(Generic[Output]):
     """The receive part of a step whose send part a backend enqueued (``Buffer(..., return_recv_hook=True)``).
 
-    ``step``: the step by kind and number (``"dispatch #3"``); ``check()``: raises RuntimeError when the receive
+    ``step``: the step by kind and number (``"dispatch #3"``); ``prepare()``: raises RuntimeError when the receive
     cannot be enqueued now (nothing is enqueued and the step stays pending: e.g. the send was captured into a
-    CUDA graph and the caller's stream is not being captured); ``receive()``: enqueues the bounded wait for every
-    rank's signal and the receive, and returns the step's output (guarded by ``Steps.resume``).
+    CUDA graph and the caller's stream is not being captured), else orders the caller's stream after the send
+    where needed; ``receive()``: enqueues the bounded wait for every rank's signal and the receive, and returns
+    the step's output (guarded by ``Steps.resume``).
     """
 
     step: str
-    check: Callable[[], None]
+    prepare: Callable[[], None]
     receive: Callable[[], Output]
 
 

@@ -28,7 +28,7 @@ from .profile import Profile, ProfileRow
 _LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
 
 
-def _nothing_to_check() -> None:
+def _nothing_to_prepare() -> None:
     """A receive part on the mpi backend can always be enqueued (no streams, no graphs)."""
 
 
@@ -99,7 +99,7 @@ class MpiBackend:
         """Step ``what``'s send part now (``send(step, *args, True)``: puts and signal, no wait), and its receive part
         (wait, read, assemble) as a ``ReceiveHalf`` guarded by ``Steps.resume``."""
         receive = self.steps.run(what, True, self._step, what, "send part", send, *args, True)
-        return ReceiveHalf(self.steps.latest, _nothing_to_check,
+        return ReceiveHalf(self.steps.latest, _nothing_to_prepare,
                            functools.partial(self.steps.resume, what, self._hook, what, receive))
 
     def _hook(self, what: str, receive: Callable[[], Any]) -> Any:
