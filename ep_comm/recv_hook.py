@@ -24,6 +24,9 @@ class RecvHook(Generic[Output]):
       CUDA graph needs its hook captured too (into a graph replayed after the send's), and one enqueued
       eagerly needs an eager hook.
 
+    The call's inputs (``x``, ``y``, weights, bias) must stay unchanged until the hook has run (the receive half
+    reads the bias, and on ``nvshmem`` a compact combine's own rows of ``y``).
+
     The wait is bounded by the Buffer's ``timeout_s`` from the hook's call: a rank that did not send raises
     ``ep_comm.TimeoutError`` naming it, and a failure in the receive makes the Buffer unusable as a failing
     plain call does. Attribute: ``step``, the call by kind and number among its kind (``"dispatch #3"``).
