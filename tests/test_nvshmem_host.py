@@ -599,6 +599,26 @@ def test_a_step_whose_body_raises_leaves_the_buffer_unusable_and_posts_its_recor
     assert steps.seq == 1
 
 
+def test_the_receive_part_of_a_split_step_is_guarded_as_a_whole_step():
+    """``Steps.run`` numbers a split step and runs its send part, which returns the receive part;
+    ``Steps.resume`` runs that later: a clean one returns its value, a failing one marks the buffer unusable and
+    posts the record of that step, as a failing body does."""
+    board = _CountingBoard(2)
+    steps = Steps(0, 3.0, board)
+    receive = steps.run("dispatch", False, lambda seq: lambda scale: seq * scale)
+    assert steps.latest == "dispatch #1" and steps.resume("dispatch", receive, 10) == 10 and not steps.unusable
+
+    def fails(reason: str) -> None:
+        raise RuntimeError(reason)
+
+    assert steps.run("combine", False, lambda seq: fails) is fails and steps.latest == "combine #1"
+    with pytest.raises(RuntimeError, match="lost"):
+        steps.resume("combine", fails, "lost")
+    assert steps.unusable == "combine #1 failed midway"
+    assert decode(np.stack([board.posted[0], np.zeros(ABORT_WORDS, np.int64)])) == [
+        (0, "combine #1", "failed midway (RuntimeError: lost)")]
+
+
 def test_a_wait_every_rank_arrived_at_reads_the_abort_records_only_when_it_saw_one():
     """``Steps.after_wait``: no device read when every rank arrived and the wait saw no record (the nvshmem
     wait kernel's mapped status); a read when the wait saw one, or when a rank is missing."""
