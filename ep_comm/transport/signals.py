@@ -184,6 +184,7 @@ PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
                      ("status", _PTR), ("counts_by_parity", _PTR), ("count_words", _I32), ("aborts", _PTR),
                      ("abort_words", _I32)),
 }
+_PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns")  # what a call of SignalLaunches writes
 THREADS = {"advance_step": 32, "signal_and_wait": WAIT_THREADS, "send_signal": WAIT_THREADS,
            "wait_signals": WAIT_THREADS}  # one CTA each
 
@@ -277,20 +278,22 @@ class SignalLaunches:
         names = ("advance_step", "wait_signals") if peer_ptrs is None else ("signal_and_wait", "send_signal",
                                                                              "wait_signals")
         self._launches = {name: _prepared(name, fixed, function(name, device)) for name in names}
+        # per launch, the slots of the per-call values (_PER_CALL); a value the kernel does not take goes to a sink
+        self._per_call_slots = {name: tuple(launch.slot(p) if launch.takes(p) else _I64() for p in _PER_CALL)
+                                for name, launch in self._launches.items()}
 
     def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float) -> PreparedLaunch:
         """The launch of kernel ``name`` with a call's values in the slots it has: ``kind``, the send block
         ``counts`` (int32 ``[R, 1 + L]`` or None), ``zeroed`` (the received count words a wait zeroes for a
         missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``) and the timeout."""
-        launch = self._launches[name]
         sent = 0 if counts is None else _count_words(counts, self._counts_by_parity)
-        values = dict(kind=kind, counts=address(counts), count_words=sent or zeroed,
-                      counts_by_parity=self._received if zeroed else 0,
-                      timeout_ns=int(timeout_s * 1e9))  # the kernels' %globaltimer deadline, ns
-        for param, value in values.items():
-            if launch.takes(param):
-                launch.slot(param).value = value
-        return launch
+        kind_slot, counts_slot, words_slot, received_slot, timeout_slot = self._per_call_slots[name]
+        kind_slot.value = kind
+        counts_slot.value = address(counts)
+        words_slot.value = sent or zeroed
+        received_slot.value = self._received if zeroed else 0
+        timeout_slot.value = int(timeout_s * 1e9)  # the kernels' %globaltimer deadline, ns
+        return self._launches[name]
 
     def signal_and_wait(self, stream: int, kind: int, counts: Any, timeout_s: float) -> None:
         """One launch on stream handle ``stream``, after every earlier write on it: ``step[0] += 1`` (the device
