@@ -7,7 +7,8 @@ from .buffer import Buffer
 from .errors import BufferUnusableError, PeerAbortedError, TimeoutError
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
+from .recv_hook import RecvHook
 
 __all__ = ["Buffer", "BufferUnusableError", "CombineOutput", "DispatchLayout", "DispatchOutput", "EPHandle",
-           "PeerAbortedError", "TimeoutError"]
+           "PeerAbortedError", "RecvHook", "TimeoutError"]
 __version__ = "0.1.0"

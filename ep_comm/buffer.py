@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -18,6 +18,7 @@ from .backends.profile import ProfileRow
 from .dtypes import PAYLOAD_DTYPES, payload_dtype
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
+from .recv_hook import RecvHook
 
 
 def _holds_captured_memory(method: Callable) -> Callable:
@@ -35,6 +36,12 @@ def _float32(xp: Any, a: Any, copy: bool) -> Any:
     if np.dtype(a.dtype) == PAYLOAD_DTYPES["bfloat16"]:
         return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     return a.astype(xp.float32, copy=copy)
+
+
+def _fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
+    """``out`` with its packed FP8 ``recv_x`` (``[rows, P / itemsize]``) as the pair ``(recv_x_fp8 [rows, H],
+    recv_scales [rows, H / 128] float32)``, views of it (``ep_comm.fp8.unpack``)."""
+    return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, hidden))
 
 
 class Buffer:
@@ -113,6 +120,7 @@ class Buffer:
         # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (see _check_handle)
         self._checked_handles: Dict[int, weakref.ref] = {}
         self._profiling = bool(profile)
+        self._pending: Optional[RecvHook] = None  # the receive hook of a split call, until it is called
         self.backend: str = self._backend.name
         self.num_sms: Optional[int] = self._backend.num_sms
         self.transport: Optional[str] = self._backend.transport_name
@@ -139,6 +147,33 @@ class Buffer:
         if self._backend is None:
             raise RuntimeError("this Buffer is closed")
         return self._backend
+
+    def _ready(self, doing: str) -> Backend:
+        """The backend, for collective call ``doing``: RuntimeError while a receive hook is pending."""
+        be = self._live()
+        if self._pending is not None:
+            raise RuntimeError(f"cannot {doing}: {self._pending.step}'s receive hook has not been called: call it "
+                               "first (a Buffer runs its collective calls one at a time)")
+        return be
+
+    def _start(self, hooked: bool, plain: Callable[[Any], Any], send: Callable[[Any], Any], request: Any,
+               finish: Optional[Callable[[Any], Any]] = None) -> Any:
+        """``plain(request)``; with ``hooked`` the backend's send part (``send(request)``) and the pending
+        ``RecvHook`` of its receive part. ``finish``, when given, turns the backend's output into the caller's
+        (the FP8 pair of a packed ``recv_x``), in both cases."""
+        if not hooked:
+            out = plain(request)
+            return out if finish is None else finish(out)
+        half = send(request)
+        if finish is not None:
+            receive = half.receive
+            half = dataclasses.replace(half, receive=lambda: finish(receive()))
+        self._pending = RecvHook(half, self._hook_called)
+        return self._pending
+
+    def _hook_called(self, hook: RecvHook) -> None:
+        """``hook`` (this Buffer's pending one) is being called: collective calls may follow."""
+        self._pending = None
 
     def _check_handle(self, handle: Any, doing: str) -> None:
         """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry
@@ -177,7 +212,8 @@ class Buffer:
     @_holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
-                 stats: Any = None, use_fp8: bool = False) -> DispatchOutput:
+                 stats: Any = None, use_fp8: bool = False,
+                 return_recv_hook: bool = False) -> Union[DispatchOutput, RecvHook]:
         """Send each token to the ranks of its experts (collective).
 
         Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay the routing of an
@@ -218,15 +254,24 @@ class Buffer:
             use_fp8: quantize ``x`` (buffer dtype) to FP8 on the sender (DeepEP's name); with ``x`` given as an
                 FP8 pair a ValueError. On ``mpi`` a non-finite ``x`` raises ValueError; on ``nvshmem`` it is not
                 checked (``ep_comm.kernels.fp8``).
+            return_recv_hook: True: enqueue only the send half (count, scatter, signal: nothing waits) and return at
+                once an ``ep_comm.RecvHook``; calling it enqueues the receive half and returns the
+                ``DispatchOutput`` (nothing is received, and no output exists, before). Until it is called this
+                Buffer takes no other dispatch or combine. See ``RecvHook`` (streams, CUDA graphs).
 
         Returns:
             ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype; the FP8 pair above for an FP8 dispatch);
             ``recv_topk_idx`` int64 ``[N, K]``
             compact (local expert ids or -1) or ``[M]`` expand (the row's local expert, -1 for
             padding); ``recv_topk_weights`` float32 of the same shape, or None without weights;
-            ``handle``, the ``EPHandle`` that replays this routing and combines its outputs.
+            ``handle``, the ``EPHandle`` that replays this routing and combines its outputs. With
+            ``return_recv_hook=True`` the ``RecvHook`` that returns it.
+
+        Raises:
+            RuntimeError: a receive hook of this Buffer is pending (call it first).
         """
-        be = self._live()
+        be = self._ready("dispatch")
+        chk.check_flag(return_recv_hook, "return_recv_hook")
         geo = self.geometry
         if (topk_idx is None) == (handle is None):
             raise ValueError("give exactly one of topk_idx (a new routing) and handle (a cached dispatch)")
@@ -252,9 +297,10 @@ class Buffer:
             topk_weights = _float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
             topk_weights = handle.topk_weights
-        out = be.dispatch(DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
-                                          bool(zero_padding), bool(cpu_sync), stats))
-        return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, geo.hidden)) if is_fp8 else out
+        finish = functools.partial(_fp8_output, hidden=geo.hidden) if is_fp8 else None
+        return self._start(return_recv_hook, be.dispatch, be.dispatch_send,
+                           DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
+                                           bool(zero_padding), bool(cpu_sync), stats), finish)
 
     def _payload(self, x: Any, num_tokens: int, use_fp8: Any) -> tuple:
         """``(payload, is_fp8)``: ``x`` checked as the dispatch's payload (``num_tokens`` rows). Non-FP8: ``x``
@@ -282,7 +328,8 @@ class Buffer:
         return packed.view(geo.dtype), True
 
     @_holds_captured_memory
-    def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None) -> CombineOutput:
+    def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
+                return_recv_hook: bool = False) -> Union[CombineOutput, RecvHook]:
         """Bring expert outputs back and reduce them (collective).
 
         Compact: ``x[t] = bias + sum over ranks r ascending of y_r[row(t, r)]``. Expand: each rank
@@ -297,12 +344,21 @@ class Buffer:
                 ``res.topk_weights``); or None.
             bias: None, one ``[T, H]`` floating-point array (bfloat16 included) or a pair of them, added
                 to every token (as float32).
+            return_recv_hook: True: enqueue only the send half (the rows and weights back, signal: nothing waits)
+                and return at once an ``ep_comm.RecvHook``; calling it enqueues the wait and the reduce and returns
+                the ``CombineOutput`` (which does not exist before). Until it is called this Buffer takes no other
+                dispatch or combine. See ``RecvHook``.
 
         Returns:
             ``CombineOutput``: ``x [T, H]`` in the buffer's dtype; ``topk_weights [T, K]`` float32
-            gathered back (0 for masked entries), or None without weights.
+            gathered back (0 for masked entries), or None without weights. With ``return_recv_hook=True`` the
+            ``RecvHook`` that returns it.
+
+        Raises:
+            RuntimeError: a receive hook of this Buffer is pending (call it first).
         """
-        be = self._live()
+        be = self._ready("combine")
+        chk.check_flag(return_recv_hook, "return_recv_hook")
         geo = self.geometry
         self._check_handle(handle, "dispatch")
         y = be.as_array(y, "y")
@@ -313,7 +369,8 @@ class Buffer:
             chk.check_weights(topk_weights, "topk_weights", shape)
             topk_weights = _float32(be.xp, topk_weights, copy=False)
         bias_terms = tuple(be.as_array(b, "bias") for b in chk.check_bias(bias, handle.num_tokens, geo))
-        return be.combine(CombineRequest(y, handle, topk_weights, bias_terms))
+        return self._start(return_recv_hook, be.combine, be.combine_send,
+                           CombineRequest(y, handle, topk_weights, bias_terms))
 
     def profile_table(self) -> List[ProfileRow]:
         """This rank's per-phase timings (``Buffer(profile=True)``); after ``close``, those up to the close.
@@ -337,6 +394,8 @@ class Buffer:
         """Release the buffer: collective (bounded wait) after a clean run; after any failure (this rank's
         timeout or error, a peer's abort record) a local release without collective calls, whose window or
         symmetric memory and communicator are leaked to the process (README, Reliability). Safe to call twice.
+        A pending receive hook (``return_recv_hook=True``) is invalidated (calling it raises RuntimeError) and the
+        close proceeds as usual (the peers may still receive what its send half sent).
 
         Raises:
             ep_comm.TimeoutError: a peer did not close within ``timeout_s`` (local resources are
@@ -344,6 +403,9 @@ class Buffer:
             ep_comm.PeerAbortedError: a peer had given up on the Buffer (its abort record was here on entry
             or came during the wait); released locally, at once.
         """
+        if self._pending is not None:
+            self._pending.invalidate()
+            self._pending = None
         if self._backend is not None:
             backend, self._backend = self._backend, None
             try:

@@ -145,12 +145,21 @@ class LoopbackTransport:
                 self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
 
     def exchange(self, stream, seq: int, kind: int, timeout_s: float, counts=None) -> None:
-        """Signal, then wait: the rank's own signal is the only one."""
+        """Signal, then wait (one launch on peer stores): the rank's own signal is the only one."""
+        self.signal(stream, seq, kind, counts)
+        self.wait(kind, timeout_s, counts is not None)
+
+    def signal(self, stream, seq: int, kind: int, counts=None) -> None:
+        """The step's signal (and counts) to the rank itself."""
         self.step[0] += 1
         assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
         if counts is not None:
             self.own.counts[seq % 2, 0] = counts[0]
         self.own.signal[0] = int(self.step[0]) << 2 | kind
+
+    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
+        """The wait for the step the counter holds: the rank's own signal arrived unless it was never sent."""
+        seq = int(self.step[0])
         got = int(self.own.signal[0])
         if not (got == seq << 2 | kind or got >= (seq + 1) << 2):
             self.missing = [0]
@@ -204,6 +213,16 @@ class HostDevice:
 
     def event(self):
         return None
+
+    current_stream = 0  # what a mark is taken on: a test sets another to call a hook "on another stream"
+
+    def mark(self):
+        self.marks = getattr(self, "marks", 0) + 1
+        return self.current_stream, f"event {self.marks}"
+
+    def wait_for(self, mark) -> None:
+        if mark[0] != self.current_stream:
+            self.waited = getattr(self, "waited", []) + [mark[1]]
 
 
 def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False):
@@ -580,6 +599,26 @@ def test_a_step_whose_body_raises_leaves_the_buffer_unusable_and_posts_its_recor
     assert steps.seq == 1
 
 
+def test_the_receive_part_of_a_split_step_is_guarded_as_a_whole_step():
+    """``Steps.run`` numbers a split step and runs its send part, which returns the receive part;
+    ``Steps.resume`` runs that later: a clean one returns its value, a failing one marks the buffer unusable and
+    posts the record of that step, as a failing body does."""
+    board = _CountingBoard(2)
+    steps = Steps(0, 3.0, board)
+    receive = steps.run("dispatch", False, lambda seq: lambda scale: seq * scale)
+    assert steps.latest == "dispatch #1" and steps.resume("dispatch", receive, 10) == 10 and not steps.unusable
+
+    def fails(reason: str) -> None:
+        raise RuntimeError(reason)
+
+    assert steps.run("combine", False, lambda seq: fails) is fails and steps.latest == "combine #1"
+    with pytest.raises(RuntimeError, match="lost"):
+        steps.resume("combine", fails, "lost")
+    assert steps.unusable == "combine #1 failed midway"
+    assert decode(np.stack([board.posted[0], np.zeros(ABORT_WORDS, np.int64)])) == [
+        (0, "combine #1", "failed midway (RuntimeError: lost)")]
+
+
 def test_a_wait_every_rank_arrived_at_reads_the_abort_records_only_when_it_saw_one():
     """``Steps.after_wait``: no device read when every rank arrived and the wait saw no record (the nvshmem
     wait kernel's mapped status); a read when the wait saw one, or when a rank is missing."""
@@ -675,3 +714,123 @@ def test_a_cached_pair_decides_on_the_symmetric_rows_once_per_buffer(monkeypatch
         out = dispatch(be, x, None, None, first.handle, expand, 1, False, False, None)
         combine(be, out.recv_x, out.handle, None, ())
     assert on_symmetric_rows() == made and len(seen) > made
+
+
+def _log_transport(transport, log: list) -> None:
+    """Append the name of each signal/wait call of ``transport`` to ``log`` (beside the kernel launches)."""
+    for name in ("exchange", "signal", "wait"):
+        call = getattr(transport, name)
+        setattr(transport, name, lambda *args, call=call, name=name: log.append(name) or call(*args))
+
+
+def _split(be, request_of, send):
+    """The send half of ``send`` (``be.dispatch_send`` / ``be.combine_send``) of ``request_of()``."""
+    with be.captured_memory():
+        return send(request_of())
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+@pytest.mark.parametrize("cpu_sync", [True, False], ids=["cpu_sync", "no_cpu_sync"])
+def test_a_split_step_signals_without_waiting_and_its_hook_waits_then_receives(monkeypatch, expand, cpu_sync):
+    """``dispatch_send`` / ``combine_send`` launch up to the signal and no wait; the hook launches the wait first,
+    then the receive kernels; the outputs are the plain calls' bit for bit (new routing, replay, combine)."""
+    geo = CAPTURE_GEO
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, geo.hidden)).astype(np.float32)
+    w = rng.random((3, geo.num_topk)).astype(np.float32)
+    plain_be, be = simulated_backend(geo, True, False), simulated_backend(geo, True, False)
+    log = _launch_log(monkeypatch)
+    _log_transport(be.transport, log)
+    args = (expand, 2 if expand else 1, True, cpu_sync)
+    plain = dispatch(plain_be, x, CAPTURE_IDX, w, None, *args, None)
+    requests = [lambda: DispatchRequest(x, CAPTURE_IDX, w, None, *args, None),
+                lambda: DispatchRequest(x * 2, plain.handle.topk_idx, w, plain.handle, *args, None)]
+    wants = [plain, dispatch(plain_be, x * 2, None, w, plain.handle, *args, None)]
+    for seq, (request_of, want) in enumerate(zip(requests, wants), start=1):
+        start = len(log)
+        half = _split(be, request_of, be.dispatch_send)
+        sent = [entry if isinstance(entry, str) else entry[0] for entry in log[start:]]
+        assert sent[-1] == "signal" and "wait" not in sent and "exchange" not in sent
+        assert not any(name.startswith("receive") for name in sent), sent
+        assert half.step == f"dispatch #{seq}"
+        half.prepare()
+        start = len(log)
+        got = half.receive()
+        hook = [entry if isinstance(entry, str) else entry[0] for entry in log[start:]]
+        assert hook[0] == "wait" and "signal" not in hook and any(name.startswith("receive") for name in hook), hook
+        _compare("hooked dispatch", want, got)
+    y_w = plain.recv_topk_weights
+    half = _split(be, lambda: CombineRequest(plain.recv_x, plain.handle, y_w, ()), be.combine_send)
+    assert log[-1] == "signal"
+    half.prepare()
+    start = len(log)
+    got = half.receive()
+    assert log[start] == "wait"
+    want = combine(plain_be, plain.recv_x, plain.handle, y_w, ())
+    _same("hooked combine.x", want.x, got.x)
+    _same("hooked combine.topk_weights", want.topk_weights, got.topk_weights)
+    assert "exchange" not in log
+    be.close()
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_a_hook_on_another_stream_waits_for_the_send_and_one_captured_unlike_its_send_is_refused():
+    """The hook's stream waits for the event marked after the send when it is not the send's stream; a hook whose
+    capture state differs from its send's raises before enqueuing anything and can be called afterwards."""
+    geo = CAPTURE_GEO
+    be = simulated_backend(geo, True, False)
+    x = np.ones((3, geo.hidden), np.float32)
+    request = DispatchRequest(x, CAPTURE_IDX, None, None, False, 1, False, False, None)
+    half = be.dispatch_send(request)
+    be.device.current_stream = 7
+    be.device.capturing_now = True
+    with pytest.raises(RuntimeError, match=r"^dispatch's receive hook was called while the current stream is being "
+                                           r"captured, but its send was enqueued outside any CUDA graph capture"):
+        half.prepare()
+    assert not getattr(be.device, "waited", [])
+    be.device.capturing_now = False
+    half.prepare()
+    assert be.device.waited == ["event 1"]
+    be.device.current_stream = 0
+    assert half.step == "dispatch #1"
+    half.receive()
+    captured = simulated_backend(geo, True, False)
+    captured.device.capturing_now = True
+    half = _split(captured, lambda: request, captured.dispatch_send)
+    captured.device.capturing_now = False
+    with pytest.raises(RuntimeError, match="is not being captured, but its send was captured into a CUDA graph"):
+        half.prepare()
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_send_and_its_hook_captured_apart_hold_their_memory_and_give_the_eager_results(expand):
+    """Send half and hook under capture (two graphs): each half's allocations are held for its graph (the send's
+    the replay's outputs, the hook's the handle and what the receive allocates), and the results are the eager
+    call's."""
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
+    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
+    eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
+    eager_sum = combine(be, eager.recv_x, eager.handle, None, ())
+    be.device.capturing_now = True
+    request = DispatchRequest(x * 2, first.handle.topk_idx, None, first.handle, expand, 2, True, False, None)
+    half = _split(be, lambda: request, be.dispatch_send)
+    held = len(be.capture.held)
+    assert held == 1
+    half.prepare()
+    captured = half.receive()
+    assert len(be.capture.held) == held + 1
+    half = _split(be, lambda: CombineRequest(captured.recv_x, captured.handle, None, ()), be.combine_send)
+    half.prepare()
+    captured_sum = half.receive()
+    be.device.capturing_now = False
+    assert len(be.capture.held) == held + 3
+    rows = int(first.handle.num_expanded_tokens if expand else first.handle.num_recv_tokens)
+    np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
+    np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
+    np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
+    be.close()
+    assert not be.capture.held

@@ -49,7 +49,7 @@ def test_signal_kernels_compile_with_acquire_release_at_system_scope():
     except RuntimeError as exc:  # the bindings without a libnvrtc to load
         pytest.skip(f"no NVRTC here: {exc}")
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    assert entries == {"advance_step", "signal_and_wait", "wait_signals"}
+    assert entries == {"advance_step", "signal_and_wait", "send_signal", "wait_signals"}
     assert "ld.acquire.sys.global.b64" in ptx and "st.release.sys.global.b64" in ptx
     assert "globaltimer" in ptx and "nanosleep" in ptx
 
@@ -144,6 +144,30 @@ def test_the_puts_advance_then_wait_with_the_rawkernel_bytes(launches):
     for (*_, got, _), (kind, received, words) in zip(launches[1:], [(1, RECEIVED, WORDS), (3, None, 0)]):
         assert got == _rawkernel_bytes((SIGNALS, np.int32(R), STEP, np.int32(kind), np.uint64(10 ** 9), STATUS,
                                         received or np.uint64(0), np.int32(words), ABORTS, np.int32(64)))
+
+
+def test_a_split_step_on_peer_stores_signals_without_waiting_then_waits(launches):
+    """The send half of a split step (``return_recv_hook=True``) launches ``send_signal``, which takes no wait
+    parameter, with the bytes of ``signal_and_wait``'s signal part; the hook launches ``wait_signals``, zeroing a
+    missing rank's count words when the step exchanged counts; the slots of one launch do not leak into another."""
+    stores = _transport(PEERS)
+    stores.send_signal(0xBEEF, 1, SEND)
+    stores.wait_signals(0xCAFE, 1, True, 2.5)
+    stores.send_signal(0xBEEF, 2, None)
+    stores.signal_and_wait(0xBEEF, 3, None, 0.5)
+    stores.wait_signals(0xCAFE, 2, False, 0.25)
+    assert [(name, grid, block[0], stream) for name, grid, block, _, stream, _, _ in launches] == [
+        ("send_signal", (1, 1, 1), 128, 0xBEEF), ("wait_signals", (1, 1, 1), 128, 0xCAFE),
+        ("send_signal", (1, 1, 1), 128, 0xBEEF), ("signal_and_wait", (1, 1, 1), 128, 0xBEEF),
+        ("wait_signals", (1, 1, 1), 128, 0xCAFE)]
+    for i, (kind, counts, words) in zip((0, 2), [(1, SEND, WORDS), (2, None, 0)]):
+        assert launches[i][5] == _rawkernel_bytes((PEERS, np.int32(R), np.int32(1), np.int64(64), STEP, np.int32(kind),
+                                                   counts or np.uint64(0), np.int64(4096), np.int32(words)))
+    for i, (kind, received, words, timeout_s) in zip((1, 4), [(1, RECEIVED, WORDS, 2.5), (2, None, 0, 0.25)]):
+        assert launches[i][5] == _rawkernel_bytes((SIGNALS, np.int32(R), STEP, np.int32(kind),
+                                                   np.uint64(int(timeout_s * 1e9)), STATUS, received or np.uint64(0),
+                                                   np.int32(words), ABORTS, np.int32(64)))
+    assert launches[3][5][6:9] == _rawkernel_bytes((np.uint64(0), np.int64(4096), np.int32(0)))
 
 
 def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):

@@ -4,7 +4,10 @@ holds, and the routing checks of captured dispatches, reported after their repla
 A capture can hold dispatches with ``cpu_sync=False`` (a new routing with int32/int64 ids, or
 ``handle=...``) and the combines of their handles, over peer stores. A step that waits on the host,
 or any step of the puts transport (its buffer offsets come from the host's step number, which a
-replay would reuse), is refused before it enqueues anything: the buffer stays usable.
+replay would reuse), is refused before it enqueues anything: the buffer stays usable. A split step (``return_recv_hook=True``)
+may be captured in two graphs, its send half in one and its hook in another: each half holds what it
+allocates (the send half the outputs of a replay, the hook those of a new routing), and a hook is captured
+exactly when its send was (:meth:`CapturePolicy.resume`).
 """
 from __future__ import annotations
 
@@ -68,6 +71,19 @@ class CapturePolicy:
                                f"and {why}: a capture can hold dispatches with cpu_sync=False (a new routing with "
                                "int32/int64 ids, or handle=...) and the combines of their handles, over peer stores; "
                                "call it outside the capture")
+
+    def resume(self, what: str, send_captured: bool) -> None:
+        """Start the receive half (hook) of split step ``what``, whose send half was captured or not
+        (``send_captured``): note whether the hook is captured, and raise RuntimeError (before anything is
+        enqueued) when that differs from its send (a captured send runs only when its graph is replayed: its
+        hook must be captured too, into a graph replayed after it; an eager send needs an eager hook)."""
+        self.active = self._device.capturing()
+        if self.active != send_captured:
+            sent, now = ("captured into a CUDA graph", "is not") if send_captured else ("enqueued outside any CUDA "
+                                                                                      "graph capture", "is")
+            raise RuntimeError(f"{what}'s receive hook was called while the current stream {now} being captured, but "
+                               f"its send was {sent}: capture the hook exactly when the send was captured (the hook "
+                               "is still pending)")
 
     def memory(self) -> ContextManager[None]:
         """Around a whole ``Buffer`` call: while the caller's stream is being captured into a CUDA graph,

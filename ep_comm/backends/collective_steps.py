@@ -7,6 +7,9 @@ out or fails midway leaves the peers out of step: this rank posts an abort recor
 and recreated. A rank that finds a peer's abort record (on entering a step, :meth:`Steps.check_peers`;
 after a wait, :meth:`Steps.after_wait`) raises ``PeerAbortedError`` and is unusable too, without
 posting a record of its own.
+
+A step may run in two parts (``Buffer(..., return_recv_hook=True)``): :meth:`Steps.run` numbers it and runs its
+send part, which returns the receive part; :meth:`Steps.resume` runs that later under the same guard.
 """
 from __future__ import annotations
 
@@ -75,8 +78,19 @@ class Steps:
         self._calls[what] += 1
         self._last = f"{what} #{self._calls[what]}"
         self._last_kind = what
+        return self.resume(what, body, self.seq, *args)
+
+    @property
+    def latest(self) -> str:
+        """The latest step by kind and number among its kind, e.g. ``"dispatch #3"``."""
+        return self._last
+
+    def resume(self, what: str, rest: Callable[..., T], *args: Any) -> T:
+        """``rest(*args)``, a part of the latest step (of kind ``what``) guarded as :meth:`run` guards its body: an
+        exception marks the buffer unusable and posts this rank's abort record (then propagates). :meth:`run`
+        runs the whole body so; a split step (``return_recv_hook``) runs its receive part through it later."""
         try:
-            return body(self.seq, *args)
+            return rest(*args)
         except BaseException as exc:
             if not self.unusable:
                 self._give_up(f"{self.name(what)} failed midway", f"failed midway ({type(exc).__name__}: {exc})")

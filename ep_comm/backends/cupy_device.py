@@ -28,6 +28,7 @@ class CupyDevice:
     def __init__(self, device: int, num_local: int):
         self.device = device
         self._streams: Dict[int, Any] = {}
+        self._sent: Any = None  # the event of mark(), made at the first split step
         self._pinned = cupy.cuda.alloc_pinned_memory(4 * (2 + num_local))
         self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2 + num_local)
 
@@ -92,6 +93,21 @@ class CupyDevice:
                 cupy.cuda.runtime.memcpyAsync(host_ptr + offset, a.data.ptr, a.nbytes, _DEVICE_TO_HOST, stream.ptr)
         stream.synchronize()
         return self._host[:2].copy(), self._host[2: 2 + per_expert.size].copy()
+
+    def mark(self) -> Tuple[int, Any]:
+        """``(current stream handle, an event recorded on it now)``: the end of a split step's send half, which
+        :meth:`wait_for` orders a hook after (one event per device, re-recorded: a Buffer has one pending hook)."""
+        stream = cupy.cuda.get_current_stream()
+        if self._sent is None:
+            self._sent = cupy.cuda.Event(block=False, disable_timing=True)
+        self._sent.record(stream)
+        return stream.ptr, self._sent
+
+    def wait_for(self, mark: Tuple[int, Any]) -> None:
+        """Make the current stream wait for ``mark`` (:meth:`mark`) unless it is the stream ``mark`` was taken on."""
+        stream = cupy.cuda.get_current_stream()
+        if stream.ptr != mark[0]:
+            stream.wait_event(mark[1])
 
     def event(self) -> Any:
         """A CUDA event recorded on the current stream."""

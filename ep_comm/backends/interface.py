@@ -6,11 +6,13 @@ Shapes: ``T`` tokens of this rank, ``H`` hidden, ``K`` top-k width, ``R`` ranks,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ContextManager, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, ContextManager, Generic, List, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle
 from ..layout import DispatchLayout
 from .profile import ProfileRow
+
+Output = TypeVar("Output", DispatchOutput, CombineOutput)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,22 @@ class CombineRequest:
     bias_terms: Tuple[Array, ...]
 
 
+@dataclass(frozen=True)
+class ReceiveHalf(Generic[Output]):
+    """The receive part of a step whose send part a backend enqueued (``Buffer(..., return_recv_hook=True)``).
+
+    ``step``: the step by kind and number (``"dispatch #3"``); ``prepare()``: raises RuntimeError when the receive
+    cannot be enqueued now (nothing is enqueued and the step stays pending: e.g. the send was captured into a
+    CUDA graph and the caller's stream is not being captured), else orders the caller's stream after the send
+    where needed; ``receive()``: enqueues the bounded wait for every rank's signal and the receive, and returns
+    the step's output (guarded by ``Steps.resume``).
+    """
+
+    step: str
+    prepare: Callable[[], None]
+    receive: Callable[[], Output]
+
+
 @runtime_checkable
 class Backend(Protocol):
     """The protocol on one rank: ``mpi`` (``MpiBackend``) and ``nvshmem`` (``NvshmemBackend``)."""
@@ -83,8 +101,14 @@ class Backend(Protocol):
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch."""
 
+    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
+        """The send part of one collective dispatch (count, scatter, signal; no wait), and its receive part."""
+
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine."""
+
+    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
+        """The send part of one collective combine (rows back, signal; no wait), and its receive part."""
 
     def captured_memory(self) -> ContextManager[None]:
         """Around a whole Buffer call: holds what the call allocates while a CUDA graph is captured."""

@@ -7,6 +7,7 @@ the default where there is no GPU and the executable reference the GPU backend i
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
@@ -21,11 +22,15 @@ from ..symmetric import SymmetricLayout
 from ..transport.mpi_window import MpiWindow
 from ..validate import Geometry, topk_values
 from .collective_steps import Steps, step_word
-from .interface import BackendSettings, CombineRequest, DispatchRequest
+from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
 from .profile import Profile, ProfileRow
 
 
 _LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
+
+
+def _nothing_to_prepare() -> None:
+    """A receive part on the mpi backend can always be enqueued (no streams, no graphs)."""
 
 
 class MpiBackend:
@@ -33,7 +38,8 @@ class MpiBackend:
 
     ``Buffer(profile=True)`` records host times (there are no GPU events) of every collective
     step's ``total`` and ``signal+wait``, a dispatch's ``scatter`` and ``receive``, and a combine's
-    ``send`` and ``reduce``.
+    ``send`` and ``reduce``; a split step (``return_recv_hook=True``) records ``send part``, ``signal``,
+    ``hook`` and ``wait`` instead of ``total`` and ``signal+wait``.
     """
 
     name = "mpi"
@@ -81,10 +87,42 @@ class MpiBackend:
         return self.profile.table()
 
     # ---------------------------------------------------------------- protocol
-    def _step(self, seq: int, what: str, body: Callable[..., Any], *args: Any) -> Any:
-        """``body((seq, parity), *args)`` of collective step ``seq`` (``Steps.run``), timed as its ``total``."""
-        with self.profile.phase(what, "total"):
+    def _step(self, seq: int, what: str, phase: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body((seq, parity), *args)`` of collective step ``seq`` (``Steps.run``), timed as its ``phase``."""
+        with self.profile.phase(what, phase):
             return body((seq, seq % 2), *args)
+
+    def _whole(self, step: Tuple[int, int], send: Callable[..., Callable[[], Any]], *args: Any) -> Any:
+        """A plain step: ``send(step, *args, False)`` (signal and wait), then at once the receive part it returns."""
+        return send(step, *args, False)()
+
+    def _split(self, what: str, send: Callable[..., Callable[[], Any]], *args: Any) -> ReceiveHalf:
+        """Step ``what``'s send part now (``send(step, *args, True)``: puts and signal, no wait), and its receive part
+        (wait, read, assemble) as a ``ReceiveHalf`` guarded by ``Steps.resume``."""
+        receive = self.steps.run(what, True, self._step, what, "send part", send, *args, True)
+        return ReceiveHalf(self.steps.latest, _nothing_to_prepare,
+                           functools.partial(self.steps.resume, what, self._hook, what, receive))
+
+    def _hook(self, what: str, receive: Callable[[], Any]) -> Any:
+        """The receive part of a split step, timed as its ``hook``."""
+        with self.profile.phase(what, "hook"):
+            return receive()
+
+    def _signal(self, what: str, seq: int, hooked: bool) -> None:
+        """The end of step ``seq``'s send part: signal every rank, then (a plain step) wait for every rank's signal;
+        a split step (``hooked``) waits in its receive part (:meth:`_wait`)."""
+        if not hooked:
+            self._signal_and_wait(what, seq)
+            return
+        with self.profile.phase(what, "signal"):
+            self.window.signal(range(self.geo.num_ranks), step_word(seq, what))
+
+    def _wait(self, what: str, seq: int, hooked: bool) -> None:
+        """The start of step ``seq``'s receive part: a split step's bounded wait for every rank's signal (its
+        ``timeout_s`` counts from now); nothing for a plain step (its send part waited)."""
+        if hooked:
+            with self.profile.phase(what, "wait"):
+                self._wait_all(what, seq)
 
     def _signal_and_wait(self, what: str, seq: int) -> None:
         """Signal step ``seq`` to every rank, then wait for every rank's signal (bounded)."""
@@ -138,9 +176,15 @@ class MpiBackend:
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
-        return self.steps.run("dispatch", True, self._step, "dispatch", self._dispatch, request)
+        return self.steps.run("dispatch", True, self._step, "dispatch", "total", self._whole, self._dispatch, request)
 
-    def _dispatch(self, step: Tuple[int, int], request: DispatchRequest) -> DispatchOutput:
+    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
+        """The send part of one collective dispatch (puts into the peers' windows, signal), and its receive part."""
+        return self._split("dispatch", self._dispatch, request)
+
+    def _dispatch(self, step: Tuple[int, int], request: DispatchRequest,
+                  hooked: bool) -> Callable[[], DispatchOutput]:
+        """The send part of a dispatch; returns its receive part."""
         geo, handle = self.geo, request.handle
         seq, parity = step
         words = None
@@ -156,7 +200,15 @@ class MpiBackend:
             slots = self._slots_from_handle(handle)
         with self.profile.phase("dispatch", "scatter"):
             self._scatter(parity, request, routing, slots, words)
-        self._signal_and_wait("dispatch", seq)
+        self._signal("dispatch", seq, hooked)
+        return functools.partial(self._dispatch_receive, step, request, routing, hooked)
+
+    def _dispatch_receive(self, step: Tuple[int, int], request: DispatchRequest, routing: Routing,
+                          hooked: bool) -> DispatchOutput:
+        """The receive part of a dispatch: the rows every rank put here, assembled into the outputs."""
+        geo, handle = self.geo, request.handle
+        seq, parity = step
+        self._wait("dispatch", seq, hooked)
         with self.profile.phase("dispatch", "receive"):
             if handle is None:
                 counts = [int(self.window.local(self.sym.count_at(parity, s), 8).view(np.int64)[0])
@@ -267,9 +319,15 @@ class MpiBackend:
     # ----------------------------------------------------------------- combine
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine of ``request.y`` along the routes of ``request.handle``."""
-        return self.steps.run("combine", True, self._step, "combine", self._combine, request)
+        return self.steps.run("combine", True, self._step, "combine", "total", self._whole, self._combine, request)
 
-    def _combine(self, step: Tuple[int, int], request: CombineRequest) -> CombineOutput:
+    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
+        """The send part of one collective combine (rows and weights back into the sources' windows, signal), and
+        its receive part."""
+        return self._split("combine", self._combine, request)
+
+    def _combine(self, step: Tuple[int, int], request: CombineRequest, hooked: bool) -> Callable[[], CombineOutput]:
+        """The send part of a combine; returns its receive part."""
         geo, handle, topk_weights = self.geo, request.handle, request.topk_weights
         seq, parity = step
         with self.profile.phase("combine", "send"):
@@ -287,9 +345,16 @@ class MpiBackend:
                 block = slice(starts[src], starts[src + 1])
                 w = None if back_w is None else back_w[block]
                 self._put_block(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
-        self._signal_and_wait("combine", seq)
+        self._signal("combine", seq, hooked)
+        return functools.partial(self._combine_receive, step, request, hooked)
+
+    def _combine_receive(self, step: Tuple[int, int], request: CombineRequest, hooked: bool) -> CombineOutput:
+        """The receive part of a combine: every token's rows from the ranks it reached, reduced."""
+        seq, parity = step
+        self._wait("combine", seq, hooked)
         with self.profile.phase("combine", "reduce"):
-            return self._reduce_at_source(handle, parity, topk_weights is not None, request.bias_terms)
+            return self._reduce_at_source(request.handle, parity, request.topk_weights is not None,
+                                          request.bias_terms)
 
     def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
         """Source side: gather each token's row from every rank it reached, sum in rank order."""
@@ -332,7 +397,7 @@ class MpiBackend:
             return
         try:
             if not self.steps.unusable:
-                self.steps.run("close", True, self._step, "close", self._close_step)
+                self.steps.run("close", True, self._step, "close", "total", self._close_step)
         finally:
             clean = not self.steps.unusable
             self.window.free(collective=clean)

@@ -40,14 +40,23 @@ The backend gets its transport (``ep_comm.transport.nvshmem.NvshmemTransport``) 
 host device instead, to run this whole call sequence in the Numba CUDA simulator. This module
 imports no CuPy: it uses the device's array module.
 
+A split step (``Buffer(..., return_recv_hook=True)``, :meth:`NvshmemBackend.dispatch_send` and
+:meth:`~NvshmemBackend.combine_send`) enqueues its send half up to a signal that waits for nothing
+(``signals.send_signal`` on peer stores, the NVSHMEM signal with puts), and returns its receive half, which
+enqueues ``signals.wait_signals`` and the receive on the hook's stream (made to wait for the send's when it
+is another stream and nothing is captured). The two halves may be captured into two graphs: a hook is
+captured exactly when its send was (``CapturePolicy.resume``).
+
 ``Buffer(profile=True)``: per-phase host time (perf_counter) and GPU time (CUDA events), read by
-``Buffer.profile_table()``.
+``Buffer.profile_table()``; a split step records ``send part``, ``signal``, ``hook`` and ``wait`` where a
+plain one records ``total`` and ``signal+wait``.
 
 Inputs: CuPy arrays, or any GPU array with DLPack / ``__cuda_array_interface__`` (PyTorch
 tensors, zero copy). Outputs: CuPy arrays.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -67,7 +76,7 @@ from ..symmetric import SymmetricLayout
 from ..validate import Geometry, check_num_sms_fits, topk_values
 from .capture import CapturePolicy
 from .collective_steps import STEP_KINDS, Steps
-from .interface import BackendSettings, CombineRequest, DispatchRequest
+from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
 from .profile import Profile, ProfileRow
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
@@ -222,8 +231,9 @@ class NvshmemBackend:
         self.kernels.stream = self.device.stream()
         return self.device.launching()
 
-    def _collective(self, what: str, host_wait: bool, body: Callable[..., Any], *args: Any) -> Any:
-        """``body(seq, *args)`` as the next collective step (host number ``seq``), on the caller's stream, after
+    def _collective(self, what: str, host_wait: bool, phase: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, *args)`` as the next collective step (host number ``seq``), timed as its ``phase``, on the
+        caller's stream, after
         raising any timeout an earlier asynchronous wait recorded (the step's signal advances the device
         counter). ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold;
         such a step also reads the peers' abort records from the device on entry, where a ``cpu_sync=False``
@@ -236,12 +246,40 @@ class NvshmemBackend:
             missing, seen = self.transport.wait_state()
             if missing:
                 raise self.steps.timed_out("an earlier operation", missing)
-        return self.steps.run(what, host_wait or seen, self._step, what, body, *args)
+        return self.steps.run(what, host_wait or seen, self._step, what, phase, body, *args)
 
-    def _step(self, seq: int, what: str, body: Callable[..., Any], *args: Any) -> Any:
-        """``body(seq, *args)`` timed as the step's ``total``, launching on the caller's stream."""
-        with self.profile.phase(what, "total"), self._launching():
+    def _step(self, seq: int, what: str, phase: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, *args)`` timed as the step's ``phase``, launching on the caller's stream."""
+        with self.profile.phase(what, phase), self._launching():
             return body(seq, *args)
+
+    def _whole(self, seq: int, send: Callable[..., Callable[[], Any]], *args: Any) -> Any:
+        """A plain step: ``send(seq, *args, False)`` (signal and wait), then at once the receive half it returns."""
+        return send(seq, *args, False)()
+
+    def _split(self, what: str, host_wait: bool, send: Callable[..., Callable[[], Any]], *args: Any) -> ReceiveHalf:
+        """Step ``what``'s send half now (``send(seq, *args, True)``: up to a signal that waits for nothing), and its
+        receive half as a ``ReceiveHalf`` (guarded by ``Steps.resume``): the hook's call must be captured into a
+        CUDA graph exactly when the send was, and an uncaptured one waits for an event recorded after the send
+        when it runs on another stream."""
+        receive = self._collective(what, host_wait, "send part", send, *args, True)
+        captured = self.capture.active
+        sent = None if captured else self.device.mark()
+        return ReceiveHalf(self.steps.latest, functools.partial(self._prepare_hook, what, captured, sent),
+                           functools.partial(self.steps.resume, what, self._hook, what, receive))
+
+    def _prepare_hook(self, what: str, captured: bool, sent: Any) -> None:
+        """Before a hook enqueues anything: RuntimeError unless its capture state is its send's; an uncaptured
+        hook's stream waits for ``sent`` (``device.mark()`` after the send) when it is not the send's stream."""
+        self.capture.resume(what, captured)
+        if sent is not None:
+            self.device.wait_for(sent)
+
+    def _hook(self, what: str, receive: Callable[[], Any]) -> Any:
+        """The receive half of a split step on the caller's stream, timed as its ``hook``; under capture the
+        memory it allocates is held for the graph."""
+        with self.capture.memory(), self.profile.phase(what, "hook"), self._launching():
+            return receive()
 
     def _contiguous(self, a: Optional[Array]) -> Optional[Array]:
         """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
@@ -257,6 +295,22 @@ class NvshmemBackend:
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
         with self.profile.phase(what, "signal+wait"):
             self.transport.exchange(self.kernels.stream, seq, STEP_KINDS[what], self.timeout_s, counts)
+
+    def _signal(self, what: str, seq: int, hooked: bool, counts: Optional[Array] = None) -> None:
+        """The end of step ``seq``'s send half: :meth:`_signal_and_wait` for a plain step; for a split one
+        (``hooked``) the signal alone (with ``counts`` as there), whose wait the hook enqueues (:meth:`_wait`)."""
+        if not hooked:
+            self._signal_and_wait(what, seq, counts)
+            return
+        with self.profile.phase(what, "signal"):
+            self.transport.signal(self.kernels.stream, seq, STEP_KINDS[what], counts)
+
+    def _wait(self, what: str, hooked: bool, with_counts: bool) -> None:
+        """The start of a split step's receive half (``hooked``): the bounded GPU wait for every rank's signal
+        (``with_counts``: zeroing a missing rank's received count words); nothing for a plain step."""
+        if hooked:
+            with self.profile.phase(what, "wait"):
+                self.transport.wait(STEP_KINDS[what], self.timeout_s, with_counts)
 
     def _sync_and_check(self, what: str) -> None:
         """Block until the stream is done (bounded by the GPU wait), then raise on a peer's abort record or
@@ -286,7 +340,12 @@ class NvshmemBackend:
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
-        return self._collective("dispatch", request.cpu_sync, body, request)
+        return self._collective("dispatch", request.cpu_sync, "total", self._whole, body, request)
+
+    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
+        """The send half of one collective dispatch (count, scatter, puts, signal; no wait), and its receive half."""
+        body = self._dispatch_new if request.handle is None else self._dispatch_cached
+        return self._split("dispatch", request.cpu_sync, body, request)
 
     def _send(self, seq: int, request: DispatchRequest, routing: Routing, mode: int, psum: Optional[Array],
               local: Optional[tuple] = None) -> None:
@@ -300,13 +359,20 @@ class NvshmemBackend:
                                  ahead=t.send_ahead, mode=mode, recv_x=recv_x, recv_psum=recv_psum)
             t.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
 
-    def _dispatch_new(self, seq: int, request: DispatchRequest) -> DispatchOutput:
+    def _dispatch_new(self, seq: int, request: DispatchRequest, hooked: bool) -> Callable[[], DispatchOutput]:
+        """The send half of a dispatch of a new routing; returns its receive half."""
         k, stable = self.kernels, self.deterministic
         with self.profile.phase("dispatch", "count"):
             send = k.count(request.topk_idx, stable=stable)
         routing = Routing(request.topk_idx, send.is_token_in_rank, send.slot_idx)
         self._send(seq, request, routing, SLOT_STABLE if stable else SLOT_ATOMIC, send.rank_psum)
-        self._signal_and_wait("dispatch", seq, send.count_words)
+        self._signal("dispatch", seq, hooked, send.count_words)
+        return functools.partial(self._receive_new, request, routing, hooked)
+
+    def _receive_new(self, request: DispatchRequest, routing: Routing, hooked: bool) -> DispatchOutput:
+        """The receive half of a dispatch of a new routing: counts, then the rows into new outputs."""
+        k, stable = self.kernels, self.deterministic
+        self._wait("dispatch", hooked, with_counts=True)
         with self.profile.phase("dispatch", "receive_count"):
             recv = k.receive_count(self._own_counts, self._own_meta, self.transport.step,
                                    alignment=request.expert_alignment, expand=request.expand, stable=stable)
@@ -322,11 +388,12 @@ class NvshmemBackend:
         return self._receive(request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
                              counts, None, PLACE_STABLE if stable else PLACE_ATOMIC)
 
-    def _dispatch_cached(self, seq: int, request: DispatchRequest) -> DispatchOutput:
-        """Replay the handle's routing: recorded slots and layout, no counting, no count exchange. The
-        outputs are allocated before the send; in compact mode the scatter writes the payload of this
-        rank's rows to itself straight into ``recv_x`` and the receive skips them."""
-        xp, h = self.xp, request.handle
+    def _dispatch_cached(self, seq: int, request: DispatchRequest, hooked: bool) -> Callable[[], DispatchOutput]:
+        """The send half of a replay of the handle's routing (recorded slots and layout, no counting, no count
+        exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
+        scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
+        them."""
+        h = request.handle
         psum = h.psum_num_recv_tokens_per_rank
         send_psum = self._derived(h, "send_psum", _send_psum) if self.transport.use_puts else None
         if request.cpu_sync:
@@ -337,9 +404,16 @@ class NvshmemBackend:
         outputs = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
         local = None if request.expand else (outputs[0], psum)
         self._send(seq, request, h.routing, SLOT_CACHED, send_psum, local)
-        self._signal_and_wait("dispatch", seq)
+        self._signal("dispatch", seq, hooked)
+        return functools.partial(self._receive_cached, request, counts, outputs, hooked)
+
+    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool) -> DispatchOutput:
+        """The receive half of a replay: the rows into the ``outputs`` allocated before the send."""
+        h = request.handle
+        psum = h.psum_num_recv_tokens_per_rank
+        self._wait("dispatch", hooked, with_counts=False)
         if request.stats is not None:
-            _add_counts(xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
+            _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
         if request.cpu_sync:
             self._sync_and_check("dispatch")
         layout = (psum, h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert)
@@ -418,14 +492,26 @@ class NvshmemBackend:
     # ----------------------------------------------------------------- combine
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine of ``request.y`` along the routes of ``request.handle``."""
-        return self._collective("combine", request.handle.cpu_sync, self._combine, request)
+        return self._collective("combine", request.handle.cpu_sync, "total", self._whole, self._combine, request)
 
-    def _combine(self, seq: int, request: CombineRequest) -> CombineOutput:
-        h = request.handle
+    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
+        """The send half of one collective combine (rows and weights back, puts, signal; no wait), and its receive
+        half."""
+        return self._split("combine", request.handle.cpu_sync, self._combine, request)
+
+    def _combine(self, seq: int, request: CombineRequest, hooked: bool) -> Callable[[], CombineOutput]:
+        """The send half of a combine; returns its receive half."""
         weights = self._contiguous(request.topk_weights)
         y = self._contiguous(request.y)
-        self._combine_send(seq, h, y, weights)
-        self._signal_and_wait("combine", seq)
+        self._combine_send(seq, request.handle, y, weights)
+        self._signal("combine", seq, hooked)
+        return functools.partial(self._combine_receive, request, y, weights, hooked)
+
+    def _combine_receive(self, request: CombineRequest, y: Array, weights: Optional[Array],
+                         hooked: bool) -> CombineOutput:
+        """The receive half of a combine: the wait, then the reduce (with this rank's own rows from ``y``)."""
+        h = request.handle
+        self._wait("combine", hooked, with_counts=False)
         with self.profile.phase("combine", "reduce"):
             x, back = self._combine_reduce(h, y, request.bias_terms, weights is not None)
         if h.cpu_sync:
@@ -478,7 +564,7 @@ class NvshmemBackend:
         clean = False
         try:
             if not self.steps.unusable:
-                self._collective("close", True, self._close_step)
+                self._collective("close", True, "total", self._close_step)
                 clean = True
         finally:
             self.device.synchronize()

@@ -21,6 +21,11 @@ from . import nvshmem_puts, signals
 from .nvshmem_heap import NvshmemHeap
 from .staging import staged_destinations, staging_bytes
 
+def _current_stream() -> int:
+    """The handle of CuPy's current stream (the stream CuPy's own launches would take)."""
+    return cupy.cuda.get_current_stream().ptr
+
+
 def numba_view(a: Any) -> Any:
     """Zero-copy Numba device array of a CuPy array, without the interface's stream sync."""
     return cuda.as_cuda_array(a, sync=False)
@@ -90,26 +95,38 @@ class NvshmemTransport:
                                     sym.meta_at(parity, me), meta_bytes, psum)
 
     def exchange(self, stream: Any, seq: int, kind: int, timeout_s: float, counts: Any = None) -> None:
-        """Enqueue step ``seq``'s signal to every rank, then the bounded wait for every rank's signal.
+        """Enqueue step ``seq``'s signal to every rank, then the bounded wait for every rank's signal: :meth:`signal`
+        then :meth:`wait`, in one launch (``signals.signal_and_wait``) on peer stores."""
+        if self.use_puts:
+            self.signal(stream, seq, kind, counts)
+            self.wait(kind, timeout_s, counts is not None)
+            return
+        self._signals.signal_and_wait(_current_stream(), kind, counts, timeout_s)
+
+    def signal(self, stream: Any, seq: int, kind: int, counts: Any = None) -> None:
+        """Enqueue step ``seq``'s signal to every rank, without a wait (the send half of a split step).
 
         Advances the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the step
         word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R, 1 + L]``: per destination its
-        rows, then its entries per local expert) went to their count words of the step's parity; with
-        ``counts`` the received count words of missing ranks are zeroed. The signal kernels go on CuPy's
-        current stream (``stream`` is its Numba twin, which the puts take) through their prepared launches
-        (``signals.SignalLaunches``). Peer stores
-        read the step from the device counter, in one launch (``signals.signal_and_wait``); puts signal
-        with the host's ``seq`` (equal to it: the puts path is never captured into a graph) through
-        NVSHMEM, then wait. The wait ends early for a rank that posted an abort record."""
-        sym, me = self.sym, self.rank
-        on = cupy.cuda.get_current_stream().ptr  # the stream CuPy's own launches would take
+        rows, then its entries per local expert) went to their count words of the step's parity. The signal
+        kernels go on CuPy's current stream (``stream`` is its Numba twin, which the puts take) through their
+        prepared launches (``signals.SignalLaunches``). Peer stores read the step from the device counter
+        (``signals.send_signal``); puts signal with the host's ``seq`` (equal to it: the puts path is never
+        captured into a graph) through NVSHMEM."""
+        on = _current_stream()
         if not self.use_puts:
-            self._signals.signal_and_wait(on, kind, counts, timeout_s)
+            self._signals.send_signal(on, kind, counts)
             return
+        sym, me = self.sym, self.rank
         self._signals.advance_step(on)
         nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), numba_view(self.own.counts[seq % 2]),
                                   sym.num_ranks, me, seq << 2 | kind, None if counts is None else numba_view(counts))
-        self._signals.wait_signals(on, kind, counts is not None, timeout_s)
+
+    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
+        """Enqueue on CuPy's current stream the bounded wait for every rank's signal of the step the device counter
+        holds (``signals.wait_signals``); with ``with_counts`` (the step exchanged counts) the received count words
+        of missing ranks are zeroed. The wait ends early for a rank that posted an abort record."""
+        self._signals.wait_signals(_current_stream(), kind, with_counts, timeout_s)
 
     def post_abort(self, record: np.ndarray) -> None:
         """Host copies of ``record`` (int64 ``[ABORT_WORDS]``) into this rank's abort slot of every peer

@@ -12,6 +12,8 @@ so that a CUDA graph can replay them:
   expert: ``1 + L`` words) into every peer's count words of the step's parity, then a system-scope
   fence and ``signal[me] = step << 2 | kind`` in every peer with a ``st.release.sys`` store (a
   receiver that acquires the signal sees every row and count sent before it); then the wait below;
+* ``send_signal`` (peer stores, the send half of a split step, ``Buffer(..., return_recv_hook=True)``): the
+  signal part of ``signal_and_wait`` alone; its hook launches ``wait_signals``;
 * ``advance_step``: ``step += 1`` alone (the puts transport signals through NVSHMEM instead);
 * ``wait_signals``: one CTA polls the local ``signal[s]`` words with ``ld.acquire.sys`` until each
   equals the step's word or passed the next step's threshold (a peer at most one step ahead),
@@ -133,6 +135,13 @@ extern "C" __global__ void signal_and_wait(const u64* peers, int num_ranks, int 
     wait_step(signals, num_ranks, seq, kind, timeout_ns, status, counts_by_parity, count_words, aborts, abort_words);
 }
 
+// One CTA: the step's signal to every rank (peer stores) without a wait: the send half of a split step, whose
+// receive half launches wait_signals.
+extern "C" __global__ void send_signal(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step,
+                                       int kind, const int* counts, i64 counts_offset, int count_words) {
+    signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
+}
+
 // One CTA: the bounded wait alone, for the step the counter holds (the puts transport signals through NVSHMEM).
 extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const i64* step, int kind, u64 timeout_ns,
                                         i64* status, i64* counts_by_parity, int count_words, const i64* aborts,
@@ -169,11 +178,15 @@ PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
                         ("step", _PTR), ("kind", _I32), ("counts", _PTR), ("counts_offset", _I64),
                         ("count_words", _I32), ("signals", _PTR), ("timeout_ns", _U64), ("status", _PTR),
                         ("counts_by_parity", _PTR), ("aborts", _PTR), ("abort_words", _I32)),
+    "send_signal": (("peers", _PTR), ("num_ranks", _I32), ("me", _I32), ("signal_offset", _I64), ("step", _PTR),
+                    ("kind", _I32), ("counts", _PTR), ("counts_offset", _I64), ("count_words", _I32)),
     "wait_signals": (("signals", _PTR), ("num_ranks", _I32), ("step", _PTR), ("kind", _I32), ("timeout_ns", _U64),
                      ("status", _PTR), ("counts_by_parity", _PTR), ("count_words", _I32), ("aborts", _PTR),
                      ("abort_words", _I32)),
 }
-THREADS = {"advance_step": 32, "signal_and_wait": WAIT_THREADS, "wait_signals": WAIT_THREADS}  # one CTA each
+_PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns")  # what a call of SignalLaunches writes
+THREADS = {"advance_step": 32, "signal_and_wait": WAIT_THREADS, "send_signal": WAIT_THREADS,
+           "wait_signals": WAIT_THREADS}  # one CTA each
 
 
 def address(a: Any) -> int:
@@ -209,6 +222,10 @@ class PreparedLaunch:
         self._function = CUfunction(handle)
         self._streams: Dict[int, CUstream] = {}
 
+    def takes(self, param: str) -> bool:
+        """Whether the kernel has a parameter ``param``."""
+        return param in self._slots
+
     def slot(self, param: str) -> Any:
         """The ctypes storage of parameter ``param``: what its ``value`` holds goes to the next launches."""
         return self._slots[param]
@@ -232,7 +249,8 @@ class SignalLaunches:
 
     Args:
         peer_ptrs: uint64 ``[R]`` device addresses of every rank's buffer (None: the puts transport, which
-            signals through NVSHMEM and launches only ``advance_step`` and ``wait_signals``).
+            signals through NVSHMEM and launches only ``advance_step`` and ``wait_signals``; peer stores launch
+            ``signal_and_wait``, or ``send_signal`` then ``wait_signals`` for a split step).
         num_ranks: ``R``.
         me: this rank.
         signal_offset: byte offset of the int64 ``[R]`` signal words in every rank's buffer.
@@ -253,25 +271,29 @@ class SignalLaunches:
         self._counts_by_parity = counts_by_parity
         self._received = address(counts_by_parity)
         self._words = _count_words(None, counts_by_parity)
-        waits = dict(signals=address(signals), num_ranks=num_ranks, step=address(step), status=address(status),
+        fixed = dict(signals=address(signals), num_ranks=num_ranks, step=address(step), status=address(status),
                      aborts=address(aborts), abort_words=_abort_words(aborts))
-        if peer_ptrs is None:
-            self._advance = PreparedLaunch("advance_step", dict(step=waits["step"]), function("advance_step", device))
-            launch = self._wait = PreparedLaunch("wait_signals", waits, function("wait_signals", device))
-        else:
-            fixed = dict(waits, peers=address(peer_ptrs), me=me, signal_offset=signal_offset,
-                         counts_offset=counts_offset)
-            launch = self._signal = PreparedLaunch("signal_and_wait", fixed, function("signal_and_wait", device))
-            self._counts = launch.slot("counts")
-        self._kind, self._timeout = launch.slot("kind"), launch.slot("timeout_ns")
-        self._with_counts = launch.slot("counts_by_parity"), launch.slot("count_words")
+        if peer_ptrs is not None:
+            fixed.update(peers=address(peer_ptrs), me=me, signal_offset=signal_offset, counts_offset=counts_offset)
+        names = ("advance_step", "wait_signals") if peer_ptrs is None else ("signal_and_wait", "send_signal",
+                                                                             "wait_signals")
+        self._launches = {name: _prepared(name, fixed, function(name, device)) for name in names}
+        # per launch, the slots of the per-call values (_PER_CALL); a value the kernel does not take goes to a sink
+        self._per_call_slots = {name: tuple(launch.slot(p) if launch.takes(p) else _I64() for p in _PER_CALL)
+                                for name, launch in self._launches.items()}
 
-    def _per_call(self, kind: int, words: int, timeout_s: float) -> None:
-        """Write a call's kind, count words (0: no count block) and timeout into the slots of the wait."""
-        self._kind.value = kind
-        self._with_counts[0].value = self._received if words else 0
-        self._with_counts[1].value = words
-        self._timeout.value = int(timeout_s * 1e9)  # the kernels' %globaltimer deadline, ns
+    def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float) -> PreparedLaunch:
+        """The launch of kernel ``name`` with a call's values in the slots it has: ``kind``, the send block
+        ``counts`` (int32 ``[R, 1 + L]`` or None), ``zeroed`` (the received count words a wait zeroes for a
+        missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``) and the timeout."""
+        sent = 0 if counts is None else _count_words(counts, self._counts_by_parity)
+        kind_slot, counts_slot, words_slot, received_slot, timeout_slot = self._per_call_slots[name]
+        kind_slot.value = kind
+        counts_slot.value = address(counts)
+        words_slot.value = sent or zeroed
+        received_slot.value = self._received if zeroed else 0
+        timeout_slot.value = int(timeout_s * 1e9)  # the kernels' %globaltimer deadline, ns
+        return self._launches[name]
 
     def signal_and_wait(self, stream: int, kind: int, counts: Any, timeout_s: float) -> None:
         """One launch on stream handle ``stream``, after every earlier write on it: ``step[0] += 1`` (the device
@@ -280,21 +302,31 @@ class SignalLaunches:
         (int32 ``[R, 1 + L]`` device array, or None: per destination its rows, then its entries per local
         expert), first row ``r`` goes to block ``me`` of the step's parity of rank ``r``'s count words (the
         count exchange rides on the signal), and the wait zeroes a missing rank's block here."""
-        self._per_call(kind, 0 if counts is None else _count_words(counts, self._counts_by_parity), timeout_s)
-        self._counts.value = address(counts)
-        self._signal(stream)
+        words = 0 if counts is None else _count_words(counts, self._counts_by_parity)
+        self._per_call("signal_and_wait", kind, counts, words, timeout_s)(stream)
+
+    def send_signal(self, stream: int, kind: int, counts: Any) -> None:
+        """The signal part of :meth:`signal_and_wait` alone, one launch on stream handle ``stream`` (peer stores,
+        the send half of a split step): ``step[0] += 1``, ``counts`` (or None) into every rank's count words,
+        ``signal[me]`` in every rank's buffer; nothing waits (the hook enqueues :meth:`wait_signals`)."""
+        self._per_call("send_signal", kind, counts, 0, 0.0)(stream)
 
     def advance_step(self, stream: int) -> None:
         """Enqueue ``step[0] += 1`` on stream handle ``stream``: the start of a collective step (puts)."""
-        self._advance(stream)
+        self._launches["advance_step"](stream)
 
     def wait_signals(self, stream: int, kind: int, with_counts: bool, timeout_s: float) -> None:
         """Enqueue on stream handle ``stream`` the bounded wait until ``signals[s] == step[0] << 2 | kind`` or
         ``>= (step[0] + 1) << 2`` for every ``s``, or until rank ``s`` posted an abort record (it is not waited
         for then); the status record gets the outcome and word 0 of every abort record. ``with_counts``: the
         step's parity block of this rank's count words of a missing rank is zeroed."""
-        self._per_call(kind, self._words if with_counts else 0, timeout_s)
-        self._wait(stream)
+        self._per_call("wait_signals", kind, None, self._words if with_counts else 0, timeout_s)(stream)
+
+
+def _prepared(name: str, fixed: Dict[str, int], function: Tuple[int, object]) -> PreparedLaunch:
+    """The :class:`PreparedLaunch` of kernel ``name`` with the values of ``fixed`` it takes."""
+    takes = {param for param, _ in PARAMS[name]}
+    return PreparedLaunch(name, {param: value for param, value in fixed.items() if param in takes}, function)
 
 
 def _count_words(counts, counts_by_parity) -> int:

@@ -3,7 +3,9 @@
 Both backends run the same routings on the same inputs; every output, handle field and combine
 result must match bit for bit (deterministic mode), and the nvshmem dispatch passes the shared checker
 (``ep_comm.testing.check``) against every rank's inputs. Then: PyTorch tensors in (DLPack), a
-non-deterministic buffer (combine still bit-exact), CUDA graph replays, and last a timeout: rank 1 skips a dispatch,
+non-deterministic buffer (combine still bit-exact), CUDA graph replays, receive hooks (``return_recv_hook=True``:
+eager on both transports, the hook on another stream, and send and hook captured into two graphs), and last a
+timeout: rank 1 skips a dispatch,
 rank 0 must raise ep_comm.TimeoutError naming rank 1, and everyone must get out without a hang.
 Prints ``RANK r OK`` lines and exits non-zero on the first mismatch.
 
@@ -244,6 +246,86 @@ def check_graph_replay() -> None:
           "routing reported by the next call)", flush=True)
 
 
+def check_recv_hooks(transport: str) -> None:
+    """``return_recv_hook=True`` on nvshmem: eager hooks (new routing and replay, cpu_sync True and False, compact
+    and expand, combine with weights and bias) equal the mpi backend's plain calls bit for bit, with the hook on
+    the send's stream or on another one; with peer stores the send halves and the hooks of a cached dispatch
+    and of its combine are captured into four graphs, replayed in order with new payloads, bit for bit."""
+    kw = dict(num_experts=4 * WORLD, hidden=64, num_topk=3, num_max_tokens_per_rank=24, dtype="bfloat16",
+              deterministic=True, timeout_s=20.0, transport=transport)
+    nv, ref = ep_comm.Buffer(backend="nvshmem", **kw), ep_comm.Buffer(backend="mpi", **kw)
+    send_stream, hook_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(71 + RANK)
+    x0 = rng.standard_normal((20, 64)).astype(ml_dtypes.bfloat16)
+    w = rng.random((20, 3)).astype(np.float32)
+    bias = rng.standard_normal((20, 64)).astype(np.float32)
+    for expand, cpu_sync, other_stream in ((False, True, False), (True, False, True), (False, False, True),
+                                           (True, True, False)):
+        tag = f"[hook expand={expand} cpu_sync={cpu_sync} other_stream={other_stream}]"
+        idx = routing(61 + expand, 20, kw["num_experts"], 3, masked=True)
+        opts = dict(expand=expand, expert_alignment=4 if expand else 1, zero_padding=True, cpu_sync=cpu_sync)
+        want = ref.dispatch(x0, idx, w, **opts)
+        with send_stream:
+            hook = nv.dispatch(cp.asarray(x0), cp.asarray(idx), cp.asarray(w), return_recv_hook=True, **opts)
+        with hook_stream if other_stream else send_stream:
+            got = hook()
+            replay_hook = nv.dispatch(cp.asarray(x0), handle=got.handle, cpu_sync=cpu_sync, return_recv_hook=True)
+            replayed = replay_hook()
+            y_w = got.recv_topk_weights
+            combine_hook = nv.combine(got.recv_x, got.handle, topk_weights=y_w, bias=cp.asarray(bias),
+                                      return_recv_hook=True)
+            res = combine_hook()
+            cp.cuda.get_current_stream().synchronize()
+        rows = int(want.handle.num_expanded_tokens if expand else want.handle.num_recv_tokens)
+        for name, out in (("dispatch", got), ("replay", replayed)):
+            same(f"{tag} {name} recv_x", want.recv_x[:rows], out.recv_x[:rows])
+            same(f"{tag} {name} recv_topk_idx", want.recv_topk_idx, out.recv_topk_idx[:len(want.recv_topk_idx)])
+            same(f"{tag} {name} recv_topk_weights", want.recv_topk_weights,
+                 out.recv_topk_weights[:len(want.recv_topk_weights)])
+        cm = ref.combine(want.recv_x, want.handle, topk_weights=want.recv_topk_weights, bias=bias)
+        same(f"{tag} combine.x", cm.x, res.x)
+        same(f"{tag} combine.topk_weights", cm.topk_weights, res.topk_weights)
+    if transport == "stores":
+        check_hook_graphs(nv, ref, send_stream, x0)
+    nv.close()
+    ref.close()
+    print(f"RANK {RANK} OK receive hooks == mpi bit for bit ({transport}; eager, on another stream"
+          f"{', and send/hook captured into separate graphs' if transport == 'stores' else ''})", flush=True)
+
+
+def check_hook_graphs(nv, ref, stream, x0) -> None:
+    """A cached dispatch (cpu_sync=False) and its combine, each captured as a send graph and a hook graph,
+    replayed send, hook, send, hook with new payloads: bit for bit the mpi backend's plain calls."""
+    for expand in (False, True):
+        idx = routing(81 + expand, 20, nv.geometry.num_experts, 3, masked=True)
+        opts = dict(expand=expand, expert_alignment=2 if expand else 1, zero_padding=True)
+        first_n = nv.dispatch(cp.asarray(x0), cp.asarray(idx), **opts)
+        first_m = ref.dispatch(x0, idx, **opts)
+        x_in = cp.asarray(x0)
+        with stream:
+            hook, d_send = captured(stream, lambda: nv.dispatch(x_in, handle=first_n.handle, cpu_sync=False,
+                                                                return_recv_hook=True))
+            try:
+                hook()
+            except RuntimeError as exc:  # a captured send needs a captured hook; the hook stays pending
+                assert "its send was captured into a CUDA graph" in str(exc), exc
+            else:
+                raise AssertionError("an eager hook of a captured send must be refused")
+            out, d_hook = captured(stream, hook)
+            c_hook, c_send = captured(stream, lambda: nv.combine(out.recv_x, out.handle, return_recv_hook=True))
+            res, c_recv = captured(stream, c_hook)
+        for i in range(3):
+            xi = (x0.astype(np.float32) * (i + 3) - i).astype(ml_dtypes.bfloat16)
+            replay(stream, (d_send, d_hook, c_send, c_recv), [(x_in, xi)])
+            rm = ref.dispatch(xi, handle=first_m.handle)
+            cm = ref.combine(rm.recv_x, rm.handle)
+            rows = int(rm.handle.num_expanded_tokens if expand else rm.handle.num_recv_tokens)
+            tag = f"[hook graphs replay {i} expand={expand}]"
+            same(f"{tag} recv_x", rm.recv_x[:rows], out.recv_x[:rows])
+            same(f"{tag} recv_topk_idx", rm.recv_topk_idx, out.recv_topk_idx[:len(rm.recv_topk_idx)])
+            same(f"{tag} combine.x", cm.x, res.x)
+
+
 def check_new_routing_replays(nv, ref, stream, x_in, opts: dict, expand: bool) -> int:
     """A dispatch of a new routing (cpu_sync=False) and its combine captured once, replayed with a new
     routing and payload copied into the captured inputs each time; then a replay with an expert id past
@@ -348,6 +430,7 @@ def main() -> int:
         check_torch_and_nondeterministic()
         check_non_contiguous()
         check_graph_replay()
+    check_recv_hooks(transport)
     COMM.Barrier()
     check_timeout(transport)
     print(f"RANK {RANK} ALL OK", flush=True)
