@@ -149,6 +149,21 @@ def test_fp8_cached_dispatch_replays_the_routing(buffers, expand):
     np.testing.assert_array_equal(to_host(replay.recv_topk_idx), to_host(first.recv_topk_idx))
 
 
+@pytest.mark.parametrize("expand", [False, True])
+def test_fp8_through_a_recv_hook_is_the_plain_fp8_dispatch(buffers, expand):
+    """``return_recv_hook=True`` with an FP8 dispatch (a pair and ``use_fp8``, new and cached): the hook returns the
+    pair, the bytes the plain call receives."""
+    world = fp8_world("masked")
+    buf = buffers(world)
+    kw = EXPAND if expand else {}
+    plain = dispatch_pair(buf, world, **kw)
+    hook = dispatch_pair(buf, world, return_recv_hook=True, **kw)
+    hooked = hook()
+    assert isinstance(hooked.recv_x, tuple) and received_packed(hooked).tobytes() == received_packed(plain).tobytes()
+    cast = buf.dispatch(to_device(world.x[RANK]), handle=plain.handle, use_fp8=True, return_recv_hook=True)()
+    assert received_packed(cast).tobytes() == received_packed(plain).tobytes()
+
+
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("expand", [False, True])
 def test_fp8_without_cpu_sync_gives_worst_case_rows(buffers, expand, cached):
