@@ -25,8 +25,8 @@ from typing import Any, Tuple
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_columns", "packed_row_bytes", "quantize", "dequantize", "pack",
-           "unpack", "scale_words", "fp8_array"]
+__all__ = ["BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_columns", "row_bytes", "packed_row_bytes", "quantize",
+           "dequantize", "pack", "unpack", "scale_words", "fp8_array"]
 
 BLOCK = 128  # elements per scale
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn
@@ -39,10 +39,14 @@ def scale_columns(hidden: int) -> int:
     return hidden // BLOCK
 
 
+def row_bytes(hidden: int) -> int:
+    """The useful bytes of one FP8 row: ``hidden`` FP8 bytes + ``hidden // 32`` scale bytes (no padding)."""
+    return hidden + 4 * scale_columns(hidden)
+
+
 def packed_row_bytes(hidden: int) -> int:
-    """Bytes of one packed row: ``hidden`` FP8 bytes + ``hidden // 32`` scale bytes, rounded up to 16."""
-    used = hidden + 4 * scale_columns(hidden)
-    return -(-used // _ROW_ALIGN) * _ROW_ALIGN
+    """Bytes of one packed row: :func:`row_bytes` rounded up to 16."""
+    return -(-row_bytes(hidden) // _ROW_ALIGN) * _ROW_ALIGN
 
 
 def _as_float32(x: np.ndarray) -> np.ndarray:

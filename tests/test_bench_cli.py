@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from ep_comm.bench.__main__ import parser
-from ep_comm.bench.measure import RankSample
-from ep_comm.bench.report import Progress, csv_row, summarize
+from ep_comm import fp8
+from ep_comm.bench.measure import RankSample, fp8_failures
+from ep_comm.bench.report import Progress, csv_row, format_point, summarize
 from ep_comm.dtypes import payload_dtype
 from ep_comm.testing import expected_round_trip, first_mismatch, uniform_routing
 from helpers.bench import run_bench
@@ -82,6 +83,47 @@ def test_summarize_puts_each_graph_replay_over_the_same_run_device_copy():
     assert point["graph_over_device_copy"] == {"dispatch": pytest.approx(1.5), "combine": pytest.approx(2.0)}
     assert csv_row(point)["graph_combine_over_device_copy"] == pytest.approx(2.0)
     assert summarize([_sample(0, 8, 8)], row_bytes=100)["graph_over_device_copy"] == {}
+
+
+def test_summarize_counts_fp8_dispatch_bytes_and_each_copy_against_its_operation():
+    samples = [_sample(r, 8, 3) for r in range(2)]
+    for s in samples:
+        s.times.update(device_copy=[1e-6] * 3, device_copy_combine=[4e-6] * 3, dispatch_cached=[1e-3] * 3,
+                       dispatch_cast=[1.5e-3] * 3)
+        s.graph_times = {"dispatch": [3e-6] * 3, "combine": [8e-6] * 3}
+    point = summarize(samples, row_bytes={"dispatch": 264, "combine": 512})
+    assert point["row_bytes"] == {"dispatch": 264, "combine": 512}
+    assert point["logical_bytes"] == [8 * 264] * 2 and point["nvlink_bytes"] == [5 * 264] * 2
+    assert point["bandwidth_gbps"]["combine"]["logical"] == pytest.approx(8 * 512 / 1e-3 / 1e9)
+    assert point["graph_over_device_copy"] == {"dispatch": pytest.approx(3.0), "combine": pytest.approx(2.0)}
+    assert point["baseline_over_ep_comm"] == {"nccl_dedup": pytest.approx(2.0), "device_copy": pytest.approx(5e-4),
+                                              "device_copy_combine": pytest.approx(4e-3)}, "the cast rows are no baseline"
+    text = format_point(point, None)
+    assert "(bytes per row: dispatch 264 (FP8 + scales), combine 512)" in text
+    assert "the cast adds 500.0 us at p50" in text and "baseline device_copy_combine: p50 4.0 us, 0.00x ep_comm's combine" in text
+    assert (csv_row(point)["dispatch_row_bytes"], csv_row(point)["combine_row_bytes"]) == (264, 512)
+
+
+class _Handle:
+    expand, num_recv_tokens = False, 3
+
+
+class _Out:
+    """What fp8_failures reads of a compact FP8 DispatchOutput: the pair, the handle's row count."""
+
+    def __init__(self, y):
+        self.recv_x, self.handle = fp8.quantize(y), _Handle()
+
+
+def test_fp8_check_compares_received_rows_with_the_quantized_sent_rows_byte_for_byte():
+    y = np.random.default_rng(0).standard_normal((4, 256)).astype(payload_dtype("bfloat16"))
+    out = _Out(y)
+    assert fp8_failures(out, y, "first") == []
+    out.recv_x[1][2, 1] *= 2  # one scale of row 2
+    assert fp8_failures(out, y, "first") == ["FP8 rows (first) differ from ep_comm.fp8.quantize of the sent rows: "
+                                             "1 of 3 rows, first recv_x row 2"]
+    y[3] = np.nan
+    assert fp8_failures(_Out(y[:3]), y, "last") == [], "rows past num_recv_tokens are not checked"
 
 
 def test_progress_prints_only_a_final_line_off_a_tty_and_nothing_when_quiet():
@@ -162,7 +204,9 @@ def test_routing_used_by_bench_is_seeded_per_rank():
 
 
 # ------------------------------------------------------------------ the command under mpirun
-def _check_json(path: Path, nranks: int, tokens: int, hidden: int = 256, itemsize: int = 2):
+def _check_json(path: Path, nranks: int, tokens: int, hidden: int = 256, itemsize: int = 2, row_bytes: int = 0):
+    """The JSON's fields; ``row_bytes``: the dispatch's bytes per row (default ``hidden * itemsize``)."""
+    row_bytes = row_bytes or hidden * itemsize
     result = json.loads(path.read_text())
     meta, points = result["meta"], result["points"]
     assert meta["ranks"] == nranks and meta["backend"] == "mpi" and meta["config"] == "cpu_demo"
@@ -171,8 +215,8 @@ def _check_json(path: Path, nranks: int, tokens: int, hidden: int = 256, itemsiz
         assert tokens is None or point["tokens_per_rank"] == tokens
         assert sum(point["rows_sent"]) == sum(point["recv_rows"])
         assert all(peers <= recv for peers, recv in zip(point["recv_from_peers"], point["recv_rows"]))
-        assert point["logical_bytes"] == [r * hidden * itemsize for r in point["recv_rows"]]
-        assert point["nvlink_bytes"] == [p * hidden * itemsize for p in point["recv_from_peers"]]
+        assert point["logical_bytes"] == [r * row_bytes for r in point["recv_rows"]]
+        assert point["nvlink_bytes"] == [p * row_bytes for p in point["recv_from_peers"]]
         assert point["imbalance"] == pytest.approx(max(point["recv_rows"]) / np.mean(point["recv_rows"]))
         assert len(point["latency_us"]["dispatch"]["p50_per_rank"]) == nranks
     return meta, points
@@ -232,6 +276,50 @@ def test_bench_one_token_leaves_some_ranks_without_rows(tmp_path):
     done = run_bench(4, "--config", "cpu_demo", "--tokens", "1", "--iters", "1", "--quiet", "--json", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     _check_json(out, 4, 1)
+
+
+def test_bench_fp8_sends_the_prepared_pair_and_counts_fp8_bytes(tmp_path):
+    """cpu_demo (hidden 256): 256 FP8 + 8 scale bytes per dispatched row (the packed row is 272 on the link), the
+    combine's rows stay 256 bfloat16 = 512 bytes; round trips and FP8 rows checked (exit 0)."""
+    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
+    done = run_bench(2, "--config", "cpu_demo", "--tokens", "32", "--iters", "2", "--warmup", "1", "--fp8",
+                     "--json", str(out), "--csv", str(table))
+    assert done.returncode == 0, done.stdout + done.stderr
+    meta, points = _check_json(out, 2, 32, row_bytes=264)
+    assert meta["fp8"] is True and meta["row_bytes"] == {"dispatch": 264, "combine": 512}
+    assert "264 bytes: 256 FP8 + 8 scale bytes" in meta["fp8_bytes"] and "272" in meta["fp8_bytes"]
+    point = points[0]
+    assert point["row_bytes"] == {"dispatch": 264, "combine": 512}
+    assert {"dispatch_cached", "dispatch_cast"} <= set(point["latency_us"]) and not point["baseline_over_ep_comm"]
+    assert "fp8=True" in done.stdout.splitlines()[0]
+    assert "sender cast (eager cached dispatch): use_fp8=True" in done.stdout
+    assert "dispatch_row_bytes,combine_row_bytes" in table.read_text().splitlines()[0]
+
+
+def test_bench_fp8_expand_checks_the_rows_that_hold_tokens(tmp_path):
+    """Expand with alignment 4: padding rows hold no token and are left out of the FP8 row check."""
+    out = tmp_path / "bench.json"
+    done = run_bench(2, "--config", "cpu_demo", "--tokens", "16", "--expand", "--alignment", "4", "--iters", "1",
+                     "--warmup", "0", "--fp8", "--quiet", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check_json(out, 2, 16, row_bytes=264)
+
+
+def test_bench_without_fp8_says_so_and_counts_payload_bytes(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_bench(2, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0", "--quiet",
+                     "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    meta, points = _check_json(out, 2, 8)
+    assert meta["fp8"] is False and "fp8_bytes" not in meta
+    assert points[0]["row_bytes"] == {"dispatch": 512, "combine": 512} and "dispatch_cast" not in points[0]["latency_us"]
+
+
+def test_bench_refuses_fp8_when_hidden_is_not_a_multiple_of_128():
+    done = run_bench(2, "--config", "gpt_oss_120b", "--fp8", "--iters", "1")
+    assert done.returncode == 2
+    assert "--fp8: config gpt_oss_120b has hidden = 2880: FP8 needs hidden a multiple of 128" in done.stderr
+    assert "round trip" not in done.stdout, "nothing measured"
 
 
 def test_bench_rejects_experts_not_divisible_by_ranks():

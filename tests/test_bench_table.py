@@ -55,6 +55,12 @@ def test_one_row_per_point_and_a_line_naming_the_commit_gpu_and_commands(recorde
                                 "cpu_demo --sweep 32,64")
 
 
+def test_an_fp8_run_is_marked_in_the_config_column(recorded, tmp_path):
+    done = table(write(tmp_path / "a.json", recorded, fp8=True))
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("| `")][0].startswith("| `cpu_demo` fp8 | 2 |")
+
+
 def test_the_same_run_device_copy_is_the_last_column(recorded, tmp_path):
     result = json.loads(json.dumps(recorded))
     result["points"][0]["latency_us"]["device_copy"] = {"p50": 38.84, "p99": 44.7}

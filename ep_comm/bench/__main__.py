@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
                    help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the timed dispatches send x as an FP8 pair (ep_comm.fp8.quantize, made once per point; the "
+                        "config's hidden must be a multiple of 128); dispatch bytes count FP8 + scales per row; also "
+                        "times the sender cast (use_fp8=True) as dispatch_cast; combine stays in the config's dtype")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")
     p.add_argument("--timeout", type=float, default=100.0, help="Buffer timeout_s in seconds (default: 100)")
     p.add_argument("--num-sms", type=sm_counts, default=[None], metavar="LIST",

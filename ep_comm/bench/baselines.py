@@ -68,10 +68,12 @@ def close_torch_distributed() -> None:
 
 
 def _to_torch(arr: np.ndarray, device):
-    """Host array (float32/float16/ml_dtypes bfloat16, or int64) -> torch tensor on ``device``."""
+    """Host array (float32/float16/ml_dtypes bfloat16, int64, or uint8: packed FP8 rows) -> torch tensor on
+    ``device``."""
     import torch
 
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int64": torch.int64}
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int64": torch.int64,
+              "uint8": torch.uint8}
     bits = torch.from_numpy(np.ascontiguousarray(arr).view(f"i{arr.dtype.itemsize}"))
     return bits.to(device).view(dtypes[arr.dtype.name])
 
@@ -112,7 +114,8 @@ def all_to_all_rows(dist, rows, send_counts):
 
 def time_nccl_baselines(comm: MPI.Comm, x: np.ndarray, topk_idx: np.ndarray, num_experts: int,
                         warmup: int, iters: int, timer: Timer) -> Dict[str, List[float]]:
-    """Seconds per iteration of each NCCL dispatch on this rank's inputs ``x [T, H]``, ``topk_idx [T, K]``."""
+    """Seconds per iteration of each NCCL dispatch on this rank's inputs ``x [T, H]`` (or its packed FP8 rows
+    ``[T, P]`` uint8 with ``--fp8``), ``topk_idx [T, K]``."""
     import torch
 
     dist = torch_distributed(comm)

@@ -3,10 +3,17 @@
 The round trip is ``combine(dispatch(x).recv_x)`` without weights; its expected result
 (``ep_comm.testing.expected_round_trip``, the reference arithmetic of ``ep_comm.reduce``) is compared
 bit for bit, and the rows received per source rank against what the sources counted.
+
+With ``--fp8`` (``PointSpec.fp8``) the timed dispatches send ``x`` as the FP8 pair ``ep_comm.fp8.quantize(x)``,
+made once per point on the host (:class:`Payload`). The combine still takes rows in the payload dtype: its input
+is the ``recv_x`` of an untimed cached plain dispatch of ``x`` replaying the FP8 dispatch's handle (the same
+layout), so the round trip is checked as without ``--fp8``, and the received FP8 rows are checked byte for byte
+against ``ep_comm.fp8.quantize`` of those rows.
 """
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -14,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm import fp8 as fp8_format
 from ep_comm.dtypes import payload_dtype
 from ep_comm.host import to_host
 from ep_comm.testing import Routing, check_counts, expected_round_trip, first_mismatch, make_routing, random_payload
@@ -38,6 +46,7 @@ class PointSpec:
     expert_alignment: int
     warmup: int
     iters: int
+    fp8: bool = False  # the timed dispatches send the FP8 pair of x (--fp8)
 
 
 @dataclass
@@ -85,6 +94,75 @@ def make_inputs(spec: PointSpec, rank: int) -> Tuple[np.ndarray, Routing]:
     return x, routing
 
 
+@dataclass(frozen=True)
+class Payload:
+    """What a point's timed dispatches send: ``x [T, H]`` (payload dtype, where the backend wants it), or with
+    ``--fp8`` the pair ``(x_fp8 [T, H] uint8 e4m3fn bits, scales [T, H // 128] float32)`` of
+    ``ep_comm.fp8.quantize(x)``, made once before timing (``pair``)."""
+
+    x: Any
+    pair: Optional[Tuple[Any, Any]] = None
+
+    @classmethod
+    def of(cls, x: np.ndarray, device: Callable[[np.ndarray], Any], fp8: bool) -> "Payload":
+        """``x`` (host) on the device, and its FP8 pair when ``fp8``."""
+        if not fp8:
+            return cls(device(x))
+        q, scales = fp8_format.quantize(x)
+        return cls(device(x), (device(q.view(np.uint8)), device(scales)))
+
+    @property
+    def sent(self) -> Any:
+        """The ``x`` argument of the timed dispatches: the FP8 pair, else ``x``."""
+        return self.x if self.pair is None else self.pair
+
+    def combine_input(self, buf: Any, out: Any, cpu_sync: bool = True) -> Any:
+        """``y`` for ``buf.combine(y, out.handle)``: ``out.recv_x``; with FP8 (a pair there) the payload-dtype rows
+        in the same layout, the ``recv_x`` of a cached dispatch of ``x`` replaying ``out.handle`` (collective)."""
+        if self.pair is None:
+            return out.recv_x
+        return buf.dispatch(self.x, handle=out.handle, cpu_sync=cpu_sync).recv_x
+
+
+def host_rows(x: np.ndarray, fp8: bool) -> np.ndarray:
+    """The rows a dispatch of ``x [T, H]`` moves, on the host: ``x``, or with ``fp8`` its packed FP8 rows
+    ``[T, packed_row_bytes(H)]`` uint8 (what the NCCL baselines then exchange)."""
+    return fp8_format.pack(*fp8_format.quantize(x)) if fp8 else x
+
+
+def real_rows(out: Any) -> np.ndarray:
+    """Indices of the rows of ``out.recv_x`` that hold a received token: the first ``num_recv_tokens`` (compact),
+    the first ``num_expanded_tokens`` whose ``recv_topk_idx`` is an expert (expand: no padding)."""
+    handle = out.handle
+    if not handle.expand:
+        return np.arange(int(to_host(handle.num_recv_tokens)))
+    rows = int(to_host(handle.num_expanded_tokens))
+    return np.nonzero(to_host(out.recv_topk_idx)[:rows] >= 0)[0]
+
+
+def packed_received(out: Any, rows: np.ndarray) -> np.ndarray:
+    """The received FP8 pair of ``out`` at ``rows``, packed again on the host: ``[len(rows), P]`` uint8."""
+    q, scales = out.recv_x
+    return fp8_format.pack(to_host(q).view(np.uint8)[rows], to_host(scales)[rows])
+
+
+def fp8_failures(out: Any, y: Any, which: str) -> List[str]:
+    """The received FP8 pair of ``out`` byte for byte against ``ep_comm.fp8.quantize`` of ``y`` (the payload-dtype
+    rows of the same layout, :meth:`Payload.combine_input`), on the rows that hold a token."""
+    rows = real_rows(out)
+    got, want = packed_received(out, rows), fp8_format.pack(*fp8_format.quantize(to_host(y)[rows]))
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    if not len(bad):
+        return []
+    return [f"FP8 rows ({which}) differ from ep_comm.fp8.quantize of the sent rows: {len(bad)} of {len(rows)} "
+            f"rows, first recv_x row {int(rows[bad[0]])}"]
+
+
+def with_rows(out: Any) -> Any:
+    """``out`` with ``recv_x`` an array of its rows (an FP8 pair's ``x_fp8``), for :func:`check_counts`."""
+    return dataclasses.replace(out, recv_x=out.recv_x[0]) if isinstance(out.recv_x, tuple) else out
+
+
 def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: int, iters: int,
                  tick: Optional[Callable[[int], None]] = None) -> np.ndarray:
     """Run ``body`` ``warmup + iters`` times, each after a barrier; ``[iters, m]`` seconds it returned."""
@@ -107,65 +185,83 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     ``device`` moves a host array to where the backend wants it (identity on CPU). With ``graphs``
     (GPU), the cached ``cpu_sync=False`` path is also captured into CUDA graphs and replayed
     (:func:`graph_replay_times`). ``profiler`` records the host calls of :func:`host_call_times`.
-    Returns this rank's sample and its host inputs (the baselines reuse them).
+    With ``spec.fp8`` the dispatches send the FP8 pair (:class:`Payload`) and :func:`cast_times` adds the
+    sender cast. Returns this rank's sample and the host rows its dispatches send with the routing (the
+    baselines exchange them: ``x [T, H]``, or with ``spec.fp8`` its packed FP8 rows).
     """
     x, routing = make_inputs(spec, comm.rank)
-    dx, didx, dw = device(x), device(routing.topk_idx), device(routing.topk_weights)
+    payload = Payload.of(x, device, spec.fp8)
+    didx, dw = device(routing.topk_idx), device(routing.topk_weights)
     want = expected_round_trip(x, routing.topk_idx, spec.num_experts, comm.size, spec.expand)
     last: Dict[str, Any] = {}
 
     def body() -> Tuple[float, float]:
-        out, t_dispatch = timer(lambda: buf.dispatch(dx, didx, dw, expand=spec.expand,
+        out, t_dispatch = timer(lambda: buf.dispatch(payload.sent, didx, dw, expand=spec.expand,
                                                      expert_alignment=spec.expert_alignment))
-        res, t_combine = timer(lambda: buf.combine(out.recv_x, out.handle))
-        last.update(out=out, res=res)
+        y = payload.combine_input(buf, out)  # untimed; out.recv_x itself without FP8
+        res, t_combine = timer(lambda: buf.combine(y, out.handle))
+        last.update(out=out, y=y, res=res)
         return t_dispatch, t_combine
+
+    def checked(which: str) -> List[str]:
+        found = _round_trip_failures(last["res"].x, want, which)
+        return found + (fp8_failures(last["out"], last["y"], f"{which} iteration") if spec.fp8 else [])
 
     # check the round trip on fresh buffers and again after every reuse (both parities, many sequence numbers)
     start = time.perf_counter()
     body()
     first_s = time.perf_counter() - start
-    failures = _round_trip_failures(last["res"].x, want, "first")
+    failures = checked("first")
     times = sample_times(comm, body, spec.warmup, spec.iters, tick)
-    failures += _round_trip_failures(last["res"].x, want, "last")
+    failures += checked("last")
     out = last["out"]
-    host = host_call_times(comm, buf, dx, out.handle, timer, spec, profiler)
+    host = host_call_times(comm, buf, payload, out.handle, timer, spec, profiler)
     failures += _round_trip_failures(host.pop("result"), want, "cached, cpu_sync=False")
     sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
     recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
-    failures += check_counts(comm, sent, recv_per_source, out, spec.expand)
+    failures += check_counts(comm, sent, recv_per_source, with_rows(out), spec.expand)
+    op_times = {"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()}
+    if spec.fp8:
+        cast = cast_times(comm, buf, payload, out.handle, timer, spec)
+        failures += cast.pop("failures")
+        op_times.update(cast)
     graph: Dict[str, Any] = {}
     if graphs:
-        graph = graph_replay_times(comm, buf, dx, didx, out.handle, spec)
+        graph = graph_replay_times(comm, buf, payload, didx, out.handle, spec)
         for got, which in zip(graph.pop("results"), ("cached", "new routing")):
             failures += _round_trip_failures(got, want, f"CUDA graph replay, {which}")
+        for (dispatched, y), which in zip(graph.pop("fp8_rows"), ("cached", "new routing")):
+            failures += fp8_failures(dispatched, y, f"CUDA graph replay, {which}")
         host.update(graph.pop("host"))
     sample = RankSample(
         rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
         recv_from_self=int(recv_per_source[comm.rank]),
         expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
-        times={"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()}, first_round_trip_s=first_s,
-        host_times=host, graph_times=graph,
+        times=op_times, first_round_trip_s=first_s, host_times=host, graph_times=graph,
     )
-    return sample, (x, routing)
+    return sample, (host_rows(x, spec.fp8), routing)
 
 
-def host_call_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, timer: Timer, spec: PointSpec,
+def host_call_times(comm: MPI.Comm, buf: Any, payload: Payload, handle: Any, timer: Timer, spec: PointSpec,
                     profiler: Optional[cProfile.Profile] = None) -> Dict[str, Any]:
-    """Host seconds per call of the path that never waits on the host: the cached dispatch with
+    """Host seconds per call of the path that never waits on the host: the cached dispatch of ``payload`` with
     ``cpu_sync=False``, then its combine, ``spec.warmup + spec.iters`` times. Each round runs inside
     ``timer``, which waits for the device afterwards, so rounds do not pile up; ``profiler`` (cProfile)
-    records the two calls of each round, not the wait. Returns
+    records the two calls of each round, not the wait. With FP8 the combine input is made once, before
+    (the handle's layout does not change). Returns
     ``{"dispatch_cached_async": [...], "combine": [...], "result": last combine's x}``."""
     last: Dict[str, Any] = {}
+    fixed = None
+    if payload.pair is not None:
+        fixed = payload.combine_input(buf, buf.dispatch(payload.sent, handle=handle, cpu_sync=False), cpu_sync=False)
 
     def calls() -> Tuple[float, float]:
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
-        out = buf.dispatch(dx, handle=handle, cpu_sync=False)
+        out = buf.dispatch(payload.sent, handle=handle, cpu_sync=False)
         t1 = time.perf_counter()
-        last["x"] = buf.combine(out.recv_x, out.handle).x
+        last["x"] = buf.combine(out.recv_x if fixed is None else fixed, out.handle).x
         t2 = time.perf_counter()
         if profiler is not None:
             profiler.disable()
@@ -175,39 +271,73 @@ def host_call_times(comm: MPI.Comm, buf: Any, dx: Any, handle: Any, timer: Timer
     return {"dispatch_cached_async": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "result": last["x"]}
 
 
-def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any, spec: PointSpec) -> Dict[str, Any]:
+def cast_times(comm: MPI.Comm, buf: Any, payload: Payload, handle: Any, timer: Timer,
+               spec: PointSpec) -> Dict[str, Any]:
+    """``--fp8``: seconds per eager cached dispatch (``cpu_sync=True``) of ``handle``, of the prepared FP8 pair
+    (``dispatch_cached``) and of ``x`` with ``use_fp8=True`` (``dispatch_cast``: the sender's quantize, then the
+    same send), one of each per round, ``spec.warmup + spec.iters`` rounds. Returns those two lists and
+    ``failures``: the two last dispatches must have received the same bytes."""
+    last: Dict[str, Any] = {}
+
+    def body() -> Tuple[float, float]:
+        last["pair"], t_pair = timer(lambda: buf.dispatch(payload.sent, handle=handle))
+        last["cast"], t_cast = timer(lambda: buf.dispatch(payload.x, handle=handle, use_fp8=True))
+        return t_pair, t_cast
+
+    rows = sample_times(comm, body, spec.warmup, spec.iters)
+    real = real_rows(last["pair"])
+    same = np.array_equal(packed_received(last["pair"], real), packed_received(last["cast"], real))
+    failures = [] if same else ["FP8 rows of the use_fp8=True dispatch differ from those of the prepared pair"]
+    return {"dispatch_cached": rows[:, 0].tolist(), "dispatch_cast": rows[:, 1].tolist(), "failures": failures}
+
+
+def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, handle: Any,
+                       spec: PointSpec) -> Dict[str, Any]:
     """GPU seconds per CUDA graph replay of the path that never waits on the host, captured on a side
     stream one call per graph (each graph is one collective step: the buffer parity comes from the
-    device): the cached dispatch with ``cpu_sync=False`` and its combine, then a dispatch of the
-    routing ``didx`` as new (count, count exchange and all, in the point's mode) and its combine. All four are replayed
-    ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events. Returns
-    ``{"dispatch": [...], "combine": [...], "dispatch_new": [...], "combine_new": [...], "host":
+    device): the cached dispatch of ``payload`` with ``cpu_sync=False`` and its combine, then a dispatch of the
+    routing ``didx`` as new (count, count exchange and all, in the point's mode) and its combine. All four are
+    replayed ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events. With FP8 the
+    cached combine's input is made once before the captures (:meth:`Payload.combine_input`) and the new
+    routing's is a fifth graph (a cached plain dispatch of its handle), replayed before its combine, untimed.
+    Returns ``{"dispatch": [...], "combine": [...], "dispatch_new": [...], "combine_new": [...], "host":
     {"graph_launch_dispatch": [...], "graph_launch_combine": [...]}`` (host seconds per replay
-    launch, cached pair), ``"results": (last cached combine's x, last new combine's x)}``."""
+    launch, cached pair), ``"results": (last cached combine's x, last new combine's x)``, ``"fp8_rows": ((cached
+    dispatch output, its combine input), (new one, its combine input))`` with FP8, else ``()``}."""
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def dispatch_new() -> Any:  # the point's mode: an expand point replays an expand dispatch
-        return buf.dispatch(dx, didx, cpu_sync=False, expand=spec.expand, expert_alignment=spec.expert_alignment)
+        return buf.dispatch(payload.sent, didx, cpu_sync=False, expand=spec.expand,
+                            expert_alignment=spec.expert_alignment)
+
+    def cached_dispatch() -> Any:
+        return buf.dispatch(payload.sent, handle=handle, cpu_sync=False)
 
     with stream:
-        warm = dispatch_new()  # every launch bound before the captures
-        buf.combine(warm.recv_x, warm.handle)
-        warm = buf.dispatch(dx, handle=handle, cpu_sync=False)
-        buf.combine(warm.recv_x, warm.handle)
+        for make in (dispatch_new, cached_dispatch):  # every launch bound before the captures
+            warm = make()
+            warm_y = payload.combine_input(buf, warm, cpu_sync=False)
+            buf.combine(warm_y, warm.handle)
         stream.synchronize()
-        cached, cached_dispatch = captured(stream, lambda: buf.dispatch(dx, handle=handle, cpu_sync=False))
-        cached_sum, cached_combine = captured(stream, lambda: buf.combine(cached.recv_x, cached.handle))
+        cached, cached_dispatch_graph = captured(stream, cached_dispatch)
+        cached_y = cached.recv_x if payload.pair is None else warm_y  # warm_y: the cached layout, made last
+        cached_sum, cached_combine = captured(stream, lambda: buf.combine(cached_y, cached.handle))
         new, new_dispatch = captured(stream, dispatch_new)
-        new_sum, new_combine = captured(stream, lambda: buf.combine(new.recv_x, new.handle))
-    graphs = (cached_dispatch, cached_combine, new_dispatch, new_combine)
-    marks = [cupy.cuda.Event() for _ in range(len(graphs) + 1)]
+        steps = [("dispatch", cached_dispatch_graph), ("combine", cached_combine), ("dispatch_new", new_dispatch)]
+        new_y = new.recv_x
+        if payload.pair is not None:
+            new_y, fill = captured(stream, lambda: payload.combine_input(buf, new, cpu_sync=False))
+            steps.append(("", fill))  # untimed: the new routing's combine input
+        new_sum, new_combine = captured(stream, lambda: buf.combine(new_y, new.handle))
+        steps.append(("combine_new", new_combine))
+    marks = [cupy.cuda.Event() for _ in range(len(steps) + 1)]
 
     def replay() -> List[float]:
         host = []
         marks[0].record(stream)
-        for graph, mark in zip(graphs, marks[1:]):
+        for (_, graph), mark in zip(steps, marks[1:]):
             start = time.perf_counter()
             graph.launch(stream)
             host.append(time.perf_counter() - start)
@@ -216,10 +346,12 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, dx: Any, didx: Any, handle: Any
         return [cupy.cuda.get_elapsed_time(a, b) / 1e3 for a, b in zip(marks, marks[1:])] + host[:2]
 
     rows = sample_times(comm, replay, spec.warmup, spec.iters)
-    return {"dispatch": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "dispatch_new": rows[:, 2].tolist(),
-            "combine_new": rows[:, 3].tolist(),
-            "host": {"graph_launch_dispatch": rows[:, 4].tolist(), "graph_launch_combine": rows[:, 5].tolist()},
-            "results": (cached_sum.x, new_sum.x)}
+    times = {name: rows[:, i].tolist() for i, (name, _) in enumerate(steps) if name}
+    launches = rows[:, len(steps):]
+    fp8_rows = ((cached, cached_y), (new, new_y)) if payload.pair is not None else ()
+    return {**times, "host": {"graph_launch_dispatch": launches[:, 0].tolist(),
+                              "graph_launch_combine": launches[:, 1].tolist()},
+            "results": (cached_sum.x, new_sum.x), "fp8_rows": fp8_rows}
 
 
 def captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:

@@ -5,7 +5,10 @@ Conventions (printed in the report header too):
 * latency of an operation = per-rank p50/p99 over iterations; the aggregate is the slowest rank's
   (a collective is done when its last rank is);
 * logical bytes = all compact rows a rank received (DeepEP's convention); NVLink bytes = the rows
-  received from other ranks; GB/s = a rank's bytes / its p50, averaged over ranks;
+  received from other ranks; GB/s = a rank's bytes / its p50, averaged over ranks; bytes per row are
+  ``row_bytes`` per operation (``hidden * itemsize``; with ``--fp8`` the dispatch's are the FP8 bytes and
+  scales, ``ep_comm.fp8.row_bytes(hidden)``, without the packed row's padding); ``logical_bytes`` and
+  ``nvlink_bytes`` are the dispatch's;
 * tokens/s = tokens of all ranks / aggregate p50 of dispatch + combine;
 * imbalance = max / mean of received rows over ranks;
 * every point carries its SM count: ``num_sms`` as asked (an int, or ``"all"``) and
@@ -20,7 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from typing import Any, Dict, List, Optional, Sequence, TextIO
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +34,9 @@ from . import shared_gpu as sharing
 from .measure import RankSample
 
 EP_OPS = ("dispatch", "combine")
+CAST_OPS = ("dispatch_cached", "dispatch_cast")  # --fp8: eager cached dispatch of the prepared pair / with the cast
+OWN_OPS = EP_OPS + ("round_trip",) + CAST_OPS  # every other operation of latency_us is a baseline
+COMBINE_COPY = "device_copy_combine"  # --fp8: the same-run device copy of the combine's bytes
 ALL_SMS = "all"  # --num-sms value (and point["num_sms"]) for Buffer(num_sms=None): every SM of the device
 HEADER = ("latency: slowest rank's p50/p99; GB/s: per-rank bytes / p50, mean over ranks; "
           "logical = all received rows, NVLink = rows from peers")
@@ -52,25 +58,39 @@ def sms_label(num_sms: Optional[int]) -> str:
     return ALL_SMS if num_sms is None else str(num_sms)
 
 
-def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[int] = None,
+def op_row_bytes(row_bytes: Union[int, Mapping[str, int]]) -> Dict[str, int]:
+    """Bytes per received row of each operation of :data:`EP_OPS`: ``row_bytes`` for both, or as the mapping
+    says."""
+    if isinstance(row_bytes, Mapping):
+        return {op: int(row_bytes[op]) for op in EP_OPS}
+    return {op: int(row_bytes) for op in EP_OPS}
+
+
+def compared_op(baseline: str) -> str:
+    """The ep_comm operation a baseline is set against: the combine for :data:`COMBINE_COPY`, else the dispatch."""
+    return "combine" if baseline == COMBINE_COPY else "dispatch"
+
+
+def summarize(samples: Sequence[RankSample], row_bytes: Union[int, Mapping[str, int]], num_sms: Optional[int] = None,
               num_sms_in_effect: Optional[int] = None, shared_gpu: bool = False) -> Dict[str, Any]:
-    """JSON-ready summary of one point from all ranks' samples; ``row_bytes = hidden * itemsize``.
+    """JSON-ready summary of one point from all ranks' samples; ``row_bytes``: bytes per received row, one
+    number (``hidden * itemsize``) or ``{"dispatch": n, "combine": m}`` (``--fp8``).
 
     ``num_sms``: the SM count the point ran with as asked (None: all, stored as ``"all"``);
     ``num_sms_in_effect``: ``Buffer.num_sms`` (None on the mpi backend); ``shared_gpu``: ranks of the
     run share a GPU (the point then carries ``note``, :data:`ep_comm.bench.shared_gpu.NOTE`).
     """
+    per_row = op_row_bytes(row_bytes)
     recv = np.array([s.recv_rows for s in samples], dtype=np.float64)
     peers = recv - np.array([s.recv_from_self for s in samples])
     ops = {op: [s.times[op] for s in samples] for op in samples[0].times}
     ops["round_trip"] = [np.add(s.times["dispatch"], s.times["combine"]) for s in samples]
     latency = {op: _stats(times) for op, times in ops.items()}
     bandwidth = {
-        op: {kind: float(np.mean(nbytes * row_bytes / (np.array(latency[op]["p50_per_rank"]) * 1e-6))) / 1e9
+        op: {kind: float(np.mean(nbytes * per_row[op] / (np.array(latency[op]["p50_per_rank"]) * 1e-6))) / 1e9
              for kind, nbytes in (("logical", recv), ("nvlink", peers))}
         for op in EP_OPS
     }
-    dispatch_p50 = latency["dispatch"]["p50"]
     graph = {op: _stats([s.graph_times[op] for s in samples]) for op in samples[0].graph_times}
     point = {
         "tokens_per_rank": samples[0].num_tokens,
@@ -83,16 +103,17 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
         "recv_from_peers": [int(p) for p in peers],
         "expanded_rows": [s.expanded_rows for s in samples],
         "imbalance": float(recv.max() / recv.mean()) if recv.sum() else 1.0,
-        "logical_bytes": [int(b) for b in recv * row_bytes],
-        "nvlink_bytes": [int(b) for b in peers * row_bytes],
+        "row_bytes": per_row,
+        "logical_bytes": [int(b) for b in recv * per_row["dispatch"]],
+        "nvlink_bytes": [int(b) for b in peers * per_row["dispatch"]],
         "latency_us": latency,
         "bandwidth_gbps": bandwidth,
         "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
         "first_round_trip_s": max(s.first_round_trip_s for s in samples),
         "host_us": {op: _stats([s.host_times[op] for s in samples]) for op in samples[0].host_times},
         "graph_us": graph,
-        "baseline_over_ep_comm": {op: latency[op]["p50"] / dispatch_p50
-                                  for op in latency if op not in EP_OPS + ("round_trip",)},
+        "baseline_over_ep_comm": {op: latency[op]["p50"] / latency[compared_op(op)]["p50"]
+                                  for op in latency if op not in OWN_OPS},
         "graph_over_device_copy": _over_copy(latency, graph),
         "shared_gpu": shared_gpu,
     }
@@ -102,11 +123,15 @@ def summarize(samples: Sequence[RankSample], row_bytes: int, num_sms: Optional[i
 
 
 def _over_copy(latency: Dict[str, Any], graph: Dict[str, Any]) -> Dict[str, float]:
-    """Each CUDA-graph replay's p50 over the same-run device copy's p50 (empty without either)."""
+    """Each CUDA-graph replay's p50 over the same-run device copy's p50 (empty without either): a combine over
+    the copy of the combine's bytes (:data:`COMBINE_COPY`) where the run has one (``--fp8``), else over
+    ``device_copy`` (the dispatch's bytes)."""
     copy = latency.get("device_copy")
     if copy is None or not copy["p50"]:
         return {}
-    return {op: stats["p50"] / copy["p50"] for op, stats in graph.items()}
+    combine_copy = latency.get(COMBINE_COPY, copy)
+    return {op: stats["p50"] / (combine_copy if op.startswith("combine") else copy)["p50"]
+            for op, stats in graph.items()}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -150,7 +175,7 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
         lines.append(f"  {r:>4} {sent:>8} {recv:>8} {peer:>8} {d:>21} {c:>20}")
     lines.append(f"  rows sent {sum(point['rows_sent'])}, imbalance {point['imbalance']:.3f} (max/mean received rows), "
                  f"per rank: logical {_fmt_bytes(np.mean(point['logical_bytes']))}, "
-                 f"NVLink {_fmt_bytes(np.mean(point['nvlink_bytes']))}")
+                 f"NVLink {_fmt_bytes(np.mean(point['nvlink_bytes']))}{_row_bytes_note(point)}")
     if any(point["expanded_rows"]):
         lines.append(f"  expanded rows per rank (padding included): {point['expanded_rows']}")
     for op in EP_OPS:
@@ -169,14 +194,27 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
         lines.append("  CUDA graph replay, GPU time per replay (cpu_sync=False; dispatch/combine: cached, "
                      "dispatch_new/combine_new: the routing as new): "
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in graph.items()))
+    if "dispatch_cast" in lat:
+        cast, pair = lat["dispatch_cast"], lat["dispatch_cached"]
+        lines.append(f"  sender cast (eager cached dispatch): use_fp8=True from the payload dtype p50 {cast['p50']:.1f} us "
+                     f"p99 {cast['p99']:.1f} us, the prepared FP8 pair p50 {pair['p50']:.1f} us p99 {pair['p99']:.1f} us: "
+                     f"the cast adds {cast['p50'] - pair['p50']:.1f} us at p50")
     for op, ratio in point["baseline_over_ep_comm"].items():
-        lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's dispatch time")
+        lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's {compared_op(op)} time")
     over_copy = point.get("graph_over_device_copy")
     if over_copy:
         lines.append("  CUDA graph replay over the same-run device copy of the received bytes: "
                      + ", ".join(f"{op} {ratio:.2f}x" for op, ratio in over_copy.items()))
     lines += [f"  FAILED {f}" for f in point["failures"]]
     return "\n".join(lines)
+
+
+def _row_bytes_note(point: Dict[str, Any]) -> str:
+    """`` (bytes per row: dispatch 264 (FP8 + scales), combine 512)`` when the two differ (``--fp8``), else empty."""
+    per_row = point.get("row_bytes", {})
+    if per_row.get("dispatch") == per_row.get("combine"):
+        return ""
+    return f" (bytes per row: dispatch {per_row['dispatch']} (FP8 + scales), combine {per_row['combine']})"
 
 
 def format_sms_table(points: Sequence[Dict[str, Any]]) -> str:
@@ -230,6 +268,8 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         "rows_sent": sum(point["rows_sent"]),
         "recv_rows_max": max(point["recv_rows"]),
         "imbalance": round(point["imbalance"], 4),
+        "dispatch_row_bytes": point["row_bytes"]["dispatch"],
+        "combine_row_bytes": point["row_bytes"]["combine"],
         "logical_bytes_mean": float(np.mean(point["logical_bytes"])),
         "nvlink_bytes_mean": float(np.mean(point["nvlink_bytes"])),
         "tokens_per_s": point["tokens_per_s"],

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import Buffer
+from ep_comm import Buffer, fp8
 from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
 from ep_comm.dtypes import payload_dtype
 from ep_comm.info import versions
@@ -39,7 +39,7 @@ def _point_specs(cfg: Config, args: argparse.Namespace) -> List[PointSpec]:
                       routing=args.routing or cfg.routing.kind,
                       seed=cfg.routing.seed if args.seed is None else args.seed,
                       zipf_s=cfg.routing.zipf_s, hot_expert=cfg.routing.hot_expert, expand=args.expand,
-                      expert_alignment=args.alignment, warmup=args.warmup, iters=args.iters)
+                      expert_alignment=args.alignment, warmup=args.warmup, iters=args.iters, fp8=args.fp8)
             for t in tokens]
 
 
@@ -64,6 +64,9 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
         cfg = load_config(args.config)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
+    if args.fp8 and cfg.hidden % fp8.BLOCK:
+        raise UsageError(f"--fp8: config {cfg.name} has hidden = {cfg.hidden}: FP8 needs hidden a multiple of "
+                         f"{fp8.BLOCK} (one float32 scale per {fp8.BLOCK}-element block); use a config whose is")
     if cfg.num_experts % comm.size:
         raise UsageError(f"config {cfg.name}: num_experts = {cfg.num_experts} is not divisible by the "
                          f"{comm.size} ranks of this run (experts are split evenly over ranks)")
@@ -136,6 +139,24 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
     return nccl
 
 
+def row_bytes(cfg: Config, use_fp8: bool) -> Dict[str, int]:
+    """Bytes counted per received row: ``{"dispatch": n, "combine": hidden * itemsize}``; the dispatch's are
+    ``hidden * itemsize`` too, or with ``use_fp8`` the FP8 bytes and scales (``ep_comm.fp8.row_bytes``: the
+    packed row's padding to 16 bytes is not counted)."""
+    combine = cfg.hidden * payload_dtype(cfg.dtype).itemsize
+    return {"dispatch": fp8.row_bytes(cfg.hidden) if use_fp8 else combine, "combine": combine}
+
+
+def _fp8_meta(cfg: Config, use_fp8: bool) -> Dict[str, Any]:
+    """The ``meta`` fields of ``--fp8``: the flag, the bytes counted per row and, with FP8, what they are."""
+    meta: Dict[str, Any] = {"fp8": use_fp8, "row_bytes": row_bytes(cfg, use_fp8)}
+    if use_fp8:
+        h = cfg.hidden
+        meta["fp8_bytes"] = (f"dispatch rows counted as {fp8.row_bytes(h)} bytes: {h} FP8 + {h // 32} scale bytes; "
+                             f"the packed row on the link is {fp8.packed_row_bytes(h)} (padding to 16 not counted)")
+    return meta
+
+
 def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec, buf: Buffer,
           path: DevicePath, shared: bool) -> Dict[str, Any]:
     """The run's parameters and provenance: the git commit when ep_comm runs from a checkout, the
@@ -147,7 +168,7 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
         "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
         "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
-        "command": provenance.command_line(comm.size),
+        "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
     }
     if path.gpu_id is not None:
         meta["gpu"] = provenance.gpu_model(path.gpu_id)
@@ -229,20 +250,20 @@ class _Session:
 
     def run_points(self, buf: Buffer, num_sms: Optional[int]) -> None:
         """Every point on ``buf`` (SM count ``num_sms`` as asked); rank 0 keeps the summaries."""
-        row_bytes = self.cfg.hidden * payload_dtype(self.cfg.dtype).itemsize
+        per_row = row_bytes(self.cfg, self.args.fp8)
         for spec in self.specs:
             self.progress.start(f"{spec.num_tokens} tokens/rank, num_sms={report.sms_label(num_sms)}",
                                 spec.warmup + spec.iters)
-            sample, (x, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick,
+            sample, (rows, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick,
                                              graphs=buf.backend == "nvshmem" and not self.args.no_graphs,
                                              profiler=self.profiler)
             if self.nccl is not None:
-                sample.times.update(self.nccl(spec, x, routing.topk_idx))
+                sample.times.update(self.nccl(spec, rows, routing.topk_idx))
             if buf.backend == "nvshmem":
-                sample.times["device_copy"] = _device_copy(self.comm, spec, sample.recv_rows * row_bytes, self.timer)
+                sample.times.update(_device_copies(self.comm, spec, sample.recv_rows, per_row, self.timer))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
             if self.comm.rank == 0:
-                self.points.append(report.summarize(samples, row_bytes, num_sms, buf.num_sms, self.shared_gpu))
+                self.points.append(report.summarize(samples, per_row, num_sms, buf.num_sms, self.shared_gpu))
                 self.progress.finish(_summary_line(self.points[-1]))
                 if self.shown:
                     print(report.format_point(self.points[-1], self.meta.get("nvlink_ceiling_gbps")), flush=True)
@@ -261,11 +282,18 @@ class _Session:
             close_torch_distributed()
 
 
-def _device_copy(comm: MPI.Comm, spec: PointSpec, nbytes: int, timer: Callable) -> List[float]:
-    """The same-run reference of a point: seconds per device copy of the ``nbytes`` it delivers to this rank."""
+def _device_copies(comm: MPI.Comm, spec: PointSpec, recv_rows: int, per_row: Dict[str, int],
+                   timer: Callable) -> Dict[str, List[float]]:
+    """The same-run references of a point: seconds per device copy of the bytes its dispatch delivers to this
+    rank (``device_copy``: ``recv_rows * per_row["dispatch"]``, the FP8 bytes with ``--fp8``) and, where the
+    combine's row bytes differ (``--fp8``), of the combine's (``device_copy_combine``)."""
     from .baselines import device_copy_times
 
-    return device_copy_times(comm, nbytes, spec.warmup, spec.iters, timer)
+    copies = {"device_copy": per_row["dispatch"]}
+    if per_row["combine"] != per_row["dispatch"]:
+        copies[report.COMBINE_COPY] = per_row["combine"]
+    return {name: device_copy_times(comm, recv_rows * nbytes, spec.warmup, spec.iters, timer)
+            for name, nbytes in copies.items()}
 
 
 def _summary_line(point: Dict[str, Any]) -> str:

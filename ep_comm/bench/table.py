@@ -4,7 +4,7 @@
 
 Each ``RESULT.json`` is a ``python -m ep_comm.bench --json`` file (``{"meta": ..., "points": [...]}``).
 The files must come from one recorded run: the same git commit, clean (no uncommitted changes), the same
-GPU. The table has one row per point (config, ranks, tokens per rank); under it, a line names the
+GPU. The table has one row per point (config, marked ``fp8`` for a ``--fp8`` run, ranks, tokens per rank); under it, a line names the
 commit, the GPU, each file's command and whether the ranks shared a GPU. Exit status 2 when the files
 disagree, are not bench results, or cannot be read.
 """
@@ -78,7 +78,7 @@ def _pair(first: str, second: str) -> str:
 def _row(meta: Dict[str, Any], point: Dict[str, Any]) -> List[str]:
     lat, graph, host = point["latency_us"], point.get("graph_us", {}), point.get("host_us", {})
     bandwidth = point["bandwidth_gbps"]["dispatch"]
-    return [f"`{meta['config']}`", str(meta["ranks"]), str(point["tokens_per_rank"]),
+    return [f"`{meta['config']}`" + (" fp8" if meta.get("fp8") else ""), str(meta["ranks"]), str(point["tokens_per_rank"]),
             _p50_p99(lat["dispatch"]), _p50_p99(lat["combine"]),
             _pair(_p50(graph.get("dispatch")), _p50(graph.get("dispatch_new"))), _p50(graph.get("combine")),
             _pair(_p50(host.get("dispatch_cached_async")), _p50(host.get("combine"))),
