@@ -21,8 +21,9 @@ experts' weights from a shared seed) and exits 1 when an error exceeds its bound
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -181,15 +182,48 @@ class MoELayer:
         self.w1 = [ops.asarray(w) for w in params.w1[lo:hi]]
         self.w2 = [ops.asarray(w) for w in params.w2[lo:hi]]
 
+    def on(self, buf: ep_comm.Buffer) -> "MoELayer":
+        """This layer on another Buffer of the same geometry and rank (another micro-batch's), sharing the
+        device weights."""
+        if buf.geometry != self.buf.geometry or buf.rank != self.buf.rank:
+            raise ValueError(f"buf: geometry {buf.geometry} at rank {buf.rank}: must be this layer's "
+                             f"({self.buf.geometry} at rank {self.buf.rank}) to share its weights")
+        other = copy.copy(self)
+        other.buf = buf
+        return other
+
     def forward(self, x: Array) -> LayerOutput:
         """The layer on this rank's tokens ``x [T, H]`` (payload dtype); collective over the Buffer's ranks."""
+        topk_idx, topk_weights = self.route(x)
+        out = self.dispatch(x, topk_idx, topk_weights)
+        return self.output(self.combine(self.compute(out), out), topk_idx, topk_weights)
+
+    def route(self, x: Array) -> Tuple[Array, Array]:
+        """``(topk_idx [T, K] int64, topk_weights [T, K] float32)`` of ``x [T, H]``: :func:`route` by the gate."""
+        return route(self.ops, x, self.w_gate, self.buf.geometry.num_topk)
+
+    def dispatch(self, x: Array, topk_idx: Array, topk_weights: Array, return_recv_hook: bool = False
+                 ) -> Union[ep_comm.DispatchOutput, ep_comm.RecvHook]:
+        """Expand dispatch of ``x [T, H]`` with its routing: the ``DispatchOutput``, or with ``return_recv_hook``
+        the ``RecvHook`` that returns it (only the send half is enqueued)."""
         ops = self.ops
-        topk_idx, topk_weights = route(ops, x, self.w_gate, self.buf.geometry.num_topk)
-        out = self.buf.dispatch(ops.to_buffer(x), ops.to_buffer(topk_idx), ops.to_buffer(topk_weights),
-                                expand=True, expert_alignment=self.expert_alignment)
-        y = self.experts(ops.from_buffer(out.recv_x), expert_segments(out.handle))
-        res = self.buf.combine(ops.to_buffer(y), out.handle, topk_weights=out.recv_topk_weights)
-        return LayerOutput(ops.from_buffer(res.x), topk_idx, topk_weights)
+        return self.buf.dispatch(ops.to_buffer(x), ops.to_buffer(topk_idx), ops.to_buffer(topk_weights), expand=True,
+                                 expert_alignment=self.expert_alignment, return_recv_hook=return_recv_hook)
+
+    def compute(self, out: ep_comm.DispatchOutput) -> Array:
+        """The local experts on a dispatch's ``recv_x [M, H]``: ``y [M, H]`` payload dtype, as the Buffer takes it."""
+        ops = self.ops
+        return ops.to_buffer(self.experts(ops.from_buffer(out.recv_x), expert_segments(out.handle)))
+
+    def combine(self, y: Array, out: ep_comm.DispatchOutput, return_recv_hook: bool = False
+                ) -> Union[ep_comm.CombineOutput, ep_comm.RecvHook]:
+        """Combine of the expert outputs ``y [M, H]`` of dispatch ``out``, weighted by its ``recv_topk_weights``:
+        the ``CombineOutput``, or with ``return_recv_hook`` the ``RecvHook`` that returns it."""
+        return self.buf.combine(y, out.handle, topk_weights=out.recv_topk_weights, return_recv_hook=return_recv_hook)
+
+    def output(self, res: ep_comm.CombineOutput, topk_idx: Array, topk_weights: Array) -> LayerOutput:
+        """The layer's output from a combine's ``x [T, H]`` and the routing ``[T, K]``."""
+        return LayerOutput(self.ops.from_buffer(res.x), topk_idx, topk_weights)
 
     def experts(self, recv_x: Array, segments: Sequence[Tuple[int, int]]) -> Array:
         """Local experts on their blocks ``(start, count)`` of ``recv_x [M, H]``; ``[M, H]`` payload dtype."""
@@ -277,15 +311,38 @@ def parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(prog: str, argv: Optional[Sequence[str]], num_ranks: int) -> argparse.Namespace:
-    """Parse and cross-check the options (exits 2 naming the option, its value and the rule)."""
-    p = parser(prog)
+def parse_args(prog: str, argv: Optional[Sequence[str]], num_ranks: int,
+               p: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """Parse with ``p`` (default: :func:`parser`) and cross-check the options (exits 2 naming the option,
+    its value and the rule)."""
+    p = parser(prog) if p is None else p
     args = p.parse_args(argv)
     if args.topk > args.experts:
         p.error(f"--topk={args.topk}: must be <= --experts={args.experts} (distinct experts per token)")
     if args.experts % num_ranks:
         p.error(f"--experts={args.experts}: must be divisible by the number of ranks ({num_ranks})")
     return args
+
+
+def open_buffer(comm: MPI.Comm, args: argparse.Namespace, num_max_tokens: int) -> ep_comm.Buffer:
+    """The Buffer of the options' geometry, dtype and backend for up to ``num_max_tokens`` tokens per rank
+    (at least 1); collective over ``comm``."""
+    return ep_comm.Buffer(comm, num_experts=args.experts, hidden=args.hidden, num_topk=args.topk,
+                          num_max_tokens_per_rank=max(num_max_tokens, 1), dtype=args.dtype, backend=args.backend)
+
+
+def seeded_tokens(args: argparse.Namespace, ops: ArrayOps, rank: int) -> Array:
+    """Rank ``rank``'s ``x [--tokens, --hidden]`` in the payload dtype, standard normal from ``--seed``."""
+    rng = np.random.default_rng((args.seed, 1, rank))
+    return ops.to_payload(ops.asarray(rng.standard_normal((args.tokens, args.hidden), np.float32)))
+
+
+def check_line(name: str, comm: MPI.Comm, backend: str, args: argparse.Namespace, check: CheckResult) -> str:
+    """The one line rank 0 prints: OK/FAILED, the run's shape and the errors against their bounds."""
+    return (f"{name}: {'OK' if check.ok else 'FAILED'} ranks={comm.size} backend={backend} dtype={args.dtype} "
+            f"T={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} K={args.topk} A={args.alignment}: "
+            f"relative error {check.relative_error:.2e} (bound {check.bound:.0e}), router error "
+            f"{check.router_error:.1e} (bound {ROUTER_ERROR_BOUND:.0e})")
 
 
 def run(args: argparse.Namespace, make_ops: Callable[[ep_comm.Buffer], ArrayOps], name: str,
@@ -298,20 +355,14 @@ def run(args: argparse.Namespace, make_ops: Callable[[ep_comm.Buffer], ArrayOps]
     if code is not None:
         return code
     params = make_params(args.hidden, args.ffn, args.experts, args.seed)
-    with ep_comm.Buffer(comm, num_experts=args.experts, hidden=args.hidden, num_topk=args.topk,
-                        num_max_tokens_per_rank=max(args.tokens, 1), dtype=args.dtype, backend=args.backend) as buf:
+    with open_buffer(comm, args, args.tokens) as buf:
         ops = make_ops(buf)
         layer = MoELayer(buf, params, ops, args.alignment)
-        rng = np.random.default_rng((args.seed, 1, comm.rank))
-        host_x = rng.standard_normal((args.tokens, args.hidden), np.float32)
-        x = ops.to_payload(ops.asarray(host_x))
+        x = seeded_tokens(args, ops, comm.rank)
         check = check_layer(comm, ops, params, x, layer.forward(x))
         backend = buf.backend
     if comm.rank == 0:
-        print(f"{name}: {'OK' if check.ok else 'FAILED'} ranks={comm.size} backend={backend} dtype={args.dtype} "
-              f"T={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} K={args.topk} A={args.alignment}: "
-              f"relative error {check.relative_error:.2e} (bound {check.bound:.0e}), router error "
-              f"{check.router_error:.1e} (bound {ROUTER_ERROR_BOUND:.0e})", flush=True)
+        print(check_line(name, comm, backend, args, check), flush=True)
     return 0 if check.ok else 1
 
 

@@ -17,7 +17,8 @@ usage: launch/gpu_selftest.sh [-h|--help] [--ranks LIST] [--mps] [OUT_DIR [STEP[
   OUT_DIR         logs and results (default: results/selftest); selftest.log holds every step's output
   STEP[:SECONDS]  the steps to run (default: all, in this order), SECONDS overrides a step's time limit:
                   bench-prefill bench-decode kernel-bench kernel-sms contract-stores contract-puts kernels gpu-tests
-                  soak create-close determinism examples
+                  soak create-close determinism examples (moe_layer, moe_overlap with
+                  OUT_DIR/examples-overlap-Nranks.json, torch_moe_layer)
   --ranks LIST    rank counts of the multi-rank steps, comma-separated (default: 2). The bench, soak,
                   create-close, determinism and examples steps run once per count (NAME@N, results
                   OUT_DIR/NAME-Nranks.json, time limits scaled by N/2 above 2 ranks); the contract suites
@@ -148,6 +149,8 @@ for item in $steps; do
                          --repeat-deterministic 100 --json "$out/determinism-%N%ranks.json" ;;
         examples) at_each_count "$name" 120 examples.moe_layer --dtype bfloat16 --tokens 4096 --hidden 2048 \
                       --ffn 1024 --experts 32 --topk 8 --alignment 128
+                  at_each_count "$name-overlap" 120 examples.moe_overlap --dtype bfloat16 --tokens 4096 --hidden 2048 \
+                      --ffn 1024 --experts 32 --topk 8 --alignment 128 --json "$out/examples-overlap-%N%ranks.json"
                   at_each_count "$name-torch" 60 examples.torch_moe_layer --dtype bfloat16 ;;
         *) echo "unknown step $name" | tee -a "$log" >&2; failed=$((failed + 1)) ;;
     esac

@@ -321,13 +321,15 @@ def test_gpu_selftest_runs_each_count_on_one_gpu_under_its_own_mps_daemon(tmp_pa
     done = selftest(["--ranks", "2,4", "--mps", str(tmp_path / "out"), "soak", "examples"], env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert [line.split()[0] for line in done.stdout.splitlines()] == [
-        "soak@2", "soak@4", "examples@2", "examples@4", "examples-torch@2", "examples-torch@4"]
+        "soak@2", "soak@4", "examples@2", "examples@4", "examples-overlap@2", "examples-overlap@4", "examples-torch@2",
+        "examples-torch@4"]
     log = (tmp_path / "out" / "selftest.log").read_text()
     assert "-np 4 --bind-to none" in log
     assert "| CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 EP_COMM_RANKS_PER_GPU=4" in log, "4 ranks share the GPU under MPS"
     assert "--json " + str(tmp_path / "out" / "soak-4ranks.json") in log
+    assert "--json " + str(tmp_path / "out" / "examples-overlap-2ranks.json") in log
     calls = [c.split("|")[0] for c in mps_calls(env)]
-    assert calls == ["-f", "quit"] * 6, "one daemon per step, each stopped"
+    assert calls == ["-f", "quit"] * 8, "one daemon per step, each stopped"
 
 
 def test_gpu_selftest_ends_what_a_timed_out_step_left_and_nothing_else(tmp_path):
