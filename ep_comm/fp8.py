@@ -116,12 +116,8 @@ def unpack(packed: Any, hidden: int) -> Tuple[Any, Any]:
 
 
 def fp8_array(bits: Any) -> Any:
-    """uint8 ``bits`` (e4m3fn bit patterns) as a float8_e4m3fn view where the array module can make one, else
-    ``bits`` itself (uint8). NumPy always can; CuPy has no float8 dtypes in the versions this project was
-    written against, so on the GPU the ``view`` may raise (TypeError / ValueError) and the uint8 bits are
-    returned (NumPy never raises): the same bytes either way, so a GPU user reads them with ``torch.from_dlpack(a).view(
-    torch.float8_e4m3fn)``."""
-    try:
-        return bits.view(FP8_DTYPE)
-    except (TypeError, ValueError):
-        return bits
+    """uint8 ``bits`` (e4m3fn bit patterns) as a float8_e4m3fn view for a NumPy array, else ``bits`` itself
+    (uint8). CuPy 14 makes such a view but cannot copy it to the host or compute with it (``Unsupported
+    dtype``, seen on the H200), so GPU arrays stay uint8: the same bytes, which a GPU user reads with
+    ``torch.from_dlpack(a).view(torch.float8_e4m3fn)``."""
+    return bits.view(FP8_DTYPE) if isinstance(bits, np.ndarray) else bits
