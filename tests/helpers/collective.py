@@ -4,7 +4,8 @@ The backend and its transport are the session's ``--backend`` and ``--transport`
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
@@ -37,3 +38,22 @@ def dispatch(buf: ep_comm.Buffer, world: World, **kw: Any) -> ep_comm.DispatchOu
     """This rank's tokens of ``world`` (payload, routing, weights) through ``buf.dispatch(..., **kw)``."""
     return buf.dispatch(to_device(world.x[RANK]), to_device(world.topk_idx[RANK]),
                         to_device(world.weights[RANK]), **kw)
+
+
+@contextlib.contextmanager
+def shared_buffers() -> Iterator[Callable[..., ep_comm.Buffer]]:
+    """``get(world, deterministic=True)``: one Buffer per (dtype, experts, hidden, deterministic), made at its first
+    request (collective: every rank asks in the same order) and shared; all closed when the context ends."""
+    made: Dict[tuple, ep_comm.Buffer] = {}
+
+    def get(world: World, deterministic: bool = True) -> ep_comm.Buffer:
+        key = (world.dtype.name, world.num_experts, world.hidden, deterministic)
+        if key not in made:
+            made[key] = make_buffer(world, deterministic)
+        return made[key]
+
+    try:
+        yield get
+    finally:
+        for buf in made.values():
+            buf.close()

@@ -14,7 +14,7 @@ import pytest
 
 from ep_comm.host import to_host
 from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
-from helpers.collective import dispatch, make_buffer, to_device
+from helpers.collective import dispatch, shared_buffers, to_device
 from helpers.oracle import (COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine,
                             make_world)
 
@@ -25,18 +25,9 @@ ROUTINGS = ["uniform", "masked", "hot", "zero_rank", "uneven", "full"]
 
 @pytest.fixture(scope="module")
 def buffers():
-    """One buffer per (dtype, deterministic), shared by the tests of this module."""
-    made = {}
-
-    def get(world, deterministic=True):
-        key = (world.dtype.name, world.num_experts, world.hidden, deterministic)
-        if key not in made:
-            made[key] = make_buffer(world, deterministic)
-        return made[key]
-
-    yield get
-    for buf in made.values():
-        buf.close()
+    """One buffer per geometry and ``deterministic``, shared by the tests of this module."""
+    with shared_buffers() as get:
+        yield get
 
 
 # ---------------------------------------------------------------- layout

@@ -18,7 +18,7 @@ import pytest
 from ep_comm import fp8
 from ep_comm.host import to_host
 from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
-from helpers.collective import make_buffer, to_device
+from helpers.collective import shared_buffers, to_device
 from helpers.oracle import RANK, World, bits, expected_compact_combine, make_world
 from helpers.options import current
 
@@ -29,18 +29,9 @@ EXPAND = dict(expand=True, expert_alignment=4, zero_padding=True)
 
 @pytest.fixture(scope="module")
 def buffers():
-    """One buffer per (dtype, hidden, deterministic), shared by the tests of this module."""
-    made = {}
-
-    def get(world: World, deterministic: bool = True):
-        key = (world.dtype.name, world.hidden, deterministic)
-        if key not in made:
-            made[key] = make_buffer(world, deterministic)
-        return made[key]
-
-    yield get
-    for buf in made.values():
-        buf.close()
+    """One buffer per geometry and ``deterministic``, shared by the tests of this module."""
+    with shared_buffers() as get:
+        yield get
 
 
 def fp8_world(routing: str, dtype: str = "bfloat16", seed: int = 0) -> World:
