@@ -24,7 +24,8 @@ from mpi4py import MPI
 from ep_comm import fp8 as fp8_format
 from ep_comm.dtypes import payload_dtype
 from ep_comm.host import to_host
-from ep_comm.testing import Routing, check_counts, expected_round_trip, first_mismatch, make_routing, random_payload
+from ep_comm.testing import (Routing, check_counts, expected_round_trip, first_mismatch, make_routing, random_payload,
+                             token_rows)
 
 Timer = Callable[[Callable[[], Any]], Tuple[Any, float]]
 
@@ -130,16 +131,6 @@ def host_rows(x: np.ndarray, fp8: bool) -> np.ndarray:
     return fp8_format.pack(*fp8_format.quantize(x)) if fp8 else x
 
 
-def real_rows(out: Any) -> np.ndarray:
-    """Indices of the rows of ``out.recv_x`` that hold a received token: the first ``num_recv_tokens`` (compact),
-    the first ``num_expanded_tokens`` whose ``recv_topk_idx`` is an expert (expand: no padding)."""
-    handle = out.handle
-    if not handle.expand:
-        return np.arange(int(to_host(handle.num_recv_tokens)))
-    rows = int(to_host(handle.num_expanded_tokens))
-    return np.nonzero(to_host(out.recv_topk_idx)[:rows] >= 0)[0]
-
-
 def packed_received(out: Any, rows: np.ndarray) -> np.ndarray:
     """The received FP8 pair of ``out`` at ``rows``, packed again on the host: ``[len(rows), P]`` uint8."""
     q, scales = out.recv_x
@@ -149,7 +140,7 @@ def packed_received(out: Any, rows: np.ndarray) -> np.ndarray:
 def fp8_failures(out: Any, y: Any, which: str) -> List[str]:
     """The received FP8 pair of ``out`` byte for byte against ``ep_comm.fp8.quantize`` of ``y`` (the payload-dtype
     rows of the same layout, :meth:`Payload.combine_input`), on the rows that hold a token."""
-    rows = real_rows(out)
+    rows = token_rows(out)
     got, want = packed_received(out, rows), fp8_format.pack(*fp8_format.quantize(to_host(y)[rows]))
     bad = np.nonzero((got != want).any(axis=1))[0]
     if not len(bad):
@@ -285,7 +276,7 @@ def cast_times(comm: MPI.Comm, buf: Any, payload: Payload, handle: Any, timer: T
         return t_pair, t_cast
 
     rows = sample_times(comm, body, spec.warmup, spec.iters)
-    real = real_rows(last["pair"])
+    real = token_rows(last["pair"])
     same = np.array_equal(packed_received(last["pair"], real), packed_received(last["cast"], real))
     failures = [] if same else ["FP8 rows of the use_fp8=True dispatch differ from those of the prepared pair"]
     return {"dispatch_cached": rows[:, 0].tolist(), "dispatch_cast": rows[:, 1].tolist(), "failures": failures}

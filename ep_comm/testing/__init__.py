@@ -8,7 +8,7 @@
 Nothing here imports ``ep_comm.bench``.
 """
 from .check import (DispatchOptions, Expected, HostDispatch, Sources, check_combine, check_counts, check_dispatch,
-                    check_round_trip, expected_receive, same_bytes)
+                    check_round_trip, expected_receive, same_bytes, token_rows)
 from .dtypes import DTYPE_NAMES, DTYPES, RELATIVE_ERROR_BOUND
 from .round_trip import expected_round_trip, first_mismatch
 from .routing import (KINDS, TOKEN_MODES, Routing, hot_routing, make_routing, mask_routing, random_payload,
@@ -19,5 +19,5 @@ __all__ = [
     "DispatchOptions", "Expected", "HostDispatch", "Routing", "Sources",
     "check_combine", "check_counts", "check_dispatch", "check_round_trip", "expected_receive", "expected_round_trip",
     "first_mismatch", "hot_routing", "make_routing", "mask_routing", "random_payload", "same_bytes", "token_count",
-    "uniform_routing", "zipf_routing",
+    "token_rows", "uniform_routing", "zipf_routing",
 ]

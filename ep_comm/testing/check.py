@@ -105,6 +105,18 @@ class Expected:
         return np.bincount(self.local[self.local >= 0], minlength=num_local).astype(np.int64)
 
 
+def token_rows(out: Any) -> np.ndarray:
+    """Indices of the rows of a dispatch's ``recv_x`` that hold a received token: the first ``num_recv_tokens``
+    (compact), the first ``num_expanded_tokens`` whose ``recv_topk_idx`` is an expert (expand). The contract
+    leaves the other rows' bytes unspecified (padding without ``zero_padding``, the worst-case rows past the
+    received ones with ``cpu_sync=False``): on the GPU they hold whatever the allocation held."""
+    handle = out.handle
+    if not handle.expand:
+        return np.arange(int(to_host(handle.num_recv_tokens)))
+    rows = int(to_host(handle.num_expanded_tokens))
+    return np.nonzero(to_host(out.recv_topk_idx)[:rows] >= 0)[0]
+
+
 def same_bytes(a: Any, b: Any, xp: Any = np) -> bool:
     """Both None, or equal shapes and bytes; ``xp`` (NumPy or CuPy) compares where the arrays live."""
     if a is None or b is None:

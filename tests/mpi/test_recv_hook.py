@@ -13,6 +13,7 @@ import pytest
 
 import ep_comm
 from ep_comm.host import to_host
+from ep_comm.testing import token_rows
 from helpers.collective import dispatch, make_buffer, to_device
 from helpers.oracle import COMM, RANK, WORLD, bits, make_world
 
@@ -44,17 +45,6 @@ def same(name: str, a, b) -> None:
     a, b = np.asarray(to_host(a)), np.asarray(to_host(b))
     assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a.shape} {a.dtype} != {b.shape} {b.dtype}"
     assert bits(a).tobytes() == bits(b).tobytes(), f"{name} differs"
-
-
-def token_rows(out) -> np.ndarray:
-    """The rows of ``out.recv_x`` that hold a token: compact the first ``num_recv_tokens``, expand those with a
-    local expert (the contract leaves the bytes of padding rows without ``zero_padding``, and of the worst-case
-    rows past the received ones without ``cpu_sync``, unspecified: on the GPU they are whatever the allocation
-    held)."""
-    idx = np.asarray(to_host(out.recv_topk_idx))
-    if idx.ndim == 1:
-        return idx >= 0
-    return np.arange(len(idx)) < int(to_host(out.handle.num_recv_tokens))
 
 
 def same_dispatch(plain, hooked) -> None:
