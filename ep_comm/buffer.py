@@ -309,23 +309,18 @@ class Buffer:
         be, geo = self._live(), self.geometry
         chk.check_flag(use_fp8, "use_fp8")
         is_pair = isinstance(x, (tuple, list))
-        if not (is_pair or use_fp8):
-            x = be.as_array(x, "x")
-            chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
-            return x, False
         if is_pair and use_fp8:
             raise ValueError("use_fp8=True with x given as an FP8 pair (x_fp8, scales): use_fp8 quantizes x given in "
                              "the buffer's dtype; pass one or the other")
-        chk.check_fp8_hidden(geo.hidden)
+        if is_pair or use_fp8:
+            chk.check_fp8_hidden(geo.hidden)
         if is_pair:
             x_fp8, scales = (be.as_array(a, f"x[{i}]") for i, a in enumerate(chk.fp8_pair(x)))
             chk.check_fp8_pair(x_fp8, scales, num_tokens, geo, "num_tokens")
-            packed = fp8.pack(x_fp8, scales, be.xp)
-        else:
-            x = be.as_array(x, "x")
-            chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
-            packed = be.pack_fp8(x)
-        return packed.view(geo.dtype), True
+            return fp8.pack(x_fp8, scales, be.xp).view(geo.dtype), True
+        x = be.as_array(x, "x")
+        chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
+        return (be.pack_fp8(x).view(geo.dtype), True) if use_fp8 else (x, False)
 
     @_holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
