@@ -410,25 +410,36 @@ def test_a_captured_dispatch_with_a_bad_routing_is_reported_by_the_next_call_and
     assert be.routing_summary(CAPTURE_IDX) == (5, -1)  # reported once: the record was cleared
 
 
+def _eager_replay(expand: bool, seed: int) -> tuple:
+    """``(backend, x, first, eager, eager_sum)``: a simulated backend of ``CAPTURE_GEO``, 3 tokens ``x`` (float32),
+    the dispatch ``first`` of ``CAPTURE_IDX``, an eager cached ``cpu_sync=False`` replay of ``x * 2`` and its combine
+    (what a captured replay must give)."""
+    be = simulated_backend(CAPTURE_GEO, True, False)
+    x = np.random.default_rng(seed).standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
+    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
+    eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
+    return be, x, first, eager, combine(be, eager.recv_x, eager.handle, None, ())
+
+
+def _same_as_eager(first, eager, eager_sum, captured, captured_sum) -> None:
+    """A captured replay's received rows (those ``first`` received), ids and combine equal the eager replay's."""
+    rows = int(first.handle.num_expanded_tokens if first.handle.expand else first.handle.num_recv_tokens)
+    np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
+    np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
+    np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
+
+
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 @pytest.mark.parametrize("expand", [False, True])
 def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
-    be = simulated_backend(CAPTURE_GEO, True, False)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
-    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
-    eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
-    eager_sum = combine(be, eager.recv_x, eager.handle, None, ())
+    be, x, first, eager, eager_sum = _eager_replay(expand, seed=3)
     be.device.capturing_now = True
     captured = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
     captured_sum = combine(be, captured.recv_x, captured.handle, None, ())
     be.device.capturing_now = False
-    rows = int(first.handle.num_expanded_tokens if expand else first.handle.num_recv_tokens)
-    np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
-    np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
+    _same_as_eager(first, eager, eager_sum, captured, captured_sum)
     np.testing.assert_array_equal(captured.handle.num_recv_tokens_per_expert, first.handle.num_recv_tokens_per_expert)
     assert int(captured.handle.num_expanded_tokens) == int(first.handle.num_expanded_tokens)
-    np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
     be.close()
     assert not be.capture.held
 
@@ -809,12 +820,7 @@ def test_a_send_and_its_hook_captured_apart_hold_their_memory_and_give_the_eager
     """Send half and hook under capture (two graphs): each half's allocations are held for its graph (the send's
     the replay's outputs, the hook's the handle and what the receive allocates), and the results are the eager
     call's."""
-    be = simulated_backend(CAPTURE_GEO, True, False)
-    rng = np.random.default_rng(8)
-    x = rng.standard_normal((3, CAPTURE_GEO.hidden)).astype(np.float32)
-    first = dispatch(be, x, CAPTURE_IDX, None, None, expand, 2, True, True, None)
-    eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
-    eager_sum = combine(be, eager.recv_x, eager.handle, None, ())
+    be, x, first, eager, eager_sum = _eager_replay(expand, seed=8)
     be.device.capturing_now = True
     request = DispatchRequest(x * 2, first.handle.topk_idx, None, first.handle, expand, 2, True, False, None)
     half = _split(be, lambda: request, be.dispatch_send)
@@ -828,9 +834,6 @@ def test_a_send_and_its_hook_captured_apart_hold_their_memory_and_give_the_eager
     captured_sum = half.receive()
     be.device.capturing_now = False
     assert len(be.capture.held) == held + 3
-    rows = int(first.handle.num_expanded_tokens if expand else first.handle.num_recv_tokens)
-    np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
-    np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
-    np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
+    _same_as_eager(first, eager, eager_sum, captured, captured_sum)
     be.close()
     assert not be.capture.held
