@@ -154,6 +154,47 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
 
 
 
+VERDICT_WORDS = 2  # words of a routing verdict in the count exchange: (largest id, first repeated row)
+ID_CLAMP = 2**31 - 1  # a verdict's largest id travels in an int32 count word: larger ids are sent as this
+
+
+def routing_verdict(top: int, twice: int) -> Tuple[int, int]:
+    """The verdict words a rank sends with its counts: ``(min(top, ID_CLAMP), twice)``.
+
+    Args:
+        top: the largest expert id of the rank's ``topk_idx`` (-1 when it names none).
+        twice: the first row naming an expert twice, or -1.
+    """
+    return min(int(top), ID_CLAMP), int(twice)
+
+
+def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[ValueError]:
+    """The ``ValueError`` every rank raises for a dispatch whose routing some rank got wrong, or None.
+
+    The rule (``docs/design.md``, Errors): each rank checks its own ``topk_idx`` where it is (in the count kernel on
+    the GPU), the verdicts travel with the count exchange, and when any is bad no rank receives a row and every rank
+    raises this same error, naming the lowest bad rank and its rule and listing every bad rank; the Buffer stays
+    usable (the ranks stayed in step).
+
+    Args:
+        verdicts: per rank ``r`` its ``(largest id or -1, first repeated row or -1)``, as :func:`routing_verdict`
+            sent them.
+        num_experts: ``E``: ids must be below it.
+        step: the step's name for the message (``"dispatch #3"``).
+    """
+    bad = [r for r, (top, twice) in enumerate(verdicts) if top >= num_experts or twice >= 0]
+    if not bad:
+        return None
+    top, twice = verdicts[bad[0]]
+    if top >= num_experts:
+        shown = f"{top} or more" if top >= ID_CLAMP else f"{top}"
+        rule = f"holds expert id {shown}: ids must be < num_experts={num_experts} (negative = none)"
+    else:
+        rule = f"row {twice} names the same expert twice: each token picks distinct experts"
+    return ValueError(f"{step}: rank {bad[0]}'s topk_idx {rule}; no rank received a row "
+                      f"(ranks with a bad topk_idx: {bad}); the Buffer stays usable")
+
+
 def topk_values(xp, topk_idx: Any) -> tuple:
     """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing.
 
