@@ -154,18 +154,25 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
 
 
 
-VERDICT_WORDS = 2  # words of a routing verdict in the count exchange: (largest id, first repeated row)
-ID_CLAMP = 2**31 - 1  # a verdict's largest id travels in an int32 count word: larger ids are sent as this
+VERDICT_WORDS = 2  # int32 words of a routing verdict in the count exchange, after the counts
+ID_CLAMP = 2**31 - 1  # the largest verdict word: ids from ID_CLAMP - 1 on travel as ID_CLAMP
 
 
-def routing_verdict(top: int, twice: int) -> Tuple[int, int]:
-    """The verdict words a rank sends with its counts: ``(min(top, ID_CLAMP), twice)``.
+def verdict_words(top: int, twice: int) -> Tuple[int, int]:
+    """The two int32 words a rank sends with its counts for its routing: ``(min(top + 1, ID_CLAMP), twice + 1)``.
+    All-zero words are a clean verdict (the wait zeroes the count words of a rank that did not arrive).
 
     Args:
         top: the largest expert id of the rank's ``topk_idx`` (-1 when it names none).
         twice: the first row naming an expert twice, or -1.
     """
-    return min(int(top), ID_CLAMP), int(twice)
+    return min(int(top) + 1, ID_CLAMP), int(twice) + 1
+
+
+def verdict_of(words: Sequence[int]) -> Tuple[int, int]:
+    """``(largest id, first repeated row)`` from the two words of :func:`verdict_words` (-1 for none; a clamped
+    id reads as ``ID_CLAMP - 1``, shown as "or more" by :func:`routing_error`)."""
+    return int(words[0]) - 1, int(words[1]) - 1
 
 
 def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[ValueError]:
@@ -177,8 +184,7 @@ def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: s
     usable (the ranks stayed in step).
 
     Args:
-        verdicts: per rank ``r`` its ``(largest id or -1, first repeated row or -1)``, as :func:`routing_verdict`
-            sent them.
+        verdicts: per rank ``r`` its ``(largest id or -1, first repeated row or -1)`` (:func:`verdict_of`).
         num_experts: ``E``: ids must be below it.
         step: the step's name for the message (``"dispatch #3"``).
     """
@@ -187,7 +193,7 @@ def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: s
         return None
     top, twice = verdicts[bad[0]]
     if top >= num_experts:
-        shown = f"{top} or more" if top >= ID_CLAMP else f"{top}"
+        shown = f"{top} or more" if top >= ID_CLAMP - 1 else f"{top}"
         rule = f"holds expert id {shown}: ids must be < num_experts={num_experts} (negative = none)"
     else:
         rule = f"row {twice} names the same expert twice: each token picks distinct experts"
