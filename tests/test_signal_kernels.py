@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ep_comm.transport import signals
+from ep_comm.launching import raw
 from ep_comm.transport.signals import _SOURCE, PARAMS, SignalLaunches, _count_words
 
 
@@ -93,9 +93,9 @@ def launches(monkeypatch):
         pointers = (ctypes.c_void_p * len(PARAMS[name])).from_address(params)
         got = [ctypes.string_at(ptr, ctypes.sizeof(ctype)) for ptr, (_, ctype) in zip(pointers, PARAMS[name])]
         seen.append((name, (gx, gy, gz), (bx, by, bz), shared, int(stream), got, extra))
-        return (signals.CUresult.CUDA_SUCCESS,)
+        return (raw.CUresult.CUDA_SUCCESS,)
 
-    monkeypatch.setattr(signals, "cuLaunchKernel", launch)
+    monkeypatch.setattr(raw, "cuLaunchKernel", launch)
     return seen
 
 
@@ -177,6 +177,6 @@ def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):
 
 
 def test_a_failed_launch_names_the_kernel_and_the_result(monkeypatch):
-    monkeypatch.setattr(signals, "cuLaunchKernel", lambda *args: (signals.CUresult.CUDA_ERROR_INVALID_VALUE,))
-    with pytest.raises(RuntimeError, match="cuLaunchKernel of signal kernel advance_step returned .*INVALID_VALUE"):
+    monkeypatch.setattr(raw, "cuLaunchKernel", lambda *args: (raw.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of signal kernel advance_step \(grid=1, block=32, shared_bytes=0\) returned .*INVALID_VALUE"):
         _transport(None).advance_step(0)

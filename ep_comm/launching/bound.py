@@ -32,18 +32,20 @@ import ctypes
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
-from cuda.bindings.driver import CUfunction, CUresult, CUstream, cuLaunchKernel
+from cuda.bindings.driver import CUfunction, CUstream
 
 from ep_comm.numba_internals import compiles, kernel_handle, launchable_overload, numba_types, stream_handle
 
+from . import raw
 from .occupancy import quiet_low_occupancy
 
-__all__ = ["BoundLaunch", "ParamBlock", "arg_kind", "array_fields", "param_slot", "c_strides"]
+__all__ = ["BoundLaunch", "ParamBlock", "Recorded", "arg_kind", "array_fields", "param_slot", "c_strides",
+           "recording"]
 
-_SUCCESS = CUresult.CUDA_SUCCESS
 _WORD = ctypes.c_int64  # Numba's pointer-sized array fields (64-bit hosts only, as CUDA is)
 _ARRAY_HEAD = 5  # meminfo, parent, nitems, itemsize, data: then shape and strides
 
@@ -298,6 +300,22 @@ class ParamBlock(_TupleSlot):
 
 
 Config = Tuple[int, int, int]
+Recorded = Tuple[Optional["_Plan"], Config, Tuple[Any, ...]]  # (bound plan or None: unbindable, config, args)
+_RECORDING: List[Optional[List[Recorded]]] = [None]  # the list launches are recorded into, while one is open
+
+
+@contextmanager
+def recording() -> Iterator[List[Recorded]]:
+    """Inside, every :class:`BoundLaunch` launch (pre-bound or through Numba) is also appended, as
+    ``(plan, config, args)``, to the list yielded (``plan`` None where the launch could not be bound): what a
+    launch plan (:mod:`ep_comm.launching.plans`) is built from. Not reentrant."""
+    if _RECORDING[0] is not None:
+        raise RuntimeError("launches are already being recorded")
+    _RECORDING[0] = seen = []
+    try:
+        yield seen
+    finally:
+        _RECORDING[0] = None
 
 
 class _Plan:
@@ -348,6 +366,7 @@ class BoundLaunch:
             config = (grid, block, shared_bytes)
             recent = self._recent.get(config)
             if recent is not None and self._launch_packed(recent[0], recent[1], config, stream, args):
+                self._record(recent[0], config, args)
                 return
             key = tuple(arg_kind(a) for a in args)
             plan = self._plans.get(key)
@@ -355,12 +374,21 @@ class BoundLaunch:
                 free = plan.free(config)
                 self._recent[config] = (plan, free)
                 if self._launch_packed(plan, free, config, stream, args):
+                    self._record(plan, config, args)
                     return
         numba_args = [self._to_numba(a) for a in args]
         with quiet_low_occupancy():  # small grids are deliberate: no warning per launch
             self.dispatcher[grid, block, stream, shared_bytes](*numba_args)
         if self._enabled and key not in self._plans:
             self._plans[key] = self._bind(key, numba_args)
+        self._record(self._plans.get(key) if self._enabled else None, (grid, block, shared_bytes), args)
+
+    @staticmethod
+    def _record(plan: Optional[_Plan], config: Config, args: Tuple[Any, ...]) -> None:
+        """Append the launch to the open recording (:func:`recording`), if any."""
+        seen = _RECORDING[0]
+        if seen is not None:
+            seen.append((plan, config, args))
 
     def _launch_packed(self, plan: _Plan, free: List[ParamBlock], config: Config, stream: Any,
                        args: tuple) -> bool:
@@ -374,13 +402,10 @@ class BoundLaunch:
             free.append(packed)
             return False
         try:
-            (result,) = cuLaunchKernel(plan.function, config[0], 1, 1, config[1], 1, 1, config[2],
-                                       self._stream(stream), packed.address, 0)
+            raw.launch(plan.function, config[0], config[1], config[2], self._stream(stream), packed.address,
+                       f"kernel {plan.name}")
         finally:
             free.append(packed)  # the driver has copied the parameters
-        if result != _SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel of kernel {plan.name} (grid={config[0]}, block={config[1]}, "
-                               f"shared_bytes={config[2]}) returned {result!r}")
         return True
 
     def _bind(self, key: Tuple[Any, ...], numba_args: List[Any]) -> Optional[_Plan]:
@@ -397,5 +422,5 @@ class BoundLaunch:
         """The driver handle of a Numba stream (0: the default stream), kept with its source."""
         held = self._streams.get(id(stream))
         if held is None or held[0] is not stream:
-            held = self._streams[id(stream)] = (stream, CUstream(stream_handle(stream)))
+            held = self._streams[id(stream)] = (stream, raw.stream(stream_handle(stream)))
         return held[1]

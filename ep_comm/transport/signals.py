@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from cuda.bindings.driver import CUfunction, CUresult, CUstream, cuLaunchKernel
+from cuda.bindings.driver import CUfunction
+
+from ..launching import raw
 
 STATUS_SEQ, STATUS_MISSING, STATUS_FLAGS = 0, 1, 2  # int64 words of the status record
 WAIT_THREADS = 128
@@ -207,7 +209,7 @@ class PreparedLaunch:
         function: ``(CUfunction handle, owner)`` of the compiled kernel (:func:`_function`); the owner is held.
     """
 
-    __slots__ = ("name", "_slots", "_params", "_function", "_owner", "_streams")
+    __slots__ = ("name", "_slots", "_params", "_address", "_function", "_owner")
 
     def __init__(self, name: str, values: Dict[str, int], function: Tuple[int, object]):
         params = PARAMS[name]
@@ -218,9 +220,9 @@ class PreparedLaunch:
                 raise ValueError(f"values names {param!r}: kernel {name} takes {[p for p, _ in params]}")
             self._slots[param].value = value
         self._params = (ctypes.c_void_p * len(params))(*(ctypes.addressof(self._slots[p]) for p, _ in params))
+        self._address = ctypes.addressof(self._params)
         handle, self._owner = function
         self._function = CUfunction(handle)
-        self._streams: Dict[int, CUstream] = {}
 
     def takes(self, param: str) -> bool:
         """Whether the kernel has a parameter ``param``."""
@@ -233,13 +235,8 @@ class PreparedLaunch:
     def __call__(self, stream: int) -> None:
         """Launch on the stream whose handle is ``stream`` (0: the legacy default stream) with the parameters
         as their slots hold them now."""
-        handle = self._streams.get(stream)
-        if handle is None:
-            handle = self._streams[stream] = CUstream(stream)
-        (result,) = cuLaunchKernel(self._function, 1, 1, 1, THREADS[self.name], 1, 1, 0, handle,
-                                   ctypes.addressof(self._params), 0)
-        if result != CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel of signal kernel {self.name} returned {result!r}")
+        raw.launch(self._function, 1, THREADS[self.name], 0, raw.stream(stream), self._address,
+                   f"signal kernel {self.name}")
 
 
 class SignalLaunches:

@@ -20,6 +20,7 @@ from numba.core import types
 from numba.cuda.np.numpy_support import strides_from_shape
 
 from ep_comm.launching import bound as bound_module
+from ep_comm.launching import raw as raw_module
 from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 
@@ -242,7 +243,7 @@ class FakeDriver:
 def driver(monkeypatch):
     fake = FakeDriver([len(p) for p in reference_params(
         types.Tuple(FakeDispatcher.sig), (FakeCudaArray(0, (1,), np.int32), 0, False))])
-    monkeypatch.setattr(bound_module, "cuLaunchKernel", fake)
+    monkeypatch.setattr(raw_module, "cuLaunchKernel", fake)
     monkeypatch.setattr(bound_module, "stream_handle", lambda stream: {"s": 0x5, 0: 0}[stream])
     return fake
 
@@ -357,8 +358,8 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     from test_dispatch import make_world
 
     raw_launches = []
-    launch = bound_module.cuLaunchKernel
-    monkeypatch.setattr(bound_module, "cuLaunchKernel", lambda *a: raw_launches.append(a[0]) or launch(*a))
+    launch = raw_module.cuLaunchKernel
+    monkeypatch.setattr(raw_module, "cuLaunchKernel", lambda *a: raw_launches.append(a[0]) or launch(*a))
     with monkeypatch.context() as numba_only:
         numba_only.setattr(BoundLaunch, "_launch_packed", lambda *a: False)
         for expand in (False, True):
