@@ -282,21 +282,42 @@ class Kernels:
         self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out, into is not None)
         return out
 
-    def count(self, topk_idx: Array, *, stable: bool) -> SendLayout:
+    def send_words(self, num_tokens: int) -> int:
+        """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""
+        return self._in_rank_at(num_tokens) + -(-num_tokens * self.num_ranks // 4)
+
+    def _in_rank_at(self, num_tokens: int) -> int:
+        """The first word of ``is_token_in_rank`` in a count block: after ``slot_idx``, on 16 bytes."""
+        return self._send_words + -(-num_tokens * self.num_topk // _CARVE_WORDS) * _CARVE_WORDS
+
+    def send_layout(self, block: Array, num_tokens: int) -> SendLayout:
+        """The :class:`SendLayout` arrays of a count of ``num_tokens`` tokens: views of ``block``, int32
+        ``[send_words(num_tokens)]`` (``is_token_in_rank`` as bool bytes of its last words)."""
+        r = self.num_ranks
+        count_words, per_rank, per_expert, rank_psum, expert_psum = map(block.__getitem__, self._send_slices)
+        in_rank, slot_idx = self.routing_views(block, num_tokens)
+        return SendLayout(per_rank, per_expert, rank_psum, expert_psum, in_rank, slot_idx,
+                          count_words.reshape(r, -1))
+
+    def routing_views(self, block: Array, num_tokens: int) -> tuple[Array, Array]:
+        """``(is_token_in_rank [T, R] bool, slot_idx [T, K] int32)``, the handle's views of a count ``block``."""
+        words, k, r = self._send_words, self.num_topk, self.num_ranks
+        in_rank = block[self._in_rank_at(num_tokens):].view(np.bool_)[: num_tokens * r].reshape(num_tokens, r)
+        return in_rank, block[words:words + num_tokens * k].reshape(num_tokens, k)
+
+    def count(self, topk_idx: Array, *, stable: bool, block: Optional[Array] = None) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
 
         Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
-        :meth:`scatter` consumes next. Returns a :class:`SendLayout` with a fresh, unfilled ``slot_idx``
-        and, in ``count_words``, the block the count exchange sends (written by the same launch). Its arrays
-        are new on every call; the int32 ones are views of one allocation.
+        :meth:`scatter` consumes next. Returns a :class:`SendLayout` with an unfilled ``slot_idx`` and, in
+        ``count_words``, the block the count exchange sends (written by the same launch): views of ``block``
+        (int32 ``[send_words(T)]``; None: a new one).
         """
-        xp, r, e = self.xp, self.num_ranks, self.num_experts
+        e, r = self.num_experts, self.num_ranks
         num_tokens = topk_idx.shape[0]
-        words = self._send_words
-        block = xp.empty(words + num_tokens * self.num_topk, np.int32)
-        count_words, per_rank, per_expert, rank_psum, expert_psum = map(block.__getitem__, self._send_slices)
-        out = SendLayout(per_rank, per_expert, rank_psum, expert_psum, xp.empty((num_tokens, r), np.bool_),
-                         block[words:].reshape(num_tokens, self.num_topk), count_words.reshape(r, 1 + self.num_local))
+        if block is None:
+            block = self.xp.empty(self.send_words(num_tokens), np.int32)
+        out = self.send_layout(block, num_tokens)
         num_units, units_per_warp = self.token_cut(num_tokens)
         count_warps = -(-num_units // units_per_warp)
         blocks = self._blocks_for(count_warps, self.num_blocks)
@@ -364,8 +385,18 @@ class Kernels:
                 x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)
 
+    @property
+    def recv_words(self) -> int:
+        """int32 words of the block one :meth:`receive_count` writes (:meth:`receive_layout`)."""
+        return self._recv_words
+
+    def receive_layout(self, block: Array) -> ReceiveCounts:
+        """The :class:`ReceiveCounts` arrays: views of ``block``, int32 ``[recv_words]``."""
+        totals, rank_psum, unaligned, aligned, expert_psum = map(block.__getitem__, self._recv_slices)
+        return ReceiveCounts(rank_psum, unaligned, aligned, expert_psum, totals)
+
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
-                      stable: bool) -> ReceiveCounts:
+                      stable: bool, block: Optional[Array] = None) -> ReceiveCounts:
         """Count what arrived at the parity of ``step``.
 
         Args:
@@ -379,13 +410,13 @@ class Kernels:
                 is one single-block launch over the count words alone.
             stable: stable (deterministic) expand placement.
 
+            block: int32 ``[recv_words]`` the results are views of (None: a new one).
+
         Returns:
-            A :class:`ReceiveCounts` on the device: new arrays on every call, views of one allocation.
+            A :class:`ReceiveCounts` on the device: views of ``block``.
         """
         r, local = self.num_ranks, self.num_local
-        block = self.xp.empty(self._recv_words, np.int32)
-        totals, rank_psum, unaligned, aligned, expert_psum = map(block.__getitem__, self._recv_slices)
-        out = ReceiveCounts(rank_psum, unaligned, aligned, expert_psum, totals)
+        out = self.receive_layout(self.xp.empty(self._recv_words, np.int32) if block is None else block)
         if not expand:
             self._launch(receive_count_words_kernel, 4 * local, 1)(
                 src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
