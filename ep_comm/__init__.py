@@ -4,11 +4,11 @@
 windows, ``backend="nvshmem"`` on GPUs over NVSHMEM symmetric memory.
 """
 from .buffer import Buffer
-from .errors import BufferUnusableError, PeerAbortedError, TimeoutError
+from .errors import BufferUnusableError, PeerAbortedError, RoutingError, TimeoutError
 from .handle import CombineOutput, DispatchOutput, EPHandle
 from .layout import DispatchLayout
 from .recv_hook import RecvHook
 
 __all__ = ["Buffer", "BufferUnusableError", "CombineOutput", "DispatchLayout", "DispatchOutput", "EPHandle",
-           "PeerAbortedError", "RecvHook", "TimeoutError"]
+           "PeerAbortedError", "RecvHook", "RoutingError", "TimeoutError"]
 __version__ = "0.1.0"

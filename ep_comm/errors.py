@@ -13,6 +13,13 @@ class TimeoutError(builtins.TimeoutError):  # noqa: A001 - the contract names it
         self.missing_ranks = tuple(int(r) for r in missing_ranks)
 
 
+class RoutingError(ValueError):
+    """A dispatch's ``topk_idx`` broke a rule (an id past the experts, an expert named twice in a row) on some rank:
+    checked where the ids are (on the GPU, in the count kernel), the verdicts travel with the count exchange, and
+    every rank raises this same error in step (with ``cpu_sync=True`` from the call, else from the next call); no
+    rank received a row, and the Buffer stays usable."""
+
+
 class BufferUnusableError(RuntimeError):
     """The buffer lost step with its peers (after a timeout) and must be closed and recreated."""
 

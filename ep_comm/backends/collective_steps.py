@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
 
 from .. import exit_guard
-from ..errors import BufferUnusableError, PeerAbortedError, TimeoutError
+from ..errors import BufferUnusableError, PeerAbortedError, RoutingError, TimeoutError
 from ..symmetric import STEP_KINDS
 from . import aborts
 
@@ -62,11 +62,10 @@ class Steps:
 
         Args:
             what: the step's kind.
-            read_board: read the peers' abort records first (:meth:`check_peers`). A step that waits on the host
-                reads them always; one that does not (``cpu_sync=False`` on ``nvshmem``) only when the last
-                finished wait saw a record (the mapped status record), so that it does not read the device
-                either; such a step learns of a record posted since at its own wait (which ends early) and
-                raises at the next call.
+            read_board: read the peers' abort records first (:meth:`check_peers`). ``mpi`` reads them always; ``nvshmem``
+                only when the last finished wait saw a record (the mapped status record), so that it does not read
+                the device: a step learns of a record posted since at its own wait (which ends early) and raises
+                from its poll (``cpu_sync=True``) or at the next call.
             body: the step's work, called as ``body(seq, *args)``.
         """
         if self.unusable:
@@ -88,9 +87,13 @@ class Steps:
     def resume(self, what: str, rest: Callable[..., T], *args: Any) -> T:
         """``rest(*args)``, a part of the latest step (of kind ``what``) guarded as :meth:`run` guards its body: an
         exception marks the buffer unusable and posts this rank's abort record (then propagates). :meth:`run`
-        runs the whole body so; a split step (``return_recv_hook``) runs its receive part through it later."""
+        runs the whole body so; a split step (``return_recv_hook``) runs its receive part through it later. A
+        ``RoutingError`` is raised by every rank after a complete step (the ranks stay in step): it leaves the buffer
+        usable."""
         try:
             return rest(*args)
+        except RoutingError:
+            raise
         except BaseException as exc:
             if not self.unusable:
                 self._give_up(f"{self.name(what)} failed midway", f"failed midway ({type(exc).__name__}: {exc})")
@@ -130,6 +133,17 @@ class Steps:
             raise self.timed_out(what, missing)
         if records:
             raise self._peer_aborted(self.name(what), gave_up or records)
+
+    def stalled(self, what: str, seconds: float) -> TimeoutError:
+        """Mark the buffer unusable, post the abort record, and return the ``ep_comm.TimeoutError`` of a step whose
+        GPU work did not finish within ``seconds`` although no peer was seen missing (the stream's earlier work
+        never finished, or a kernel hangs)."""
+        step = self.name(what)
+        self._give_up(f"{step}: the GPU did not finish it within {seconds:g} s",
+                      f"its GPU work did not finish within {seconds:g} s")
+        return TimeoutError(f"rank {self.rank}: {step}: the GPU did not finish the step within {seconds:g} s "
+                            "(timeout_s plus a margin): the work queued before it on the stream never finished, or "
+                            "a kernel hangs")
 
     def _peer_aborted(self, doing: str, records: list) -> PeerAbortedError:
         """Mark the buffer unusable (no record of its own: the peers already know) and return the error."""

@@ -1,13 +1,14 @@
 """``CupyDevice``: the nvshmem backend's handle on its GPU through CuPy (GPU only: imports CuPy and Numba-CUDA).
 
-The caller's current stream (every launch is enqueued there), Numba's launch settings, one-sync
-reads of small counts, device-mapped pinned memory, the allocator hold of a captured call, and
+The caller's current stream (every launch is enqueued there), Numba's launch settings, a progress marker the
+host polls without synchronising, device-mapped pinned memory, the allocator hold of a captured call, and
 CUDA-graph capture detection. ``tests/test_nvshmem_host.py`` has a host twin for the simulator.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, ContextManager, Dict, Iterator, List, Tuple
+import math
+from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import cupy
 import numpy as np
@@ -17,20 +18,18 @@ from ..numba_internals import interface_sync_disabled
 from ..transport.nvshmem import numba_view
 from ..transport.signals import mapped_int64
 
-_DEVICE_TO_HOST = 2  # cudaMemcpyKind
-
+_CARVE_BYTES = 128  # where each array carved from one allocation starts (vector loads need 16)
 
 class CupyDevice:
-    """CUDA device ``device`` (ordinal) of one rank; ``num_local``: local experts (sizes the count reads)."""
+    """CUDA device ``device`` (ordinal) of one rank."""
 
     xp = cupy
 
-    def __init__(self, device: int, num_local: int):
+    def __init__(self, device: int):
         self.device = device
         self._streams: Dict[int, Any] = {}
         self._sent: Any = None  # the event of mark(), made at the first split step
-        self._pinned = cupy.cuda.alloc_pinned_memory(4 * (2 + num_local))
-        self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2 + num_local)
+        self._progress = cupy.cuda.Event(block=False, disable_timing=True)
 
     @staticmethod
     def count() -> int:
@@ -84,15 +83,33 @@ class CupyDevice:
         ptr = cupy.cuda.get_current_stream().ptr
         return ptr != 0 and cupy.cuda.runtime.streamIsCapturing(ptr) != 0
 
-    def read_int32(self, totals: Any, per_expert: Any) -> Tuple[np.ndarray, np.ndarray]:
-        """Host copies of int32 ``totals [2]`` and ``per_expert [L]``: two async copies, one synchronisation."""
-        stream = cupy.cuda.get_current_stream()
-        host_ptr = self._pinned.ptr
-        for a, offset in ((totals, 0), (per_expert, 8)):
-            if a.size:
-                cupy.cuda.runtime.memcpyAsync(host_ptr + offset, a.data.ptr, a.nbytes, _DEVICE_TO_HOST, stream.ptr)
-        stream.synchronize()
-        return self._host[:2].copy(), self._host[2: 2 + per_expert.size].copy()
+    @staticmethod
+    def carve(shapes: Sequence[Tuple[tuple, Any]]) -> Tuple[List[Any], Any]:
+        """``(arrays, block)``: one new allocation ``block`` (uint8) and a C-contiguous array of each
+        ``(shape, dtype)`` of ``shapes`` in it, each on 128 bytes (one allocation for many arrays)."""
+        offsets, total = [], 0
+        for shape, dtype in shapes:
+            offsets.append(total)
+            total += -(-math.prod(shape) * np.dtype(dtype).itemsize // _CARVE_BYTES) * _CARVE_BYTES
+        block = cupy.empty(max(total, 1), cupy.uint8)
+        memory = block.data
+        return [cupy.ndarray(shape, dtype, memptr=memory + at) for (shape, dtype), at in zip(shapes, offsets)], block
+
+    def handle(self) -> int:
+        """The handle of the current CuPy stream (0: the legacy default stream), as raw launches take it."""
+        return cupy.cuda.get_current_stream().ptr
+
+    def progress(self) -> Any:
+        """A marker of everything enqueued on the current stream so far: one event per device, re-recorded (a
+        Buffer has one such marker outstanding at a time); :meth:`reached` polls it."""
+        self._progress.record()
+        return self._progress
+
+    @staticmethod
+    def reached(marker: Any) -> bool:
+        """Whether the GPU has done everything enqueued before ``marker`` (:meth:`progress`): one non-blocking
+        query, no synchronisation."""
+        return marker.done
 
     def mark(self) -> Tuple[int, Any]:
         """``(current stream handle, an event recorded on it now)``: the end of a split step's send half, which

@@ -56,24 +56,28 @@ tensors, zero copy). Outputs: CuPy arrays.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import time
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import layout as lay
+from ..errors import RoutingError
+from ..fp8 import packed_row_bytes
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..host import to_host
-from ..fp8 import packed_row_bytes
-from ..launching import weight_return
+from ..launching import raw, weight_return
 from ..launching.fp8 import quantize_packed
+from ..launching.plans import Plans
 from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
                                 check_index_range)
 from ..launching.views import word_dtype
-from ..symmetric import SymmetricLayout
-from ..validate import Geometry, check_num_sms_fits, topk_values
+from ..symmetric import SymmetricLayout, read_record, record_words
+from ..validate import Geometry, check_num_sms_fits, routing_error, topk_values
 from .capture import CapturePolicy
 from .collective_steps import STEP_KINDS, Steps
 from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
@@ -82,6 +86,7 @@ from .profile import Profile, ProfileRow
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 BLOCKS_PER_SM = 2  # blocks of the unit-cut kernels (count, scatter, receive count/place) per SM
 STREAM_BLOCKS_PER_SM = 8  # blocks of the row-streaming kernels (receive rows, combine) per SM
+POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound) plus this for the work before them
 
 
 def sms_in_effect(comm: MPI.Comm, num_sms: Optional[int], device_sms: int) -> int:
@@ -130,6 +135,10 @@ class NvshmemBackend:
         self.capture = CapturePolicy(device, geo.num_experts, transport.use_puts)
         self.profile = Profile(settings.profile, device)
         self.steps = Steps(self.rank, settings.timeout_s, transport)
+        self.plans = Plans(self.kernels.prebound, device.allocations_into)
+        # what the receive count of a new routing writes for the host: counts and every rank's routing verdict
+        self._record_host, self._record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
+        self._unchecked: Optional[Tuple[Any, str]] = None  # (progress marker, step) of a cpu_sync=False new routing
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,
@@ -153,7 +162,7 @@ class NvshmemBackend:
                               geo.experts_per_rank)
         transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize),
                                    settings.transport == "puts")
-        device = device_type(transport.device, geo.experts_per_rank)
+        device = device_type(transport.device)
         try:
             num_sms = sms_in_effect(comm, settings.num_sms, device.sm_count())
         except ValueError:  # raised on every rank alike: the collective release cannot hang
@@ -235,18 +244,21 @@ class NvshmemBackend:
         """``body(seq, *args)`` as the next collective step (host number ``seq``), timed as its ``phase``, on the
         caller's stream, after
         raising any timeout an earlier asynchronous wait recorded (the step's signal advances the device
-        counter). ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold;
-        such a step also reads the peers' abort records from the device on entry, where a ``cpu_sync=False``
-        step reads them only when the last finished wait saw one (``Steps.run``)."""
+        counter) and the routing error of an earlier ``cpu_sync=False`` dispatch (:meth:`_raise_unchecked`).
+        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold. A step reads the
+        peers' abort records from the device on entry only when the last finished wait saw one (the mapped status
+        record, ``Steps.run``): a record posted since ends this step's GPU wait early, and the step's poll raises.
+        """
         self.capture.begin(what, host_wait)
         if not self.capture.active and what != "close":
             self.capture.raise_for_checks()
+            self._raise_unchecked()
         seen = True  # an unusable buffer: Steps.run raises BufferUnusableError before reading anything
         if not self.steps.unusable:
             missing, seen = self.transport.wait_state()
             if missing:
                 raise self.steps.timed_out("an earlier operation", missing)
-        return self.steps.run(what, host_wait or seen, self._step, what, phase, body, *args)
+        return self.steps.run(what, seen, self._step, what, phase, body, *args)
 
     def _step(self, seq: int, what: str, phase: str, body: Callable[..., Any], *args: Any) -> Any:
         """``body(seq, *args)`` timed as the step's ``phase``, launching on the caller's stream."""
@@ -312,12 +324,48 @@ class NvshmemBackend:
             with self.profile.phase(what, "wait"):
                 self.transport.wait(STEP_KINDS[what], self.timeout_s, with_counts)
 
-    def _sync_and_check(self, what: str) -> None:
-        """Block until the stream is done (bounded by the GPU wait), then raise on a peer's abort record or
-        a timeout."""
+    def _check_arrival(self, marker: Any, what: str) -> None:
+        """Poll until the GPU reached ``marker`` (``device.progress()`` taken after the step's wait: the work
+        enqueued after it runs on meanwhile), then raise on a peer's abort record or a timeout: one poll, no
+        stream synchronisation."""
         with self.profile.phase(what, "host sync"):
-            self.device.synchronize()
+            self._poll(marker, what)
         self._after_host_wait(what)
+
+    def _poll(self, marker: Any, what: str) -> None:
+        """Spin until the GPU reached ``marker`` (``device.progress()``); its waits are bounded by ``timeout_s``, so
+        past ``timeout_s + POLL_SLACK_S`` the step is given up (``ep_comm.TimeoutError``: the stream's earlier work
+        never finished, or a kernel hangs)."""
+        reached = self.device.reached
+        if reached(marker):
+            return
+        deadline = time.perf_counter() + self.timeout_s + POLL_SLACK_S
+        while not reached(marker):
+            if time.perf_counter() > deadline:
+                missing = self.transport.wait_state()[0]
+                raise self.steps.timed_out(what, missing) if missing else self.steps.stalled(
+                    what, self.timeout_s + POLL_SLACK_S)
+            time.sleep(0)
+
+    def _raise_unchecked(self) -> None:
+        """The routing error of the last ``cpu_sync=False`` dispatch of a new routing, if any rank's verdict was bad
+        (every rank raises it at its next call, before that call does anything). Polls that dispatch's receive count
+        when it has not finished yet (bounded, :meth:`_poll`)."""
+        if self._unchecked is None:
+            return
+        (marker, step), self._unchecked = self._unchecked, None
+        self._poll(marker, "dispatch")
+        error = self._verdict(step)
+        if error is not None:
+            raise error
+
+    def _verdict(self, step: str) -> Optional[RoutingError]:
+        """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
+        None when all are clean."""
+        geo = self.geo
+        verdicts = read_record(self._record_host.tolist(), geo.num_ranks, geo.experts_per_rank)[3]
+        error = routing_error(verdicts, geo.num_experts, step)
+        return None if error is None else RoutingError(str(error))
 
     def _after_host_wait(self, what: str) -> None:
         """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
@@ -347,43 +395,98 @@ class NvshmemBackend:
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
         return self._split("dispatch", request.cpu_sync, body, request)
 
-    def _send(self, seq: int, request: DispatchRequest, routing: Routing, mode: int, psum: Optional[Array],
-              local: Optional[tuple] = None) -> None:
-        """Rank scatter of rows and meta rows into every destination (then the puts, if any); ``local``:
-        ``(recv_x, received psum [R])`` of a compact replay, where the rows for this rank itself go."""
+    def _planned(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
+        """``path()`` (launches through ``Kernels``) as a launch plan of ``key`` over ``roots`` (``Plans.run``); run
+        as it is while profiling (its phases) or capturing (what a capture holds is its own)."""
+        if self.profile.enabled or self.capture.active:
+            path()
+            return
+        self.plans.run(key, raw.stream(self.device.handle()), roots, path)
+
+    def _scatter(self, request: DispatchRequest, routing: Routing, mode: int, local: Optional[tuple] = None) -> None:
+        """Rank scatter of rows and meta rows into every destination (into the staging blocks with puts, which
+        :meth:`_flush` sends); ``request.x`` and its weights C-contiguous; ``local``: ``(recv_x, received psum [R])``
+        of a compact replay, where the rows for this rank itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
-            self.kernels.scatter(self._contiguous(request.x), routing.topk_idx, self._contiguous(request.topk_weights),
-                                 routing.dst_buffer_slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.send_step,
-                                 ahead=t.send_ahead, mode=mode, recv_x=recv_x, recv_psum=recv_psum)
-            t.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
+            self.kernels.scatter(request.x, routing.topk_idx, request.topk_weights, routing.dst_buffer_slot_idx,
+                                 t.rows, t.meta, src_rank=self.rank, step=t.send_step, ahead=t.send_ahead, mode=mode,
+                                 recv_x=recv_x, recv_psum=recv_psum)
+
+    def _flush(self, seq: int, psum: Optional[Array]) -> None:
+        """Puts only: send the staged rows and meta rows, ``psum`` (int32 ``[R]``) the inclusive prefix sum of the
+        rows per destination."""
+        if self.transport.use_puts:
+            with self.profile.phase("dispatch", "puts"):
+                self.transport.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
+
+    def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
+        """``request`` with ``x`` and ``topk_weights`` C-contiguous (itself when they are)."""
+        x, weights = self._contiguous(request.x), self._contiguous(request.topk_weights)
+        if x is request.x and weights is request.topk_weights:
+            return request
+        return dataclasses.replace(request, x=x, topk_weights=weights)
 
     def _dispatch_new(self, seq: int, request: DispatchRequest, hooked: bool) -> Callable[[], DispatchOutput]:
-        """The send half of a dispatch of a new routing; returns its receive half."""
-        k, stable = self.kernels, self.deterministic
-        with self.profile.phase("dispatch", "count"):
-            send = k.count(request.topk_idx, stable=stable)
-        routing = Routing(request.topk_idx, send.is_token_in_rank, send.slot_idx)
-        self._send(seq, request, routing, SLOT_STABLE if stable else SLOT_ATOMIC, send.rank_psum)
-        self._signal("dispatch", seq, hooked, send.count_words)
-        return functools.partial(self._receive_new, request, routing, hooked)
+        """The send half of a dispatch of a new routing; returns its receive half.
 
-    def _receive_new(self, request: DispatchRequest, routing: Routing, hooked: bool) -> DispatchOutput:
-        """The receive half of a dispatch of a new routing: counts, then the rows into new outputs."""
+        One allocation before the first launch: the int32 block of the receive count (``Kernels.recv_words``) and
+        of the count (``Kernels.send_words``); count and scatter run as one launch plan (ids out of range or named
+        twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
+        k, stable, xp = self.kernels, self.deterministic, self.xp
+        request = self._contiguous_request(request)
+        idx, x, weights = request.topk_idx, request.x, request.topk_weights
+        if self.capture.active:  # a replay's verdict is reported by this rank's next call (CapturePolicy)
+            with self.profile.phase("dispatch", "check"):
+                k.check_routing(idx, into=self.capture.checks)
+        num_tokens = idx.shape[0]
+        block = xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
+        send_block = block[k.recv_words:]
+        mode = SLOT_STABLE if stable else SLOT_ATOMIC
+
+        def count_and_scatter() -> None:
+            with self.profile.phase("dispatch", "count"):
+                send = k.count(idx, stable=stable, block=send_block)
+            self._scatter(request, Routing(idx, send.is_token_in_rank, send.slot_idx), mode)
+
+        key = ("send", num_tokens, idx.dtype.char, x.dtype.char, x.shape[1], weights is not None, stable)
+        self._planned(key, (idx, x, block) if weights is None else (idx, x, block, weights), count_and_scatter)
+        send = k.send_layout(send_block, num_tokens)
+        self._flush(seq, send.rank_psum)
+        self._signal("dispatch", seq, hooked, send.count_words)
+        routing = Routing(idx, send.is_token_in_rank, send.slot_idx)
+        return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
+
+    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool) -> DispatchOutput:
+        """The receive half of a dispatch of a new routing: counts (into ``block``, int32 ``[recv_words]``, and the
+        mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the routing error of any
+        rank's bad verdict (every rank raises it here, in step), else the exact outputs; without it the next call
+        checks the verdicts."""
         k, stable = self.kernels, self.deterministic
         self._wait("dispatch", hooked, with_counts=True)
-        with self.profile.phase("dispatch", "receive_count"):
-            recv = k.receive_count(self._own_counts, self._own_meta, self.transport.step,
-                                   alignment=request.expert_alignment, expand=request.expand, stable=stable)
+
+        def receive_count() -> None:
+            with self.profile.phase("dispatch", "receive_count"):
+                k.receive_count(self._own_counts, self._own_meta, self.transport.step, alignment=request.expert_alignment,
+                                expand=request.expand, stable=stable, block=block, record=self._record)
+
+        self._planned(("receive_count", request.expand, request.expert_alignment, stable), (block,), receive_count)
+        recv = k.receive_layout(block)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
+        step = self.steps.latest
         if request.cpu_sync:
-            with self.profile.phase("dispatch", "host sync"):
-                (num_recv, num_expanded), aligned = self.device.read_int32(recv.totals, recv.num_aligned_per_expert)
-            self._after_host_wait("dispatch")
-            counts = (int(num_recv), int(num_expanded), [int(c) for c in aligned])
+            self._check_arrival(self.device.progress(), "dispatch")
+            error = self._verdict(step)
+            if error is not None:
+                raise error
+            _, num_recv, num_expanded, _, aligned = read_record(self._record_host.tolist(), self.geo.num_ranks,
+                                                                self.geo.experts_per_rank)
+            counts = (num_recv, num_expanded, aligned)
         else:
+            if not self.capture.active:  # a captured dispatch's verdict: CapturePolicy.raise_for_checks
+                self._unchecked = (self.device.progress(), step)
             counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
         return self._receive(request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
                              counts, None, PLACE_STABLE if stable else PLACE_ATOMIC)
@@ -393,32 +496,40 @@ class NvshmemBackend:
         exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
         scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
         them."""
-        h = request.handle
+        h, request = request.handle, self._contiguous_request(request)
         psum = h.psum_num_recv_tokens_per_rank
-        send_psum = self._derived(h, "send_psum", _send_psum) if self.transport.use_puts else None
         if request.cpu_sync:
             counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
                       [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
             counts = self._derived(h, "device_counts", _device_counts)
-        outputs = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
+        outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
         local = None if request.expand else (outputs[0], psum)
-        self._send(seq, request, h.routing, SLOT_CACHED, send_psum, local)
+        x, weights = request.x, request.topk_weights
+        roots = (x, h.topk_idx, h.dst_buffer_slot_idx) + ((block, psum) if local else ()) + (
+            (weights,) if weights is not None else ())
+        key = ("cached send", x.shape, x.dtype.char, h.topk_idx.dtype.char, weights is not None,
+               None if local is None else outputs[0].shape)
+        self._planned(key, roots, lambda: self._scatter(request, h.routing, SLOT_CACHED, local))
+        if self.transport.use_puts:
+            self._flush(seq, self._derived(h, "send_psum", _send_psum))
         self._signal("dispatch", seq, hooked)
-        return functools.partial(self._receive_cached, request, counts, outputs, hooked)
+        return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
 
     def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool) -> DispatchOutput:
         """The receive half of a replay: the rows into the ``outputs`` allocated before the send."""
         h = request.handle
         psum = h.psum_num_recv_tokens_per_rank
         self._wait("dispatch", hooked, with_counts=False)
+        arrived = self.device.progress() if request.cpu_sync else None
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
-        if request.cpu_sync:
-            self._sync_and_check("dispatch")
         layout = (psum, h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert)
-        return self._receive(request, h.routing, layout, counts, h.recv_src_metadata, PLACE_CACHED, outputs=outputs,
-                             skip_source=-1 if request.expand else self.rank)
+        out = self._receive(request, h.routing, layout, counts, h.recv_src_metadata, PLACE_CACHED, outputs=outputs,
+                            skip_source=-1 if request.expand else self.rank)
+        if arrived is not None:
+            self._check_arrival(arrived, "dispatch")
+        return out
 
     def _derived(self, h: EPHandle, name: str, derive: Any) -> Any:
         """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture
@@ -439,18 +550,26 @@ class NvshmemBackend:
         ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
         ``counts``: ``(received rows, expanded rows, aligned counts [L])``, host values with
         ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
-        reused), or None; ``outputs``: what :meth:`_alloc_outputs` gave before the send, or None;
+        reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
         ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1."""
+        (compact only), or -1. With ``cpu_sync=False`` (worst-case shapes) the copy is a launch plan."""
         rank_psum, expert_psum, unaligned = layout
-        if outputs is None:
-            outputs = self._alloc_outputs(request, counts[:2], recorded)
-        recv_x, recv_idx, recv_w, metadata = outputs
-        with self.profile.phase("dispatch", "receive_copy"):
-            self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, recv_x,
-                                      recv_idx, recv_w, metadata, expand=request.expand, mode=mode,
-                                      expert_psum=expert_psum, alignment=request.expert_alignment,
-                                      zero_padding=request.zero_padding, skip_source=skip_source)
+        (recv_x, recv_idx, recv_w, metadata), block = (
+            outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded))
+
+        def receive_copy() -> None:
+            with self.profile.phase("dispatch", "receive_copy"):
+                self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, recv_x,
+                                          recv_idx, recv_w, metadata, expand=request.expand, mode=mode,
+                                          expert_psum=expert_psum, alignment=request.expert_alignment,
+                                          zero_padding=request.zero_padding, skip_source=skip_source)
+
+        if request.cpu_sync:  # exact output shapes change from call to call: no plan
+            receive_copy()
+        else:
+            key = ("receive copy", request.expand, request.expert_alignment, request.zero_padding, mode, skip_source,
+                   recv_x.shape, recv_x.dtype.char, request.topk_weights is not None)
+            self._planned(key, (rank_psum, expert_psum, block), receive_copy)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, metadata, counts[0], counts[1],
                             int(recv_x.shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
@@ -460,23 +579,25 @@ class NvshmemBackend:
         return DispatchOutput(recv_x, recv_idx, recv_w if with_weights else None, handle)
 
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
-        """``(recv_x [rows, W], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K])``, not yet
-        filled; ``W`` is the payload's width (``request.x.shape[1]``: H, or fewer elements for packed FP8
-        rows, whose words the scatter and receive kernels copy as they copy any row's); ids/weights are
-        ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none were given)."""
-        xp, geo, expand = self.xp, self.geo, request.expand
+        """``((recv_x [rows, W], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K]), block)``, not yet
+        filled, carved from ``block``, one allocation; ``W`` is the payload's width (``request.x.shape[1]``: H, or
+        fewer elements for packed FP8 rows, whose words the scatter and receive kernels copy as they copy any
+        row's); ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none
+        were given)."""
+        geo, expand = self.geo, request.expand
         with self.profile.phase("dispatch", "alloc outputs"):
             n_out, rows = geo.output_rows(exact if request.cpu_sync else None, expand, request.expert_alignment)
             ids_shape = (rows,) if expand else (rows, geo.num_topk)
-            recv_x = xp.empty((rows, request.x.shape[1]), dtype=geo.dtype)
-            recv_idx = xp.empty(ids_shape, dtype=xp.int64)
-            recv_w = (xp.empty(ids_shape, dtype=xp.float32) if request.topk_weights is not None
-                      else self._scratch_weights(ids_shape))
-            metadata = xp.empty((n_out, 2 + geo.num_topk), dtype=xp.int32)
+            weighted = request.topk_weights is not None
+            shapes = [((rows, request.x.shape[1]), geo.dtype), (ids_shape, np.int64),
+                      ((n_out, 2 + geo.num_topk), np.int32)] + ([(ids_shape, np.float32)] if weighted else [])
+            arrays, block = self.device.carve(shapes)
+            recv_x, recv_idx, metadata = arrays[:3]
+            recv_w = arrays[3] if weighted else self._scratch_weights(ids_shape)
             if recorded is not None and expand:
                 m = min(n_out, recorded.shape[0])
                 metadata[:m] = recorded[:m]
-        return recv_x, recv_idx, recv_w, metadata
+        return (recv_x, recv_idx, recv_w, metadata), block
 
     def _scratch_weights(self, shape: tuple) -> Array:
         """A float32 array of ``shape`` for the weights the kernels write when nobody asked for them: one
@@ -501,9 +622,13 @@ class NvshmemBackend:
 
     def _combine(self, seq: int, request: CombineRequest, hooked: bool) -> Callable[[], CombineOutput]:
         """The send half of a combine; returns its receive half."""
-        weights = self._contiguous(request.topk_weights)
-        y = self._contiguous(request.y)
-        self._combine_send(seq, request.handle, y, weights)
+        h, weights, y = request.handle, self._contiguous(request.topk_weights), self._contiguous(request.y)
+        key = ("combine send", y.shape, y.dtype.char, h.expand, None if weights is None else weights.shape)
+        roots = (y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank) + ((weights,) if weights is not None else ())
+        with self.profile.phase("combine", "send"):
+            self._planned(key, roots, lambda: self._combine_send(h, y, weights))
+            self.transport.flush(self.kernels.stream, seq % 2, h.psum_num_recv_tokens_per_rank,
+                                 with_meta=weights is not None)
         self._signal("combine", seq, hooked)
         return functools.partial(self._combine_receive, request, y, weights, hooked)
 
@@ -512,48 +637,55 @@ class NvshmemBackend:
         """The receive half of a combine: the wait, then the reduce (with this rank's own rows from ``y``)."""
         h = request.handle
         self._wait("combine", hooked, with_counts=False)
+        arrived = self.device.progress() if h.cpu_sync else None
         with self.profile.phase("combine", "reduce"):
             x, back = self._combine_reduce(h, y, request.bias_terms, weights is not None)
-        if h.cpu_sync:
-            self._sync_and_check("combine")
+        if arrived is not None:
+            self._check_arrival(arrived, "combine")
         return CombineOutput(x, back)
 
-    def _combine_send(self, seq: int, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
+    def _combine_send(self, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
         """The rows of ``y`` back to their sources' buffers (compact: those of other sources only, the reduce
-        reads this rank's own from ``y``), the weights' return route, then the puts, if any (with puts the
-        block of this rank's own compact rows is put too, unwritten and never read)."""
+        reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
+        the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
-        with self.profile.phase("combine", "send"):
-            k.combine_send(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
-                           step=t.send_step, ahead=t.send_ahead, expand=h.expand,
-                           weights=weights if h.expand else None)
-            if weights is not None:
-                bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
-                weight_return.send_weights(k.stream, bits, h.expand, h.recv_src_metadata,
-                                           h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
-                                           step=t.send_step, ahead=t.send_ahead, max_blocks=k.num_blocks)
-            t.flush(k.stream, seq % 2, h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
+        k.combine_send(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
+                       step=t.send_step, ahead=t.send_ahead, expand=h.expand, weights=weights if h.expand else None)
+        if weights is not None:
+            bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
+            weight_return.send_weights(k.launcher, bits, h.expand, h.recv_src_metadata,
+                                       h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
+                                       step=t.send_step, ahead=t.send_ahead, max_blocks=k.num_blocks)
 
     def _combine_reduce(self, h: EPHandle, y: Array, bias_terms: Sequence[Array], with_weights: bool) -> tuple:
         """``(x [T, H], gathered weights [T, K] float32 or None)`` from the rows every rank sent back and,
-        in compact mode, this rank's own rows straight from ``y``."""
+        in compact mode, this rank's own rows straight from ``y``: one allocation for both, one launch plan."""
         xp, geo, t, k = self.xp, self.geo, self.transport, self.kernels
-        x = xp.empty((h.num_tokens, geo.hidden), dtype=geo.dtype)
+        terms = tuple(_bias_term(xp, b) for b in bias_terms)
+        shapes = [((h.num_tokens, geo.hidden), geo.dtype)] + (
+            [((h.num_tokens, geo.num_topk), np.float32)] if with_weights else [])
+        arrays, block = self.device.carve(shapes)
+        x, back = arrays[0], arrays[1] if with_weights else None
         own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
-        k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
-                         bias=[_bias_term(xp, b) for b in bias_terms], **own)
-        if not with_weights:
-            return x, None
-        back = xp.empty((h.num_tokens, geo.num_topk), dtype=xp.float32)
-        weight_return.gather_weights(k.stream, self._own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
-                                     back.view(xp.int32), experts_per_rank=geo.experts_per_rank,
-                                     my_rank=self.rank, max_blocks=k.num_blocks)
+
+        def reduce() -> None:
+            k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
+                             bias=list(terms), **own)
+            if with_weights:
+                weight_return.gather_weights(k.launcher, self._own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
+                                             back.view(xp.int32), experts_per_rank=geo.experts_per_rank,
+                                             my_rank=self.rank, max_blocks=k.num_blocks)
+
+        key = ("combine reduce", h.num_tokens, h.topk_idx.dtype.char, h.expand, with_weights,
+               None if h.expand else y.shape, tuple(b.dtype.char for b in terms))
+        roots = (h.dst_buffer_slot_idx, h.topk_idx, block) + (() if h.expand else (y, own["recv_rank_psum"])) + terms
+        self._planned(key, roots, reduce)
         return x, back
 
     # ------------------------------------------------------------------- close
     def _close_step(self, seq: int) -> None:
         self._signal_and_wait("close", seq)
-        self._sync_and_check("close")
+        self._check_arrival(self.device.progress(), "close")
 
     def close(self) -> None:
         """Collective close with a bounded wait after a clean run; after any failure (this rank's timeout or

@@ -233,11 +233,22 @@ class Kernels:
     def num_local(self) -> int:
         return self.num_experts // self.num_ranks
 
+    @property
+    def prebound(self) -> bool:
+        """Whether kernels launch pre-bound (a GPU, not ``EP_COMM_NUMBA_LAUNCH=1``): then launch plans can be made."""
+        return self._launch_device is not None
+
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
         bound = bound_launch(kernel, self._launch_device)
         grid, stream = blocks or self.num_blocks, self.stream
         return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
+
+    def launcher(self, kernel: Any, blocks: int, threads: int) -> Callable[..., None]:
+        """``launcher(kernel, blocks, threads)(*args)``: launch another module's ``kernel`` as these kernels launch
+        theirs (pre-bound on a GPU, on :attr:`stream`, no dynamic shared memory)."""
+        bound, stream = bound_launch(kernel, self._launch_device), self.stream
+        return lambda *args: bound(blocks, threads, stream, 0, *args)
 
     def _blocks_for(self, warps: int, cap: int) -> int:
         """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride

@@ -1,0 +1,180 @@
+"""Launch plans: the kernel launches of one call shape, recorded once, then replayed with new data pointers.
+
+An eager call of a Buffer launches the same kernels with the same shapes, scalars and grids at every call of
+one shape (token count, mode, options); only the data pointers of its per-call arrays change (the caller's
+``x`` and ``topk_idx``, the call's outputs and scratch). A :class:`LaunchPlan` is built from one recorded call
+(:func:`ep_comm.launching.bound.recording`): per launch the compiled function, the launch configuration and a
+parameter block with every slot filled; for each array parameter that lies inside one of the call's *roots*
+(the per-call arrays the caller names) the root's index and the byte offset. A replay writes
+``root pointer + offset`` into those slots and launches, one driver call per kernel
+(:func:`ep_comm.launching.raw.launch`): no argument typing, no views, no allocation.
+
+Every array parameter outside the roots is taken as long-lived (workspaces, symmetric-heap views, stand-ins):
+the plan holds a reference to it. A caller must therefore name as roots every array a call makes or is
+given: :class:`Plans` refuses to plan a call that allocated anything through the array module's allocator
+outside its roots (``allocations``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+
+from cuda.bindings.driver import CUstream
+
+from . import raw
+from .bound import ParamBlock, Recorded, _ArraySlot, _TupleSlot, array_fields, recording
+
+__all__ = ["LaunchPlan", "Plans", "build_plan"]
+
+_DATA = 4  # index of the data pointer among an array parameter's words (bound.py: meminfo, parent, nitems, itemsize)
+
+PointerSlot = Tuple[Any, int, int]  # (ctypes words of one array parameter, root index, byte offset in the root)
+
+
+class _Launch:
+    """One recorded launch: function, configuration, its parameter block and the block's per-call pointers."""
+
+    __slots__ = ("function", "grid", "block", "shared", "params", "pointers", "name")
+
+    def __init__(self, function: Any, config: Tuple[int, int, int], params: ParamBlock,
+                 pointers: Tuple[PointerSlot, ...], name: str):
+        self.function = function
+        self.grid, self.block, self.shared = config
+        self.params = params
+        self.pointers = pointers
+        self.name = name
+
+
+class LaunchPlan:
+    """The launches of one recorded call; :meth:`__call__` replays them with new root pointers.
+
+    ``held``: the long-lived arrays the parameter blocks point into (kept alive with the plan).
+    """
+
+    __slots__ = ("launches", "held")
+
+    def __init__(self, launches: Sequence[_Launch], held: Sequence[Any]):
+        self.launches = tuple(launches)
+        self.held = tuple(held)
+
+    def __len__(self) -> int:
+        return len(self.launches)
+
+    def __call__(self, on: CUstream, roots: Sequence[int]) -> None:
+        """Launch every kernel of the plan on stream ``on``, in recorded order, each root ``i``'s arrays now at
+        ``roots[i]`` (device addresses)."""
+        for launch in self.launches:
+            for words, root, offset in launch.pointers:
+                words[_DATA] = roots[root] + offset
+            raw.launch(launch.function, launch.grid, launch.block, launch.shared, on, launch.params.address,
+                       launch.name)
+
+
+def _spans(roots: Sequence[Any]) -> List[Tuple[int, int]]:
+    """``(first byte, past the last byte)`` of every root (empty roots: an empty span that matches nothing)."""
+    spans = []
+    for root in roots:
+        ptr, shape, _, itemsize = array_fields(root)
+        size = itemsize
+        for extent in shape:
+            size *= extent
+        spans.append((ptr, ptr + size))
+    return spans
+
+
+def _array_params(slots: Sequence[Any], args: Sequence[Any]) -> Iterator[Tuple[_ArraySlot, Any]]:
+    """Every (array slot, array argument) pair of a parameter block and its arguments, tuples flattened."""
+    for slot, arg in zip(slots, args):
+        if isinstance(slot, _TupleSlot):
+            yield from _array_params(slot.items, arg)
+        elif isinstance(slot, _ArraySlot):
+            yield slot, arg
+
+
+def _root_of(ptr: int, spans: Sequence[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+    """``(root index, offset)`` of the root whose bytes hold address ``ptr``, or None."""
+    for i, (first, end) in enumerate(spans):
+        if first <= ptr < end:
+            return i, ptr - first
+    return None
+
+
+def build_plan(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[LaunchPlan]:
+    """The :class:`LaunchPlan` of a recorded call whose per-call arrays are ``roots``; None where a launch of
+    it could not be bound (it went through Numba's dispatcher) or nothing was launched.
+
+    Args:
+        records: the ``(plan, config, args)`` of every launch of the call (:func:`~ep_comm.launching.bound.recording`).
+        roots: the call's per-call arrays (CuPy or CUDA-array-interface), C-contiguous.
+    """
+    if not records:
+        return None
+    spans = _spans(roots)
+    launches, held = [], []
+    for bound_plan, config, args in records:
+        params = None if bound_plan is None else bound_plan.block()
+        if params is None or not params.patch(args):
+            return None
+        pointers = []
+        for slot, arg in _array_params(params.items, args):
+            found = _root_of(int(slot.store[_DATA]), spans)
+            if found is None:
+                held.append(arg)
+            else:
+                pointers.append((slot.store, *found))
+        launches.append(_Launch(bound_plan.function, config, params, tuple(pointers), f"kernel {bound_plan.name}"))
+    return LaunchPlan(launches, held)
+
+
+_UNPLANNED = object()  # a key whose calls cannot be planned: they always run their recorded path
+
+
+class Plans:
+    """The launch plans of one owner (a backend's Kernels), by call key.
+
+    Args:
+        enabled: False (the CUDA simulator, ``EP_COMM_NUMBA_LAUNCH=1``): every call runs its path, nothing is
+            recorded.
+        allocations: ``held -> context`` in which every allocation through the array module is appended to
+            ``held`` (``CupyDevice.allocations_into``), or None: a call that allocates outside its roots is then
+            not detected.
+    """
+
+    def __init__(self, enabled: bool, allocations: Optional[Callable[[List[Any]], Any]] = None):
+        self.enabled = enabled
+        self._allocations = allocations
+        self._plans: Dict[Hashable, Any] = {}
+        self.built = 0  # plans built so far (a first call at a new shape builds one)
+
+    def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[[], None]) -> None:
+        """One call of shape ``key``: replay its plan with ``roots``' pointers on stream ``on``; the first call
+        runs ``path()`` (the launches through ``Kernels``, on the same stream) and builds the plan from it.
+
+        Args:
+            key: everything the launches' shapes, scalars and grids depend on.
+            on: the stream (``raw.stream(handle)``).
+            roots: the call's per-call arrays, in the same order at every call of ``key``; each C-contiguous.
+            path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
+        """
+        plan = self._plans.get(key)
+        if plan is not None and plan is not _UNPLANNED:
+            plan(on, [r.data.ptr for r in roots])
+            return
+        if not self.enabled or plan is _UNPLANNED:
+            path()
+            return
+        self._plans[key] = self._record(roots, path)
+
+    def _record(self, roots: Sequence[Any], path: Callable[[], None]) -> Any:
+        """Run ``path`` recording its launches; its plan, or ``_UNPLANNED``."""
+        allocated: List[Any] = []
+        with recording() as seen:
+            if self._allocations is None:
+                path()
+            else:
+                with self._allocations(allocated):
+                    path()
+        plan = None if allocated else build_plan(seen, roots)
+        if plan is None:
+            return _UNPLANNED
+        self.built += 1
+        return plan
