@@ -22,6 +22,7 @@ from numba.cuda.np.numpy_support import strides_from_shape
 from ep_comm.launching import bound as bound_module
 from ep_comm.launching import raw as raw_module
 from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, array_fields, c_strides, param_slot
+from ep_comm.launching.plans import Plans
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -368,3 +369,49 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
         run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
     assert len(set(map(int, raw_launches))) >= 6
+
+
+# ------------------------------------------------------------------ launch plans (ep_comm.launching.plans)
+def _two_launches(bound, first, second):
+    """A call's launches: a view of the call's root, then a long-lived array."""
+    return lambda: (bound(4, 64, "s", 0, first, 3, True), bound(2, 32, "s", 16, second, 5, False))
+
+
+def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driver):
+    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    fixed = FakeCupyArray(0x9000, (6,), np.int32)
+    plans, on = Plans(enabled=True), raw_module.stream(0x5)
+    root = FakeCupyArray(0x1000, (64,), np.int32)
+    plans.run("key", on, (root,), _two_launches(bound, FakeCupyArray(0x1010, (6,), np.int32), fixed))
+    assert plans.built == 1 and len(driver.launches) == 1  # the first launch of a kind goes through Numba
+    del driver.launches[:]
+    later = FakeCupyArray(0x7000, (64,), np.int32)
+    plans.run("key", on, (later,), lambda: pytest.fail("a planned call must not run its path"))
+    assert driver.launches == [raw((FakeCupyArray(0x7010, (6,), np.int32), 3, True), 4, 64),
+                               raw((fixed, 5, False), 2, 32, 16)]
+
+
+def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_planned(driver):
+    allocating = Plans(enabled=True, allocations=lambda held: _appending(held))
+    cooperative = BoundLaunch(FakeDispatcher(dict(cooperative=True)), to_numba=lambda a: a)
+    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    arrays = (FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32))
+    runs = []
+    for plans, launch in ((allocating, bound), (Plans(enabled=True), cooperative), (Plans(enabled=False), bound)):
+        for _ in range(2):
+            plans.run("key", raw_module.stream(0x5), arrays[:1], lambda: runs.append(_two_launches(launch, *arrays)()))
+        assert plans.built == 0
+    assert len(runs) == 6  # every call ran its own launches
+
+
+class _appending:
+    """An allocator hook that reports one allocation."""
+
+    def __init__(self, held):
+        held.append("an allocation")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
