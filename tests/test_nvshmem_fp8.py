@@ -13,7 +13,8 @@ from ep_comm.dtypes import payload_dtype
 from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.routing import mask_routing, uniform_routing
 from ep_comm.validate import Geometry
-from test_nvshmem_host import _compare, dispatch, simulated_backend
+from helpers.fake_gpu import simulated_backend
+from test_nvshmem_host import _compare, dispatch
 
 pytestmark = pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 

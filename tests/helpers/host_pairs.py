@@ -37,7 +37,7 @@ import ep_comm.buffer as buffer_module  # noqa: E402
 from ep_comm.kernels.check import routing_check_kernel  # noqa: E402
 from ep_comm.launching import bound  # noqa: E402
 from ep_comm.testing.routing import uniform_routing  # noqa: E402
-from test_nvshmem_host import simulated_backend  # noqa: E402
+from helpers.fake_gpu import simulated_backend  # noqa: E402
 
 
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",

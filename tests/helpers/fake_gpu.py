@@ -1,0 +1,152 @@
+"""The fake GPU of the nvshmem backend's host-side tests: a loopback transport (one rank, its own only peer) and a
+host device (NumPy arrays, no streams): ``simulated_backend`` runs the backend's real call sequence with the kernels
+in the Numba CUDA simulator (or stubbed by the test)."""
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+from mpi4py import MPI
+
+from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.nvshmem import NvshmemBackend
+from ep_comm.launching.views import symmetric_views, word_dtype
+from ep_comm.symmetric import ABORT_WORDS, SymmetricLayout
+from ep_comm.transport.staging import staged_destinations, staging_bytes
+
+
+class LoopbackTransport:
+    """``NvshmemTransport`` for one rank on host arrays: the rank is its own only peer."""
+
+    device = None  # no GPU: arrays are not checked for theirs
+
+    def __init__(self, sym, word, use_puts: bool):
+        self.sym, self.use_puts, self.rank = sym, use_puts, 0
+        self.buffer = np.zeros(sym.total_bytes + (staging_bytes(sym) if use_puts else 0), np.uint8)
+        self.own = symmetric_views(self.buffer[: sym.total_bytes], sym, word)
+        self.missing = []
+        self.step = np.zeros(1, np.int64)
+        self.send_step = np.zeros(1, np.int64) if use_puts else self.step
+        self.send_ahead = 0 if use_puts else 1
+        if use_puts:
+            t = sym.max_tokens
+            stage = self.buffer[sym.total_bytes:]
+            rows_bytes = t * sym.row_bytes
+            self.stage_rows = stage[:rows_bytes].view(word).reshape(1, t, -1)
+            self.stage_meta = stage[rows_bytes:].view(np.int32).reshape(1, t, -1)
+            self.rows, self.meta = staged_destinations(self.stage_rows, self.stage_meta, 1)
+        else:
+            self.rows, self.meta = (self.own.rows,), (self.own.meta,)
+        self.aborts = self.buffer[sym.abort_offset: sym.abort_offset + sym.abort_bytes].view(np.int64).reshape(
+            1, ABORT_WORDS)
+        self.closed_collectively = None
+
+    def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
+        """What ``put_blocks`` does for one rank: staged block 0 -> region [parity][0]."""
+        if self.use_puts:
+            n = int(psum[0])
+            self.own.rows[parity, 0, :n] = self.stage_rows[0, :n]
+            if with_meta:
+                self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
+
+    def exchange(self, stream, seq: int, kind: int, timeout_s: float, counts=None) -> None:
+        """Signal, then wait (one launch on peer stores): the rank's own signal is the only one."""
+        self.signal(stream, seq, kind, counts)
+        self.wait(kind, timeout_s, counts is not None)
+
+    def signal(self, stream, seq: int, kind: int, counts=None) -> None:
+        """The step's signal (and counts) to the rank itself."""
+        self.step[0] += 1
+        assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
+        if counts is not None:
+            self.own.counts[seq % 2, 0] = counts[0]
+        self.own.signal[0] = int(self.step[0]) << 2 | kind
+
+    def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
+        """The wait for the step the counter holds: the rank's own signal arrived unless it was never sent."""
+        seq = int(self.step[0])
+        got = int(self.own.signal[0])
+        if not (got == seq << 2 | kind or got >= (seq + 1) << 2):
+            self.missing = [0]
+
+    def wait_state(self):
+        return self.missing, bool(self.aborts[:, 0].any())
+
+    def post_abort(self, record) -> None:
+        """The rank is its own only peer: nobody to tell."""
+
+    def abort_table(self):
+        return self.aborts
+
+    def close(self, collective: bool) -> None:
+        self.closed_collectively = collective
+
+
+class HostDevice:
+    """``CupyDevice`` on the host: no streams, no events, reads are copies."""
+
+    xp = np
+
+    def kernel_array(self, a):
+        return a
+
+    def stream(self):
+        return 0
+
+    def launching(self):
+        return nullcontext()
+
+    capturing_now = False
+
+    def synchronize(self) -> None:
+        pass
+
+    def mapped_int64(self, count: int, fill: int):
+        words = np.full(count, fill, np.int64)
+        return words, words
+
+    @contextmanager
+    def allocations_into(self, held):
+        held.append("the allocations of a captured call")
+        yield
+
+    def capturing(self) -> bool:
+        return self.capturing_now
+
+    @staticmethod
+    def carve(shapes):
+        arrays = [np.empty(shape, dtype) for shape, dtype in shapes]
+        return arrays, np.empty(0, np.uint8)
+
+    def handle(self) -> int:
+        return 0
+
+    polls = 0  # progress markers polled (the GPU is done with everything at once here)
+
+    def progress(self):
+        return "everything so far"
+
+    def reached(self, marker) -> bool:
+        self.polls += 1
+        return True
+
+    def event(self):
+        return None
+
+    current_stream = 0  # what a mark is taken on: a test sets another to call a hook "on another stream"
+
+    def mark(self):
+        self.marks = getattr(self, "marks", 0) + 1
+        return self.current_stream, f"event {self.marks}"
+
+    def wait_for(self, mark) -> None:
+        if mark[0] != self.current_stream:
+            self.waited = getattr(self, "waited", []) + [mark[1]]
+
+
+def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False):
+    """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator."""
+    sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
+                          geo.experts_per_rank)
+    transport = LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
+    settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
+    return NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
+                          launch=dict(num_blocks=2, warps_per_block=2))
