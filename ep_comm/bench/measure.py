@@ -1,4 +1,5 @@
-"""One rank's part of a benchmark point: inputs, the round-trip check, counts and timings.
+"""The pieces of one rank's benchmark point: inputs, payloads, timers, the round-trip check and the CUDA-graph
+replays (:mod:`ep_comm.bench.point` runs the point with them).
 
 The round trip is ``combine(dispatch(x).recv_x)`` without weights; its expected result
 (``ep_comm.testing.expected_round_trip``, the reference arithmetic of ``ep_comm.reduce``) is compared
