@@ -248,7 +248,7 @@ def test_bench_expand_sweep_zipf_four_ranks(tmp_path):
         assert point["check_passed"], point["failures"]
         assert all(e % 4 == 0 and e >= r for e, r in zip(point["expanded_rows"], point["recv_rows"]))
         assert point["first_round_trip_s"] > 0
-        assert set(point["host_us"]) == {"dispatch_cached_async", "combine"}
+        assert set(point["host_us"]) == {"dispatch_cached_async", "combine", "dispatch_new_async"}
         assert all(len(v["p50_per_rank"]) == 4 and v["p50"] > 0 for v in point["host_us"].values())
 
 

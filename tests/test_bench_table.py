@@ -70,6 +70,22 @@ def test_the_same_run_device_copy_is_the_last_column(recorded, tmp_path):
     assert header.endswith("| same-run device copy p50 (us) |") and row.endswith(" | 38.8 |")
 
 
+def test_the_eager_columns_set_each_eager_operation_against_its_graph_replay(recorded, tmp_path):
+    result = json.loads(json.dumps(recorded))
+    point = result["points"][0]
+    lat = point["latency_us"]
+    point["graph_us"] = {"dispatch_new": {"p50": lat["dispatch"]["p50"] / 4},
+                         "dispatch": {"p50": lat["dispatch_cached"]["p50"] / 2}}
+    done = table(write(tmp_path / "a.json", result))
+    assert done.returncode == 0, done.stderr
+    header, _, first, second = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    column = header.index("eager / graph p50: dispatch new / cached / combine")
+    assert first[column] == "4.0x / 2.0x / -" and second[column] == "", "no combine replay; no graphs in point 2"
+    assert first[header.index("first call (us)")] == f"{point['first_call_us']:.1f}"
+    assert "eager cached dispatch p50 / p99 (us)" in header
+    assert first[header.index("host us per call: dispatch cached / new / combine")].count(" / ") == 2
+
+
 @pytest.mark.parametrize("meta, message", [
     (dict(git_commit="fedcba9876543210fedcba9876543210fedcba98"), "git_commit='fedcba98"),
     (dict(gpu="NVIDIA H100"), "gpu='NVIDIA H100' but"),

@@ -52,6 +52,13 @@ def test_routing_table_is_read(tmp_path):
     assert (cfg.routing.kind, cfg.routing.zipf_s, cfg.routing.seed) == ("zipf", 1.5, 7)
 
 
+def test_max_tokens_per_rank_defaults_to_4096_or_tokens_per_rank(tmp_path):
+    assert load_config(write(tmp_path, GOOD)).max_tokens_per_rank == 4096
+    assert load_config(write(tmp_path, GOOD + "max_tokens_per_rank = 64\n")).max_tokens_per_rank == 64
+    big = GOOD.replace("tokens_per_rank = 32", "tokens_per_rank = 8192")
+    assert load_config(write(tmp_path, big)).max_tokens_per_rank == 8192
+
+
 def test_unknown_name_lists_known_configs():
     with pytest.raises(ConfigError, match=r"'no_such_model'.*cpu_demo"):
         load_config("no_such_model")
@@ -77,6 +84,8 @@ def test_missing_file_path():
         (GOOD + "[routing]\nzipf_s = 0\n", r"routing.zipf_s = 0: must be a number > 0"),
         (GOOD + "[routing]\nhot_expert = 8\n", r"routing.hot_expert = 8: must be < num_experts = 8"),
         (GOOD + "routing = 3\n", r"routing = 3: must be a table"),
+        (GOOD + "max_tokens_per_rank = 0\n", r"max_tokens_per_rank = 0: must be a positive integer"),
+        (GOOD + "max_tokens_per_rank = 16\n", r"max_tokens_per_rank = 16: must not be below tokens_per_rank = 32"),
         ('name = "other"\n' + GOOD, r"name = 'other': must equal the file name 'shape'"),
         (GOOD + "hidden = [\n", r"not valid TOML"),
     ],

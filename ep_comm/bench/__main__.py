@@ -10,6 +10,7 @@ from ep_comm.cli import ArgumentParser, exit_collectively, int_at_least, int_lis
 from ep_comm.testing.routing import KINDS
 
 token_list = int_list("token counts", 1, "128,512,4096")
+SWEEP_TOKENS = [1, 16, 64, 128, 512, 4096]  # --sweep without a list: decode to prefill sizes
 TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem puts on the nvshmem backend
 
 
@@ -44,7 +45,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
     p.add_argument("--seed", type=int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
     p.add_argument("--tokens", type=int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")
-    p.add_argument("--sweep", type=token_list, help="comma-separated tokens per rank to run one after another")
+    p.add_argument("--sweep", type=token_list, nargs="?", const=SWEEP_TOKENS, metavar="LIST",
+                   help="one point per token count of LIST (comma-separated tokens per rank; without LIST "
+                        f"{','.join(map(str, SWEEP_TOKENS))}), one after another on one Buffer sized for the largest; "
+                        "the report ends with the sweep table (eager p50/p99 per operation, host us per call, first "
+                        "call at each count) and the JSON gets a 'sweep' list. Counts above the config's "
+                        "max_tokens_per_rank are refused")
     p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per point (default: 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
@@ -67,6 +73,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: skip the CUDA graph replays of the cached cpu_sync=False dispatch and its combine "
                         "(needed with --transport puts, which cannot be captured)")
+    p.add_argument("--busy-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU: per point, queue a 1 ms spin kernel, then a cached cpu_sync=False dispatch and its "
+                        "combine; report the host time until both returned (hidden_sync: above 0.5 ms) and the GPU "
+                        "total against 1 ms + the pair's graph replays (default: on; the mpi backend reports it "
+                        "skipped)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")

@@ -10,6 +10,8 @@ A config file holds the MoE layer shape and optional routing defaults::
     num_topk = 4
     tokens_per_rank = 256
     dtype = "bfloat16"           # float32 | float16 | bfloat16
+    max_tokens_per_rank = 4096   # optional: the most tokens per rank a run may ask for (--tokens, --sweep);
+                                 # default the larger of 4096 and tokens_per_rank
 
     [routing]                    # optional table, every key optional
     kind = "uniform"             # uniform | hot | zipf
@@ -34,6 +36,9 @@ else:  # pragma: no cover - Python 3.10
 
 from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.testing.routing import KINDS as ROUTING_KINDS
+
+DEFAULT_MAX_TOKENS = 4096
+"""``max_tokens_per_rank`` of a config that does not set it (or its ``tokens_per_rank`` when larger)."""
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Where configs are looked up by name; ``EP_COMM_CONFIG_DIR`` overrides it."""
@@ -64,6 +69,7 @@ class Config:
     tokens_per_rank: int
     dtype: str  # required in the file (no default: see _TOP_RULES)
     description: str = ""
+    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS  # the most tokens per rank a benchmark run may ask for
     routing: RoutingDefaults = field(default_factory=RoutingDefaults)
     path: str = ""
 
@@ -90,6 +96,7 @@ _TOP_RULES: Dict[str, Rule] = {
     "num_topk": (_is_positive_int, "must be a positive integer", True),
     "tokens_per_rank": (_is_positive_int, "must be a positive integer", True),
     "dtype": (lambda v: v in PAYLOAD_DTYPES, f"must be one of {sorted(PAYLOAD_DTYPES)}", True),
+    "max_tokens_per_rank": (_is_positive_int, "must be a positive integer", False),
     "routing": (lambda v: isinstance(v, dict), "must be a table ([routing])", False),
 }
 _ROUTING_RULES: Dict[str, Rule] = {
@@ -117,6 +124,9 @@ def _check_table(path: Path, table: Dict[str, Any], rules: Dict[str, Rule], pref
 def _check_relations(path: Path, cfg: Config) -> None:
     if cfg.num_topk > cfg.num_experts:
         raise ConfigError(f"{path}: num_topk = {cfg.num_topk}: must not exceed num_experts = {cfg.num_experts}")
+    if cfg.max_tokens_per_rank < cfg.tokens_per_rank:
+        raise ConfigError(f"{path}: max_tokens_per_rank = {cfg.max_tokens_per_rank}: must not be below "
+                          f"tokens_per_rank = {cfg.tokens_per_rank}")
     if cfg.routing.hot_expert >= cfg.num_experts:
         raise ConfigError(f"{path}: routing.hot_expert = {cfg.routing.hot_expert}: "
                           f"must be < num_experts = {cfg.num_experts}")
@@ -163,6 +173,7 @@ def load_config(name_or_path: Union[str, Path]) -> Config:
     routing = table.get("routing", {})
     _check_table(path, routing, _ROUTING_RULES, "routing.")
     shape = {k: v for k, v in table.items() if k not in ("routing", "name")}
+    shape.setdefault("max_tokens_per_rank", max(DEFAULT_MAX_TOKENS, shape["tokens_per_rank"]))
     cfg = Config(name=table.get("name", path.stem), routing=RoutingDefaults(**routing), path=str(path), **shape)
     _check_relations(path, cfg)
     return cfg

@@ -1,4 +1,5 @@
-"""One rank's part of a benchmark point: inputs, the round-trip check, counts and timings.
+"""The pieces of one rank's benchmark point: inputs, payloads, timers, the round-trip check and the CUDA-graph
+replays (:mod:`ep_comm.bench.point` runs the point with them).
 
 The round trip is ``combine(dispatch(x).recv_x)`` without weights; its expected result
 (``ep_comm.testing.expected_round_trip``, the reference arithmetic of ``ep_comm.reduce``) is compared
@@ -12,7 +13,6 @@ against ``ep_comm.fp8.quantize`` of those rows.
 """
 from __future__ import annotations
 
-import cProfile
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ep_comm import fp8 as fp8_format
 from ep_comm.dtypes import payload_dtype
 from ep_comm.host import to_host
-from ep_comm.testing import (Routing, check_counts, expected_round_trip, first_mismatch, make_routing, random_payload,
+from ep_comm.testing import (Routing, first_mismatch, make_routing, random_payload,
                              token_rows)
 
 Timer = Callable[[Callable[[], Any]], Tuple[Any, float]]
@@ -62,9 +62,11 @@ class RankSample:
     expanded_rows: int  # rows of the expand layout (padding included); 0 in compact mode
     failures: List[str] = field(default_factory=list)
     times: Dict[str, List[float]] = field(default_factory=dict)  # seconds per iteration, by operation
-    first_round_trip_s: float = 0.0  # host wall clock of the point's first dispatch + combine (kernel loads included)
+    first_round_trip_s: float = 0.0  # host wall clock of the Buffer's first dispatch + combine (kernel loads included)
+    first_call_s: float = 0.0  # host wall clock of the point's first dispatch + combine (a new T on a primed Buffer)
     host_times: Dict[str, List[float]] = field(default_factory=dict)  # host seconds per call, no wait, by operation
     graph_times: Dict[str, List[float]] = field(default_factory=dict)  # GPU seconds per CUDA graph replay, by operation
+    busy: Dict[str, Any] = field(default_factory=dict)  # busy-stream check: seconds per round by figure, or "skipped"
 
 
 def host_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
@@ -125,6 +127,13 @@ class Payload:
         return buf.dispatch(self.x, handle=out.handle, cpu_sync=cpu_sync).recv_x
 
 
+def new_dispatch(buf: Any, payload: Payload, didx: Any, spec: PointSpec, weights: Any = None,
+                 cpu_sync: bool = True) -> Any:
+    """A dispatch of the routing ``didx`` as new (count, count exchange and all) in the point's mode."""
+    return buf.dispatch(payload.sent, didx, weights, cpu_sync=cpu_sync, expand=spec.expand,
+                        expert_alignment=spec.expert_alignment)
+
+
 def host_rows(x: np.ndarray, fp8: bool) -> np.ndarray:
     """The rows a dispatch of ``x [T, H]`` moves, on the host: ``x``, or with ``fp8`` its packed FP8 rows
     ``[T, packed_row_bytes(H)]`` uint8 (what the NCCL baselines then exchange)."""
@@ -168,120 +177,6 @@ def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: in
     return np.asarray(rows, dtype=np.float64)
 
 
-def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: Callable[[np.ndarray], Any],
-              tick: Optional[Callable[[int], None]] = None, graphs: bool = False,
-              profiler: Optional[cProfile.Profile] = None) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
-    """Dispatch + combine ``spec.warmup + spec.iters`` times on ``buf``; check the first and last round trip.
-
-    ``device`` moves a host array to where the backend wants it (identity on CPU). With ``graphs``
-    (GPU), the cached ``cpu_sync=False`` path is also captured into CUDA graphs and replayed
-    (:func:`graph_replay_times`). ``profiler`` records the host calls of :func:`host_call_times`.
-    With ``spec.fp8`` the dispatches send the FP8 pair (:class:`Payload`) and :func:`cast_times` adds the
-    sender cast. Returns this rank's sample and the host rows its dispatches send with the routing (the
-    baselines exchange them: ``x [T, H]``, or with ``spec.fp8`` its packed FP8 rows).
-    """
-    x, routing = make_inputs(spec, comm.rank)
-    payload = Payload.of(x, device, spec.fp8)
-    didx, dw = device(routing.topk_idx), device(routing.topk_weights)
-    want = expected_round_trip(x, routing.topk_idx, spec.num_experts, comm.size, spec.expand)
-    last: Dict[str, Any] = {}
-
-    def body() -> Tuple[float, float]:
-        out, t_dispatch = timer(lambda: buf.dispatch(payload.sent, didx, dw, expand=spec.expand,
-                                                     expert_alignment=spec.expert_alignment))
-        y = payload.combine_input(buf, out)  # untimed; out.recv_x itself without FP8
-        res, t_combine = timer(lambda: buf.combine(y, out.handle))
-        last.update(out=out, y=y, res=res)
-        return t_dispatch, t_combine
-
-    def checked(which: str) -> List[str]:
-        found = _round_trip_failures(last["res"].x, want, which)
-        return found + (fp8_failures(last["out"], last["y"], f"{which} iteration") if spec.fp8 else [])
-
-    # check the round trip on fresh buffers and again after every reuse (both parities, many sequence numbers)
-    start = time.perf_counter()
-    body()
-    first_s = time.perf_counter() - start
-    failures = checked("first")
-    times = sample_times(comm, body, spec.warmup, spec.iters, tick)
-    failures += checked("last")
-    out = last["out"]
-    host = host_call_times(comm, buf, payload, out.handle, timer, spec, profiler)
-    failures += _round_trip_failures(host.pop("result"), want, "cached, cpu_sync=False")
-    sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
-    recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
-    failures += check_counts(comm, sent, recv_per_source, with_rows(out), spec.expand)
-    op_times = {"dispatch": times[:, 0].tolist(), "combine": times[:, 1].tolist()}
-    if spec.fp8:
-        cast = cast_times(comm, buf, payload, out.handle, timer, spec)
-        failures += cast.pop("failures")
-        op_times.update(cast)
-    graph: Dict[str, Any] = {}
-    if graphs:
-        graph = graph_replay_times(comm, buf, payload, didx, out.handle, spec)
-        for got, which in zip(graph.pop("results"), ("cached", "new routing")):
-            failures += _round_trip_failures(got, want, f"CUDA graph replay, {which}")
-        for (dispatched, y), which in zip(graph.pop("fp8_rows"), ("cached", "new routing")):
-            failures += fp8_failures(dispatched, y, f"CUDA graph replay, {which}")
-        host.update(graph.pop("host"))
-    sample = RankSample(
-        rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
-        recv_from_self=int(recv_per_source[comm.rank]),
-        expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
-        times=op_times, first_round_trip_s=first_s, host_times=host, graph_times=graph,
-    )
-    return sample, (host_rows(x, spec.fp8), routing)
-
-
-def host_call_times(comm: MPI.Comm, buf: Any, payload: Payload, handle: Any, timer: Timer, spec: PointSpec,
-                    profiler: Optional[cProfile.Profile] = None) -> Dict[str, Any]:
-    """Host seconds per call of the path that never waits on the host: the cached dispatch of ``payload`` with
-    ``cpu_sync=False``, then its combine, ``spec.warmup + spec.iters`` times. Each round runs inside
-    ``timer``, which waits for the device afterwards, so rounds do not pile up; ``profiler`` (cProfile)
-    records the two calls of each round, not the wait. With FP8 the combine input is made once, before
-    (the handle's layout does not change). Returns
-    ``{"dispatch_cached_async": [...], "combine": [...], "result": last combine's x}``."""
-    last: Dict[str, Any] = {}
-    fixed = None
-    if payload.pair is not None:
-        fixed = payload.combine_input(buf, buf.dispatch(payload.sent, handle=handle, cpu_sync=False), cpu_sync=False)
-
-    def calls() -> Tuple[float, float]:
-        if profiler is not None:
-            profiler.enable()
-        t0 = time.perf_counter()
-        out = buf.dispatch(payload.sent, handle=handle, cpu_sync=False)
-        t1 = time.perf_counter()
-        last["x"] = buf.combine(out.recv_x if fixed is None else fixed, out.handle).x
-        t2 = time.perf_counter()
-        if profiler is not None:
-            profiler.disable()
-        return t1 - t0, t2 - t1
-
-    rows = sample_times(comm, lambda: timer(calls)[0], spec.warmup, spec.iters)
-    return {"dispatch_cached_async": rows[:, 0].tolist(), "combine": rows[:, 1].tolist(), "result": last["x"]}
-
-
-def cast_times(comm: MPI.Comm, buf: Any, payload: Payload, handle: Any, timer: Timer,
-               spec: PointSpec) -> Dict[str, Any]:
-    """``--fp8``: seconds per eager cached dispatch (``cpu_sync=True``) of ``handle``, of the prepared FP8 pair
-    (``dispatch_cached``) and of ``x`` with ``use_fp8=True`` (``dispatch_cast``: the sender's quantize, then the
-    same send), one of each per round, ``spec.warmup + spec.iters`` rounds. Returns those two lists and
-    ``failures``: the two last dispatches must have received the same bytes."""
-    last: Dict[str, Any] = {}
-
-    def body() -> Tuple[float, float]:
-        last["pair"], t_pair = timer(lambda: buf.dispatch(payload.sent, handle=handle))
-        last["cast"], t_cast = timer(lambda: buf.dispatch(payload.x, handle=handle, use_fp8=True))
-        return t_pair, t_cast
-
-    rows = sample_times(comm, body, spec.warmup, spec.iters)
-    real = token_rows(last["pair"])
-    same = np.array_equal(packed_received(last["pair"], real), packed_received(last["cast"], real))
-    failures = [] if same else ["FP8 rows of the use_fp8=True dispatch differ from those of the prepared pair"]
-    return {"dispatch_cached": rows[:, 0].tolist(), "dispatch_cast": rows[:, 1].tolist(), "failures": failures}
-
-
 def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, handle: Any,
                        spec: PointSpec) -> Dict[str, Any]:
     """GPU seconds per CUDA graph replay of the path that never waits on the host, captured on a side
@@ -300,8 +195,7 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def dispatch_new() -> Any:  # the point's mode: an expand point replays an expand dispatch
-        return buf.dispatch(payload.sent, didx, cpu_sync=False, expand=spec.expand,
-                            expert_alignment=spec.expert_alignment)
+        return new_dispatch(buf, payload, didx, spec, cpu_sync=False)
 
     def cached_dispatch() -> Any:
         return buf.dispatch(payload.sent, handle=handle, cpu_sync=False)
@@ -356,6 +250,7 @@ def captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:
     return result, graph
 
 
-def _round_trip_failures(got: Any, want: np.ndarray, which: str) -> List[str]:
+def round_trip_failures(got: Any, want: np.ndarray, which: str) -> List[str]:
+    """The one-line failure of a round trip (``which`` iteration) whose ``got`` is not ``want`` bit for bit, or none."""
     problem = first_mismatch(to_host(got), want)
     return [] if problem is None else [f"round trip ({which} iteration) differs: {problem}"]

@@ -30,12 +30,15 @@ from mpi4py import MPI
 
 from ep_comm.cli import progress
 
+from . import eager
 from . import shared_gpu as sharing
+from .busy import format_busy, summarize_busy
 from .measure import RankSample
+from .stats import percentiles
 
 EP_OPS = ("dispatch", "combine")
-CAST_OPS = ("dispatch_cached", "dispatch_cast")  # --fp8: eager cached dispatch of the prepared pair / with the cast
-OWN_OPS = EP_OPS + ("round_trip",) + CAST_OPS  # every other operation of latency_us is a baseline
+CACHED_OPS = ("dispatch_cached", "dispatch_cast")  # eager cached dispatch (of the prepared pair) / --fp8: with the cast
+OWN_OPS = EP_OPS + ("round_trip",) + CACHED_OPS  # every other operation of latency_us is a baseline
 COMBINE_COPY = "device_copy_combine"  # --fp8: the same-run device copy of the combine's bytes
 ALL_SMS = "all"  # --num-sms value (and point["num_sms"]) for Buffer(num_sms=None): every SM of the device
 HEADER = ("latency: slowest rank's p50/p99; GB/s: per-rank bytes / p50, mean over ranks; "
@@ -45,12 +48,6 @@ HEADER = ("latency: slowest rank's p50/p99; GB/s: per-rank bytes / p50, mean ove
 def gather_samples(comm: MPI.Comm, sample: RankSample) -> Optional[List[RankSample]]:
     """Every rank's sample on rank 0 (None elsewhere)."""
     return comm.gather(sample, root=0)
-
-
-def _stats(times_per_rank: Sequence[Sequence[float]]) -> Dict[str, Any]:
-    p50 = [float(np.percentile(t, 50)) * 1e6 for t in times_per_rank]
-    p99 = [float(np.percentile(t, 99)) * 1e6 for t in times_per_rank]
-    return {"p50": max(p50), "p99": max(p99), "p50_per_rank": p50, "p99_per_rank": p99}
 
 
 def sms_label(num_sms: Optional[int]) -> str:
@@ -85,13 +82,13 @@ def summarize(samples: Sequence[RankSample], row_bytes: Union[int, Mapping[str, 
     peers = recv - np.array([s.recv_from_self for s in samples])
     ops = {op: [s.times[op] for s in samples] for op in samples[0].times}
     ops["round_trip"] = [np.add(s.times["dispatch"], s.times["combine"]) for s in samples]
-    latency = {op: _stats(times) for op, times in ops.items()}
+    latency = {op: percentiles(times) for op, times in ops.items()}
     bandwidth = {
         op: {kind: float(np.mean(nbytes * per_row[op] / (np.array(latency[op]["p50_per_rank"]) * 1e-6))) / 1e9
              for kind, nbytes in (("logical", recv), ("nvlink", peers))}
         for op in EP_OPS
     }
-    graph = {op: _stats([s.graph_times[op] for s in samples]) for op in samples[0].graph_times}
+    graph = {op: percentiles([s.graph_times[op] for s in samples]) for op in samples[0].graph_times}
     point = {
         "tokens_per_rank": samples[0].num_tokens,
         "num_sms": ALL_SMS if num_sms is None else int(num_sms),
@@ -110,13 +107,18 @@ def summarize(samples: Sequence[RankSample], row_bytes: Union[int, Mapping[str, 
         "bandwidth_gbps": bandwidth,
         "tokens_per_s": sum(s.num_tokens for s in samples) / (latency["round_trip"]["p50"] * 1e-6),
         "first_round_trip_s": max(s.first_round_trip_s for s in samples),
-        "host_us": {op: _stats([s.host_times[op] for s in samples]) for op in samples[0].host_times},
+        **eager.first_call(samples),
+        "host_us": {op: percentiles([s.host_times[op] for s in samples]) for op in samples[0].host_times},
         "graph_us": graph,
         "baseline_over_ep_comm": {op: latency[op]["p50"] / latency[compared_op(op)]["p50"]
                                   for op in latency if op not in OWN_OPS},
         "graph_over_device_copy": _over_copy(latency, graph),
+        "eager_over_graph": eager.eager_over_graph(latency, graph),
         "shared_gpu": shared_gpu,
     }
+    busy = summarize_busy(samples, graph)
+    if busy is not None:
+        point["busy_check"] = busy
     if shared_gpu:
         point["note"] = sharing.NOTE
     return point
@@ -183,11 +185,12 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
         of_ceiling = f" ({bw['nvlink'] / ceiling_gbps:.0%} of the NVLink ceiling)" if ceiling_gbps else ""
         lines.append(f"  {op:<8} p50 {lat[op]['p50']:.1f} us  p99 {lat[op]['p99']:.1f} us  "
                      f"logical {bw['logical']:.2f} GB/s  NVLink {bw['nvlink']:.2f} GB/s{of_ceiling}")
-    lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s; "
-                 f"first round trip on this Buffer {point['first_round_trip_s']:.3f} s (slowest rank)")
+    lines.append(f"  dispatch+combine p50 {lat['round_trip']['p50']:.1f} us: {point['tokens_per_s']:.4g} tokens/s")
+    lines += eager.format_eager(point)
     host = point["host_us"]
     if host:
-        lines.append("  host time per call, no host wait (cached dispatch with cpu_sync=False, combine): "
+        lines.append("  host time per call, no host wait (cpu_sync=False; dispatch_cached_async and combine: the "
+                     "cached pair, dispatch_new_async: the routing as new): "
                      + ", ".join(f"{op} p50 {v['p50']:.1f} us p99 {v['p99']:.1f} us" for op, v in host.items()))
     graph = point.get("graph_us")
     if graph:
@@ -201,6 +204,7 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
                      f"the cast adds {cast['p50'] - pair['p50']:.1f} us at p50")
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's {compared_op(op)} time")
+    lines += format_busy(point.get("busy_check"))
     over_copy = point.get("graph_over_device_copy")
     if over_copy:
         lines.append("  CUDA graph replay over the same-run device copy of the received bytes: "
@@ -241,8 +245,11 @@ def format_header(meta: Dict[str, Any]) -> str:
 
 def format_tail(points: Sequence[Dict[str, Any]]) -> Optional[str]:
     """What ends the report: the table of dispatch/combine latency per SM count when the run had more
-    than one count, else None."""
-    return format_sms_table(points) if len({p["num_sms"] for p in points}) > 1 else None
+    than one count, the sweep table (:func:`ep_comm.bench.eager.format_sweep_table`) when it had more than one
+    token count; None when neither."""
+    sms = format_sms_table(points) if len({p["num_sms"] for p in points}) > 1 else None
+    tables = [t for t in (sms, eager.sweep_tail(points)) if t is not None]
+    return "\n".join(tables) if tables else None
 
 
 def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str:
@@ -253,9 +260,11 @@ def format_report(meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> str
     return "\n".join(b for b in blocks if b is not None)
 
 
-def write_json(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]) -> None:
+def write_json(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]],
+               sections: Optional[Mapping[str, Any]] = None) -> None:
+    """``{"meta": ..., "points": [...]}`` and the extra top-level ``sections`` (``sweep``) as JSON at ``path``."""
     with open(path, "w") as f:
-        json.dump({"meta": meta, "points": list(points)}, f, indent=2)
+        json.dump({"meta": meta, "points": list(points), **(sections or {})}, f, indent=2)
 
 
 def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
@@ -286,6 +295,9 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"{op}_over_ep_comm"] = ratio
     for op, ratio in point.get("graph_over_device_copy", {}).items():
         row[f"graph_{op}_over_device_copy"] = ratio
+    for op, ratio in point.get("eager_over_graph", {}).items():
+        row[f"{op}_eager_over_graph"] = ratio
+    row["first_call_us"] = point.get("first_call_us", "")
     row["shared_gpu"], row["note"] = point["shared_gpu"], point.get("note", "")
     return row
 

@@ -22,9 +22,10 @@ from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
 from ep_comm.dtypes import payload_dtype
 from ep_comm.info import versions
 
-from . import provenance, report, shared_gpu
+from . import eager, provenance, report, shared_gpu
 from .config import Config, ConfigError, load_config
-from .measure import PointSpec, RankSample, cuda_timer, host_timer, run_point
+from .measure import PointSpec, RankSample, cuda_timer, host_timer
+from .point import buffer_tokens, prime, primed_spec, run_point
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_OUTPUT_FAILED = 0, 1, 3
 
@@ -54,6 +55,18 @@ def _outputs_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _tokens_problem(cfg: Config, args: argparse.Namespace) -> Optional[str]:
+    """Why ``--tokens`` or ``--sweep`` asks for more tokens per rank than the config's ``max_tokens_per_rank``,
+    or None."""
+    for option, values in (("--tokens", [args.tokens] if args.tokens else []), ("--sweep", args.sweep or [])):
+        over = [t for t in values if t > cfg.max_tokens_per_rank]
+        if over:
+            return (f"{option} {','.join(map(str, values))}: {over[0]} tokens per rank is above max_tokens_per_rank = "
+                    f"{cfg.max_tokens_per_rank} of config {cfg.name} (the most a run of this shape asks for; set "
+                    "max_tokens_per_rank in the config to go higher)")
+    return None
+
+
 def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
     """The config, once the environment, the config's fit to ``comm`` and the output paths are checked
     (a UsageError, the same on every rank, otherwise)."""
@@ -64,6 +77,9 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
         cfg = load_config(args.config)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
+    problem = _tokens_problem(cfg, args)
+    if problem:
+        raise UsageError(problem)
     if args.fp8 and cfg.hidden % fp8.BLOCK:
         raise UsageError(f"--fp8: config {cfg.name} has hidden = {cfg.hidden}: FP8 needs hidden a multiple of "
                          f"{fp8.BLOCK} (one float32 scale per {fp8.BLOCK}-element block); use a config whose is")
@@ -157,16 +173,19 @@ def _fp8_meta(cfg: Config, use_fp8: bool) -> Dict[str, Any]:
     return meta
 
 
-def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, spec: PointSpec, buf: Buffer,
+def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec], buf: Buffer,
           path: DevicePath, shared: bool) -> Dict[str, Any]:
     """The run's parameters and provenance: the git commit when ep_comm runs from a checkout, the
-    package versions, on GPU rank 0's GPU model and driver."""
+    package versions, on GPU rank 0's GPU model and driver; ``prime_tokens``, the token count of each Buffer's
+    priming round trip."""
+    spec = specs[0]
     meta = {
         "config": cfg.name, "backend": buf.backend, "transport": args.transport, "ranks": comm.size,
         "routing": spec.routing, "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden,
         "num_experts": cfg.num_experts, "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
         "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
+        "prime_tokens": primed_spec(specs).num_tokens, "busy_check": args.busy_check,
         "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
     }
@@ -196,7 +215,7 @@ def _write_outputs(args: argparse.Namespace, meta: Dict[str, Any], points: List[
             for failure in point["failures"]:
                 print(f"ep_comm.bench: {report.point_title(point)}: FAILED {failure}", file=sys.stderr)
     if args.json:
-        report.write_json(args.json, meta, points)
+        report.write_json(args.json, meta, points, eager.sweep_sections(points, args.sweep is not None))
     if args.csv:
         report.write_csv(args.csv, points)
     if args.plot:
@@ -211,7 +230,7 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
     constructor (e.g. ``num_sms`` above the GPU's SM count, raised on every rank) is a UsageError."""
     try:
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
-                      num_max_tokens_per_rank=max(s.num_tokens for s in specs), dtype=cfg.dtype,
+                      num_max_tokens_per_rank=buffer_tokens(specs), dtype=cfg.dtype,
                       backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
                       transport=args.transport)
     except ValueError as exc:
@@ -240,7 +259,7 @@ class _Session:
         path = _device_path(buf)
         self.timer, self.device = path.timer, path.to_device
         self.shared_gpu = shared_gpu.ranks_share_a_gpu(self.comm, path.gpu_id)
-        self.meta = _meta(self.comm, self.cfg, self.args, self.specs[0], buf, path, self.shared_gpu)
+        self.meta = _meta(self.comm, self.cfg, self.args, self.specs, buf, path, self.shared_gpu)
         if self.shared_gpu and self.comm.rank == 0 and not self.args.quiet:
             print(shared_gpu.skip_line(self.args.no_baselines), file=sys.stderr, flush=True)
         if buf.backend == "nvshmem":
@@ -251,12 +270,14 @@ class _Session:
     def run_points(self, buf: Buffer, num_sms: Optional[int]) -> None:
         """Every point on ``buf`` (SM count ``num_sms`` as asked); rank 0 keeps the summaries."""
         per_row = row_bytes(self.cfg, self.args.fp8)
+        primed = prime(buf, primed_spec(self.specs), self.timer, self.device, self.comm.rank)
         for spec in self.specs:
             self.progress.start(f"{spec.num_tokens} tokens/rank, num_sms={report.sms_label(num_sms)}",
                                 spec.warmup + spec.iters)
             sample, (rows, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick,
                                              graphs=buf.backend == "nvshmem" and not self.args.no_graphs,
-                                             profiler=self.profiler)
+                                             busy_check=self.args.busy_check, profiler=self.profiler)
+            sample.first_round_trip_s = primed  # the Buffer's first round trip, before its first point
             if self.nccl is not None:
                 sample.times.update(self.nccl(spec, rows, routing.topk_idx))
             if buf.backend == "nvshmem":

@@ -16,11 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from .eager import EAGER_GRAPH, eager_over_graph
+
 __all__ = ["ResultError", "load_results", "markdown_table", "main"]
 
-COLUMNS = ("config", "ranks", "tokens/rank", "eager dispatch p50 / p99 (us)", "eager combine p50 / p99 (us)",
-           "graph dispatch cached / new p50 (us)", "graph combine p50 (us)", "host us per call: dispatch / combine",
-           "dispatch logical / NVLink GB/s", "NCCL dedup p50 (us)", "same-run device copy p50 (us)")
+COLUMNS = ("config", "ranks", "tokens/rank", "eager dispatch p50 / p99 (us)", "eager cached dispatch p50 / p99 (us)",
+           "eager combine p50 / p99 (us)", "graph dispatch cached / new p50 (us)", "graph combine p50 (us)",
+           "eager / graph p50: dispatch new / cached / combine", "first call (us)",
+           "host us per call: dispatch cached / new / combine", "dispatch logical / NVLink GB/s",
+           "NCCL dedup p50 (us)", "same-run device copy p50 (us)")
 SAME_RUN = ("git_commit", "gpu")  # meta fields every file of one recorded run shares
 
 
@@ -71,17 +75,26 @@ def _p50(stats: Optional[Dict[str, Any]]) -> str:
     return "" if not stats else f"{stats['p50']:.1f}"
 
 
-def _pair(first: str, second: str) -> str:
-    return " / ".join(v for v in (first, second) if v)
+def _joined(*values: str) -> str:
+    """``a / b / c``, ``-`` for a missing one; empty when all are."""
+    return " / ".join(v or "-" for v in values) if any(values) else ""
+
+
+def _ratios(point: Dict[str, Any]) -> str:
+    """Eager over graph p50 per operation (:data:`ep_comm.bench.eager.EAGER_GRAPH`), from the point's figures (so
+    results recorded before the field existed have it too)."""
+    ratios = eager_over_graph(point["latency_us"], point.get("graph_us", {}))
+    return _joined(*(f"{ratios[op]:.1f}x" if op in ratios else "" for op in EAGER_GRAPH))
 
 
 def _row(meta: Dict[str, Any], point: Dict[str, Any]) -> List[str]:
     lat, graph, host = point["latency_us"], point.get("graph_us", {}), point.get("host_us", {})
     bandwidth = point["bandwidth_gbps"]["dispatch"]
     return [f"`{meta['config']}`" + (" fp8" if meta.get("fp8") else ""), str(meta["ranks"]), str(point["tokens_per_rank"]),
-            _p50_p99(lat["dispatch"]), _p50_p99(lat["combine"]),
-            _pair(_p50(graph.get("dispatch")), _p50(graph.get("dispatch_new"))), _p50(graph.get("combine")),
-            _pair(_p50(host.get("dispatch_cached_async")), _p50(host.get("combine"))),
+            _p50_p99(lat["dispatch"]), _p50_p99(lat.get("dispatch_cached")), _p50_p99(lat["combine"]),
+            _joined(_p50(graph.get("dispatch")), _p50(graph.get("dispatch_new"))), _p50(graph.get("combine")),
+            _ratios(point), f"{point['first_call_us']:.1f}" if "first_call_us" in point else "",
+            _joined(*(_p50(host.get(op)) for op in ("dispatch_cached_async", "dispatch_new_async", "combine"))),
             f"{bandwidth['logical']:.1f} / {bandwidth['nvlink']:.1f}", _nccl(meta, lat), _p50(lat.get("device_copy"))]
 
 
