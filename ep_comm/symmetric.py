@@ -6,9 +6,10 @@ that a peer's region is addressed by the same offsets everywhere:
 * ``signal[R]`` int64: the step word ``seq << 2 | kind`` (kind 1 dispatch, 2 combine, 3 close) of
   the last collective step source rank ``s`` finished writing into this rank (monotone; a waiter
   wants ``signal[s]`` equal to its own step's word, or a later step number);
-* ``counts[2][R][1 + L]`` int64 (``L`` local experts): what source ``s`` sent in the operation of that
-  parity (new routing only): word 0 its rows, word ``1 + j`` its entries for local expert ``j`` (the
-  slice ``[r*L:(r+1)*L]`` of its count kernel's tokens per expert, for this rank ``r``);
+* ``counts[2][R][1 + L + VERDICT_WORDS]`` int64 (``L`` local experts): what source ``s`` sent in the operation
+  of that parity (new routing only): word 0 its rows, word ``1 + j`` its entries for local expert ``j`` (the
+  slice ``[r*L:(r+1)*L]`` of its count kernel's tokens per expert, for this rank ``r``), then the two words of
+  its routing verdict (``ep_comm.validate.verdict_words``; all zero, as a missing rank's zeroed block, reads clean);
 * ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
 * ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
   (as raw bits);
@@ -19,10 +20,19 @@ that a peer's region is addressed by the same offsets everywhere:
 Operations alternate between two parities (``seq % 2``): a peer is at most one operation ahead
 (it cannot finish operation ``n+1`` before this rank has sent its own signal for ``n+1``, which
 it does only after it has read operation ``n``), so double buffering needs no extra handshake.
+
+The receive count's **record** (not in the symmetric buffer: host-mapped memory the host polls) is int64
+``[record_words(R, L)]``: ``RECORD_TAG`` the step number, written last; ``RECORD_N`` the received rows;
+``RECORD_M`` the expanded rows; from ``RECORD_VERDICTS`` every source's two verdict words as received
+(``2R``), then the aligned count of every local expert (``L``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, NamedTuple, Sequence, Tuple
+
+from .kernels.protocol import RECORD_M, RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS  # re-exported
+from .validate import verdict_of
 
 _ALIGN = 128
 STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}  # the low bits of a signal word (collective_steps)
@@ -45,8 +55,8 @@ class SymmetricLayout:
     @property
     def count_words(self) -> int:
         """int64 words one source writes per operation into a destination's counts: rows, then one per local
-        expert."""
-        return 1 + self.num_local_experts
+        expert, then its routing verdict's ``VERDICT_WORDS``."""
+        return 1 + self.num_local_experts + VERDICT_WORDS
 
     @property
     def row_bytes(self) -> int:
@@ -99,3 +109,27 @@ class SymmetricLayout:
 
     def meta_at(self, parity: int, src: int, slot: int = 0) -> int:
         return self.meta_offset + ((parity * self.num_ranks + src) * self.max_tokens + slot) * self.meta_words * 4
+
+
+def record_words(num_ranks: int, num_local_experts: int) -> int:
+    """int64 words of the receive count's record: tag, N, M, ``VERDICT_WORDS`` per source, one per local expert."""
+    return RECORD_VERDICTS + VERDICT_WORDS * num_ranks + num_local_experts
+
+
+class Record(NamedTuple):
+    """The receive count's record, decoded (:func:`read_record`)."""
+
+    tag: int  # the step number of the receive count that wrote it
+    num_recv: int  # N: received rows (0 when any verdict is bad)
+    num_expanded: int  # M: expanded rows, padding included (0 when any verdict is bad)
+    verdicts: List[Tuple[int, int]]  # per source rank (largest id or -1, first repeated row or -1)
+    aligned: List[int]  # [L] aligned received entries per local expert
+
+
+def read_record(words: Sequence[int], num_ranks: int, num_local_experts: int) -> Record:
+    """Decode a record (int64 ``[record_words(R, L)]``, e.g. a host copy) read once its tag is the step's number."""
+    values = [int(w) for w in words]
+    end = RECORD_VERDICTS + VERDICT_WORDS * num_ranks
+    verdicts = [verdict_of(values[at: at + VERDICT_WORDS]) for at in range(RECORD_VERDICTS, end, VERDICT_WORDS)]
+    return Record(values[RECORD_TAG], values[RECORD_N], values[RECORD_M], verdicts,
+                  values[end: end + num_local_experts])

@@ -14,6 +14,8 @@ from mpi4py import MPI
 from . import layout as lay
 from .dtypes import PAYLOAD_DTYPES
 from .fp8 import BLOCK as FP8_BLOCK
+from .kernels.protocol import ID_CLAMP as ID_CLAMP  # the device code's constants, re-exported
+from .kernels.protocol import VERDICT_WORDS as VERDICT_WORDS
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 FLOATS = "float16, bfloat16, float32 or float64"  # the weight and bias dtypes taken (as float32)
@@ -151,11 +153,6 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
                          "(negative = none)")
     if twice >= 0:
         raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
-
-
-
-VERDICT_WORDS = 2  # int32 words of a routing verdict in the count exchange, after the counts
-ID_CLAMP = 2**31 - 1  # the largest verdict word: ids from ID_CLAMP - 1 on travel as ID_CLAMP
 
 
 def verdict_words(top: int, twice: int) -> Tuple[int, int]:

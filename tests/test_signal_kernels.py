@@ -16,11 +16,11 @@ from ep_comm.transport.signals import _SOURCE, PARAMS, SignalLaunches, _count_wo
 
 
 def test_count_blocks_are_one_per_destination_of_the_received_width():
-    received = np.zeros((2, 3, 5), np.int64)  # [2, R, 1 + L]: R = 3, L = 4
+    received = np.zeros((2, 3, 5), np.int64)  # [2, R, 1 + L + 2]: R = 3, L = 2
     assert _count_words(np.zeros((3, 5), np.int32), received) == 5
     assert _count_words(None, received) == 5  # the wait alone zeroes a missing rank's 5 words
     assert _count_words(None, None) == 0
-    with pytest.raises(ValueError, match=r"counts has shape \(3, 1\): must be \[R, 1 \+ L\] = \(3, 5\)"):
+    with pytest.raises(ValueError, match=r"counts has shape \(3, 1\): must be \[R, 1 \+ L \+ 2\] = \(3, 5\)"):
         _count_words(np.zeros((3, 1), np.int32), received)
     with pytest.raises(ValueError, match="counts given without counts_by_parity"):
         _count_words(np.zeros((3, 5), np.int32), None)
@@ -107,7 +107,7 @@ def _compiled(name: str, device: int) -> tuple:
     return next(h for h, n in FUNCTIONS_BY_HANDLE.items() if n == name), f"the module of {name}"
 
 
-R, WORDS = 3, 5  # ranks, 1 + L count words
+R, WORDS = 3, 5  # ranks, 1 + L + 2 count words
 PEERS, STEP, SIGNALS, STATUS = (_DeviceArray(0x10000 * (i + 1), shape) for i, shape in
                                 enumerate([(R,), (1,), (R,), (2 + 2 * R,)]))
 RECEIVED, ABORTS = _DeviceArray(0x50000, (2, R, WORDS)), _DeviceArray(0x60008, (R, 64))
@@ -171,7 +171,7 @@ def test_a_split_step_on_peer_stores_signals_without_waiting_then_waits(launches
 
 
 def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):
-    with pytest.raises(ValueError, match=r"counts has shape \(3, 2\): must be \[R, 1 \+ L\] = \(3, 5\)"):
+    with pytest.raises(ValueError, match=r"counts has shape \(3, 2\): must be \[R, 1 \+ L \+ 2\] = \(3, 5\)"):
         _transport(PEERS).signal_and_wait(0, 1, _DeviceArray(0x70000, (R, 2)), 1.0)
     assert launches == []
 

@@ -1,7 +1,10 @@
 """Receive kernels: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
 
-Not for a cached dispatch, the counts: every source sent, with its signal, its rows and its entries per
-local expert (``ep_comm.symmetric``, ``counts[2][R][1 + L]``). In compact mode
+Not for a cached dispatch, the counts: every source sent, with its signal, its rows, its entries per
+local expert and its routing verdict (``ep_comm.symmetric``, ``counts[2][R][1 + L + 2]``). When any source's
+verdict is bad, nothing is received: the counts read as if every source sent no row, so that the copy that
+follows copies none. Both count kernels end by writing the host-mapped record (``ep_comm.symmetric``,
+:func:`publish_record`) that the host polls for the counts and the verdicts. In compact mode
 ``receive_count_words_kernel`` (one block) derives everything from those words alone: the
 ``psum_num_recv_tokens_per_rank`` scan, the per-expert sums, aligned counts and expert psum. Expand mode
 needs the per-unit cursors of a scan over the received meta rows: ``receive_count_kernel`` scans word 0
@@ -26,8 +29,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from ep_comm.kernels.check import bad_verdict
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.protocol import RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import block_totals
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, source_of_row, unit_range, units_for_device
@@ -42,6 +47,60 @@ PLACE_CACHED = 2
 def align_up(value, alignment):
     """``value`` (>= 0) rounded up to a multiple of ``alignment``."""
     return quotient32(value + alignment - 1, alignment) * alignment
+
+
+@cuda.jit(device=True)
+def any_bad_source(words, num_local):
+    """Whether any source's verdict in the count words ``words [R, 1 + L + VERDICT_WORDS]`` is bad
+    (:func:`~ep_comm.kernels.check.bad_verdict`, ``num_local * R`` experts). Call from all threads of the block."""
+    num_ranks = words.shape[0]
+    at = words.shape[1] - VERDICT_WORDS
+    bad = False
+    s = cuda.threadIdx.x
+    while s < num_ranks:
+        bad = bad or bad_verdict(words[s, at], words[s, at + 1], num_local * num_ranks)
+        s = np.int32(s + cuda.blockDim.x)
+    return cuda.syncthreads_or(np.int32(bad)) != 0
+
+
+@cuda.jit(device=True)
+def rows_psum(rows, psum, bad, coherent):
+    """One warp: the inclusive prefix sum of the sources' rows ``rows [R]`` into ``psum [R]`` (``coherent``: see
+    :func:`~ep_comm.kernels.warp.warp_scan`), all zero when ``bad`` (nothing is received); returns the total."""
+    if bad:
+        for s in range(lane_id(), psum.shape[0], WARP):
+            psum[s] = 0
+        return np.int64(0)
+    return warp_scan(rows, psum, psum.shape[0], False, 0, coherent)
+
+
+@cuda.jit(device=True)
+def record_word(w, totals, words, aligned):
+    """Word ``w >= RECORD_N`` of the record: N and M (``totals``), every source's raw verdict words (the last
+    ``VERDICT_WORDS`` columns of ``words``), the ``aligned`` counts."""
+    verdicts_end = RECORD_VERDICTS + words.shape[0] * VERDICT_WORDS
+    if w < RECORD_VERDICTS:
+        return np.int64(totals[w - RECORD_N])
+    if w < verdicts_end:
+        s, j = divmod32(w - RECORD_VERDICTS, VERDICT_WORDS)
+        return np.int64(words[s, words.shape[1] - VERDICT_WORDS + j])
+    return np.int64(aligned[w - verdicts_end])
+
+
+@cuda.jit(device=True)
+def publish_record(record, tag, totals, words, aligned):
+    """Write the record (int64 ``[record_words(R, L)]``, host-mapped on a GPU; ``ep_comm.symmetric``): N and M
+    from ``totals [2]``, every source's verdict words from ``words [R, 1 + L + VERDICT_WORDS]``, the ``aligned [L]``
+    counts, then, after a system fence, ``tag`` (the step number) last, so that a host that sees the tag sees
+    the rest. Call from all threads of one block, once ``totals`` and ``aligned`` are written and synced."""
+    w = RECORD_N + cuda.threadIdx.x
+    while w < record.shape[0]:
+        record[w] = record_word(w, totals, words, aligned)
+        w = np.int32(w + cuda.blockDim.x)
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        record[RECORD_TAG] = tag
 
 
 @cuda.jit(device=True)
@@ -105,16 +164,16 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
 @kernel
 def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stable, rows_per_unit, max_units,
                          counters, ticket, unit_counts, rank_psum, unaligned, aligned, expert_psum, expert_cursor,
-                         totals):
+                         totals, record):
     """See :func:`ep_comm.launching.kernels.Kernels.receive_count`, expand mode; dynamic shared memory: int32
     ``[R + 2L]``.
 
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
     :func:`receive_place_kernel` repeats from the same arguments.
     """
-    src_counts = counts_by_parity[step_parity(step, 0), :, 0]
+    words = counts_by_parity[step_parity(step, 0)]
     meta = meta_by_parity[step_parity(step, 0)]
-    num_ranks = src_counts.shape[0]
+    num_ranks = words.shape[0]
     num_local = unaligned.shape[0]
     smem = cuda.shared.array(0, int32)
     psum = smem[:num_ranks]
@@ -124,8 +183,9 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
     while i < num_local:
         hist[i] = 0
         i = np.int32(i + cuda.blockDim.x)
+    bad = any_bad_source(words, num_local)
     if cuda.threadIdx.x < WARP:
-        warp_scan(src_counts, psum, num_ranks, False, 0, True)
+        rows_psum(words[:, 0], psum, bad, True)
     cuda.syncthreads()
 
     num_rows = psum[num_ranks - 1]
@@ -151,6 +211,7 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
             totals[0] = num_rows
             totals[1] = total
     cuda.syncthreads()
+    publish_record(record, step[0], totals, words, aligned)
     e = cuda.threadIdx.x
     while e < num_local:
         expert_cursor[e] = start[e]
@@ -165,18 +226,20 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
 
 @kernel
 def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
-                               totals):
+                               totals, record):
     """See :func:`ep_comm.launching.kernels.Kernels.receive_count`, compact mode: one block, which reads only
-    the ``[R, 1 + L]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
+    the ``[R, 1 + L + 2]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
     """
     words = counts_by_parity[step_parity(step, 0)]
     num_ranks = words.shape[0]
     num_local = unaligned.shape[0]
     sizes = cuda.shared.array(0, int32)
+    bad = any_bad_source(words, num_local)
+    sources = 0 if bad else num_ranks
     e = cuda.threadIdx.x
     while e < num_local:
         count = 0
-        for s in range(num_ranks):
+        for s in range(sources):
             count += words[s, 1 + e]
         size = align_up(count, alignment)
         unaligned[e] = count
@@ -186,13 +249,15 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
     cuda.syncthreads()
     warp = cuda.threadIdx.x // WARP
     if warp == 0:
-        num_rows = warp_scan(words[:, 0], rank_psum, num_ranks, False, 0, False)
+        num_rows = rows_psum(words[:, 0], rank_psum, bad, False)
         if lane_id() == 0:
             totals[0] = num_rows
     elif warp == 1:
         total = warp_scan(sizes, expert_psum, num_local, False, 0, False)
         if lane_id() == 0:
             totals[1] = total
+    cuda.syncthreads()
+    publish_record(record, step[0], totals, words, aligned)
 
 
 @cuda.jit(device=True)

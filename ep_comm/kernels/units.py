@@ -7,10 +7,11 @@ so that a few long rows still spread over many warps.
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import cuda
 
 from ep_comm.kernels.index32 import divmod32, quotient32
-from ep_comm.kernels.warp import WARP
+from ep_comm.kernels.warp import FULL_MASK, WARP
 
 
 def units_for(num_items: int, items_per_unit: int, max_units: int) -> int:
@@ -45,6 +46,15 @@ def lane_place(width, lane):
     step's ``32 // width * width`` entries. The same at every step: computed once, outside the walk."""
     row, column = divmod32(lane, width)
     return row, column, row < quotient32(WARP, width)
+
+
+@cuda.jit(device=True)
+def item_lanes(place, width):
+    """uint32 mask of the lanes of this lane's item (its :func:`lane_place` for ``width`` entries); 0 past the step."""
+    row, _, in_step = place
+    if not in_step:
+        return np.uint32(0)
+    return (np.uint32(FULL_MASK) >> np.uint32(WARP - width)) << np.uint32(row * width)
 
 
 @cuda.jit(device=True)

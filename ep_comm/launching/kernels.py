@@ -45,6 +45,8 @@ from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.bound import BoundLaunch
 from ep_comm.launching.views import DeviceViews, payload_rows, payload_words, wide_rows
+from ep_comm.symmetric import record_words
+from ep_comm.validate import VERDICT_WORDS
 
 Array = Any
 
@@ -64,7 +66,9 @@ class SendLayout(NamedTuple):
     expert_psum: Array  # [E + 1] int32, exclusive with the total appended
     is_token_in_rank: Array  # [T, R] bool
     slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx: filled by :meth:`Kernels.scatter`
-    count_words: Array  # [R, 1 + L] int32: row r is num_tokens_per_rank[r], num_tokens_per_expert[r*L:(r+1)*L]
+    # [R, 1 + L + VERDICT_WORDS] int32: row r is num_tokens_per_rank[r], num_tokens_per_expert[r*L:(r+1)*L], then
+    # the routing verdict's words (ep_comm.validate.verdict_words), the same in every row
+    count_words: Array
 
 
 class ReceiveCounts(NamedTuple):
@@ -214,7 +218,8 @@ class Kernels:
         self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
         self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
         self._ticket = xp.zeros(1, dtype=np.uint32)
-        self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))
+        self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))  # check_routing's and count's (one stream)
+        self._record = xp.zeros(record_words(r, self.num_local), dtype=np.int64)  # receive_count's, when not given
         self._rank_cursor = xp.zeros(r, dtype=np.int32)
         self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
         self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
@@ -226,7 +231,7 @@ class Kernels:
         # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
         # return: views of one fresh allocation per call (they are returned together, and kept together)
         local = self.num_local
-        self._send_slices, self._send_words = _carved((r * (1 + local), r, e, r, e + 1))
+        self._send_slices, self._send_words = _carved((r * self.count_width, r, e, r, e + 1))
         self._recv_slices, self._recv_words = _carved((2, r, local, local, local))
 
     @property
@@ -237,6 +242,11 @@ class Kernels:
     def prebound(self) -> bool:
         """Whether kernels launch pre-bound (a GPU, not ``EP_COMM_NUMBA_LAUNCH=1``): then launch plans can be made."""
         return self._launch_device is not None
+
+    @property
+    def count_width(self) -> int:
+        """int32 count words per destination: rows, one per local expert, the verdict's ``VERDICT_WORDS``."""
+        return 1 + self.num_local + VERDICT_WORDS
 
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
@@ -317,7 +327,9 @@ class Kernels:
         return in_rank, block[words:words + num_tokens * k].reshape(num_tokens, k)
 
     def count(self, topk_idx: Array, *, stable: bool, block: Optional[Array] = None) -> SendLayout:
-        """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender.
+        """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender, and check it: ids at or
+        above ``num_experts`` count as no expert, and the verdict (largest id, first row naming an expert twice)
+        goes into every row of ``count_words``.
 
         Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
         :meth:`scatter` consumes next. Returns a :class:`SendLayout` with an unfilled ``slot_idx`` and, in
@@ -333,7 +345,7 @@ class Kernels:
         count_warps = -(-num_units // units_per_warp)
         blocks = self._blocks_for(count_warps, self.num_blocks)
         self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
-            topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket,
+            topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket, self._check_acc,
             self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
             out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words)
         return out
@@ -407,12 +419,13 @@ class Kernels:
         return ReceiveCounts(rank_psum, unaligned, aligned, expert_psum, totals)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
-                      stable: bool, block: Optional[Array] = None) -> ReceiveCounts:
-        """Count what arrived at the parity of ``step``.
+                      stable: bool, block: Optional[Array] = None, record: Optional[Array] = None) -> ReceiveCounts:
+        """Count what arrived at the parity of ``step``; nothing (every count 0) when any source's routing
+        verdict is bad.
 
         Args:
-            src_counts: ``[2, R, 1 + L]`` int64 (``SymmetricViews.counts``): per source its rows, then its
-                entries per local expert.
+            src_counts: ``[2, R, 1 + L + VERDICT_WORDS]`` int64 (``SymmetricViews.counts``): per source its rows,
+                then its entries per local expert, then its routing verdict's words.
             meta: ``[2, R, max_tokens, 1 + 2K]`` int32 (``SymmetricViews.meta``), read in expand mode only.
             step: the device step counter (int64 ``[1]``).
             alignment: the expert alignment of the aligned counts and the expert psum.
@@ -420,6 +433,9 @@ class Kernels:
                 (a scan over the received meta rows, with per-unit cursors when ``stable``); compact mode
                 is one single-block launch over the count words alone.
             stable: stable (deterministic) expand placement.
+            record: int64 ``[record_words(R, L)]`` (``ep_comm.symmetric``; host-mapped memory on a GPU): gets N,
+                M, every source's verdict words and the aligned counts, then ``step[0]`` in its tag word last.
+                None: a scratch record of this Kernels.
 
             block: int32 ``[recv_words]`` the results are views of (None: a new one).
 
@@ -427,11 +443,12 @@ class Kernels:
             A :class:`ReceiveCounts` on the device: views of ``block``.
         """
         r, local = self.num_ranks, self.num_local
+        record = self._record if record is None else record
         out = self.receive_layout(self.xp.empty(self._recv_words, np.int32) if block is None else block)
         if not expand:
             self._launch(receive_count_words_kernel, 4 * local, 1)(
                 src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
-                out.expert_psum, out.totals)
+                out.expert_psum, out.totals, record)
             return out
         worst_units = units_for(meta.shape[1] * meta.shape[2], self.recv_rows_per_unit, self.recv_units)
         warps = self.recv_count_warps_per_block
@@ -439,7 +456,7 @@ class Kernels:
         self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks, warps)(
             src_counts, meta, step, alignment, stable, self.recv_rows_per_unit, self.recv_units,
             self._counters[:local], self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
-            out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals)
+            out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals, record)
         return out
 
     def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, step: Array, recv_x: Array,

@@ -28,7 +28,7 @@ class SymmetricViews(NamedTuple):
     """Typed views of one rank's symmetric buffer (``ep_comm.symmetric`` byte layout)."""
 
     signal: Array  # [R] int64
-    counts: Array  # [2, R, 1 + L] int64: per source rows, then entries per local expert
+    counts: Array  # [2, R, 1 + L + 2] int64: per source rows, then entries per local expert, then its verdict
     rows: Array  # [2, R, max_tokens, row_bytes // word] words
     meta: Array  # [2, R, max_tokens, 1 + 2K] int32
 

@@ -107,8 +107,8 @@ class NvshmemTransport:
         """Enqueue step ``seq``'s signal to every rank, without a wait (the send half of a split step).
 
         Advances the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the step
-        word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R, 1 + L]``: per destination its
-        rows, then its entries per local expert) went to their count words of the step's parity. The signal
+        word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R, 1 + L + 2]``: per destination its
+        rows, then its entries per local expert, then the routing verdict) went to their count words of the step's parity. The signal
         kernels go on CuPy's current stream (``stream`` is its Numba twin, which the puts take) through their
         prepared launches (``signals.SignalLaunches``). Peer stores read the step from the device counter
         (``signals.send_signal``); puts signal with the host's ``seq`` (equal to it: the puts path is never

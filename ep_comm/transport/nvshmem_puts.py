@@ -70,9 +70,9 @@ def put_blocks(stream, stage, first_block: int, block_bytes: int, sym, dst_offse
 
 def signal_peers(stream, signals, count_words, num_ranks: int, me: int, seq: int, counts=None) -> None:
     """After every earlier put on the stream: ``signal[me] = seq`` on every PE (``signals``: this rank's
-    int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R, 1 + L]``: per destination
-    its rows, then its entries per local expert), first ``count_words[me] = counts[r]`` on PE ``r``
-    (``count_words``: int64 ``[R, 1 + L]`` symmetric words, the step's parity; not written without ``counts``)."""
+    int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R, 1 + L + 2]``: per destination
+    its rows, its entries per local expert, the routing verdict), first ``count_words[me] = counts[r]`` on PE ``r``
+    (``count_words``: int64 ``[R, 1 + L + 2]`` symmetric words, the step's parity; not written without ``counts``)."""
     _, signal_kernel = _kernels()
     has_counts = counts is not None
     signal_kernel[1, max(32, -(-num_ranks // 32) * 32), stream](

@@ -9,7 +9,7 @@ so that a CUDA graph can replay them:
 
 * ``signal_and_wait`` (peer stores), one launch per step: advances the counter to this step,
   ``step + 1``; optionally sends this rank's per-destination count block (rows, then entries per local
-  expert: ``1 + L`` words) into every peer's count words of the step's parity, then a system-scope
+  expert, then the routing verdict: ``1 + L + 2`` words) into every peer's count words of the step's parity, then a system-scope
   fence and ``signal[me] = step << 2 | kind`` in every peer with a ``st.release.sys`` store (a
   receiver that acquires the signal sees every row and count sent before it); then the wait below;
 * ``send_signal`` (peer stores, the send half of a split step, ``Buffer(..., return_recv_hook=True)``): the
@@ -251,11 +251,11 @@ class SignalLaunches:
         num_ranks: ``R``.
         me: this rank.
         signal_offset: byte offset of the int64 ``[R]`` signal words in every rank's buffer.
-        counts_offset: byte offset of the int64 ``[2, R, 1 + L]`` count words in every rank's buffer.
+        counts_offset: byte offset of the int64 ``[2, R, 1 + L + 2]`` count words in every rank's buffer.
         step: the device step counter (int64 ``[1]``).
         signals: this rank's int64 ``[R]`` signal words.
         status: the mapped ``WaitStatus`` record (int64 ``[2 + 2R]``).
-        counts_by_parity: this rank's int64 ``[2, R, 1 + L]`` count words.
+        counts_by_parity: this rank's int64 ``[2, R, 1 + L + 2]`` count words.
         aborts: this rank's int64 ``[R, ABORT_WORDS]`` abort records, or None.
         device: the CUDA device ordinal all of these live on.
         function: ``(name, device) -> (CUfunction handle, owner)``: :func:`_function`, which compiles (the
@@ -281,7 +281,7 @@ class SignalLaunches:
 
     def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float) -> PreparedLaunch:
         """The launch of kernel ``name`` with a call's values in the slots it has: ``kind``, the send block
-        ``counts`` (int32 ``[R, 1 + L]`` or None), ``zeroed`` (the received count words a wait zeroes for a
+        ``counts`` (int32 ``[R, 1 + L + 2]`` or None), ``zeroed`` (the received count words a wait zeroes for a
         missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``) and the timeout."""
         sent = 0 if counts is None else _count_words(counts, self._counts_by_parity)
         kind_slot, counts_slot, words_slot, received_slot, timeout_slot = self._per_call_slots[name]
@@ -296,8 +296,8 @@ class SignalLaunches:
         """One launch on stream handle ``stream``, after every earlier write on it: ``step[0] += 1`` (the device
         step counter), then ``signal[me] = step[0] << 2 | kind`` in every rank's buffer (release, system scope),
         then the bounded wait of :meth:`wait_signals` for every rank's signal of that step. With ``counts``
-        (int32 ``[R, 1 + L]`` device array, or None: per destination its rows, then its entries per local
-        expert), first row ``r`` goes to block ``me`` of the step's parity of rank ``r``'s count words (the
+        (int32 ``[R, 1 + L + 2]`` device array, or None: per destination its rows, then its entries per local
+        expert, then the routing verdict), first row ``r`` goes to block ``me`` of the step's parity of rank ``r``'s count words (the
         count exchange rides on the signal), and the wait zeroes a missing rank's block here."""
         words = 0 if counts is None else _count_words(counts, self._counts_by_parity)
         self._per_call("signal_and_wait", kind, counts, words, timeout_s)(stream)
@@ -336,7 +336,7 @@ def _count_words(counts, counts_by_parity) -> int:
         return 0
     words = int(counts_by_parity.shape[2])
     if counts is not None and tuple(counts.shape) != (counts_by_parity.shape[1], words):
-        raise ValueError(f"counts has shape {tuple(counts.shape)}: must be [R, 1 + L] = "
+        raise ValueError(f"counts has shape {tuple(counts.shape)}: must be [R, 1 + L + 2] = "
                          f"{(int(counts_by_parity.shape[1]), words)}, one block per destination as counts_by_parity "
                          "holds them")
     return words

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from ep_comm import layout as ref
 from ep_comm.host import to_host
 from ep_comm.launching.kernels import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
-from world import DTYPES, World, bits, random_payload, random_routing, spy_launches
+from world import (DTYPES, World, bits, random_payload, random_routing, routing_verdict, spy_launches,
+                   with_verdict)
 
 MAX_TOKENS = 24
 
@@ -32,7 +33,8 @@ def check_count(world: World, deterministic: bool) -> None:
         np.testing.assert_array_equal(to_host(lay.is_token_in_rank), want.is_token_in_rank)
         np.testing.assert_array_equal(to_host(lay.rank_psum), ref.inclusive_psum(want.num_tokens_per_rank))
         np.testing.assert_array_equal(to_host(lay.expert_psum), ref.exclusive_psum(want.num_tokens_per_expert))
-        np.testing.assert_array_equal(to_host(lay.count_words), ref.send_count_words(want))
+        np.testing.assert_array_equal(to_host(lay.count_words), with_verdict(ref.send_count_words(want),
+                                                                             routing_verdict(world.topk[s])))
 
 
 @pytest.mark.parametrize("case", [
@@ -363,12 +365,12 @@ def test_count_and_receive_count_return_new_separate_arrays_on_every_call(monkey
     k = Kernels(np, num_ranks=3, num_experts=12, num_topk=3, max_tokens=16, num_blocks=4)
     monkeypatch.setattr(k, "_launch", lambda *args, **kwargs: lambda *launch_args: None)
     idx = np.zeros((5, 3), np.int64)
-    counts, meta = np.zeros((2, 3, 5), np.int64), np.zeros((2, 3, 16, 7), np.int32)
+    counts, meta = np.zeros((2, 3, 7), np.int64), np.zeros((2, 3, 16, 7), np.int32)
     step = np.zeros(1, np.int64)
     calls = [(k.count(idx, stable=True), k.receive_count(counts, meta, step, alignment=1, expand=False, stable=True))
              for _ in range(2)]
     send, recv = calls[0]
-    shapes = [(3,), (12,), (3,), (13,), (5, 3), (5, 3), (3, 5)] + [(3,), (4,), (4,), (4,), (2,)]
+    shapes = [(3,), (12,), (3,), (13,), (5, 3), (5, 3), (3, 7)] + [(3,), (4,), (4,), (4,), (2,)]
     arrays = list(send) + list(recv)
     assert [a.shape for a in arrays] == shapes
     assert [a.dtype for a in arrays] == [np.int32] * 4 + [np.bool_] + [np.int32] * 7

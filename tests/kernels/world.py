@@ -19,6 +19,7 @@ from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.symmetric import SymmetricLayout
 from ep_comm.testing import routing as gen
 from ep_comm.testing.dtypes import DTYPES
+from ep_comm.validate import topk_values, verdict_words
 
 NEGATIVE_ZERO_RATE = 0.05  # share of -0.0 payload entries
 
@@ -41,6 +42,18 @@ def random_routing(rng: np.random.Generator, tokens: int, topk: int, experts: in
 def random_payload(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> np.ndarray:
     """Normal values with a few -0.0, in ``dtype``."""
     return gen.random_payload(rng, shape, dtype, NEGATIVE_ZERO_RATE)
+
+
+def routing_verdict(topk_idx: np.ndarray) -> tuple:
+    """The two verdict words of a routing ``[T, K]`` by the host rule (``ep_comm.validate``): what its count
+    kernel sends."""
+    return verdict_words(*topk_values(np, topk_idx)) if len(topk_idx) else verdict_words(-1, -1)
+
+
+def with_verdict(words: np.ndarray, verdict: tuple = (0, 0)) -> np.ndarray:
+    """The count words a sender's count kernel writes: ``words [R, 1 + L]`` (``ep_comm.layout.send_count_words``)
+    with the two encoded ``verdict`` words appended to every row (default: clean)."""
+    return np.concatenate([words, np.tile(np.asarray(verdict, words.dtype), (len(words), 1))], axis=1)
 
 
 def spy_launches(monkeypatch, arguments: Optional[list] = None) -> list:
@@ -141,14 +154,16 @@ class World:
             sent.append(Sent(to_host(slot_idx), lay))
         for s in range(self.num_ranks):
             self.exchange_counts(parity, s, ref.send_count_words(
-                ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks)))
+                ref.dispatch_layout(self.topk[s], self.num_experts, self.num_ranks)), routing_verdict(self.topk[s]))
         return sent
 
-    def exchange_counts(self, parity: int, src: int, words: np.ndarray) -> None:
-        """The count exchange of source ``src``: row ``d`` of its ``words [R, 1 + L]`` into receiver ``d``'s count
-        words of ``parity``."""
+    def exchange_counts(self, parity: int, src: int, words: np.ndarray, verdict: tuple = (0, 0)) -> None:
+        """The count exchange of source ``src``: row ``d`` of its ``words [R, 1 + L]`` and its ``verdict`` words
+        (encoded, :func:`ep_comm.validate.verdict_words`; default clean) into receiver ``d``'s count words of
+        ``parity``."""
+        block = with_verdict(words, verdict)
         for d in range(self.num_ranks):
-            self.views[d].counts[parity, src] = self.xp.asarray(words[d])
+            self.views[d].counts[parity, src] = self.xp.asarray(block[d])
 
     def outputs(self, *, expand: bool, alignment: int, worst_case: bool, num_rows: int, num_expanded: int,
                 cached: Optional[Received] = None) -> tuple:
