@@ -3,15 +3,15 @@ allocations (and which of them come before the first launch), stream synchronisa
 progress polls, and Python function calls. Counts, not timings: the budgets of the eager path are asserted on them
 (``tests/test_eager_budget.py``).
 
-Kernels do not run here (every launch is stubbed and counted), so the outputs are garbage: only the call sequence
-is real.
+No kernel runs under a :class:`LaunchCounter` (every launch is stubbed and noted), so the outputs are garbage:
+only the host's call sequence is real. Launch plans are replayed as the GPU replays them (:class:`ReplayedPlans`).
 """
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
@@ -40,125 +40,144 @@ class Counts:
         first = next((i for i, e in enumerate(self.events) if e.startswith("launch")), len(self.events))
         return sum(e.startswith("alloc") for e in self.events[:first])
 
+    def launch(self, what: str) -> None:
+        self.launches += 1
+        self.events.append(f"launch {what}")
 
-@contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
+    def allocate(self, what: str) -> None:
+        self.allocations += 1
+        self.events.append(f"alloc {what}")
 
 
 class ReplayedPlans:
-    """``launching.plans.Plans`` as the GPU runs it, for kernels that do not run: the first call of a key runs its
-    path (whose stubbed launches it notes), every later call replays them, one ``replay(kernel)`` per launch
-    after reading each root's data pointer (what ``Plans.run`` and ``LaunchPlan`` do per call)."""
+    """``launching.plans.Plans`` as the GPU runs it: the first call of a key runs its path (noting its launches),
+    every later call reads each root's data pointer and replays them, one ``LaunchCounter.launch`` per kernel."""
 
     enabled = True
 
-    def __init__(self) -> None:
+    def __init__(self, counter: "LaunchCounter") -> None:
+        self._counter = counter
         self._plans: dict = {}
         self.built = 0
-        self.recording: List[str] = []  # the launches of a path being recorded
-        self.replay: Callable[[str], None] = lambda kernel: None
 
     def run(self, key: Any, on: Any, roots: Any, path: Callable[[], None]) -> None:
         kernels = self._plans.get(key)
         if kernels is None:
-            self.recording = []
-            path()
-            self._plans[key], self.recording = tuple(self.recording), []
+            with self._counter.noting() as noted:
+                path()
+            self._plans[key] = tuple(noted)
             self.built += 1
             return
-        pointers = [r.ctypes.data for r in roots]
+        for root in roots:
+            root.ctypes.data
         for kernel in kernels:
-            self.replay(kernel)
-        del pointers
+            self._counter.launch(kernel)
 
 
-def count_call(backend: Any, call: Callable[[], Any], python_calls: bool = False) -> Counts:
-    """Run ``call()`` (one Buffer call on a Buffer over ``backend``, a ``helpers.fake_gpu.simulated_backend`` whose
-    ``plans`` is a :class:`ReplayedPlans`) with every kernel launch stubbed, and count what it did.
-    ``python_calls``: count only the Python function calls made inside the call (``sys.setprofile``; C functions
-    not counted; nothing else is wrapped then, so that no counting wrapper is counted)."""
-    counts = Counts()
-    transport, device, plans = backend.transport, backend.device, backend.plans
+class LaunchCounter:
+    """Inside ``with LaunchCounter(backend) as counter``: no kernel of ``backend`` (a ``fake_gpu.simulated_backend``)
+    runs, its plans are :class:`ReplayedPlans`, and :meth:`count` counts one call."""
 
-    def launch(what: str) -> None:
-        counts.launches += 1
-        counts.events.append(f"launch {what}")
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self._counts: Optional[Counts] = None
+        self._noted: Optional[List[str]] = None
+        self._inside = 0  # > 0 inside a counted call that others are made from (their costs are its own)
+        self._stack = ExitStack()
 
-    def stub(self: bound.BoundLaunch, *args: Any) -> None:
-        kernel = getattr(self.dispatcher, "__name__", "kernel")
-        plans.recording.append(kernel)
-        launch(kernel)
+    def __enter__(self) -> "LaunchCounter":
+        be, counter = self.backend, self
+        be.plans = ReplayedPlans(self)
 
-    if python_calls:
-        return _python_calls(call, plans, stub, counts)
-    plans.replay = launch
+        def stub(launch: bound.BoundLaunch, *args: Any) -> None:
+            counter.launch(getattr(launch.dispatcher, "__name__", "kernel"))
 
-    def allocating(name: str, allocate: Callable) -> Callable:
+        patch = self._patch
+        patch(bound.BoundLaunch, "__call__", stub)
+        patch(be.device, "synchronize", self._counted("syncs", lambda: None))
+        patch(be.device, "reached", self._counted("polls", lambda marker: True))
+        read = self._counted("reads", np.array)
+        patch(host, "to_host", read)
+        patch(nvshmem_backend, "to_host", read)
+        patch(be.device, "carve", self._allocating("carve", be.device.carve))
+        for name in ALLOCATORS:
+            patch(np, name, self._allocating(name, getattr(np, name)))
+        transport = be.transport
+        for name, kernel in (("exchange", "signal_and_wait"), ("signal", "send_signal"), ("wait", "wait_signals")):
+            patch(transport, name, self._launching(kernel, getattr(transport, name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        saved = getattr(obj, name)
+        setattr(obj, name, value)
+        self._stack.callback(setattr, obj, name, saved)
+
+    @contextmanager
+    def noting(self) -> Iterator[List[str]]:
+        """Inside, the kernels launched are also appended to the list yielded (a plan being recorded)."""
+        self._noted = noted = []
+        try:
+            yield noted
+        finally:
+            self._noted = None
+
+    def launch(self, kernel: str) -> None:
+        if self._noted is not None:
+            self._noted.append(kernel)
+        if self._counts is not None and not self._inside:
+            self._counts.launch(kernel)
+
+    def _counted(self, what: str, function: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts.allocations += 1
-            counts.events.append(f"alloc {name}")
-            return allocate(*args, **kwargs)
+            if self._counts is not None:
+                setattr(self._counts, what, getattr(self._counts, what) + 1)
+            return function(*args, **kwargs)
         return wrapper
 
-    def signal_launch(name: str, original: Callable) -> Callable:
+    def _allocating(self, name: str, allocate: Callable) -> Callable:
+        return self._outermost(allocate, lambda: self._counts.allocate(name))
+
+    def _launching(self, kernel: str, original: Callable) -> Callable:
+        return self._outermost(original, lambda: self._counts.launch(kernel))
+
+    def _outermost(self, function: Callable, note: Callable[[], None]) -> Callable:
+        """``function`` noted once per outermost call (a launch or allocation made inside another is its part)."""
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            launch(name)
-            return original(*args, **kwargs)
+            if self._counts is None or self._inside:
+                return function(*args, **kwargs)
+            note()
+            self._inside += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._inside -= 1
         return wrapper
 
-    def sync() -> None:
-        counts.syncs += 1
+    def count(self, call: Callable[[], Any]) -> Counts:
+        """The counts of ``call()``."""
+        self._counts = counts = Counts()
+        try:
+            call()
+        finally:
+            self._counts = None
+        return counts
 
-    def reached(marker: Any) -> bool:
-        counts.polls += 1
-        return True
+    def python_calls(self, call: Callable[[], Any]) -> int:
+        """Python function calls made inside ``call()`` (``sys.setprofile``; C functions not counted), minus those
+        of this counter's own wrappers (which do not exist on a GPU)."""
+        calls = [0]
+        own = {self._counted.__code__, self._outermost.__code__, self.launch.__code__}
 
-    def read(a: Any) -> Any:
-        counts.reads += 1
-        return np.asarray(a)
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name != "wrapper" and frame.f_code not in own:
+                calls[0] += 1
 
-    patches = [(bound.BoundLaunch, "__call__", stub), (device, "synchronize", sync), (device, "reached", reached),
-               (host, "to_host", read), (nvshmem_backend, "to_host", read),
-               (device, "carve", allocating("carve", device.carve)),
-               (transport, "exchange", signal_launch("signal_and_wait", transport.exchange)),
-               (transport, "signal", signal_launch("send_signal", transport.signal)),
-               (transport, "wait", signal_launch("wait_signals", transport.wait))]
-    patches += [(np, name, allocating(name, getattr(np, name))) for name in ALLOCATORS]
-    with _patching(patches):
-        call()
-    return counts
-
-
-def _python_calls(call: Callable[[], Any], plans: ReplayedPlans, stub: Callable, counts: Counts) -> Counts:
-    """``counts`` with the Python function calls of ``call()`` (launches stubbed as GPU-free no-ops)."""
-    calls = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            calls[0] += 1
-
-    plans.replay = lambda kernel: None
-    with _patched(bound.BoundLaunch, "__call__", stub):
         sys.setprofile(profile)
         try:
             call()
         finally:
             sys.setprofile(None)
-    counts.python_calls = calls[0]
-    return counts
-
-
-@contextmanager
-def _patching(patches: list) -> Iterator[None]:
-    if not patches:
-        yield
-        return
-    obj, name, value = patches[0]
-    with _patched(obj, name, value), _patching(patches[1:]):
-        yield
+        return calls[0]
