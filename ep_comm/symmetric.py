@@ -6,9 +6,10 @@ that a peer's region is addressed by the same offsets everywhere:
 * ``signal[R]`` int64: the step word ``seq << 2 | kind`` (kind 1 dispatch, 2 combine, 3 close) of
   the last collective step source rank ``s`` finished writing into this rank (monotone; a waiter
   wants ``signal[s]`` equal to its own step's word, or a later step number);
-* ``counts[2][R][1 + L]`` int64 (``L`` local experts): what source ``s`` sent in the operation of that
+* ``counts[2][R][1 + L + V]`` int64 (``L`` local experts): what source ``s`` sent in the operation of that
   parity (new routing only): word 0 its rows, word ``1 + j`` its entries for local expert ``j`` (the
-  slice ``[r*L:(r+1)*L]`` of its count kernel's tokens per expert, for this rank ``r``);
+  slice ``[r*L:(r+1)*L]`` of its count kernel's tokens per expert, for this rank ``r``), then the ``V``
+  (``verdict_words``) words of its routing verdict (``ep_comm.validate.verdict_words``; all zero = clean);
 * ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
 * ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
   (as raw bits);
@@ -41,12 +42,14 @@ class SymmetricLayout:
     num_topk: int
     itemsize: int
     num_local_experts: int
+    verdict_words: int = 0  # words of the routing verdict after the counts: validate.VERDICT_WORDS where the count
+    # step sends one (mpi), 0 where it does not yet (the nvshmem count kernel)
 
     @property
     def count_words(self) -> int:
         """int64 words one source writes per operation into a destination's counts: rows, then one per local
-        expert."""
-        return 1 + self.num_local_experts
+        expert, then the routing verdict's ``verdict_words``."""
+        return 1 + self.num_local_experts + self.verdict_words
 
     @property
     def row_bytes(self) -> int:
