@@ -110,16 +110,17 @@ class MpiBackend:
         return send(step, *args, False)()
 
     def _plain(self, what: str, on_host: bool, send: Callable[..., Callable[[], Any]], request: Any) -> Any:
-        """Collective step ``what`` whole (``send(step, request, False)``, then its receive part), after the pending
-        routing error; ``on_host``: the output is the host's (``cpu_sync``), so a routing error is raised now."""
+        """Collective step ``what`` whole (``send(step, request, False)``, then its receive part), once a pending
+        routing error is raised (:meth:`_raise_refused`: then nothing runs); ``on_host``: the output is the host's
+        (``cpu_sync``), so the step's own routing error is raised now (:meth:`_settled`)."""
         self._raise_refused()
         out = self.steps.run(what, True, self._step, what, "total", self._whole, send, request)
         return self._settled(out, on_host)
 
     def _split(self, what: str, on_host: bool, send: Callable[..., Callable[[], Any]], request: Any) -> ReceiveHalf:
-        """Step ``what``'s send part now (``send(step, request, True)``: puts and signal, no wait; after the pending
-        routing error), and its receive part (wait, read, assemble) as a ``ReceiveHalf`` guarded by
-        ``Steps.resume``, which raises a routing error as :meth:`_plain` does."""
+        """Step ``what``'s send part now (``send(step, request, True)``: puts and signal, no wait), once a pending
+        routing error is raised as in :meth:`_plain`, and its receive part (wait, read, assemble) as a
+        ``ReceiveHalf`` (:meth:`_hook`)."""
         self._raise_refused()
         receive = self.steps.run(what, True, self._step, what, "send part", send, request, True)
         return ReceiveHalf(self.steps.latest, _nothing_to_prepare,
