@@ -191,9 +191,11 @@ class Buffer:
         checked[key] = weakref.ref(handle, lambda _, key=key: checked.pop(key, None))
 
     def _topk_idx(self, topk_idx: Any) -> Any:
+        """``topk_idx`` as the backend's array, its type, shape, token count and (unsigned) int64 range checked
+        (``validate.check_topk_idx``); its values are the dispatch's count step's to check."""
         be = self._live()
         topk_idx = be.as_array(topk_idx, "topk_idx")
-        chk.check_topk_idx(be.xp, topk_idx, self.geometry, be.routing_summary)
+        chk.check_topk_idx(topk_idx, self.geometry)
         return topk_idx
 
     @_holds_captured_memory
@@ -206,8 +208,15 @@ class Buffer:
         Returns:
             ``DispatchLayout``: ``num_tokens_per_rank [R]`` int32 (a token counts once per rank),
             ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [T, R]`` bool.
+
+        Raises:
+            ValueError: an id ``>= num_experts`` or a row naming an expert twice, at once on this rank (nothing
+                is collective here; ``dispatch`` raises it on every rank, ``validate.routing_error``).
         """
-        return self._live().dispatch_layout(self._topk_idx(topk_idx))
+        be, idx = self._live(), self._topk_idx(topk_idx)
+        if idx.shape[0]:
+            chk.check_topk_values(*be.routing_summary(idx), self.geometry)
+        return be.dispatch_layout(idx)
 
     @_holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
@@ -269,6 +278,13 @@ class Buffer:
 
         Raises:
             RuntimeError: a receive hook of this Buffer is pending (call it first).
+            ValueError: some rank's ``topk_idx`` holds an id ``>= num_experts`` or names an expert twice in a row:
+                checked by each rank in its count step, the verdict travels with the count exchange, no rank
+                receives a row, and every rank raises the same error naming the lowest bad rank
+                (``validate.routing_error``), the Buffer usable after. ``cpu_sync=True``: raised by this call (or by
+                its receive hook); ``cpu_sync=False``: this call returns outputs that hold no row, and the next
+                ``dispatch`` or ``combine`` raises it instead of running. Also any argument that breaks its rule,
+                on this rank before anything is sent.
         """
         be = self._ready("dispatch")
         chk.check_flag(return_recv_hook, "return_recv_hook")
@@ -290,9 +306,10 @@ class Buffer:
         if stats is not None:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
-        # the handle owns its routing: a copy of the caller's ids and weights (none of the handle's own on a replay)
+        # the handle owns its routing: a copy of the caller's ids and weights (none of the handle's own on a replay);
+        # unsigned ids as int64 (check_topk_idx saw that they fit), so that no id wraps round to "no expert"
         if handle is None:
-            idx = idx.copy()
+            idx = idx.astype(be.xp.int64) if idx.dtype.kind == "u" else idx.copy()
         if topk_weights is not None:
             topk_weights = _float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
@@ -351,6 +368,8 @@ class Buffer:
 
         Raises:
             RuntimeError: a receive hook of this Buffer is pending (call it first).
+            ValueError: the routing error of the previous ``dispatch`` (``cpu_sync=False``), raised instead of running
+                (see ``dispatch``); also any argument that breaks its rule, before anything is sent.
         """
         be = self._ready("combine")
         chk.check_flag(return_recv_hook, "return_recv_hook")

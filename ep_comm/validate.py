@@ -1,18 +1,20 @@
 """Argument checks run before anything is sent: each error names the argument, the value and the rule.
 
-The functions take the array module ``xp`` (numpy or cupy) so that both backends share them;
-value checks on device arrays cost one small reduction each.
+The functions take the array module ``xp`` (numpy or cupy) so that both backends share them. The values of a
+dispatch's ``topk_idx`` are the exception: each rank checks its own in the count step, the verdicts travel with
+the count exchange (:func:`verdict_words`), and every rank raises the same :func:`routing_error`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from . import layout as lay
 from .dtypes import PAYLOAD_DTYPES
+from .errors import RoutingError
 from .fp8 import BLOCK as FP8_BLOCK
 from .kernels.protocol import ID_CLAMP as ID_CLAMP  # the device code's constants, re-exported
 from .kernels.protocol import VERDICT_WORDS as VERDICT_WORDS
@@ -127,11 +129,11 @@ def _shape(arr: Any, name: str) -> tuple:
     return tuple(shape)
 
 
-def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callable[[Any], tuple]] = None) -> None:
-    """``topk_idx``: integer ``[T, K]``, ``T <= max_tokens``, entries ``< num_experts``, no expert twice per token.
+def check_topk_idx(topk_idx: Any, geo: Geometry) -> None:
+    """``topk_idx``: integer ``[T, K]``, ``T <= max_tokens``; unsigned ids must fit int64 (they are taken as int64).
 
-    ``summarize(topk_idx)`` (a backend's version of :func:`topk_values`, e.g. one launch) replaces the
-    array code when given."""
+    The values of signed ids are not read here: the dispatch checks them where they live, in its count step, and
+    every rank raises :func:`routing_error` (``get_dispatch_layout``: :func:`check_topk_values`)."""
     shape = _shape(topk_idx, "topk_idx")
     dtype = np.dtype(topk_idx.dtype)
     if not np.issubdtype(dtype, np.integer):
@@ -140,19 +142,34 @@ def check_topk_idx(xp, topk_idx: Any, geo: Geometry, summarize: Optional[Callabl
         raise ValueError(f"topk_idx has shape {shape}: must be [num_tokens, num_topk={geo.num_topk}]")
     if shape[0] > geo.max_tokens:
         raise ValueError(f"topk_idx has {shape[0]} tokens: more than num_max_tokens_per_rank={geo.max_tokens}")
-    if shape[0] == 0:
-        return
-    if np.iinfo(dtype).max > _INT64_MAX:  # uint64: ids past int64 must not wrap round to "no expert"
+    if shape[0] and np.iinfo(dtype).max > _INT64_MAX:  # uint64: ids past int64 must not wrap round to "no expert"
         top = int(topk_idx.max())
         if top > _INT64_MAX:
             raise ValueError(f"topk_idx holds expert id {top}: does not fit int64; ids must be < "
                              f"num_experts={geo.num_experts} (negative = none)")
-    top, twice = summarize(topk_idx) if summarize is not None else topk_values(xp, topk_idx)
-    if top >= geo.num_experts:
-        raise ValueError(f"topk_idx holds expert id {top}: ids must be < num_experts={geo.num_experts} "
-                         "(negative = none)")
+
+
+def check_topk_values(top: int, twice: int, geo: Geometry) -> None:
+    """The values of a local routing (``get_dispatch_layout``), from its :func:`topk_values` summary: ids
+    ``< num_experts``, no expert twice per token; ValueError at once on this rank.
+
+    Args:
+        top: the largest expert id (-1 when it names none).
+        twice: the first row naming an expert twice, or -1.
+    """
+    rule = _routing_rule(top, twice, geo.num_experts, str(top))
+    if rule is not None:
+        raise ValueError(f"topk_idx {rule}")
+
+
+def _routing_rule(top: int, twice: int, num_experts: int, shown: str) -> Optional[str]:
+    """The rule a routing breaks, as the words after "topk_idx" (the largest id ``top`` shown as ``shown``), or
+    None for a good one: ids ``< num_experts`` first, then no expert twice in row ``twice`` (-1: none)."""
+    if top >= num_experts:
+        return f"holds expert id {shown}: ids must be < num_experts={num_experts} (negative = none)"
     if twice >= 0:
-        raise ValueError(f"topk_idx row {twice} names the same expert twice: each token picks distinct experts")
+        return f"row {twice} names the same expert twice: each token picks distinct experts"
+    return None
 
 
 def verdict_words(top: int, twice: int) -> Tuple[int, int]:
@@ -172,8 +189,8 @@ def verdict_of(words: Sequence[int]) -> Tuple[int, int]:
     return int(words[0]) - 1, int(words[1]) - 1
 
 
-def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[ValueError]:
-    """The ``ValueError`` every rank raises for a dispatch whose routing some rank got wrong, or None.
+def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[RoutingError]:
+    """The ``ep_comm.RoutingError`` (a ``ValueError``) every rank raises for a dispatch whose routing some rank got wrong, or None.
 
     The rule (``docs/design.md``, Errors): each rank checks its own ``topk_idx`` where it is (in the count kernel on
     the GPU), the verdicts travel with the count exchange, and when any is bad no rank receives a row and every rank
@@ -185,16 +202,12 @@ def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: s
         num_experts: ``E``: ids must be below it.
         step: the step's name for the message (``"dispatch #3"``).
     """
-    bad = [r for r, (top, twice) in enumerate(verdicts) if top >= num_experts or twice >= 0]
+    rules = [_routing_rule(top, twice, num_experts, f"{top} or more" if top >= ID_CLAMP - 1 else f"{top}")
+             for top, twice in verdicts]
+    bad = [r for r, rule in enumerate(rules) if rule is not None]
     if not bad:
         return None
-    top, twice = verdicts[bad[0]]
-    if top >= num_experts:
-        shown = f"{top} or more" if top >= ID_CLAMP - 1 else f"{top}"
-        rule = f"holds expert id {shown}: ids must be < num_experts={num_experts} (negative = none)"
-    else:
-        rule = f"row {twice} names the same expert twice: each token picks distinct experts"
-    return ValueError(f"{step}: rank {bad[0]}'s topk_idx {rule}; no rank received a row "
+    return RoutingError(f"{step}: rank {bad[0]}'s topk_idx {rules[bad[0]]}; no rank received a row "
                       f"(ranks with a bad topk_idx: {bad}); the Buffer stays usable")
 
 

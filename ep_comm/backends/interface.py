@@ -89,7 +89,8 @@ class Backend(Protocol):
         """``obj`` as an array of ``xp`` (zero copy); TypeError naming ``name`` for arrays it cannot take."""
 
     def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
-        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing."""
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing: the local check
+        of ``Buffer.get_dispatch_layout`` (a dispatch checks its routing in its count step, see :meth:`dispatch`)."""
 
     def dispatch_layout(self, topk_idx: Array) -> DispatchLayout:
         """The local counts of a routing ``[T, K]`` (no communication)."""
@@ -99,7 +100,11 @@ class Backend(Protocol):
         communication): the sender cast of ``Buffer.dispatch(use_fp8=True)``."""
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
-        """One collective dispatch."""
+        """One collective dispatch. A new routing's ids are checked in its count step and the verdict travels with
+        the count exchange: when any rank's is bad no rank receives a row and every rank raises the same
+        ``validate.routing_error``, with ``cpu_sync`` from this call (from the receive part of
+        :meth:`dispatch_send`), else from its next ``dispatch``/``combine`` (before anything collective), the
+        backend usable after; ``close`` drops one not raised yet."""
 
     def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
         """The send part of one collective dispatch (count, scatter, signal; no wait), and its receive part."""

@@ -20,7 +20,7 @@ from ..handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing,
 from ..reduce import combine_rows, expand_partials
 from ..symmetric import SymmetricLayout
 from ..transport.mpi_window import MpiWindow
-from ..validate import Geometry, topk_values
+from ..validate import VERDICT_WORDS, Geometry, routing_error, topk_values, verdict_of, verdict_words
 from .collective_steps import Steps, step_word
 from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
 from .profile import Profile, ProfileRow
@@ -33,6 +33,12 @@ def _nothing_to_prepare() -> None:
     """A receive part on the mpi backend can always be enqueued (no streams, no graphs)."""
 
 
+def _routes_nothing(routing: Routing) -> Routing:
+    """``routing`` (its ids kept) as a dispatch refused for a bad verdict leaves it: no token in any rank, no slot."""
+    return Routing(routing.topk_idx, np.zeros_like(routing.is_token_in_rank),
+                   np.full_like(routing.dst_buffer_slot_idx, -1))
+
+
 class MpiBackend:
     """CPU backend. Arrays in and out are NumPy arrays.
 
@@ -40,6 +46,12 @@ class MpiBackend:
     step's ``total`` and ``signal+wait``, a dispatch's ``scatter`` and ``receive``, and a combine's
     ``send`` and ``reduce``; a split step (``return_recv_hook=True``) records ``send part``, ``signal``,
     ``hook`` and ``wait`` instead of ``total`` and ``signal+wait``.
+
+    A dispatch of a new routing checks this rank's ``topk_idx`` values in its count step and sends the verdict with
+    its counts (``validate.verdict_words``); after the wait every rank reads every verdict, and when one is bad
+    (``validate.routing_error``) no rank takes a row and every rank raises the same error, outside the guarded step
+    (the ranks stayed in step: the Buffer stays usable): at once where the call returns on the host (``cpu_sync``;
+    a hook's call), else from the next dispatch or combine, before it does anything (``close`` drops it).
     """
 
     name = "mpi"
@@ -58,6 +70,7 @@ class MpiBackend:
         self.window = MpiWindow(self.comm, self.sym)
         self.steps = Steps(self.rank, settings.timeout_s, self.window)
         self.profile = Profile(settings.profile)
+        self._refused: Optional[ValueError] = None  # the routing error of the latest dispatch, until raised
 
     # ------------------------------------------------------------------ inputs
     def as_array(self, obj, name: str) -> np.ndarray:
@@ -96,17 +109,46 @@ class MpiBackend:
         """A plain step: ``send(step, *args, False)`` (signal and wait), then at once the receive part it returns."""
         return send(step, *args, False)()
 
-    def _split(self, what: str, send: Callable[..., Callable[[], Any]], *args: Any) -> ReceiveHalf:
-        """Step ``what``'s send part now (``send(step, *args, True)``: puts and signal, no wait), and its receive part
-        (wait, read, assemble) as a ``ReceiveHalf`` guarded by ``Steps.resume``."""
-        receive = self.steps.run(what, True, self._step, what, "send part", send, *args, True)
-        return ReceiveHalf(self.steps.latest, _nothing_to_prepare,
-                           functools.partial(self.steps.resume, what, self._hook, what, receive))
+    def _plain(self, what: str, on_host: bool, send: Callable[..., Callable[[], Any]], request: Any) -> Any:
+        """Collective step ``what`` whole (``send(step, request, False)``, then its receive part), once a pending
+        routing error is raised (:meth:`_raise_refused`: then nothing runs); ``on_host``: the output is the host's
+        (``cpu_sync``), so the step's own routing error is raised now (:meth:`_settled`)."""
+        self._raise_refused()
+        out = self.steps.run(what, True, self._step, what, "total", self._whole, send, request)
+        return self._settled(out, on_host)
 
-    def _hook(self, what: str, receive: Callable[[], Any]) -> Any:
-        """The receive part of a split step, timed as its ``hook``."""
+    def _split(self, what: str, on_host: bool, send: Callable[..., Callable[[], Any]], request: Any) -> ReceiveHalf:
+        """Step ``what``'s send part now (``send(step, request, True)``: puts and signal, no wait), once a pending
+        routing error is raised as in :meth:`_plain`, and its receive part (wait, read, assemble) as a
+        ``ReceiveHalf`` (:meth:`_hook`)."""
+        self._raise_refused()
+        receive = self.steps.run(what, True, self._step, what, "send part", send, request, True)
+        return ReceiveHalf(self.steps.latest, _nothing_to_prepare,
+                           functools.partial(self._hook, what, on_host, receive))
+
+    def _hook(self, what: str, on_host: bool, receive: Callable[[], Any]) -> Any:
+        """The receive part of a split step guarded by ``Steps.resume`` and timed as its ``hook``, then its routing
+        error where ``on_host``."""
+        out = self.steps.resume(what, self._timed_hook, what, receive)
+        return self._settled(out, on_host)
+
+    def _timed_hook(self, what: str, receive: Callable[[], Any]) -> Any:
+        """``receive()``, timed as the step's ``hook``."""
         with self.profile.phase(what, "hook"):
             return receive()
+
+    def _settled(self, out: Any, on_host: bool) -> Any:
+        """A step's output ``out``, after its guarded part: where ``on_host`` (the call returns on the host), the
+        routing error the step found raised instead; otherwise kept for the next call."""
+        if on_host:
+            self._raise_refused()
+        return out
+
+    def _raise_refused(self) -> None:
+        """Raise (once) the routing error a dispatch found and has not raised yet."""
+        refused, self._refused = self._refused, None
+        if refused is not None:
+            raise refused
 
     def _signal(self, what: str, seq: int, hooked: bool) -> None:
         """The end of step ``seq``'s send part: signal every rank, then (a plain step) wait for every rank's signal;
@@ -176,11 +218,11 @@ class MpiBackend:
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
-        return self.steps.run("dispatch", True, self._step, "dispatch", "total", self._whole, self._dispatch, request)
+        return self._plain("dispatch", request.cpu_sync, self._dispatch, request)
 
     def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
         """The send part of one collective dispatch (puts into the peers' windows, signal), and its receive part."""
-        return self._split("dispatch", self._dispatch, request)
+        return self._split("dispatch", request.cpu_sync, self._dispatch, request)
 
     def _dispatch(self, step: Tuple[int, int], request: DispatchRequest,
                   hooked: bool) -> Callable[[], DispatchOutput]:
@@ -189,9 +231,10 @@ class MpiBackend:
         seq, parity = step
         words = None
         if handle is None:
-            topk_idx = request.topk_idx
+            topk_idx, verdict = self._checked(request.topk_idx)
             sent = lay.dispatch_layout(topk_idx, geo.num_experts, geo.num_ranks)
-            in_rank, words = sent.is_token_in_rank, lay.send_count_words(sent)
+            in_rank = sent.is_token_in_rank
+            words = np.concatenate([lay.send_count_words(sent), np.tile(verdict, (geo.num_ranks, 1))], axis=1)
             slots = lay.stable_rank_slots(in_rank) if self.deterministic else lay.atomic_rank_slots(in_rank, seed=seq)
             slot_idx = lay.dst_buffer_slot_idx(topk_idx, slots, self.rank, geo.experts_per_rank, geo.max_tokens)
             routing = Routing(topk_idx, in_rank, slot_idx)
@@ -203,16 +246,37 @@ class MpiBackend:
         self._signal("dispatch", seq, hooked)
         return functools.partial(self._dispatch_receive, step, request, routing, hooked)
 
+    def _checked(self, topk_idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """``(ids, verdict)`` of this rank's new routing ``topk_idx [T, K]``: ``verdict``, the ``VERDICT_WORDS``
+        int64 words of ``validate.verdict_words`` its count block carries; ``ids``, ``topk_idx`` with the ids past
+        the experts read as "no expert" (-1), as the GPU count kernel reads them: nothing is sent past a bound."""
+        top, twice = topk_values(np, topk_idx) if len(topk_idx) else (-1, -1)
+        if top >= self.geo.num_experts:
+            topk_idx = np.where(topk_idx < self.geo.num_experts, topk_idx, -1)
+        return topk_idx, np.array(verdict_words(top, twice), dtype=np.int64)
+
+    def _received_counts(self, parity: int) -> List[int]:
+        """The rows each source rank sent here in the new routing's dispatch of ``parity``, read from its count
+        block; all 0 when any rank's verdict is bad, whose ``validate.routing_error`` is kept for the call to
+        raise (:meth:`_settled`)."""
+        blocks = [self.window.local(self.sym.count_at(parity, s), 8 * self.sym.count_words).view(np.int64)
+                  for s in range(self.geo.num_ranks)]
+        self._refused = routing_error([verdict_of(b[-VERDICT_WORDS:]) for b in blocks], self.geo.num_experts,
+                                      self.steps.latest)
+        return [0 if self._refused else int(b[0]) for b in blocks]
+
     def _dispatch_receive(self, step: Tuple[int, int], request: DispatchRequest, routing: Routing,
                           hooked: bool) -> DispatchOutput:
-        """The receive part of a dispatch: the rows every rank put here, assembled into the outputs."""
-        geo, handle = self.geo, request.handle
+        """The receive part of a dispatch: the rows every rank put here, assembled into the outputs; none, and a
+        handle that routes nothing, when a rank's routing verdict is bad (:meth:`_received_counts`)."""
+        handle = request.handle
         seq, parity = step
         self._wait("dispatch", seq, hooked)
         with self.profile.phase("dispatch", "receive"):
             if handle is None:
-                counts = [int(self.window.local(self.sym.count_at(parity, s), 8).view(np.int64)[0])
-                          for s in range(geo.num_ranks)]
+                counts = self._received_counts(parity)
+                if self._refused:
+                    routing = _routes_nothing(routing)
             else:
                 counts = np.diff(np.asarray(handle.psum_num_recv_tokens_per_rank), prepend=0).tolist()
             blocks = [self._read_block(parity, s, c, request.x.shape[1]) for s, c in enumerate(counts)]
@@ -223,8 +287,8 @@ class MpiBackend:
     def _scatter(self, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray,
                  words: Optional[np.ndarray]) -> None:
         """Rank scatter: each destination's rows in slot order, one put per destination, and with ``words``
-        (a new routing: ``layout.send_count_words``, int64 ``[R, 1 + L]``) the count exchange, row ``dst`` to
-        ``dst``: its rows, then its entries per local expert."""
+        (a new routing: ``layout.send_count_words`` and this rank's verdict, int64 ``[R, 1 + L + VERDICT_WORDS]``)
+        the count exchange, row ``dst`` to ``dst``: its rows, its entries per local expert, the verdict."""
         geo, weights = self.geo, request.topk_weights
         for dst in range(geo.num_ranks):
             tokens = np.nonzero(routing.is_token_in_rank[:, dst])[0]
@@ -319,12 +383,12 @@ class MpiBackend:
     # ----------------------------------------------------------------- combine
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine of ``request.y`` along the routes of ``request.handle``."""
-        return self.steps.run("combine", True, self._step, "combine", "total", self._whole, self._combine, request)
+        return self._plain("combine", True, self._combine, request)
 
     def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
         """The send part of one collective combine (rows and weights back into the sources' windows, signal), and
         its receive part."""
-        return self._split("combine", self._combine, request)
+        return self._split("combine", True, self._combine, request)
 
     def _combine(self, step: Tuple[int, int], request: CombineRequest, hooked: bool) -> Callable[[], CombineOutput]:
         """The send part of a combine; returns its receive part."""
@@ -393,6 +457,7 @@ class MpiBackend:
             PeerAbortedError: a peer's abort record was here when this rank entered or waited in close.
             ep_comm.TimeoutError: a peer did not reach close within ``timeout_s``.
         """
+        self._refused = None  # a pending routing error goes with the Buffer, unraised
         if self.window is None:
             return
         try:

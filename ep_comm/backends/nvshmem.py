@@ -364,8 +364,7 @@ class NvshmemBackend:
         None when all are clean."""
         geo = self.geo
         verdicts = read_record(self._record_host.tolist(), geo.num_ranks, geo.experts_per_rank)[3]
-        error = routing_error(verdicts, geo.num_experts, step)
-        return None if error is None else RoutingError(str(error))
+        return routing_error(verdicts, geo.num_experts, step)
 
     def _after_host_wait(self, what: str) -> None:
         """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
