@@ -306,10 +306,11 @@ class Buffer:
         if stats is not None:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
-        # the handle owns its routing: a copy of the caller's ids and weights (none of the handle's own on a replay);
-        # unsigned ids as int64 (check_topk_idx saw that they fit), so that no id wraps round to "no expert"
-        if handle is None:
-            idx = idx.astype(be.xp.int64) if idx.dtype.kind == "u" else idx.copy()
+        # the handle owns its routing: the backend copies the ids (the GPU's count kernel writes the copy as it reads
+        # them), the weights are copied here (none of the handle's own on a replay); unsigned ids go as int64
+        # (check_topk_idx saw that they fit), so that no id wraps round to "no expert"
+        if handle is None and idx.dtype.kind == "u":
+            idx = idx.astype(be.xp.int64)
         if topk_weights is not None:
             topk_weights = _float32(be.xp, topk_weights, copy=True)
         elif handle is not None:

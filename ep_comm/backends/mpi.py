@@ -248,12 +248,12 @@ class MpiBackend:
 
     def _checked(self, topk_idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """``(ids, verdict)`` of this rank's new routing ``topk_idx [T, K]``: ``verdict``, the ``VERDICT_WORDS``
-        int64 words of ``validate.verdict_words`` its count block carries; ``ids``, ``topk_idx`` with the ids past
-        the experts read as "no expert" (-1), as the GPU count kernel reads them: nothing is sent past a bound."""
+        int64 words of ``validate.verdict_words`` its count block carries; ``ids``, the handle's own copy of
+        ``topk_idx`` with the ids past the experts read as "no expert" (-1), as the GPU count kernel reads them:
+        nothing is sent past a bound."""
         top, twice = topk_values(np, topk_idx) if len(topk_idx) else (-1, -1)
-        if top >= self.geo.num_experts:
-            topk_idx = np.where(topk_idx < self.geo.num_experts, topk_idx, -1)
-        return topk_idx, np.array(verdict_words(top, twice), dtype=np.int64)
+        ids = np.where(topk_idx < self.geo.num_experts, topk_idx, -1) if top >= self.geo.num_experts else topk_idx.copy()
+        return ids, np.array(verdict_words(top, twice), dtype=np.int64)
 
     def _received_counts(self, parity: int) -> List[int]:
         """The rows each source rank sent here in the new routing's dispatch of ``parity``, read from its count

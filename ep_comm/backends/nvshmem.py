@@ -454,7 +454,7 @@ class NvshmemBackend:
         send = k.send_layout(send_block, num_tokens)
         self._flush(seq, send.rank_psum)
         self._signal("dispatch", seq, hooked, send.count_words)
-        routing = Routing(idx, send.is_token_in_rank, send.slot_idx)
+        routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), send.is_token_in_rank, send.slot_idx)
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
 
     def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool) -> DispatchOutput:

@@ -27,9 +27,11 @@ from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, is_group_leader, 
 
 
 @cuda.jit(device=True)
-def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, place, lane, check):
+def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, idx_copy, place, lane,
+               check):
     """Count one unit's tokens into the block histogram ``hist [E + R]`` and, with ``stable``, the warp's
-    per-rank running counts ``running [R]`` (shared); write its ``in_rank`` rows. ``place``: the lane's
+    per-rank running counts ``running [R]`` (shared); write its ``in_rank`` rows and its ids into ``idx_copy``
+    (the handle's own copy of the routing, as given). ``place``: the lane's
     :func:`~ep_comm.kernels.units.lane_place` for K entries. ``check``: the lane's ``(largest id, first
     repeated row or NO_ROW)`` so far (``check.py``), returned with this unit's entries folded in."""
     num_tokens, num_topk = topk_idx.shape
@@ -49,6 +51,8 @@ def count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stabl
                 r = np.int32(r + num_topk)
         cuda.syncwarp(FULL_MASK)
         entry = np.int64(topk_idx[t, k]) if active else np.int64(-1)
+        if active:
+            idx_copy[t, k] = topk_idx[t, k]
         top = max(top, entry)
         if repeats_an_earlier_lane(entry, lanes, lane):
             repeated = min(repeated, np.int64(t))
@@ -84,8 +88,11 @@ def count_word(hist, num_experts, r, j, experts_per_rank, verdict):
 @kernel
 def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, counters, ticket, check_acc,
                  unit_counts, group_counts, rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum,
-                 in_rank, count_words):
+                 in_rank, count_words, idx_copy):
     """See :meth:`ep_comm.launching.kernels.Kernels.count`; dynamic shared memory: int32 ``[E + R + warps * R]``.
+
+    ``idx_copy [T, K]`` (``topk_idx``'s dtype) gets ``topk_idx`` as given: the copy a handle owns, written by the
+    lanes that read the ids anyway (no copy kernel, no allocation of its own).
 
     ``count_words [R, 1 + L + 2]`` gets, per destination ``r``, ``tokens_per_rank[r]`` then
     ``tokens_per_expert[r*L:(r+1)*L]`` then the routing verdict's two words (``ep_comm.validate.verdict_words``
@@ -123,8 +130,8 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
             if stable:
                 for r in range(lane, num_ranks, WARP):
                     unit_counts[unit, r] = running[r]
-            check = count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, place,
-                               lane, check)
+            check = count_unit(topk_idx, experts_per_rank, unit, num_units, hist, running, stable, in_rank, idx_copy,
+                               place, lane, check)
         if stable:
             for r in range(lane, num_ranks, WARP):
                 group_counts[g, r] = running[r]

@@ -305,7 +305,12 @@ class Kernels:
 
     def send_words(self, num_tokens: int) -> int:
         """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""
-        return self._in_rank_at(num_tokens) + -(-num_tokens * self.num_ranks // 4)
+        return self._ids_at(num_tokens) + 2 * num_tokens * self.num_topk
+
+    def _ids_at(self, num_tokens: int) -> int:
+        """The first word of the ids' copy in a count block: after ``is_token_in_rank``, on 16 bytes."""
+        bool_words = -(-num_tokens * self.num_ranks // 4)
+        return self._in_rank_at(num_tokens) + -(-bool_words // _CARVE_WORDS) * _CARVE_WORDS
 
     def _in_rank_at(self, num_tokens: int) -> int:
         """The first word of ``is_token_in_rank`` in a count block: after ``slot_idx``, on 16 bytes."""
@@ -326,6 +331,13 @@ class Kernels:
         in_rank = block[self._in_rank_at(num_tokens):].view(np.bool_)[: num_tokens * r].reshape(num_tokens, r)
         return in_rank, block[words:words + num_tokens * k].reshape(num_tokens, k)
 
+    def ids_view(self, block: Array, num_tokens: int, dtype: Any) -> Array:
+        """``[T, K]`` of ``dtype`` (an integer type of at most 8 bytes): the copy of the ids a count writes into its
+        ``block``."""
+        first, entries = self._ids_at(num_tokens), num_tokens * self.num_topk
+        ids = block[first:first + 2 * entries].view(np.uint8)[:entries * np.dtype(dtype).itemsize]
+        return ids.view(dtype).reshape(num_tokens, self.num_topk)
+
     def count(self, topk_idx: Array, *, stable: bool, block: Optional[Array] = None) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender, and check it: ids at or
         above ``num_experts`` count as no expert, and the verdict (largest id, first row naming an expert twice)
@@ -334,7 +346,7 @@ class Kernels:
         Also resets the atomic slot counters and, with ``stable``, prepares the per-unit cursors that
         :meth:`scatter` consumes next. Returns a :class:`SendLayout` with an unfilled ``slot_idx`` and, in
         ``count_words``, the block the count exchange sends (written by the same launch): views of ``block``
-        (int32 ``[send_words(T)]``; None: a new one).
+        (int32 ``[send_words(T)]``; None: a new one), which also gets the copy of ``topk_idx`` (:meth:`ids_view`).
         """
         e, r = self.num_experts, self.num_ranks
         num_tokens = topk_idx.shape[0]
@@ -347,7 +359,8 @@ class Kernels:
         self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
             topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket, self._check_acc,
             self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
-            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words)
+            out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words,
+            self.ids_view(block, num_tokens, topk_idx.dtype))
         return out
 
     def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,

@@ -27,7 +27,8 @@ def launch(function: CUfunction, grid: int, block: int, shared_bytes: int, on: C
            name: str) -> None:
     """Launch ``function`` on ``grid`` x 1 x 1 blocks of ``block`` x 1 x 1 threads with ``shared_bytes`` of dynamic
     shared memory on stream ``on``; ``params`` is the address of the ``void*[]`` of its parameters' addresses (the
-    driver copies them during the call). RuntimeError naming ``name`` (e.g. ``kernel count_kernel``) and the shape when the driver refuses.
+    driver copies them during the call). RuntimeError naming ``name`` (e.g. ``kernel count_kernel``) and the shape
+    when the driver refuses.
     """
     (result,) = cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared_bytes, on, params, 0)
     if result != _SUCCESS:
