@@ -209,8 +209,8 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
         cached, cached_dispatch_graph = captured(stream, cached_dispatch)
         cached_y = cached.recv_x if payload.pair is None else warm_y  # warm_y: the cached layout, made last
         cached_sum, cached_combine = captured(stream, lambda: buf.combine(cached_y, cached.handle))
-        new, new_dispatch = captured(stream, dispatch_new)
-        steps = [("dispatch", cached_dispatch_graph), ("combine", cached_combine), ("dispatch_new", new_dispatch)]
+        new, new_graph = captured(stream, dispatch_new)
+        steps = [("dispatch", cached_dispatch_graph), ("combine", cached_combine), ("dispatch_new", new_graph)]
         new_y = new.recv_x
         if payload.pair is not None:
             new_y, fill = captured(stream, lambda: payload.combine_input(buf, new, cpu_sync=False))
