@@ -83,15 +83,15 @@ def exact_round_trip(buf, world) -> None:
 
 
 def assert_no_row(out, world, expand: bool) -> None:
-    """A ``cpu_sync=False`` dispatch that received nothing: worst-case shapes, every row empty, -1 tails."""
+    """A ``cpu_sync=False`` dispatch that received nothing: worst-case shapes, every row an unused tail (-1 ids and
+    metadata; its ``recv_x`` rows are unspecified, as every unused tail row's)."""
     rows = WORLD * world.max_tokens
     ids, meta = to_host(out.recv_topk_idx), to_host(out.handle.recv_src_metadata)
     assert meta.shape == (rows, 2 + world.num_topk) and (meta == -1).all()
-    assert (ids == -1).all() and not to_host(out.recv_x).any()
+    assert (ids == -1).all()
     if not expand:
         assert ids.shape == (rows, world.num_topk)
     assert int(to_host(out.handle.num_recv_tokens)) == 0
-    assert not to_host(out.handle.is_token_in_rank).any(), "a refused routing sends nothing: its handle routes nothing"
 
 
 def refused(buf, world, kind_of_rank: Dict[int, str], mode: str) -> str:
