@@ -1,0 +1,69 @@
+"""Where an eager call's host time goes, on one GPU rank: cProfile of cpu_sync=False cached dispatch + combine
+pairs and of new-routing dispatches, the launch plans built and refused, and host microseconds per call.
+A developer's measurement, never a test::
+
+    launch/mpirun_gpu.sh 1 tools.eager_profile [--tokens 128] [--calls 300] [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+import ep_comm
+from ep_comm.launching.plans import _UNPLANNED
+from ep_comm.testing.routing import uniform_routing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    t, h, e, k = args.tokens, 7168, 256, 8
+    buf = ep_comm.Buffer(MPI.COMM_WORLD, num_experts=e, hidden=h, num_topk=k, num_max_tokens_per_rank=t,
+                         backend="nvshmem")
+    idx = cupy.asarray(uniform_routing(t, e, k, seed=0).topk_idx)
+    x = cupy.asarray(np.ones((t, h), buf.geometry.dtype))
+    out = buf.dispatch(x, idx, cpu_sync=False)
+    calls = {
+        "cached async pair": lambda: buf.combine(buf.dispatch(x, handle=out.handle, cpu_sync=False).recv_x, out.handle),
+        "new async": lambda: buf.dispatch(x, idx, cpu_sync=False),
+        "new sync": lambda: buf.dispatch(x, idx, cpu_sync=True),
+        "combine async": lambda: buf.combine(out.recv_x, out.handle),
+    }
+    for name, call in calls.items():
+        for _ in range(20):
+            call()
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        host = (time.perf_counter() - start) / args.calls * 1e6
+        cupy.cuda.Device().synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            call()
+        prof.disable()
+        cupy.cuda.Device().synchronize()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        print(f"== {name}: {host:.1f} us host per call (loop incl. GPU backpressure), "
+              f"{stats.total_calls / args.calls:.0f} Python calls per call")
+        stats.sort_stats("tottime").print_stats(args.top)
+        print("\n".join(text.getvalue().splitlines()[:args.top + 12]))
+    plans = buf._backend.plans
+    print("plans:", {str(key)[:90]: ("UNPLANNED" if p is _UNPLANNED else len(p)) for key, p in plans._plans.items()})
+    buf.close()
+
+
+if __name__ == "__main__":
+    main()
