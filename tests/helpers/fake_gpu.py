@@ -142,11 +142,13 @@ class HostDevice:
             self.waited = getattr(self, "waited", []) + [mark[1]]
 
 
-def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False):
-    """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator."""
+def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False, launch=None):
+    """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator. ``launch``: the
+    ``Kernels`` launch shape (default: 2 blocks of 2 warps, what the simulator runs in reasonable time; a test
+    whose kernels do not run may give a GPU's, ``nvshmem.grid_shape(132)``)."""
     sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                           geo.experts_per_rank)
     transport = LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
     settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
     return NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
-                          launch=dict(num_blocks=2, warps_per_block=2))
+                          launch=launch or dict(num_blocks=2, warps_per_block=2))
