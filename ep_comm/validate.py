@@ -189,6 +189,12 @@ def verdict_of(words: Sequence[int]) -> Tuple[int, int]:
     return int(words[0]) - 1, int(words[1]) - 1
 
 
+def verdicts_clean(words: Any, num_experts: int) -> bool:
+    """Whether every rank's verdict words (a NumPy int64 ``[R, VERDICT_WORDS]`` of :func:`verdict_words`) are
+    clean: no id at or past ``num_experts``, no repeated row. Two array reductions, no decoding."""
+    return int(words[:, 0].max(initial=0)) <= num_experts and not words[:, 1].any()
+
+
 def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[RoutingError]:
     """The ``ep_comm.RoutingError`` (a ``ValueError``) every rank raises for a dispatch whose routing some rank got wrong, or None.
 

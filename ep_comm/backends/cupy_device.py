@@ -87,6 +87,9 @@ class CupyDevice:
     def carve(shapes: Sequence[Tuple[tuple, Any]]) -> Tuple[List[Any], Any]:
         """``(arrays, block)``: one new allocation ``block`` (uint8) and a C-contiguous array of each
         ``(shape, dtype)`` of ``shapes`` in it, each on 128 bytes (one allocation for many arrays)."""
+        if len(shapes) == 1:  # one array: itself
+            array = cupy.empty(*shapes[0])
+            return [array], array
         offsets, total = [], 0
         for shape, dtype in shapes:
             offsets.append(total)

@@ -76,8 +76,8 @@ from ..launching.plans import Plans
 from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
                                 check_index_range)
 from ..launching.views import word_dtype
-from ..symmetric import SymmetricLayout, read_record, record_words
-from ..validate import Geometry, check_num_sms_fits, routing_error, topk_values
+from ..symmetric import SymmetricLayout, record_counts, record_verdict_words, record_words
+from ..validate import Geometry, check_num_sms_fits, routing_error, topk_values, verdict_of, verdicts_clean
 from .capture import CapturePolicy
 from .collective_steps import STEP_KINDS, Steps
 from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
@@ -363,8 +363,10 @@ class NvshmemBackend:
         """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
         None when all are clean."""
         geo = self.geo
-        verdicts = read_record(self._record_host.tolist(), geo.num_ranks, geo.experts_per_rank)[3]
-        return routing_error(verdicts, geo.num_experts, step)
+        words = record_verdict_words(self._record_host, geo.num_ranks)
+        if verdicts_clean(words, geo.num_experts):
+            return None
+        return routing_error([verdict_of(pair) for pair in words.tolist()], geo.num_experts, step)
 
     def _after_host_wait(self, what: str) -> None:
         """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
@@ -451,10 +453,10 @@ class NvshmemBackend:
 
         key = ("send", num_tokens, idx.dtype.char, x.dtype.char, x.shape[1], weights is not None, stable)
         self._planned(key, (idx, x, block) if weights is None else (idx, x, block, weights), count_and_scatter)
-        send = k.send_layout(send_block, num_tokens)
-        self._flush(seq, send.rank_psum)
-        self._signal("dispatch", seq, hooked, send.count_words)
-        routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), send.is_token_in_rank, send.slot_idx)
+        if self.transport.use_puts:
+            self._flush(seq, k.send_layout(send_block, num_tokens).rank_psum)
+        self._signal("dispatch", seq, hooked, k.count_words_view(send_block))
+        routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
 
     def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool) -> DispatchOutput:
@@ -480,8 +482,8 @@ class NvshmemBackend:
             error = self._verdict(step)
             if error is not None:
                 raise error
-            _, num_recv, num_expanded, _, aligned = read_record(self._record_host.tolist(), self.geo.num_ranks,
-                                                                self.geo.experts_per_rank)
+            num_recv, num_expanded, aligned = record_counts(self._record_host, self.geo.num_ranks,
+                                                            self.geo.experts_per_rank)
             counts = (num_recv, num_expanded, aligned)
         else:
             if not self.capture.active:  # a captured dispatch's verdict: CapturePolicy.raise_for_checks

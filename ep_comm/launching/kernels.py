@@ -319,11 +319,13 @@ class Kernels:
     def send_layout(self, block: Array, num_tokens: int) -> SendLayout:
         """The :class:`SendLayout` arrays of a count of ``num_tokens`` tokens: views of ``block``, int32
         ``[send_words(num_tokens)]`` (``is_token_in_rank`` as bool bytes of its last words)."""
-        r = self.num_ranks
-        count_words, per_rank, per_expert, rank_psum, expert_psum = map(block.__getitem__, self._send_slices)
+        _, per_rank, per_expert, rank_psum, expert_psum = map(block.__getitem__, self._send_slices)
         in_rank, slot_idx = self.routing_views(block, num_tokens)
-        return SendLayout(per_rank, per_expert, rank_psum, expert_psum, in_rank, slot_idx,
-                          count_words.reshape(r, -1))
+        return SendLayout(per_rank, per_expert, rank_psum, expert_psum, in_rank, slot_idx, self.count_words_view(block))
+
+    def count_words_view(self, block: Array) -> Array:
+        """``count_words [R, count_width]`` of a count ``block`` (the first of its views, :meth:`send_layout`)."""
+        return block[self._send_slices[0]].reshape(self.num_ranks, self.count_width)
 
     def routing_views(self, block: Array, num_tokens: int) -> tuple[Array, Array]:
         """``(is_token_in_rank [T, R] bool, slot_idx [T, K] int32)``, the handle's views of a count ``block``."""
