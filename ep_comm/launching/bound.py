@@ -129,7 +129,9 @@ def _array(a: Any) -> Optional[Tuple[ArrayFields, Tuple[Any, ...]]]:
         c = flags.c_contiguous
         # as Numba sees it: CuPy's interface gives no strides for a C-contiguous array (empty ones too)
         strides = c_strides(shape, itemsize) if c else a.strides
-        return (a.data.ptr, shape, strides, itemsize), ("array", a.dtype, len(shape), c, flags.f_contiguous)
+        # an empty array's pointer as its interface gives it to Numba (0): views of an allocation may be empty
+        ptr = a.data.ptr if a.size else 0
+        return (ptr, shape, strides, itemsize), ("array", a.dtype, len(shape), c, flags.f_contiguous)
     if role == "other" and (_described.knows(a) or hasattr(a, "__cuda_array_interface__")):
         return _described(a)
     return None

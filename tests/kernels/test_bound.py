@@ -71,7 +71,7 @@ class FakeCupyArray:
 
     def __init__(self, ptr: int, shape, dtype, strides=None, contiguous=None):
         self.dtype, self.shape = np.dtype(dtype), tuple(shape)
-        self.itemsize, self.ndim = self.dtype.itemsize, len(shape)
+        self.itemsize, self.ndim, self.size = self.dtype.itemsize, len(shape), int(np.prod(shape, dtype=np.int64))
         self.strides = tuple(strides) if strides else c_strides(self.shape, self.itemsize)
         self.data = SimpleNamespace(ptr=ptr)
         if contiguous is None:
@@ -86,7 +86,7 @@ def reference_params(ty, value):
         return [p for t, v in zip(ty, value) for p in reference_params(t, v)]
     if isinstance(ty, types.Array):
         if isinstance(value, FakeCupyArray):  # CuPy's interface names no strides for a C-contiguous array
-            ptr, shape, itemsize = value.data.ptr, value.shape, value.itemsize
+            ptr, shape, itemsize = value.data.ptr if value.size else 0, value.shape, value.itemsize
             strides = None if value.flags.c_contiguous else value.strides
         else:
             desc = value.__cuda_array_interface__

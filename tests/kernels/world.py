@@ -177,7 +177,7 @@ class World:
                                                         alignment)
         out_rows = num_expanded if expand else num_rows
         ids_shape = (out_rows,) if expand else (out_rows, self.num_topk)
-        recv_x = xp.full((out_rows, self.hidden), 3, dtype=self.device_payload(self.x[0]).dtype)  # not zero
+        recv_x = self.device_payload(np.full((out_rows, self.hidden), 3, dtype=self.dtype))  # 3.0: not zero
         topk_idx = xp.full(ids_shape, 77, dtype=np.int64)
         weights = xp.full(ids_shape, 5.0, dtype=np.float32)
         metadata = xp.full((num_rows, 2 + self.num_topk), 99, dtype=np.int32)
