@@ -245,9 +245,10 @@ class NvshmemBackend:
         caller's stream, after
         raising any timeout an earlier asynchronous wait recorded (the step's signal advances the device
         counter) and the routing error of an earlier ``cpu_sync=False`` dispatch (:meth:`_raise_unchecked`).
-        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold. A step reads the
-        peers' abort records from the device on entry only when the last finished wait saw one (the mapped status
-        record, ``Steps.run``): a record posted since ends this step's GPU wait early, and the step's poll raises.
+        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold. A dispatch or
+        combine reads the peers' abort records from the device on entry only when the last finished wait saw one
+        (the mapped status record, ``Steps.run``): a record posted since ends this step's GPU wait early, and the
+        step's poll raises. A close reads them always ("cannot close": a peer gave up, nothing to wait for).
         """
         self.capture.begin(what, host_wait)
         if not self.capture.active and what != "close":
@@ -258,7 +259,7 @@ class NvshmemBackend:
             missing, seen = self.transport.wait_state()
             if missing:
                 raise self.steps.timed_out("an earlier operation", missing)
-        return self.steps.run(what, seen, self._step, what, phase, body, *args)
+        return self.steps.run(what, seen or what == "close", self._step, what, phase, body, *args)
 
     def _step(self, seq: int, what: str, phase: str, body: Callable[..., Any], *args: Any) -> Any:
         """``body(seq, *args)`` timed as the step's ``phase``, launching on the caller's stream."""
