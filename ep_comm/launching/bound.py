@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -303,21 +304,22 @@ class ParamBlock(_TupleSlot):
 
 Config = Tuple[int, int, int]
 Recorded = Tuple[Optional["_Plan"], Config, Tuple[Any, ...]]  # (bound plan or None: unbindable, config, args)
-_RECORDING: List[Optional[List[Recorded]]] = [None]  # the list launches are recorded into, while one is open
+_RECORDING = threading.local()  # .seen: the list this thread's launches are recorded into, while one is open
 
 
 @contextmanager
 def recording() -> Iterator[List[Recorded]]:
-    """Inside, every :class:`BoundLaunch` launch (pre-bound or through Numba) is also appended, as
-    ``(plan, config, args)``, to the list yielded (``plan`` None where the launch could not be bound): what a
-    launch plan (:mod:`ep_comm.launching.plans`) is built from. Not reentrant."""
-    if _RECORDING[0] is not None:
-        raise RuntimeError("launches are already being recorded")
-    _RECORDING[0] = seen = []
+    """Inside, every :class:`BoundLaunch` launch this thread makes (pre-bound or through Numba) is also appended,
+    as ``(plan, config, args)``, to the list yielded (``plan`` None where the launch could not be bound): what a
+    launch plan (:mod:`ep_comm.launching.plans`) is built from. Per thread (two Buffers on two threads record
+    apart); not reentrant."""
+    if getattr(_RECORDING, "seen", None) is not None:
+        raise RuntimeError("launches are already being recorded on this thread")
+    _RECORDING.seen = seen = []
     try:
         yield seen
     finally:
-        _RECORDING[0] = None
+        _RECORDING.seen = None
 
 
 class _Plan:
@@ -388,7 +390,7 @@ class BoundLaunch:
     @staticmethod
     def _record(plan: Optional[_Plan], config: Config, args: Tuple[Any, ...]) -> None:
         """Append the launch to the open recording (:func:`recording`), if any."""
-        seen = _RECORDING[0]
+        seen = getattr(_RECORDING, "seen", None)
         if seen is not None:
             seen.append((plan, config, args))
 

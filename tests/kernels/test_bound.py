@@ -415,3 +415,26 @@ class _appending:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_launches_are_recorded_per_thread(driver):
+    """A recording sees its own thread's launches only, and another thread may record at the same time."""
+    import threading
+
+    from ep_comm.launching.bound import recording
+
+    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    x = FakeCupyArray(0x500, (6,), np.int32)
+    seen_there = []
+
+    def elsewhere():
+        with recording() as there:
+            bound(8, 32, "s", 0, x, 2, True)
+        seen_there.extend(there)
+
+    with recording() as here:
+        bound(8, 32, "s", 0, x, 1, True)
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+    assert [args[1] for _, _, args in here] == [1] and [args[1] for _, _, args in seen_there] == [2]
