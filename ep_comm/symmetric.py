@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Sequence, Tuple
 
+import numpy as np
+
 from .kernels.protocol import RECORD_M, RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS  # re-exported
 from .validate import verdict_of
 
@@ -127,12 +129,16 @@ class Record(NamedTuple):
 
 
 def read_record(words: Sequence[int], num_ranks: int, num_local_experts: int) -> Record:
-    """Decode a record (int64 ``[record_words(R, L)]``, e.g. a host copy) read once its tag is the step's number."""
-    values = [int(w) for w in words]
-    end = RECORD_VERDICTS + VERDICT_WORDS * num_ranks
-    verdicts = [verdict_of(values[at: at + VERDICT_WORDS]) for at in range(RECORD_VERDICTS, end, VERDICT_WORDS)]
-    return Record(values[RECORD_TAG], values[RECORD_N], values[RECORD_M], verdicts,
-                  values[end: end + num_local_experts])
+    """Decode a whole record (int64 ``[record_words(R, L)]``, e.g. a host copy) read once its tag is the step's
+    number: :func:`record_counts` and :func:`record_verdicts` with the tag."""
+    words = np.asarray(words, dtype=np.int64)
+    num_recv, num_expanded, aligned = record_counts(words, num_ranks, num_local_experts)
+    return Record(int(words[RECORD_TAG]), num_recv, num_expanded, record_verdicts(words, num_ranks), aligned)
+
+
+def record_verdicts(words: Any, num_ranks: int) -> List[Tuple[int, int]]:
+    """Every source's ``(largest id or -1, first repeated row or -1)`` from a record (a NumPy int64 view of it)."""
+    return [verdict_of(pair) for pair in record_verdict_words(words, num_ranks).tolist()]
 
 
 def record_counts(words: Any, num_ranks: int, num_local_experts: int) -> Tuple[int, int, List[int]]:

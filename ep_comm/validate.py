@@ -191,12 +191,14 @@ def verdict_of(words: Sequence[int]) -> Tuple[int, int]:
 
 def verdicts_clean(words: Any, num_experts: int) -> bool:
     """Whether every rank's verdict words (a NumPy int64 ``[R, VERDICT_WORDS]`` of :func:`verdict_words`) are
-    clean: no id at or past ``num_experts``, no repeated row. Two array reductions, no decoding."""
+    clean: no id at or past ``num_experts``, no repeated row (:func:`routing_error`'s rule read on the encoded
+    words: two array reductions on the hot path, no decoding; the error itself decodes them)."""
     return int(words[:, 0].max(initial=0)) <= num_experts and not words[:, 1].any()
 
 
 def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[RoutingError]:
-    """The ``ep_comm.RoutingError`` (a ``ValueError``) every rank raises for a dispatch whose routing some rank got wrong, or None.
+    """The ``ep_comm.RoutingError`` (a ``ValueError``) every rank raises for a dispatch whose routing some rank got
+    wrong, or None.
 
     The rule (``docs/design.md``, Errors): each rank checks its own ``topk_idx`` where it is (in the count kernel on
     the GPU), the verdicts travel with the count exchange, and when any is bad no rank receives a row and every rank
@@ -214,7 +216,7 @@ def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: s
     if not bad:
         return None
     return RoutingError(f"{step}: rank {bad[0]}'s topk_idx {rules[bad[0]]}; no rank received a row "
-                      f"(ranks with a bad topk_idx: {bad}); the Buffer stays usable")
+                        f"(ranks with a bad topk_idx: {bad}); the Buffer stays usable")
 
 
 def topk_values(xp, topk_idx: Any) -> tuple:

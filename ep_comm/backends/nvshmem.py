@@ -76,8 +76,8 @@ from ..launching.plans import Plans
 from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
                                 check_index_range)
 from ..launching.views import word_dtype
-from ..symmetric import SymmetricLayout, record_counts, record_verdict_words, record_words
-from ..validate import Geometry, check_num_sms_fits, routing_error, topk_values, verdict_of, verdicts_clean
+from ..symmetric import SymmetricLayout, record_counts, record_verdict_words, record_verdicts, record_words
+from ..validate import Geometry, check_num_sms_fits, routing_error, topk_values, verdicts_clean
 from .capture import CapturePolicy
 from .collective_steps import STEP_KINDS, Steps
 from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
@@ -367,7 +367,7 @@ class NvshmemBackend:
         words = record_verdict_words(self._record_host, geo.num_ranks)
         if verdicts_clean(words, geo.num_experts):
             return None
-        return routing_error([verdict_of(pair) for pair in words.tolist()], geo.num_experts, step)
+        return routing_error(record_verdicts(self._record_host, geo.num_ranks), geo.num_experts, step)
 
     def _after_host_wait(self, what: str) -> None:
         """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
