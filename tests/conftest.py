@@ -6,12 +6,15 @@ Options (also session fixtures): ``--backend mpi|nvshmem`` (the backend of the c
 multi-rank tests). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer examples), chosen with
 ``--hypothesis-profile``.
 
-``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: a plain run collects them and skips them;
-``tests/test_multirank.py`` runs them with ``--with-mpi`` (pytest-mpi) on every rank of ``mpirun`` jobs.
+``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: ``tests/test_multirank.py`` runs them with
+``--with-mpi`` (pytest-mpi) on every rank of ``mpirun`` jobs. A session without ``--with-mpi`` does not collect
+them unless they are named on the command line (then pytest-mpi skips them, saying why): they run, but not in
+this process, so they are no skips of its own.
 
 Without a GPU the kernels run in the Numba CUDA simulator, chosen here before anything imports
 ``numba.cuda``, with its warp intrinsics installed once for every test (``helpers.cudasim_warp``).
 """
+from pathlib import Path
 from typing import Tuple
 
 import pytest
@@ -36,6 +39,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ranks", type=parse_ranks, default=None,
                     help="job sizes of the multi-rank tests, e.g. 1,2,4 (default: 1,2,3,4 on mpi, 1,2 on nvshmem; "
                          "2 for tests/gpu)")
+
+
+MPI_SUITES = Path(__file__).parent / "mpi"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave ``tests/mpi`` to the ``mpirun`` jobs of ``tests/test_multirank.py`` unless ``--with-mpi`` is given."""
+    if collection_path == MPI_SUITES and not config.getoption("--with-mpi", default=False):
+        return True
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before the junitxml plugin opens --junitxml's path
