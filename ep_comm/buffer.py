@@ -241,7 +241,8 @@ class Buffer:
         (``ep_comm.fp8.fp8_array``). Combine is unchanged: it takes ``y [rows, H]`` in the buffer's dtype.
 
         Args:
-            x: ``[T, H]`` tokens in the buffer's dtype; or a tuple/list ``(x_fp8 [T, H], scales [T, H // 128])``:
+            x: ``[T, H]`` tokens in the buffer's dtype; or the FP8 pair ``(x_fp8 [T, H], scales [T, H // 128])``, a
+                tuple or a list of two arrays (any other list is refused as ``x``, which must be an array):
                 ``x_fp8`` float8_e4m3fn or its bits in any 1-byte dtype (uint8/int8: GPU users pass
                 ``torch.float8_e4m3fn`` tensors viewed as uint8), ``scales`` float32, one per 128-element block.
             topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
@@ -326,14 +327,14 @@ class Buffer:
         viewed in the buffer dtype, ``[T, P / itemsize]``, the narrower payload the backends carry."""
         be, geo = self._live(), self.geometry
         chk.check_flag(use_fp8, "use_fp8")
-        is_pair = isinstance(x, (tuple, list))
+        is_pair = chk.is_fp8_pair(x)
         if is_pair and use_fp8:
             raise ValueError("use_fp8=True with x given as an FP8 pair (x_fp8, scales): use_fp8 quantizes x given in "
                              "the buffer's dtype; pass one or the other")
         if is_pair or use_fp8:
             chk.check_fp8_hidden(geo.hidden)
         if is_pair:
-            x_fp8, scales = (be.as_array(a, f"x[{i}]") for i, a in enumerate(chk.fp8_pair(x)))
+            x_fp8, scales = (be.as_array(a, name) for name, a in zip(chk.FP8_PARTS, chk.fp8_pair(x)))
             chk.check_fp8_pair(x_fp8, scales, num_tokens, geo, "num_tokens")
             return fp8.pack(x_fp8, scales, be.xp).view(geo.dtype), True
         x = be.as_array(x, "x")

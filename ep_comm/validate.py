@@ -245,6 +245,9 @@ def check_payload(x: Any, name: str, rows: int, geo: Geometry, row_name: str) ->
         raise ValueError(f"{name} has {shape[0]} rows: must equal {row_name} ({rows})")
 
 
+FP8_PARTS = ("x[0] (x_fp8)", "x[1] (scales)")  # how errors name the two items of an FP8 pair
+
+
 def check_fp8_hidden(hidden: int) -> None:
     """An FP8 dispatch needs ``hidden`` a multiple of 128 (one float32 scale per 128-element block)."""
     if hidden % FP8_BLOCK:
@@ -252,18 +255,33 @@ def check_fp8_hidden(hidden: int) -> None:
                          f"scale per {FP8_BLOCK}-element block)")
 
 
+def _is_array(obj: Any) -> bool:
+    """Whether ``obj`` is an array object (NumPy, CuPy, PyTorch, any array or DLPack protocol), not a Python list."""
+    return any(hasattr(obj, name) for name in
+               ("__array_interface__", "__cuda_array_interface__", "__dlpack__", "__array__"))
+
+
+def is_fp8_pair(x: Any) -> bool:
+    """Whether the payload ``x`` is given as the FP8 pair: a tuple (checked by :func:`fp8_pair`), or a list of two
+    arrays. Any other list (rows given as nested lists) is a payload in the buffer dtype, refused as ``x``."""
+    return isinstance(x, tuple) or (isinstance(x, list) and len(x) == 2 and all(_is_array(a) for a in x))
+
+
 def fp8_pair(x: Any) -> tuple:
-    """``x`` given as the FP8 pair ``(x_fp8, scales)``: a tuple or list of exactly two items."""
+    """``x`` given as the FP8 pair ``(x_fp8, scales)``: exactly two items, both given (None is no array)."""
     if len(x) != 2:
         raise ValueError(f"x is a {type(x).__name__} of {len(x)} items: an FP8 payload is the pair (x_fp8, scales)")
+    for name, part in zip(FP8_PARTS, x):
+        if part is None:
+            raise TypeError(f"{name} is None: an FP8 payload is the pair (x_fp8, scales), both arrays")
     return tuple(x)
 
 
 def check_fp8_pair(x_fp8: Any, scales: Any, rows: int, geo: Geometry, row_name: str) -> None:
     """The FP8 pair of a dispatch: ``x[0]`` (x_fp8) ``[rows, hidden]`` of a 1-byte dtype (float8_e4m3fn, or its
     bits as uint8/int8), ``x[1]`` (scales) float32 ``[rows, hidden // 128]``."""
-    parts = (("x[0] (x_fp8)", x_fp8, geo.hidden, f"hidden={geo.hidden}"),
-             ("x[1] (scales)", scales, geo.hidden // FP8_BLOCK, f"hidden // {FP8_BLOCK}={geo.hidden // FP8_BLOCK}"))
+    parts = ((FP8_PARTS[0], x_fp8, geo.hidden, f"hidden={geo.hidden}"),
+             (FP8_PARTS[1], scales, geo.hidden // FP8_BLOCK, f"hidden // {FP8_BLOCK}={geo.hidden // FP8_BLOCK}"))
     shapes = [_shape(arr, name) for name, arr, _, _ in parts]
     if np.dtype(x_fp8.dtype).itemsize != 1:
         raise TypeError(f"x[0] (x_fp8) has dtype {x_fp8.dtype}: FP8 values must be a 1-byte dtype (float8_e4m3fn, "

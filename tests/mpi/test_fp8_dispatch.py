@@ -201,6 +201,9 @@ def bad_fp8_cases(world: World) -> list:
          rf"x\[0\] \(x_fp8\) has shape \({t}, 128\): must be \[num_tokens={t}, hidden=256\]"),
         ("scales wide", [q, to_device(np.ones((t, 3), np.float32))], {}, ValueError,
          rf"x\[1\] \(scales\) has shape \({t}, 3\): must be \[num_tokens={t}, hidden // 128=2\]"),
+        ("scales None", (q, None), {}, TypeError, r"x\[1\] \(scales\) is None: an FP8 payload is the pair"),
+        ("rows as lists", x.tolist(), {}, TypeError, r"^x must be (an|a GPU) array, got list"),
+        ("two rows as lists", x[:2].tolist(), {}, TypeError, r"^x must be (an|a GPU) array, got list"),
         ("use_fp8 not a bool", to_device(x), dict(use_fp8=1), TypeError, r"use_fp8=1: must be True or False"),
     ]
 
