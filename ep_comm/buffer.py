@@ -327,7 +327,7 @@ class Buffer:
         viewed in the buffer dtype, ``[T, P / itemsize]``, the narrower payload the backends carry."""
         be, geo = self._live(), self.geometry
         chk.check_flag(use_fp8, "use_fp8")
-        is_pair = chk.is_fp8_pair(x)
+        is_pair = not hasattr(x, "shape") and chk.is_fp8_pair(x)  # an array is no pair: no call on the fast path
         if is_pair and use_fp8:
             raise ValueError("use_fp8=True with x given as an FP8 pair (x_fp8, scales): use_fp8 quantizes x given in "
                              "the buffer's dtype; pass one or the other")
