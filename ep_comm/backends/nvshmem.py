@@ -585,7 +585,8 @@ class NvshmemBackend:
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
         """``((recv_x [rows, W], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K]), block)``, not yet
         filled, carved from ``block``, one allocation; ``W`` is the payload's width (``request.x.shape[1]``: H, or
-        fewer elements for packed FP8 rows, which the scatter writes and the receive kernels copy as any row's); ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none
+        fewer elements for packed FP8 rows, which the scatter writes and the receive kernels copy as any row's);
+        ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none
         were given)."""
         geo, expand = self.geo, request.expand
         with self.profile.phase("dispatch", "alloc outputs"):

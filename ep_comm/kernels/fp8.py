@@ -26,6 +26,7 @@ BLOCK = 128  # elements per scale (ep_comm.fp8.BLOCK)
 LANE_ELEMENTS = 8  # elements one lane casts per warp step: one uint64 word of FP8 bytes
 BLOCK_WORDS = BLOCK // LANE_ELEMENTS  # uint64 words of FP8 bytes per block (16 lanes of a step)
 CAST_STEPS = 4  # warp steps (2 blocks each) whose loads a lane issues before it casts them
+CAST_VALUES = CAST_STEPS * LANE_ELEMENTS  # float32 values a lane holds (a compile-time local array size)
 E4M3_MAX = np.float32(448.0)
 _F32_448_BITS = 0x43E00000  # 448.0f: the largest finite e4m3fn
 _F32_INF_BITS = 0x7F800000
@@ -173,7 +174,7 @@ def write_cast_piece(dst, x_words, x_values, is_bf16, begin, end, wide):
     head = hidden // LANE_ELEMENTS
     blocks = hidden // BLOCK
     lane = lane_id()
-    values = cuda.local.array(CAST_STEPS * LANE_ELEMENTS, float32)
+    values = cuda.local.array(CAST_VALUES, float32)
     stop = min(end, head)
     first = np.int32(begin)
     while first < stop:

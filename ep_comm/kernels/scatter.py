@@ -96,18 +96,17 @@ def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, sourc
 
 
 @kernel
-def scatter_kernel(form, x_words, scales, x_values, is_bf16, row_words, wide, topk_idx, weight_bits, has_weights,
-                   experts_per_rank, src_rank, step, ahead, mode, num_units, units_per_warp, rank_cursor, unit_cursor,
-                   group_counts, slot_idx, copy_rows, rows, metas, direct, recv_x, recv_psum):
-    """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``form``, ``x_words``, ``scales``, ``x_values``,
-    ``is_bf16``: the rows' source (``ep_comm.kernels.payload``), ``row_words`` words per row; ``wide``: rows move
-    16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
+def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
+                   mode, num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
+                   metas, direct, recv_x, recv_psum):
+    """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``source``: where the rows come from
+    (``ep_comm.kernels.payload``), ``row_words`` words per row; ``wide``: rows move 16 bytes per access (see
+    :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``.
     Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
     writes the rows and meta rows next. ``direct``, ``recv_x [N_out, W]`` words and ``recv_psum [R]``: see
     :func:`copy_payload` (``recv_x`` and ``recv_psum`` are not read without ``direct``)."""
     num_tokens, num_topk = topk_idx.shape
-    source = (form, x_words, scales, x_values, is_bf16)
     parity = step_parity(step, ahead)
     num_ranks = len(rows)
     max_tokens = rows[0].shape[2]
@@ -145,15 +144,13 @@ def scatter_kernel(form, x_words, scales, x_values, is_bf16, row_words, wide, to
 
 
 @kernel
-def scatter_rows_kernel(form, x_words, scales, x_values, is_bf16, row_words, wide, topk_idx, weight_bits, has_weights,
-                        experts_per_rank, src_rank, step, ahead, span, slot_idx, rows, metas, direct, recv_x,
-                        recv_psum):
+def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
+                        ahead, span, slot_idx, rows, metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
     it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.
     ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`."""
     num_tokens, num_topk = topk_idx.shape
-    source = (form, x_words, scales, x_values, is_bf16)
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens

@@ -37,7 +37,6 @@ from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_bf16_kernel,
                                      combine_expand_kernel, combine_reduce_bf16_kernel, combine_reduce_kernel)
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.payload import FP8_CAST, FP8_PAIR, ROWS
 from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
                                      receive_count_kernel, receive_count_words_kernel, receive_place_kernel,
                                      receive_rows_kernel)
@@ -230,8 +229,6 @@ class Kernels:
         self._recv_cursor = xp.zeros((self.recv_units, self.num_local), dtype=np.int32)
         self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
         self._no_bias = xp.zeros((1, 1), dtype=np.float32)
-        self._no_scales = xp.zeros((1, 1), dtype=np.uint32)  # the scatter's unread source arrays (ROWS, FP8_PAIR)
-        self._no_values = xp.zeros((1, 1), dtype=np.uint16)
         self._fixed_views: dict = {}  # _fixed: (what, id(base)) -> (base, view or verdict)
         # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
         # return: views of one fresh allocation per call (they are returned together, and kept together)
@@ -370,18 +367,18 @@ class Kernels:
             self.ids_view(block, num_tokens, topk_idx.dtype))
         return out
 
-    def _row_source(self, x: Any) -> tuple:
-        """``(form, x_words, scales, x_values, is_bf16, row_words)``: the scatter's row source of payload ``x``
-        (``ep_comm.kernels.payload``; stand-ins for what its form does not read) and the words of one row."""
+    @staticmethod
+    def _row_source(x: Any) -> tuple:
+        """``(source, row_words)``: the scatter's row source of payload ``x`` (``ep_comm.kernels.payload``: the
+        payload's words, the FP8 pair's bytes and scale bits, or the payload to cast as elements and words) and the
+        words of one row it writes."""
         if not isinstance(x, Fp8Rows):
             x_words = payload_words(x)
-            return ROWS, x_words, self._no_scales, self._no_values, False, x_words.shape[1]
+            return (x_words,), x_words.shape[1]
         row_words = packed_row_bytes(x.hidden) // 8
         if x.cast:
-            values, is_bf16 = _payload(x.tokens)
-            return FP8_CAST, x.tokens.view(np.uint64), self._no_scales, values, is_bf16, row_words
-        return FP8_PAIR, x.tokens.view(np.uint8).view(np.uint64), x.scales.view(np.uint32), self._no_values, False, \
-            row_words
+            return (x.tokens.view(np.uint64), *_payload(x.tokens)), row_words
+        return (x.tokens.view(np.uint8).view(np.uint64), x.scales.view(np.uint32)), row_words
 
     def scatter(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
                 rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int,
@@ -425,23 +422,23 @@ class Kernels:
             return
         weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
         num_units, units_per_warp = self.token_cut(x.shape[0])
-        form, x_words, scales, values, is_bf16, row_words = self._row_source(x)
+        source, row_words = self._row_source(x)
         # without recv_x the kernels get unread stand-ins of the same kinds
-        recv_words = payload_words(recv_x) if direct else x_words
+        recv_words = payload_words(recv_x) if direct else source[0]
         local = (recv_words, recv_psum if direct else self._rank_cursor)
         rows, metas = tuple(rows), tuple(metas)
-        wide = wide_rows(x_words, recv_words) and self._wide(rows)
+        wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
         pieces = span < row_words  # few tokens: slots by unit first, then the rows by pieces
-        source = (form, x_words, scales, values, is_bf16, row_words, wide)
+        rows_from = (source, row_words, wide)
         if mode != SLOT_CACHED or not pieces:
             self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
-                *source, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
+                *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 mode, num_units, units_per_warp, self._rank_cursor, self._send_units, self._send_groups, slot_idx,
                 not pieces, rows, metas, direct, *local)
         if pieces:
             self._launch(scatter_rows_kernel, blocks=blocks)(
-                *source, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
+                *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)
 
     @property
