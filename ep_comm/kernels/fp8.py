@@ -3,10 +3,11 @@ layout) that a sender calls as it writes each row: from the pair ``(x_fp8, scale
 or from the payload with the quantization on the way (:func:`write_cast_piece`).
 
 The reference is ``ep_comm.fp8.quantize`` (NumPy); for finite input the cast computes the same bits. The
-conversion is integer bit arithmetic on the float32 pattern (round to nearest even, saturating at
-±448), so it runs unchanged in the CUDA simulator and needs no FP8 hardware instruction. The scale
-and the division use ``libdevice.fdiv_rn`` (IEEE float32 division, as NumPy's): never an approximate
-or fast-math division.
+conversion (round to nearest even, saturating at ±448) is :func:`f32_to_e4m3_bits`, integer bit arithmetic on
+the float32 pattern; the cast converts two values at once with :func:`e4m3x2_bits`, one
+``cvt.rn.satfinite.e4m3x2.f32`` (sm_89 and later) in compiled kernels, ``f32_to_e4m3_bits`` twice in the CUDA
+simulator (the same bits for every non-NaN float32). The scale and the division use ``libdevice.fdiv_rn`` (IEEE
+float32 division, as NumPy's): never an approximate or fast-math division.
 
 Non-finite input is not checked here (the host reference refuses it): a block holding an infinity
 or a NaN gets a non-finite or NaN scale and values that mean nothing.
@@ -14,8 +15,11 @@ or a NaN gets a non-finite or NaN scale and values that mean nothing.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from llvmlite import ir
+from numba import cuda, float32, types
 from numba.cuda import libdevice
+from numba.cuda.core.errors import TypingError
+from numba.cuda.extending import intrinsic, overload
 
 from ep_comm.kernels.convert import bf16_bits_to_f32
 from ep_comm.kernels.index32 import quotient32
@@ -61,6 +65,32 @@ def f32_to_e4m3_bits(value):
     if rem > half or (rem == half and (q & 1) == 1):
         q += 1  # 8 is the smallest normal, 0x08: the carry is right
     return sign | q
+
+
+def e4m3x2_bits(hi, lo):
+    """e4m3fn bits of two float32 values, ``hi``'s in bits 8..15 and ``lo``'s in bits 0..7: those of
+    :func:`f32_to_e4m3_bits` for non-NaN values (a NaN's are NaN bits, of either sign)."""
+    return (f32_to_e4m3_bits(hi) << 8) | f32_to_e4m3_bits(lo)
+
+
+@intrinsic
+def _cvt_e4m3x2(typingctx, hi, lo):
+    if not isinstance(hi, types.Float) or not isinstance(lo, types.Float):
+        raise TypingError(f"e4m3x2 conversion needs two floats, got {hi} and {lo}")
+    sig = types.uint16(hi, lo)
+
+    def codegen(context, builder, sig, args):
+        values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+        asm_type = ir.FunctionType(ir.IntType(16), [ir.FloatType(), ir.FloatType()])
+        cvt = ir.InlineAsm(asm_type, "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f")
+        return builder.call(cvt, values)
+
+    return sig, codegen
+
+
+@overload(e4m3x2_bits, target="cuda")
+def _e4m3x2_bits_cuda(hi, lo):
+    return lambda hi, lo: _cvt_e4m3x2(hi, lo)
 
 
 @cuda.jit(device=True)
@@ -147,9 +177,9 @@ def cast_step(dst, values, at, active, first, head, blocks, lane):
     scale = block_scale(group_amax(amax, BLOCK_WORDS))
     if active:
         word = np.uint64(0)
-        for j in range(LANE_ELEMENTS):
-            q = f32_to_e4m3_bits(libdevice.fdiv_rn(values[at + j], scale))
-            word |= np.uint64(q) << np.uint64(8 * j)
+        for j in range(0, LANE_ELEMENTS, 2):
+            pair = e4m3x2_bits(libdevice.fdiv_rn(values[at + j + 1], scale), libdevice.fdiv_rn(values[at + j], scale))
+            word |= np.uint64(pair) << np.uint64(8 * j)
         dst[first + lane] = word
     second = cuda.shfl_down_sync(FULL_MASK, scale, BLOCK_WORDS)
     if lane == 0:

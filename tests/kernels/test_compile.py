@@ -41,13 +41,15 @@ def test_every_kernel_compiles(ptx_dir):
                      "scatter_kernel-fp8cast", "scatter_rows_kernel-fp8pair", "scatter_rows_kernel-fp8cast"}
 
 
-def test_fp8_cast_in_the_scatter_divides_exactly(ptx_dir):
-    """The FP8 cast's ``v / scale`` is IEEE float32 division (as NumPy's), never an approximate one."""
+def test_fp8_cast_in_the_scatter_divides_exactly_and_converts_in_pairs(ptx_dir):
+    """The FP8 cast's ``v / scale`` is IEEE float32 division (as NumPy's), never an approximate one; its values
+    become FP8 two at a time in one conversion instruction."""
     paths = list(ptx_dir.glob("scatter*_kernel-fp8cast.*.ptx"))
     assert len(paths) == 6
     for path in paths:
         ptx = path.read_text()
         assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, path.name
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, path.name
 
 
 def test_the_fp8_pair_and_bfloat16_cast_move_16_bytes_per_access(ptx_dir):

@@ -12,7 +12,7 @@ from numba import cuda
 
 from ep_comm import fp8
 from ep_comm.host import to_host
-from ep_comm.kernels.fp8 import f32_to_e4m3_bits
+from ep_comm.kernels.fp8 import e4m3x2_bits, f32_to_e4m3_bits
 from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.testing.dtypes import DTYPES
@@ -24,6 +24,16 @@ def convert_kernel(values, out):
     i = cuda.grid(1)
     while i < values.shape[0]:
         out[i] = f32_to_e4m3_bits(values[i])
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def convert_pairs_kernel(values, out):
+    i = cuda.grid(1)
+    while i < out.shape[0] // 2:
+        pair = e4m3x2_bits(values[2 * i + 1], values[2 * i])
+        out[2 * i] = pair & 0xFF
+        out[2 * i + 1] = pair >> 8
         i += cuda.gridsize(1)
 
 
@@ -49,10 +59,15 @@ def reference_bits(values: np.ndarray) -> np.ndarray:
     return np.clip(values, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
-def test_conversion_matches_ml_dtypes_at_every_rounding_boundary(xp):
+@pytest.mark.parametrize("pairs", [False, True], ids=["f32_to_e4m3_bits", "e4m3x2_bits"])
+def test_conversion_matches_ml_dtypes_at_every_rounding_boundary(xp, pairs):
+    """Both conversions (the scalar one, and the pair the cast uses: one cvt instruction on a GPU)."""
     values = boundary_values()
     out = xp.zeros(values.shape, dtype=np.int64)
-    convert_kernel[4, 64](xp.asarray(values), out)
+    if pairs:
+        convert_pairs_kernel[4, 64](xp.asarray(values), out)
+    else:
+        convert_kernel[4, 64](xp.asarray(values), out)
     got = to_host(out)
     want = reference_bits(values)
     bad = np.nonzero(got != want)[0]
