@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from ep_comm import fp8
-from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.interface import BackendSettings, DispatchRequest
 from ep_comm.backends.mpi import MpiBackend
 from ep_comm.dtypes import payload_dtype
 from ep_comm.launching.fp8 import Fp8Rows
@@ -57,5 +57,24 @@ def test_fp8_dispatch_matches_the_mpi_backend(dtype, expand, cpu_sync, use_puts,
     rm = dispatch(mpi, packed2, None, None, om.handle, *args)
     rn = dispatch(nv, sent2, None, None, on.handle, *args)
     _compare("replay", rm, rn)
+    nv.close()
+    mpi.close()
+
+
+def test_a_split_fp8_dispatch_writes_its_rows_in_the_send_half():
+    """``dispatch_send`` of the pair (the receive hook's send part): the scatter writes the packed rows from the pair
+    in the send half, and the hook receives them as the plain dispatch does."""
+    geo = Geometry(1, 6, 256, 3, 9, payload_dtype("bfloat16"))
+    rng = np.random.default_rng(6)
+    idx = uniform_routing(5, geo.num_experts, geo.num_topk, seed=rng).topk_idx
+    x = rng.standard_normal((5, geo.hidden)).astype(geo.dtype)
+    q, scales = fp8.quantize(x)
+    mpi = MpiBackend(MPI.COMM_SELF, geo, BackendSettings(True, 5.0))
+    nv = simulated_backend(geo, True, False)
+    om = dispatch(mpi, mpi.pack_fp8((q, scales)), idx, None, None, False, 1, False, True, None)
+    half = nv.dispatch_send(DispatchRequest(nv.pack_fp8((q.view(np.uint8), scales)), idx, None, None, False, 1, False,
+                                            True, None))
+    half.prepare()
+    _compare("hooked dispatch", om, half.receive())
     nv.close()
     mpi.close()

@@ -382,8 +382,8 @@ class NvshmemBackend:
         which the scatter writes the packed FP8 rows as it reads each row, quantizing ``x`` on the way (the bits of
         ``ep_comm.fp8.quantize`` for finite ``x``; not checked for non-finite values, see ``ep_comm.kernels.fp8``).
         Nothing is launched here."""
-        if isinstance(x, tuple):
-            return Fp8Rows(self._contiguous(x[0]), self._contiguous(x[1]), self.geo.dtype)
+        if isinstance(x, tuple):  # x_fp8 as its bits first: CuPy copies no float8 array
+            return Fp8Rows(self._contiguous(x[0].view(np.uint8)), self._contiguous(x[1]), self.geo.dtype)
         return Fp8Rows(self._contiguous(x), None, self.geo.dtype)
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
