@@ -112,8 +112,6 @@ def block_scale(amax):
     return scale if scale != 0 else np.float32(1.0)
 
 
-
-
 @cuda.jit(device=True)
 def scale_bits(scale):
     """The float32 ``scale``'s bits as uint64 (the low half of a word)."""
