@@ -233,7 +233,7 @@ class Buffer:
 
         FP8 (DeepSeek-V3 format, ``ep_comm.fp8``; ``H % 128 == 0``, else ValueError): ``x`` given as the pair
         ``(x_fp8, scales)``, or ``use_fp8=True`` with ``x`` in the buffer's dtype (quantized by the sender, as
-        ``ep_comm.fp8.quantize``; on ``nvshmem`` a kernel just before the send, not fused into it). Only the
+        ``ep_comm.fp8.quantize``; on ``nvshmem`` inside the send, as each row is read). Only the
         packed FP8 rows (FP8 bytes + scales, ``ep_comm.fp8.packed_row_bytes(H)`` bytes) cross the link, and
         ``recv_x`` is the pair ``(recv_x_fp8 [rows, H], recv_scales [rows, H // 128] float32)``, byte-exact per
         row, zero where the non-FP8 ``recv_x`` is zero: two views into one allocation (the received packed
@@ -323,8 +323,9 @@ class Buffer:
 
     def _payload(self, x: Any, num_tokens: int, use_fp8: Any) -> tuple:
         """``(payload, is_fp8)``: ``x`` checked as the dispatch's payload (``num_tokens`` rows). Non-FP8: ``x``
-        itself ``[T, H]``. FP8 (``x`` a pair, or ``use_fp8``): the packed FP8 rows ``[T, P]`` (``ep_comm.fp8``)
-        viewed in the buffer dtype, ``[T, P / itemsize]``, the narrower payload the backends carry."""
+        itself ``[T, H]``. FP8 (``x`` a pair, or ``use_fp8``): the backend's ``pack_fp8`` of the pair or of ``x``,
+        the packed FP8 rows ``[T, P]`` (``ep_comm.fp8``) as a payload in the buffer dtype, ``[T, P / itemsize]``
+        (the narrower payload the backends carry; on ``nvshmem`` written by the scatter itself)."""
         be, geo = self._live(), self.geometry
         chk.check_flag(use_fp8, "use_fp8")
         is_pair = not hasattr(x, "shape") and chk.is_fp8_pair(x)  # an array is no pair: no call on the fast path
@@ -336,10 +337,10 @@ class Buffer:
         if is_pair:
             x_fp8, scales = (be.as_array(a, name) for name, a in zip(chk.FP8_PARTS, chk.fp8_pair(x)))
             chk.check_fp8_pair(x_fp8, scales, num_tokens, geo, "num_tokens")
-            return fp8.pack(x_fp8, scales, be.xp).view(geo.dtype), True
+            return be.pack_fp8((x_fp8, scales)), True
         x = be.as_array(x, "x")
         chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
-        return (be.pack_fp8(x).view(geo.dtype), True) if use_fp8 else (x, False)
+        return (be.pack_fp8(x), True) if use_fp8 else (x, False)
 
     @_holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,

@@ -104,6 +104,21 @@ def test_summarize_counts_fp8_dispatch_bytes_and_each_copy_against_its_operation
     assert (csv_row(point)["dispatch_row_bytes"], csv_row(point)["combine_row_bytes"]) == (264, 512)
 
 
+def test_summarize_sets_an_fp8_run_over_its_same_run_bfloat16_dispatches():
+    samples = [_sample(r, 8, 3) for r in range(2)]
+    for s, slow in zip(samples, (1, 2)):
+        s.times["device_copy"] = [1e-6] * 3
+        s.graph_times = {"dispatch": [3e-6 * slow] * 3, "combine": [2e-6] * 3, "dispatch_new": [6e-6] * 3,
+                         "combine_new": [2e-6] * 3, "dispatch_bf16": [5e-6] * 3, "dispatch_new_bf16": [8e-6] * 3}
+    point = summarize(samples, row_bytes={"dispatch": 264, "combine": 512})
+    assert point["graph_fp8_over_bf16"] == {"dispatch": pytest.approx(6 / 5), "dispatch_new": pytest.approx(6 / 8)}
+    assert set(point["graph_over_device_copy"]) == {"dispatch", "combine", "dispatch_new", "combine_new"}
+    assert "FP8 dispatch over the same-run dispatch of x in the payload dtype (p50): dispatch 1.20x, " \
+           "dispatch_new 0.75x" in format_point(point, None)
+    assert csv_row(point)["graph_dispatch_new_fp8_over_bf16"] == pytest.approx(0.75)
+    assert summarize([_sample(0, 8, 8)], row_bytes=100)["graph_fp8_over_bf16"] == {}
+
+
 class _Handle:
     expand, num_recv_tokens = False, 3
 

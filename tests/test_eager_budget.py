@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import ep_comm.buffer as buffer_module
+from ep_comm import fp8
 from ep_comm.backends.nvshmem import grid_shape
 from ep_comm.dtypes import payload_dtype
 from ep_comm.testing.routing import uniform_routing
@@ -97,3 +98,28 @@ def test_the_counter_sees_a_stream_sync_and_an_extra_launch(counted, monkeypatch
     monkeypatch.setattr(backend, "_receive", with_extras)
     counts = _count(counter, ops, "cached cpu_sync=False")
     assert counts.syncs == 1 and counts.launches == LAUNCHES["cached"][expand] + 1
+
+
+@pytest.mark.parametrize("kind", ["new", "cached"])
+@pytest.mark.parametrize("source", ["pair", "use_fp8"])
+def test_an_fp8_dispatch_enqueues_what_a_bfloat16_one_does(counted, kind, source):
+    """The FP8 pair, and ``x`` with ``use_fp8=True``, go to the scatter as they are (it writes the packed rows):
+    the same launches and allocations, in the same order, as the bfloat16 dispatch of the same call; no pack
+    step, no cast launch."""
+    counter, ops, expand, buf = counted
+    x = np.ones((GEO.max_tokens, GEO.hidden), GEO.dtype)
+    q, scales = fp8.quantize(x)
+    payload, use_fp8 = ((q.view(np.uint8), scales), False) if source == "pair" else (x, True)
+    idx = uniform_routing(GEO.max_tokens, GEO.num_experts, GEO.num_topk, seed=3).topk_idx
+    handle = buf.dispatch(x, idx, expand=expand, cpu_sync=False).handle
+    routing = dict(topk_idx=idx) if kind == "new" else dict(handle=handle)
+
+    def call():
+        return buf.dispatch(payload, **routing, expand=expand, cpu_sync=False, use_fp8=use_fp8)
+
+    call(), call()
+    ops["cached cpu_sync=True"]()
+    counts = counter.count(call)
+    ops["cached cpu_sync=True"]()
+    plain = counter.count(ops[f"{kind} cpu_sync=False"])
+    assert counts.events == plain.events and counts.syncs == plain.syncs == 0, (counts.events, plain.events)

@@ -30,9 +30,11 @@ class BackendSettings:
 class DispatchRequest:
     """One checked ``Buffer.dispatch`` call.
 
-    ``x [T, W]`` payload in the buffer dtype: ``W = H``, or for an FP8 dispatch the packed FP8 rows
-    (``ep_comm.fp8``, ``packed_row_bytes(H)`` bytes) viewed in the buffer dtype, ``W = P / itemsize``;
-    ``recv_x`` then has ``W`` columns too. ``topk_idx [T, K]`` int (the handle's for a replay); ``topk_weights [T, K]``
+    ``x [T, W]`` payload in the buffer dtype: ``W = H``, or for an FP8 dispatch what the backend's
+    ``pack_fp8`` gave: the packed FP8 rows (``ep_comm.fp8``, ``packed_row_bytes(H)`` bytes) viewed in the buffer
+    dtype, ``W = P / itemsize``, or an object that stands for them (``shape`` ``(T, W)``; ``nvshmem``: an
+    ``ep_comm.launching.fp8.Fp8Rows``, written as packed rows by the scatter); ``recv_x`` then has ``W`` columns
+    too. ``topk_idx [T, K]`` int (the handle's for a replay); ``topk_weights [T, K]``
     float32 or None; ``handle`` the routing to replay or None; ``stats [L]`` int or None. For a replay
     ``expand``/``expert_alignment``/``zero_padding`` are the handle's.
     """
@@ -95,9 +97,11 @@ class Backend(Protocol):
     def dispatch_layout(self, topk_idx: Array) -> DispatchLayout:
         """The local counts of a routing ``[T, K]`` (no communication)."""
 
-    def pack_fp8(self, x: Array) -> Array:
-        """Packed FP8 rows ``[T, packed_row_bytes(H)]`` uint8 of ``x [T, H]`` (``ep_comm.fp8``; local, no
-        communication): the sender cast of ``Buffer.dispatch(use_fp8=True)``."""
+    def pack_fp8(self, x: Any) -> Any:
+        """The payload of an FP8 dispatch (local, no communication) of ``x``: the pair ``(x_fp8 [T, H], scales
+        [T, H // 128])`` (a tuple), or ``x [T, H]`` in the buffer dtype to quantize as ``ep_comm.fp8.quantize``
+        (``Buffer.dispatch(use_fp8=True)``). Returns the packed FP8 rows ``[T, packed_row_bytes(H) / itemsize]``
+        (``ep_comm.fp8``) in the buffer dtype, or what stands for them in :class:`DispatchRequest`."""
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch. A new routing's ids are checked in its count step and the verdict travels with

@@ -211,10 +211,12 @@ class MpiBackend:
         return rows.reshape(count, width), meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
 
     # ---------------------------------------------------------------- dispatch
-    def pack_fp8(self, x: np.ndarray) -> np.ndarray:
-        """The sender cast of ``Buffer.dispatch(use_fp8=True)``: packed FP8 rows ``[T, P]`` uint8 of ``x [T, H]``,
-        ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))`` (ValueError for non-finite ``x``)."""
-        return fp8.pack(*fp8.quantize(x))
+    def pack_fp8(self, x: Any) -> np.ndarray:
+        """The payload of an FP8 dispatch: the packed FP8 rows ``[T, P / itemsize]`` in the buffer dtype of the pair
+        ``x = (x_fp8, scales)`` (``ep_comm.fp8.pack``), or of ``x [T, H]`` quantized (``ep_comm.fp8.quantize``,
+        ValueError for non-finite ``x``)."""
+        rows = fp8.pack(*x) if isinstance(x, tuple) else fp8.pack(*fp8.quantize(x))
+        return rows.view(self.geo.dtype)
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""

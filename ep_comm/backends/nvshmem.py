@@ -67,11 +67,10 @@ from mpi4py import MPI
 
 from .. import layout as lay
 from ..errors import RoutingError
-from ..fp8 import packed_row_bytes
 from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 from ..host import to_host
 from ..launching import raw, weight_return
-from ..launching.fp8 import quantize_packed
+from ..launching.fp8 import Fp8Rows, payload_arrays, payload_key
 from ..launching.plans import Plans
 from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
                                 check_index_range)
@@ -377,15 +376,15 @@ class NvshmemBackend:
         self.steps.after_wait(what, *self.transport.wait_state())
 
     # ---------------------------------------------------------------- dispatch
-    def pack_fp8(self, x: Array) -> Array:
-        """The sender cast of ``Buffer.dispatch(use_fp8=True)``: packed FP8 rows ``[T, P]`` uint8 of ``x [T, H]``
-        (``ep_comm.fp8`` layout, the bits of ``ep_comm.fp8.quantize`` for finite ``x``; not checked for
-        non-finite values, see ``ep_comm.kernels.fp8``). One kernel on the caller's stream just before the
-        dispatch's scatter sends the packed rows (not fused into it)."""
-        out = self.xp.empty((x.shape[0], packed_row_bytes(x.shape[1])), dtype=np.uint8)
-        with self._launching():
-            quantize_packed(self.kernels.stream, self._contiguous(x), out, max_blocks=self.kernels.stream_blocks)
-        return out
+    def pack_fp8(self, x: Any) -> Fp8Rows:
+        """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
+        in the buffer dtype (``Buffer.dispatch(use_fp8=True)``): an ``Fp8Rows`` over them (C-contiguous), from
+        which the scatter writes the packed FP8 rows as it reads each row, quantizing ``x`` on the way (the bits of
+        ``ep_comm.fp8.quantize`` for finite ``x``; not checked for non-finite values, see ``ep_comm.kernels.fp8``).
+        Nothing is launched here."""
+        if isinstance(x, tuple):  # x_fp8 as its bits first: CuPy copies no float8 array
+            return Fp8Rows(self._contiguous(x[0].view(np.uint8)), self._contiguous(x[1]), self.geo.dtype)
+        return Fp8Rows(self._contiguous(x), None, self.geo.dtype)
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
@@ -424,8 +423,10 @@ class NvshmemBackend:
                 self.transport.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
-        """``request`` with ``x`` and ``topk_weights`` C-contiguous (itself when they are)."""
-        x, weights = self._contiguous(request.x), self._contiguous(request.topk_weights)
+        """``request`` with ``x`` (an ``Fp8Rows``' arrays are already) and ``topk_weights`` C-contiguous (itself when
+        they are)."""
+        x = request.x if isinstance(request.x, Fp8Rows) else self._contiguous(request.x)
+        weights = self._contiguous(request.topk_weights)
         if x is request.x and weights is request.topk_weights:
             return request
         return dataclasses.replace(request, x=x, topk_weights=weights)
@@ -452,8 +453,9 @@ class NvshmemBackend:
                 send = k.count(idx, stable=stable, block=send_block)
             self._scatter(request, Routing(idx, send.is_token_in_rank, send.slot_idx), mode)
 
-        key = ("send", num_tokens, idx.dtype.char, x.dtype.char, x.shape[1], weights is not None, stable)
-        self._planned(key, (idx, x, block) if weights is None else (idx, x, block, weights), count_and_scatter)
+        key = ("send", num_tokens, idx.dtype.char, payload_key(x), weights is not None, stable)
+        roots = (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
+        self._planned(key, roots, count_and_scatter)
         if self.transport.use_puts:
             self._flush(seq, k.send_layout(send_block, num_tokens).rank_psum)
         self._signal("dispatch", seq, hooked, k.count_words_view(send_block))
@@ -508,9 +510,9 @@ class NvshmemBackend:
         outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
         local = None if request.expand else (outputs[0], psum)
         x, weights = request.x, request.topk_weights
-        roots = (x, h.topk_idx, h.dst_buffer_slot_idx) + ((block, psum) if local else ()) + (
+        roots = (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + ((block, psum) if local else ()) + (
             (weights,) if weights is not None else ())
-        key = ("cached send", x.shape, x.dtype.char, h.topk_idx.dtype.char, weights is not None,
+        key = ("cached send", payload_key(x), h.topk_idx.dtype.char, weights is not None,
                None if local is None else outputs[0].shape)
         self._planned(key, roots, lambda: self._scatter(request, h.routing, SLOT_CACHED, local))
         if self.transport.use_puts:
@@ -583,8 +585,8 @@ class NvshmemBackend:
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
         """``((recv_x [rows, W], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K]), block)``, not yet
         filled, carved from ``block``, one allocation; ``W`` is the payload's width (``request.x.shape[1]``: H, or
-        fewer elements for packed FP8 rows, whose words the scatter and receive kernels copy as they copy any
-        row's); ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none
+        fewer elements for packed FP8 rows, which the scatter writes and the receive kernels copy as any row's);
+        ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none
         were given)."""
         geo, expand = self.geo, request.expand
         with self.profile.phase("dispatch", "alloc outputs"):

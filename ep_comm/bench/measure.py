@@ -185,7 +185,9 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
     routing ``didx`` as new (count, count exchange and all, in the point's mode) and its combine. All four are
     replayed ``spec.warmup + spec.iters`` times, each round after a barrier, between CUDA events. With FP8 the
     cached combine's input is made once before the captures (:meth:`Payload.combine_input`) and the new
-    routing's is a fifth graph (a cached plain dispatch of its handle), replayed before its combine, untimed.
+    routing's is a fifth graph (a cached plain dispatch of its handle), replayed before its combine, untimed; and
+    the same two dispatches of ``x`` in the payload dtype are replayed last, the same-run reference of the FP8
+    ones (:func:`bf16_reference_graphs`: ``"dispatch_bf16"``, ``"dispatch_new_bf16"``).
     Returns ``{"dispatch": [...], "combine": [...], "dispatch_new": [...], "combine_new": [...], "host":
     {"graph_launch_dispatch": [...], "graph_launch_combine": [...]}`` (host seconds per replay
     launch, cached pair), ``"results": (last cached combine's x, last new combine's x)``, ``"fp8_rows": ((cached
@@ -217,6 +219,8 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
             steps.append(("", fill))  # untimed: the new routing's combine input
         new_sum, new_combine = captured(stream, lambda: buf.combine(new_y, new.handle))
         steps.append(("combine_new", new_combine))
+        if payload.pair is not None:
+            steps += bf16_reference_graphs(stream, buf, Payload(payload.x), didx, handle, spec)
     marks = [cupy.cuda.Event() for _ in range(len(steps) + 1)]
 
     def replay() -> List[float]:
@@ -237,6 +241,24 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
     return {**times, "host": {"graph_launch_dispatch": launches[:, 0].tolist(),
                               "graph_launch_combine": launches[:, 1].tolist()},
             "results": (cached_sum.x, new_sum.x), "fp8_rows": fp8_rows}
+
+
+BF16_REFERENCE = "_bf16"  # the suffix of the graph replays of an FP8 run that send x in the payload dtype
+
+
+def bf16_reference_graphs(stream: Any, buf: Any, plain: Payload, didx: Any, handle: Any,
+                          spec: PointSpec) -> List[Tuple[str, Any]]:
+    """The graphs of the same-run reference of an FP8 run's dispatches: the cached dispatch of ``handle`` and the
+    dispatch of the routing ``didx`` as new, both ``cpu_sync=False`` sending ``plain`` (``x`` in the payload dtype),
+    each called once on ``stream`` before its capture (its launches bound). Collective. Returns ``[("dispatch" +
+    BF16_REFERENCE, graph), ("dispatch_new" + BF16_REFERENCE, graph)]``."""
+    calls = (("dispatch", lambda: buf.dispatch(plain.sent, handle=handle, cpu_sync=False)),
+             ("dispatch_new", lambda: new_dispatch(buf, plain, didx, spec, cpu_sync=False)))
+    graphs = []
+    for name, call in calls:
+        call()
+        graphs.append((name + BF16_REFERENCE, captured(stream, call)[1]))
+    return graphs
 
 
 def captured(stream: Any, call: Callable[[], Any]) -> Tuple[Any, Any]:

@@ -33,7 +33,7 @@ from ep_comm.cli import progress
 from . import eager
 from . import shared_gpu as sharing
 from .busy import format_busy, summarize_busy
-from .measure import RankSample
+from .measure import BF16_REFERENCE, RankSample
 from .stats import percentiles
 
 EP_OPS = ("dispatch", "combine")
@@ -113,6 +113,7 @@ def summarize(samples: Sequence[RankSample], row_bytes: Union[int, Mapping[str, 
         "baseline_over_ep_comm": {op: latency[op]["p50"] / latency[compared_op(op)]["p50"]
                                   for op in latency if op not in OWN_OPS},
         "graph_over_device_copy": _over_copy(latency, graph),
+        "graph_fp8_over_bf16": _fp8_over_bf16(graph),
         "eager_over_graph": eager.eager_over_graph(latency, graph),
         "shared_gpu": shared_gpu,
     }
@@ -133,7 +134,14 @@ def _over_copy(latency: Dict[str, Any], graph: Dict[str, Any]) -> Dict[str, floa
         return {}
     combine_copy = latency.get(COMBINE_COPY, copy)
     return {op: stats["p50"] / (combine_copy if op.startswith("combine") else copy)["p50"]
-            for op, stats in graph.items()}
+            for op, stats in graph.items() if not op.endswith(BF16_REFERENCE)}
+
+
+def _fp8_over_bf16(graph: Dict[str, Any]) -> Dict[str, float]:
+    """An FP8 run's dispatch graph replays (cached ``dispatch``, ``dispatch_new``), each p50 over the p50 of the
+    same-run replay of the same dispatch sending ``x`` in the payload dtype (``<op>_bf16``); empty without them."""
+    return {op: graph[op]["p50"] / graph[op + BF16_REFERENCE]["p50"] for op in ("dispatch", "dispatch_new")
+            if op in graph and op + BF16_REFERENCE in graph and graph[op + BF16_REFERENCE]["p50"]}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -205,6 +213,10 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's {compared_op(op)} time")
     lines += format_busy(point.get("busy_check"))
+    fp8_over_bf16 = point.get("graph_fp8_over_bf16")
+    if fp8_over_bf16:
+        lines.append("  CUDA graph replay, FP8 dispatch over the same-run dispatch of x in the payload dtype (p50): "
+                     + ", ".join(f"{op} {ratio:.2f}x" for op, ratio in fp8_over_bf16.items()))
     over_copy = point.get("graph_over_device_copy")
     if over_copy:
         lines.append("  CUDA graph replay over the same-run device copy of the received bytes: "
@@ -295,6 +307,8 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"{op}_over_ep_comm"] = ratio
     for op, ratio in point.get("graph_over_device_copy", {}).items():
         row[f"graph_{op}_over_device_copy"] = ratio
+    for op, ratio in point.get("graph_fp8_over_bf16", {}).items():
+        row[f"graph_{op}_fp8_over_bf16"] = ratio
     for op, ratio in point.get("eager_over_graph", {}).items():
         row[f"{op}_eager_over_graph"] = ratio
     row["first_call_us"] = point.get("first_call_us", "")

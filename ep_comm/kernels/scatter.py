@@ -11,6 +11,10 @@ row this rank sends to itself skips its own buffer: it goes straight to its comp
 ``recv_x[base + slot]``, ``base`` the rows received from lower sources (``recv_psum[src_rank - 1]``,
 0 at rank 0), and the receive copies only the other sources' rows. Its meta row still goes to the
 own buffer, which the receive reads for ids, weights and metadata.
+
+A row's ``row_words`` words come from its source (``ep_comm.kernels.payload``): the payload words as they are,
+or a packed FP8 row written from the FP8 pair, or cast from the payload, as the row is read (no packed copy is
+made before the scatter).
 """
 from __future__ import annotations
 
@@ -19,10 +23,11 @@ from numba import cuda
 
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.payload import write_row_piece
 from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
-from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, copy_row, global_warp, is_group_leader, lane_id, pop_lowest,
+from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, global_warp, is_group_leader, lane_id, pop_lowest,
                                   stable_bucket_slots)
 
 SLOT_ATOMIC = 0
@@ -80,21 +85,22 @@ def local_row_base(direct, recv_psum, src_rank):
 
 
 @cuda.jit(device=True)
-def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, row, begin, end, wide):
-    """Copy words ``[begin, end)`` of ``row`` (one token's words) to this source's row ``slot`` for ``rank``:
-    ``recv_x[base + slot]`` when it stays on this rank with ``direct``, else ``rows[rank][parity, src_rank,
-    slot]`` (all lanes of a warp)."""
+def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, source, t, begin, end, wide):
+    """Write words ``[begin, end)`` of token ``t``'s row from ``source`` (``ep_comm.kernels.payload``) to this
+    source's row ``slot`` for ``rank``: ``recv_x[base + slot]`` when it stays on this rank with ``direct``, else
+    ``rows[rank][parity, src_rank, slot]`` (all lanes of a warp)."""
     if direct and rank == src_rank:
-        copy_row(recv_x[base + slot, begin:end], row[begin:end], end - begin, wide)
+        write_row_piece(recv_x[base + slot], source, t, begin, end, wide)
     else:
-        copy_row(rows[rank][parity, src_rank, slot, begin:end], row[begin:end], end - begin, wide)
+        write_row_piece(rows[rank][parity, src_rank, slot], source, t, begin, end, wide)
 
 
 @kernel
-def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead, mode,
-                   num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
+def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
+                   mode, num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
                    metas, direct, recv_x, recv_psum):
-    """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``wide``: rows move 16 bytes per access (see
+    """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``source``: where the rows come from
+    (``ep_comm.kernels.payload``), ``row_words`` words per row; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``.
     Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
@@ -130,8 +136,7 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
                 pt = cuda.shfl_sync(FULL_MASK, t, src)
                 pr = cuda.shfl_sync(FULL_MASK, rank, src)
                 ps = cuda.shfl_sync(FULL_MASK, slot, src)
-                copy_payload(rows, recv_x, direct, base, parity, src_rank, pr, ps, x_words[pt], 0, x_words.shape[1],
-                             wide)
+                copy_payload(rows, recv_x, direct, base, parity, src_rank, pr, ps, source, pt, 0, row_words, wide)
                 write_meta(metas[pr][parity, src_rank, ps], topk_idx, weight_bits, has_weights, pt, pr,
                            experts_per_rank, lane)
             t0 = np.int32(t0 + group)
@@ -139,10 +144,10 @@ def scatter_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_pe
 
 
 @kernel
-def scatter_rows_kernel(x_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
-                        span, slot_idx, rows, metas, direct, recv_x, recv_psum):
+def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
+                        ahead, span, slot_idx, rows, metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
-    it or cached): one warp per piece of ``span`` words (even) of each entry that has a slot, so that few
+    it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.
     ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`."""
     num_tokens, num_topk = topk_idx.shape
@@ -150,20 +155,19 @@ def scatter_rows_kernel(x_words, wide, topk_idx, weight_bits, has_weights, exper
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens
     base = local_row_base(direct, recv_psum, src_rank)
-    words = x_words.shape[1]
-    pieces = quotient32(words + span - 1, span)
+    pieces = quotient32(row_words + span - 1, span)
     lane = lane_id()
     item, num_warps = global_warp()
     item = np.int32(item)
     while item < num_tokens * num_topk * pieces:
-        entry, begin, end = row_piece(item, pieces, span, words)
+        entry, begin, end = row_piece(item, pieces, span, row_words)
         t, k = divmod32(entry, num_topk)
         expert = routed_expert(topk_idx, t, k, experts_per_rank * len(rows))
         recorded = slot_idx[t, k]
         if recorded >= 0 and expert >= 0:
             rank = quotient32(expert, experts_per_rank)
             slot = recorded - src_base
-            copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, x_words[t], begin, end, wide)
+            copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, source, t, begin, end, wide)
             if begin == 0:
                 write_meta(metas[rank][parity, src_rank, slot], topk_idx, weight_bits, has_weights, t, rank,
                            experts_per_rank, lane)

@@ -1,35 +1,61 @@
-"""Launch of the FP8 quantize kernel (``ep_comm.kernels.fp8``): the sender's cast of an FP8 dispatch.
+"""The FP8 payload of a dispatch on the GPU, as the scatter reads it: no packed rows are made before the send.
 
-One warp per (row, 128-element block), ``THREADS`` to a block, at most ``max_blocks`` blocks
-(grid-stride loops cover the rest); launched through Numba's dispatcher on a Numba stream.
+An :class:`Fp8Rows` names the arrays a packed FP8 row (``ep_comm.fp8`` layout) is written from, by the scatter
+itself (``ep_comm.kernels.payload``): the pair ``(x_fp8, scales)`` where the caller has it, or the payload ``x``
+with the quantization of ``ep_comm.fp8.quantize`` done as each row is read (``Buffer.dispatch(use_fp8=True)``).
+Where a payload array is expected it stands for the packed rows ``[T, packed_row_bytes(H) / itemsize]`` viewed
+in the buffer dtype (``shape``, ``dtype``), the rows that cross the link and land in ``recv_x``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ep_comm.fp8 import BLOCK, packed_row_bytes
-from ep_comm.kernels.fp8 import quantize_kernel
-from ep_comm.kernels.warp import WARP
+from ep_comm.fp8 import packed_row_bytes
 
-__all__ = ["THREADS", "quantize_packed"]
+__all__ = ["Fp8Rows", "payload_arrays", "payload_key"]
 
-THREADS = 256
+Array = Any
 
 
-def quantize_packed(stream: Any, x: Any, out: Any, *, max_blocks: int) -> None:
-    """Write the packed FP8 rows of ``x [T, H]`` (float32/float16/bfloat16, bfloat16 as ml_dtypes or uint16
-    bits; ``H % 128 == 0``, C-contiguous) into ``out [T, packed_row_bytes(H)]`` (uint8, C-contiguous): the
-    bytes of ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))``, pad bytes zero. Enqueued on ``stream``."""
-    num_tokens, hidden = x.shape
-    if tuple(out.shape) != (num_tokens, packed_row_bytes(hidden)) or np.dtype(out.dtype).itemsize != 1:
-        raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}: must be uint8 "
-                         f"[{num_tokens}, {packed_row_bytes(hidden)}] (packed_row_bytes(hidden={hidden}))")
-    if num_tokens == 0:
-        return
-    is_bf16 = x.dtype not in (np.float32, np.float16)
-    values = x.view(np.uint16) if is_bf16 else x
-    warps = num_tokens * (hidden // BLOCK)
-    blocks = max(1, min(max_blocks, -(-warps * WARP // THREADS)))
-    quantize_kernel[blocks, THREADS, stream](values, is_bf16, out.view(np.uint32))
+class Fp8Rows(NamedTuple):
+    """The sources of the packed FP8 rows of ``T`` tokens of ``H`` elements, each C-contiguous on the device.
+
+    ``tokens``: ``x_fp8 [T, H]`` (any 1-byte dtype: e4m3fn bits) with ``scales [T, H / 128]`` float32 (the pair),
+    or with ``scales`` None the payload ``x [T, H]`` (float32, float16, bfloat16) that the scatter quantizes;
+    ``dtype``: the buffer dtype the packed rows are viewed in.
+    """
+
+    tokens: Array
+    scales: Optional[Array]
+    dtype: np.dtype
+
+    @property
+    def cast(self) -> bool:
+        """Whether the scatter quantizes ``tokens`` (else it reads the pair)."""
+        return self.scales is None
+
+    @property
+    def hidden(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """``(T, packed_row_bytes(H) / itemsize)``: the packed rows as a payload in the buffer dtype."""
+        return int(self.tokens.shape[0]), packed_row_bytes(self.hidden) // self.dtype.itemsize
+
+
+def payload_arrays(x: Any) -> Tuple[Array, ...]:
+    """The device arrays a payload is read from: ``x`` itself, or an :class:`Fp8Rows`' one or two arrays."""
+    if isinstance(x, Fp8Rows):
+        return (x.tokens,) if x.scales is None else (x.tokens, x.scales)
+    return (x,)
+
+
+def payload_key(x: Any) -> Tuple[Any, ...]:
+    """What the launches of a payload's scatter depend on besides the routing: its kind (plain rows, FP8 pair,
+    FP8 cast), the dtype of the array read and its shape."""
+    if isinstance(x, Fp8Rows):
+        return ("fp8 cast" if x.cast else "fp8 pair", x.tokens.dtype.char, tuple(x.tokens.shape))
+    return ("rows", x.dtype.char, tuple(x.shape))

@@ -43,7 +43,9 @@ from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, r
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
+from ep_comm.fp8 import packed_row_bytes
 from ep_comm.launching.bound import BoundLaunch
+from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.views import DeviceViews, payload_rows, payload_words, wide_rows
 from ep_comm.symmetric import record_words
 from ep_comm.validate import VERDICT_WORDS
@@ -365,13 +367,28 @@ class Kernels:
             self.ids_view(block, num_tokens, topk_idx.dtype))
         return out
 
-    def scatter(self, x: Array, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
+    @staticmethod
+    def _row_source(x: Any) -> tuple:
+        """``(source, row_words)``: the scatter's row source of payload ``x`` (``ep_comm.kernels.payload``: the
+        payload's words, the FP8 pair's bytes and scale bits, or the payload to cast as elements and words) and the
+        words of one row it writes."""
+        if not isinstance(x, Fp8Rows):
+            x_words = payload_words(x)
+            return (x_words,), x_words.shape[1]
+        row_words = packed_row_bytes(x.hidden) // 8
+        if x.cast:
+            return (x.tokens.view(np.uint64), *_payload(x.tokens)), row_words
+        return (x.tokens.view(np.uint8).view(np.uint64), x.scales.view(np.uint32)), row_words
+
+    def scatter(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
                 rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int,
                 ahead: int = 0, recv_x: Optional[Array] = None, recv_psum: Optional[Array] = None) -> None:
         """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
 
         Args:
-            x: ``[T, H]`` float32/float16/bfloat16 payload.
+            x: ``[T, H]`` float32/float16/bfloat16 payload, or an ``ep_comm.launching.fp8.Fp8Rows``: its packed FP8
+                rows (``[T, packed_row_bytes(H) / itemsize]`` as a payload) are written from the pair, or from the
+                payload quantized as each row is read, straight into the destinations (no packed copy).
             topk_idx: ``[T, K]`` routing (-1: no expert).
             topk_weights: ``[T, K]`` float32 or None.
             slot_idx: ``[T, K]`` int32, written (``dst_buffer_slot_idx``: ``src_rank * max_tokens + slot``
@@ -384,9 +401,9 @@ class Kernels:
             step: the device step counter (int64 ``[1]``).
             mode: ``SLOT_ATOMIC``/``SLOT_STABLE`` (need :meth:`count` just before) or ``SLOT_CACHED``.
             ahead: see ``rows``.
-            recv_x: with ``mode=SLOT_CACHED`` only, this rank's compact output ``[N_out, H]`` of the
-                dispatch: the payload of a row for ``src_rank`` itself goes straight to
-                ``recv_x[recv_psum[src_rank - 1] + slot]`` (row ``slot`` at rank 0) instead of
+            recv_x: with ``mode=SLOT_CACHED`` only, this rank's compact output ``[N_out, W]`` of the
+                dispatch (``W`` columns of ``x``'s payload): the payload of a row for ``src_rank`` itself goes
+                straight to ``recv_x[recv_psum[src_rank - 1] + slot]`` (row ``slot`` at rank 0) instead of
                 ``rows[src_rank]``, so that :meth:`receive_copy` with ``skip_source=src_rank`` leaves
                 it there; its meta row still goes to ``metas[src_rank]``.
             recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
@@ -405,22 +422,23 @@ class Kernels:
             return
         weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
         num_units, units_per_warp = self.token_cut(x.shape[0])
-        x_words = payload_words(x)
+        source, row_words = self._row_source(x)
         # without recv_x the kernels get unread stand-ins of the same kinds
-        recv_words = payload_words(recv_x) if direct else x_words
+        recv_words = payload_words(recv_x) if direct else source[0]
         local = (recv_words, recv_psum if direct else self._rank_cursor)
         rows, metas = tuple(rows), tuple(metas)
-        wide = wide_rows(x_words, recv_words) and self._wide(rows)
-        span, blocks = self._row_pieces(topk_idx.size, x_words.shape[1], _copy_step(wide))
-        pieces = span < x_words.shape[1]  # few tokens: slots by unit first, then the rows by pieces
+        wide = wide_rows(source[0], recv_words) and self._wide(rows)
+        span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
+        pieces = span < row_words  # few tokens: slots by unit first, then the rows by pieces
+        rows_from = (source, row_words, wide)
         if mode != SLOT_CACHED or not pieces:
             self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
-                x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
+                *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 mode, num_units, units_per_warp, self._rank_cursor, self._send_units, self._send_groups, slot_idx,
                 not pieces, rows, metas, direct, *local)
         if pieces:
             self._launch(scatter_rows_kernel, blocks=blocks)(
-                x_words, wide, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
+                *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)
 
     @property

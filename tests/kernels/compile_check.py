@@ -17,8 +17,8 @@ import numpy as np
 import numba.cuda.dispatcher
 from numba import cuda, typeof
 
-from ep_comm.kernels.fp8 import quantize_kernel
 from ep_comm.kernels.jit import SOURCES_DIGEST
+from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.kernels import PLACE_STABLE, SLOT_STABLE, Kernels
 from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.numba_internals import source_stamp
@@ -27,6 +27,7 @@ from ep_comm.symmetric import SymmetricLayout
 CC = (9, 0)
 R, E, K, T, H = 2, 16, 4, 8, 24
 LONG_H = 4096  # rows of several copy steps
+FORMS = {1: "", 2: "-fp8pair", 3: "-fp8cast"}  # the scatter kernels' names by the length of their row source
 
 
 class Recorder(Kernels):
@@ -73,10 +74,11 @@ def record_all(dtype: np.dtype) -> list:
              for _ in range(R)]
     long_rows.scatter(np.zeros((T, LONG_H), dtype), topk, np.zeros((T, K), np.float32), slot_idx,
                       [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE)
-    fp8_x = np.zeros((T, 256), dtype)  # the FP8 sender cast (ep_comm.launching.fp8.quantize_packed's arguments)
-    is_bf16 = dtype == ml_dtypes.bfloat16
-    fp8_cast = (quantize_kernel, (fp8_x.view(np.uint16) if is_bf16 else fp8_x, is_bf16, np.zeros((T, 68), np.uint32)))
-    return k.launches + long_rows.launches + [fp8_cast]
+    pair = Fp8Rows(np.zeros((T, LONG_H), np.uint8), np.zeros((T, LONG_H // 128), np.float32), dtype)
+    for fp8_rows in (pair, Fp8Rows(np.zeros((T, LONG_H), dtype), None, dtype)):  # the scatter writes FP8 rows
+        long_rows.scatter(fp8_rows, topk, None, slot_idx, [v.rows for v in views], [v.meta for v in views],
+                          src_rank=0, step=step, mode=SLOT_STABLE)
+    return k.launches + long_rows.launches
 
 
 def main(out_dir: str) -> None:
@@ -86,7 +88,10 @@ def main(out_dir: str) -> None:
         for kernel, args in record_all(dtype):
             assert source_stamp(kernel) == SOURCES_DIGEST, f"{kernel} is not cached by sources"
             ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
-            (out / f"{kernel.py_func.__name__}.{dtype.name}.ptx").write_text(ptx)
+            name = kernel.py_func.__name__
+            if name.startswith("scatter"):  # the form of its row source (its first argument, ep_comm.kernels.payload)
+                name += FORMS[len(args[0])]
+            (out / f"{name}.{dtype.name}.ptx").write_text(ptx)
 
 
 if __name__ == "__main__":

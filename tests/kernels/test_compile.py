@@ -37,14 +37,27 @@ def test_every_kernel_compiles(ptx_dir):
     assert names == {"routing_check_kernel", "count_kernel", "scatter_kernel", "scatter_rows_kernel",
                      "receive_count_kernel", "receive_count_words_kernel", "receive_compact_kernel",
                      "receive_place_kernel", "receive_rows_kernel", "combine_copy_kernel", "combine_expand_kernel", "combine_expand_bf16_kernel",
-                     "combine_reduce_kernel", "combine_reduce_bf16_kernel", "quantize_kernel"}
+                     "combine_reduce_kernel", "combine_reduce_bf16_kernel", "scatter_kernel-fp8pair",
+                     "scatter_kernel-fp8cast", "scatter_rows_kernel-fp8pair", "scatter_rows_kernel-fp8cast"}
 
 
-def test_fp8_quantize_divides_exactly(ptx_dir):
-    """The FP8 cast's ``v / scale`` is IEEE float32 division (as NumPy's), never an approximate one."""
-    for path in ptx_dir.glob("quantize_kernel.*.ptx"):
+def test_fp8_cast_in_the_scatter_divides_exactly_and_converts_in_pairs(ptx_dir):
+    """The FP8 cast's ``v / scale`` is IEEE float32 division (as NumPy's), never an approximate one; its values
+    become FP8 two at a time in one conversion instruction."""
+    paths = list(ptx_dir.glob("scatter*_kernel-fp8cast.*.ptx"))
+    assert len(paths) == 6
+    for path in paths:
         ptx = path.read_text()
         assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, path.name
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, path.name
+
+
+def test_the_fp8_pair_and_bfloat16_cast_move_16_bytes_per_access(ptx_dir):
+    """The pair's FP8 bytes are copied, and bfloat16 is read for the cast, 16 bytes per access."""
+    for name in ("scatter_kernel-fp8pair", "scatter_rows_kernel-fp8pair", "scatter_kernel-fp8cast",
+                 "scatter_rows_kernel-fp8cast"):
+        ptx = (ptx_dir / f"{name}.bfloat16.ptx").read_text()
+        assert "ld.v2.b64" in ptx, name
 
 
 def test_no_fused_multiply_add_in_combine(ptx_dir):

@@ -1,5 +1,6 @@
 """The FP8 device code (``ep_comm.kernels.fp8``) against ``ml_dtypes`` and ``ep_comm.fp8.quantize``, bit for bit,
-and the packed FP8 rows (narrower than the symmetric rows) through the existing scatter and receive kernels."""
+and the packed FP8 rows (narrower than the symmetric rows) through the scatter and receive kernels: as prepared
+rows, written by the scatter from the pair where it lies, and cast by the scatter as it reads each row."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,8 @@ from numba import cuda
 
 from ep_comm import fp8
 from ep_comm.host import to_host
-from ep_comm.kernels.fp8 import f32_to_e4m3_bits
-from ep_comm.launching.fp8 import quantize_packed
+from ep_comm.kernels.fp8 import e4m3x2_bits, f32_to_e4m3_bits
+from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.testing.dtypes import DTYPES
 from test_dispatch import check_compact, make_world, run_dispatch
@@ -23,6 +24,16 @@ def convert_kernel(values, out):
     i = cuda.grid(1)
     while i < values.shape[0]:
         out[i] = f32_to_e4m3_bits(values[i])
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def convert_pairs_kernel(values, out):
+    i = cuda.grid(1)
+    while i < out.shape[0] // 2:
+        pair = e4m3x2_bits(values[2 * i + 1], values[2 * i])
+        out[2 * i] = pair & 0xFF
+        out[2 * i + 1] = pair >> 8
         i += cuda.gridsize(1)
 
 
@@ -48,10 +59,15 @@ def reference_bits(values: np.ndarray) -> np.ndarray:
     return np.clip(values, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
-def test_conversion_matches_ml_dtypes_at_every_rounding_boundary(xp):
+@pytest.mark.parametrize("pairs", [False, True], ids=["f32_to_e4m3_bits", "e4m3x2_bits"])
+def test_conversion_matches_ml_dtypes_at_every_rounding_boundary(xp, pairs):
+    """Both conversions (the scalar one, and the pair the cast uses: one cvt instruction on a GPU)."""
     values = boundary_values()
     out = xp.zeros(values.shape, dtype=np.int64)
-    convert_kernel[4, 64](xp.asarray(values), out)
+    if pairs:
+        convert_pairs_kernel[4, 64](xp.asarray(values), out)
+    else:
+        convert_kernel[4, 64](xp.asarray(values), out)
     got = to_host(out)
     want = reference_bits(values)
     bad = np.nonzero(got != want)[0]
@@ -78,36 +94,27 @@ def payload(rng, shape, dtype: str) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("dtype, tokens, hidden", [("bfloat16", 5, 256), ("float32", 3, 384), ("float16", 2, 128),
-                                                    ("bfloat16", 0, 128)])
-def test_quantize_kernel_matches_the_reference(xp, dtype, tokens, hidden):
-    rng = np.random.default_rng(hidden + tokens)
-    x = payload(rng, (tokens, hidden), dtype)
-    want = fp8.pack(*fp8.quantize(x))
-    out = xp.full(want.shape, 0xAB, dtype=np.uint8)  # pad bytes must be written too
-    device_x = xp.asarray(x.view(np.uint16) if dtype == "bfloat16" and xp is not np else x)
-    quantize_packed(0, device_x, out, max_blocks=2)  # fewer warps than blocks of 128: the grid-stride loop
-    np.testing.assert_array_equal(to_host(out), want)
-
-
-def test_quantize_refuses_a_wrong_output(xp):
-    x = xp.zeros((2, 128), dtype=np.float32)
-    with pytest.raises(ValueError, match=r"out has shape \(2, 128\) and dtype uint8: must be uint8 \[2, 144\]"):
-        quantize_packed(0, x, xp.zeros((2, 128), dtype=np.uint8), max_blocks=1)
-
-
-def narrow_world(xp, seed: int, hidden: int, **kw):
+def narrow_world(xp, seed: int, hidden: int, dtype: str = "bfloat16", source: str = "rows", **kw):
     """A simulated world (``test_dispatch.make_world``) whose payloads are packed FP8 rows of ``hidden``
-    elements, viewed in bfloat16 (``packed_row_bytes(hidden) / 2`` columns), over symmetric buffers sized for
-    ``hidden`` bfloat16 elements: the narrower payload of an FP8 dispatch in the rows of the Buffer's."""
-    width = fp8.packed_row_bytes(hidden) // 2
-    world = make_world(xp, seed=seed, hidden=width, dtype="bfloat16", **kw)
+    elements, viewed in ``dtype`` (``packed_row_bytes(hidden) / itemsize`` columns), over symmetric buffers sized
+    for ``hidden`` elements of ``dtype``: the narrower payload of an FP8 dispatch in the rows of the Buffer's.
+    ``source``: what the scatter reads, the packed rows themselves (``"rows"``), or an ``Fp8Rows`` of the pair
+    (``"pair"``) or of the payload the rows quantize (``"cast"``)."""
+    itemsize = DTYPES[dtype].itemsize
+    width = fp8.packed_row_bytes(hidden) // itemsize
+    world = make_world(xp, seed=seed, hidden=width, dtype=dtype, **kw)
     rng = np.random.default_rng(seed)
-    world.x = [fp8.pack(*fp8.quantize(payload(rng, (len(x), hidden), "bfloat16"))).view(x.dtype) for x in world.x]
+    values = [payload(rng, (len(x), hidden), dtype) for x in world.x]
+    pairs = [fp8.quantize(v) for v in values]
+    world.x = [fp8.pack(*pair).view(x.dtype) for pair, x in zip(pairs, world.x)]
+    if source == "pair":
+        world.sources = [Fp8Rows(xp.asarray(q.view(np.uint8)), xp.asarray(s), DTYPES[dtype]) for q, s in pairs]
+    elif source == "cast":
+        world.sources = [Fp8Rows(world.device_payload(v), None, DTYPES[dtype]) for v in values]
     world.sym = dataclasses.replace(world.sym, hidden=hidden)
     world.buffers = [xp.zeros(world.sym.total_bytes, np.uint8) for _ in range(world.num_ranks)]
-    world.views = [symmetric_views(b, world.sym, word_dtype(hidden, 2)) for b in world.buffers]
-    assert word_dtype(width, 2) == word_dtype(hidden, 2) == np.uint64  # the kernels' words on both sides
+    world.views = [symmetric_views(b, world.sym, word_dtype(hidden, itemsize)) for b in world.buffers]
+    assert word_dtype(width, itemsize) == word_dtype(hidden, itemsize) == np.uint64  # the kernels' words, both sides
     return world
 
 
@@ -128,6 +135,48 @@ def test_a_cached_compact_replay_writes_narrow_rows_straight_into_recv_x(xp):
     world = narrow_world(xp, seed=12, hidden=384, masked=0.2)
     sent, first = run_dispatch(world, deterministic=False, expand=False)
     world.x = [x[::-1].copy() for x in world.x]  # new payload rows, same routing
+    outputs = [world.outputs(expand=False, alignment=1, worst_case=False, num_rows=len(got.recv_x),
+                             num_expanded=len(got.recv_x), cached=got) for got in first]
+    world.send(0, deterministic=False, cached=[item.slot_idx for item in sent],
+               direct=[(out[0], got.counts.rank_psum) for out, got in zip(outputs, first)])
+    for d in range(world.num_ranks):
+        again = world.receive(d, 0, expand=False, alignment=1, zero_padding=False, deterministic=False,
+                              cached=first[d], outputs=outputs[d], skip_source=d)
+        check_compact(world, d, again, world.expected_compact(d, sent))
+
+
+@pytest.mark.parametrize("source", ["pair", "cast"])
+@pytest.mark.parametrize("expand", [False, True])
+def test_the_scatter_writes_packed_rows_from_the_pair_or_the_cast(xp, source, expand):
+    """No packed copy before the send: the scatter reads the pair where it lies (FP8 bytes, then the scales two to
+    a word, then the pad), or casts the payload as it reads it, and the rows that arrive are byte for byte
+    ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))`` (zero blocks, subnormal-only blocks, -0.0 included)."""
+    world = narrow_world(xp, seed=13, hidden=384, source=source, masked=0.2)  # 3 blocks: a scale word half pad
+    run_dispatch(world, deterministic=True, expand=expand, alignment=4, zero_padding=True)
+    run_dispatch(world, deterministic=False, expand=expand, worst_case=True, parity=0)
+
+
+@pytest.mark.parametrize("dtype, hidden", [("float32", 256), ("float16", 128)])
+def test_the_scatter_casts_float32_and_float16_payloads(xp, dtype, hidden):
+    world = narrow_world(xp, seed=14, hidden=hidden, dtype=dtype, source="cast", masked=0.2)
+    run_dispatch(world, deterministic=True, expand=False)
+
+
+@pytest.mark.parametrize("source", ["pair", "cast"])
+def test_rows_cut_into_pieces_are_written_piece_by_piece(xp, source):
+    """Few tokens and long rows: the rows kernel writes each packed row in pieces of whole block pairs (the cast's
+    scales from the piece of their blocks, the pair's from the piece that holds their words)."""
+    world = narrow_world(xp, seed=15, hidden=4096, source=source, ranks=2, topk=2, tokens=(2, 1), masked=0.0)
+    row_words = fp8.packed_row_bytes(4096) // 8
+    span, _ = world.kernels._row_pieces(world.topk[0].size, row_words, 512)
+    assert span < row_words  # the case under test: more than one piece per row
+    run_dispatch(world, deterministic=True, expand=False)
+
+
+def test_a_cached_compact_replay_casts_straight_into_recv_x(xp):
+    """The direct path of a cached compact dispatch (own rows into ``recv_x``) with the cast in the scatter."""
+    world = narrow_world(xp, seed=16, hidden=256, source="cast", masked=0.2)
+    sent, first = run_dispatch(world, deterministic=False, expand=False)
     outputs = [world.outputs(expand=False, alignment=1, worst_case=False, num_rows=len(got.recv_x),
                              num_expanded=len(got.recv_x), cached=got) for got in first]
     world.send(0, deterministic=False, cached=[item.slot_idx for item in sent],

@@ -94,7 +94,9 @@ class Received:
 
 @dataclass
 class World:
-    """R simulated ranks with routings ``topk[s]``, payloads ``x[s]`` and weights ``w[s]`` (or None)."""
+    """R simulated ranks with routings ``topk[s]``, payloads ``x[s]`` and weights ``w[s]`` (or None). ``sources[s]``,
+    when given, is what source ``s``'s scatter reads instead of ``x[s]`` (an ``Fp8Rows`` whose packed rows are
+    ``x[s]``)."""
 
     xp: object
     num_experts: int
@@ -103,6 +105,7 @@ class World:
     x: list
     w: list
     kernels: Kernels = field(init=False)
+    sources: Optional[list] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.num_ranks = len(self.topk)
@@ -148,7 +151,8 @@ class World:
             else:
                 lay, slot_idx, mode = None, self.dev(cached[s]), SLOT_CACHED
             recv_x, recv_psum = direct[s] if direct is not None else (None, None)
-            k.scatter(self.device_payload(self.x[s]), topk, self.dev(self.w[s]), slot_idx,
+            payload = self.device_payload(self.x[s]) if self.sources is None else self.sources[s]
+            k.scatter(payload, topk, self.dev(self.w[s]), slot_idx,
                       [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, step=self.step(parity),
                       mode=mode, recv_x=recv_x, recv_psum=recv_psum)
             sent.append(Sent(to_host(slot_idx), lay))
