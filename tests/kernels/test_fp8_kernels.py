@@ -134,11 +134,12 @@ def test_scatter_and_receive_carry_a_payload_narrower_than_the_symmetric_row(xp,
                  parity=0)
 
 
-def test_a_cached_compact_replay_writes_narrow_rows_straight_into_recv_x(xp):
-    """The direct path of a cached compact dispatch (own rows into ``recv_x``) with a narrow payload."""
-    world = narrow_world(xp, seed=12, hidden=384, masked=0.2)
+def check_direct_replay(world, new_rows: bool) -> None:
+    """A new routing, then its cached compact replay on the direct path (own rows straight into ``recv_x``), with
+    the payload rows reversed first when ``new_rows``: every rank's outputs checked against the expected rows."""
     sent, first = run_dispatch(world, deterministic=False, expand=False)
-    world.x = [x[::-1].copy() for x in world.x]  # new payload rows, same routing
+    if new_rows:
+        world.x = [x[::-1].copy() for x in world.x]  # new payload rows, same routing
     outputs = [world.outputs(expand=False, alignment=1, worst_case=False, num_rows=len(got.recv_x),
                              num_expanded=len(got.recv_x), cached=got) for got in first]
     world.send(0, deterministic=False, cached=[item.slot_idx for item in sent],
@@ -147,6 +148,11 @@ def test_a_cached_compact_replay_writes_narrow_rows_straight_into_recv_x(xp):
         again = world.receive(d, 0, expand=False, alignment=1, zero_padding=False, deterministic=False,
                               cached=first[d], outputs=outputs[d], skip_source=d)
         check_compact(world, d, again, world.expected_compact(d, sent))
+
+
+def test_a_cached_compact_replay_writes_narrow_rows_straight_into_recv_x(xp):
+    """The direct path of a cached compact dispatch (own rows into ``recv_x``) with a narrow payload."""
+    check_direct_replay(narrow_world(xp, seed=12, hidden=384, masked=0.2), new_rows=True)
 
 
 @pytest.mark.parametrize("source", ["pair", "cast"])
@@ -179,13 +185,4 @@ def test_rows_cut_into_pieces_are_written_piece_by_piece(xp, source):
 
 def test_a_cached_compact_replay_casts_straight_into_recv_x(xp):
     """The direct path of a cached compact dispatch (own rows into ``recv_x``) with the cast in the scatter."""
-    world = narrow_world(xp, seed=16, hidden=256, source="cast", masked=0.2)
-    sent, first = run_dispatch(world, deterministic=False, expand=False)
-    outputs = [world.outputs(expand=False, alignment=1, worst_case=False, num_rows=len(got.recv_x),
-                             num_expanded=len(got.recv_x), cached=got) for got in first]
-    world.send(0, deterministic=False, cached=[item.slot_idx for item in sent],
-               direct=[(out[0], got.counts.rank_psum) for out, got in zip(outputs, first)])
-    for d in range(world.num_ranks):
-        again = world.receive(d, 0, expand=False, alignment=1, zero_padding=False, deterministic=False,
-                              cached=first[d], outputs=outputs[d], skip_source=d)
-        check_compact(world, d, again, world.expected_compact(d, sent))
+    check_direct_replay(narrow_world(xp, seed=16, hidden=256, source="cast", masked=0.2), new_rows=False)
