@@ -58,6 +58,7 @@ from .process_memory import MIB, MemoryProbe, MemoryTrack, memory_failures
 from .testing.check import DispatchOptions, Sources, check_round_trip, same_bytes
 from .testing.dtypes import DTYPE_NAMES
 from .testing.routing import KINDS, make_routing, mask_routing, random_payload, token_count
+from .validate import TRANSPORTS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_REPORTED_FAILURES = 20  # failure lines kept in the summary (all ranks; the count covers all)
@@ -426,7 +427,6 @@ def determinism_phase(run: Run) -> Dict[str, Any]:
 # ------------------------------------------------------------------ command line
 GPU_SHAPE = dict(experts=256, hidden=7168, topk=8, max_tokens=512)  # DeepSeek-V3 layer, up to 512 tokens
 CPU_SHAPE = dict(experts_per_rank=8, hidden=128, topk=4, max_tokens=48)
-TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem puts on the nvshmem backend
 
 
 def parser() -> argparse.ArgumentParser:

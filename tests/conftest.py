@@ -21,7 +21,8 @@ import pytest
 from hypothesis import settings
 
 from helpers import cudasim_warp, rank_results
-from helpers.options import BACKENDS, TRANSPORTS, SessionOptions, current, parse_ranks, record
+from ep_comm.validate import TRANSPORTS
+from helpers.options import BACKENDS, SessionOptions, current, parse_ranks, record
 
 cudasim_warp.use_without_gpu()  # before any test module imports numba.cuda (none of the imports above does)
 

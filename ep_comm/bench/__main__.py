@@ -8,10 +8,10 @@ from ep_comm.backends import BACKENDS
 from ep_comm.bench.report import ALL_SMS
 from ep_comm.cli import ArgumentParser, exit_collectively, int_at_least, int_list, list_items
 from ep_comm.testing.routing import KINDS
+from ep_comm.validate import TRANSPORTS
 
 token_list = int_list("token counts", 1, "128,512,4096")
 SWEEP_TOKENS = [1, 16, 64, 128, 512, 4096]  # --sweep without a list: decode to prefill sizes
-TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer stores or nvshmem puts on the nvshmem backend
 
 
 def sm_counts(text: str) -> List[Optional[int]]:

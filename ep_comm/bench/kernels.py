@@ -46,6 +46,7 @@ from ep_comm.launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE,
 from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.numba_internals import interface_sync_disabled
 from ep_comm.symmetric import SymmetricLayout
+from ep_comm.testing.routing import uniform_routing
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,11 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.pair and a.ranks != 2:
         p.error(f"--pair runs two simulated ranks: give --ranks 2, not {a.ranks}")
     return a
-
-
-def uniform_routing(rng: np.random.Generator, tokens: int, experts: int, topk: int) -> np.ndarray:
-    """``[T, K]`` int64: K distinct experts per token, uniformly at random."""
-    return np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk].astype(np.int64)
 
 
 HOLD_US_PER_ITER = 2000  # longer than any launch call takes on the host
@@ -182,7 +178,8 @@ class Bench:
         self.views = [symmetric_views(cp.zeros(sym.total_bytes, np.uint8), sym, word) for _ in range(a.ranks)]
         self.rows = [v.rows for v in self.views]
         self.metas = [v.meta for v in self.views]
-        self.topk = [cp.asarray(uniform_routing(rng, a.tokens, a.experts, a.topk)) for _ in range(a.ranks)]
+        self.topk = [cp.asarray(uniform_routing(a.tokens, a.experts, a.topk, seed=(a.seed, s)).topk_idx)
+                     for s in range(a.ranks)]
         self.x = cp.asarray(rng.standard_normal((a.tokens, a.hidden), np.float32).astype(np.float16).view(np.uint16))
         self.w = cp.asarray(rng.random((a.tokens, a.topk), np.float32))
         self.dispatch_step = cp.ones(1, np.int64)  # step 1 (parity 1); the combine runs at step 2 (parity 0)

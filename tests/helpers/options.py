@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 BACKENDS = ("mpi", "nvshmem")
-TRANSPORTS = ("stores", "puts")
 # job sizes of the multi-rank tests without --ranks; nvshmem: the GPU machines have 1 or 2 GPUs
 DEFAULT_JOB_SIZES = {"mpi": (1, 2, 3, 4), "nvshmem": (1, 2)}
 
