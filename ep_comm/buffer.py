@@ -9,16 +9,17 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import fp8
-from . import validate as chk
-from .agreement import agree, construction_fields
-from .backends import make_backend, resolve_backend
-from .backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
-from .backends.profile import ProfileRow
-from .dtypes import PAYLOAD_DTYPES, payload_dtype
-from .handle import CombineOutput, DispatchOutput, EPHandle
-from .layout import DispatchLayout
-from .recv_hook import RecvHook
+from ep_comm.backends import make_backend, resolve_backend
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
+from ep_comm.backends.profile import ProfileRow
+from ep_comm.contract import checks as chk
+from ep_comm.contract import fp8
+from ep_comm.contract.agreement import agree, construction_fields
+from ep_comm.contract.choices import PAYLOAD_DTYPES, payload_dtype
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.layout import DispatchLayout
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle
+from ep_comm.recv_hook import RecvHook
 
 
 def _holds_captured_memory(method: Callable) -> Callable:
@@ -40,7 +41,7 @@ def _float32(xp: Any, a: Any, copy: bool) -> Any:
 
 def _fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
     """``out`` with its packed FP8 ``recv_x`` (``[rows, P / itemsize]``) as the pair ``(recv_x_fp8 [rows, H],
-    recv_scales [rows, H / 128] float32)``, views of it (``ep_comm.fp8.unpack``)."""
+    recv_scales [rows, H / 128] float32)``, views of it (``ep_comm.contract.fp8.unpack``)."""
     return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, hidden))
 
 
@@ -64,7 +65,7 @@ class Buffer:
                  transport: str = "stores", profile: bool = False):
         """Collective over ``comm``: every rank passes the same arguments.
 
-        The first collective call is the construction check (``ep_comm.agreement``), before anything is
+        The first collective call is the construction check (``ep_comm.contract.agreement``), before anything is
         allocated: where a rank's own arguments are invalid it raises its error and every other rank a
         ValueError naming it; where the ranks' geometry, dtype, backend, transport, ``deterministic``,
         ``num_sms`` or ep_comm version differ, every rank raises a ValueError naming the field, the
@@ -102,7 +103,7 @@ class Buffer:
             backend_name = resolve_backend(backend)
             self._check_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank, timeout_s,
                                   num_sms, transport, profile)
-            self.geometry = chk.Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
+            self.geometry = Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
                                          int(num_max_tokens_per_rank), payload_dtype(dtype))
             fields = construction_fields(num_experts=num_experts, hidden=hidden, num_topk=num_topk,
                                          num_max_tokens_per_rank=num_max_tokens_per_rank,
@@ -231,14 +232,14 @@ class Buffer:
         module; a replay of the handle's own arrays copies nothing), so writing into the caller's
         arrays afterwards changes neither replays nor combines.
 
-        FP8 (DeepSeek-V3 format, ``ep_comm.fp8``; ``H % 128 == 0``, else ValueError): ``x`` given as the pair
+        FP8 (DeepSeek-V3 format, ``ep_comm.contract.fp8``; ``H % 128 == 0``, else ValueError): ``x`` given as the pair
         ``(x_fp8, scales)``, or ``use_fp8=True`` with ``x`` in the buffer's dtype (quantized by the sender, as
-        ``ep_comm.fp8.quantize``; on ``nvshmem`` inside the send, as each row is read). Only the
-        packed FP8 rows (FP8 bytes + scales, ``ep_comm.fp8.packed_row_bytes(H)`` bytes) cross the link, and
+        ``ep_comm.contract.fp8.quantize``; on ``nvshmem`` inside the send, as each row is read). Only the
+        packed FP8 rows (FP8 bytes + scales, ``ep_comm.contract.fp8.packed_row_bytes(H)`` bytes) cross the link, and
         ``recv_x`` is the pair ``(recv_x_fp8 [rows, H], recv_scales [rows, H // 128] float32)``, byte-exact per
         row, zero where the non-FP8 ``recv_x`` is zero: two views into one allocation (the received packed
         rows). ``recv_x_fp8`` is float8_e4m3fn where the array module has it (NumPy), else its uint8 bits
-        (``ep_comm.fp8.fp8_array``). Combine is unchanged: it takes ``y [rows, H]`` in the buffer's dtype.
+        (``ep_comm.contract.fp8.fp8_array``). Combine is unchanged: it takes ``y [rows, H]`` in the buffer's dtype.
 
         Args:
             x: ``[T, H]`` tokens in the buffer's dtype; or the FP8 pair ``(x_fp8 [T, H], scales [T, H // 128])``, a
@@ -324,7 +325,7 @@ class Buffer:
     def _payload(self, x: Any, num_tokens: int, use_fp8: Any) -> tuple:
         """``(payload, is_fp8)``: ``x`` checked as the dispatch's payload (``num_tokens`` rows). Non-FP8: ``x``
         itself ``[T, H]``. FP8 (``x`` a pair, or ``use_fp8``): the backend's ``pack_fp8`` of the pair or of ``x``,
-        the packed FP8 rows ``[T, P]`` (``ep_comm.fp8``) as a payload in the buffer dtype, ``[T, P / itemsize]``
+        the packed FP8 rows ``[T, P]`` (``ep_comm.contract.fp8``) as a payload in the buffer dtype, ``[T, P / itemsize]``
         (the narrower payload the backends carry; on ``nvshmem`` written by the scatter itself)."""
         be, geo = self._live(), self.geometry
         chk.check_flag(use_fp8, "use_fp8")

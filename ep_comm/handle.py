@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, NamedTuple, Optional, Union
 
-from .validate import Geometry
+from ep_comm.contract.arrays import Array
+from ep_comm.contract.geometry import Geometry
 
-Array = Any  # numpy.ndarray on the mpi backend, cupy.ndarray on the nvshmem backend
 Count = Union[int, Array]  # a host int when cpu_sync, else a 0-d device array
 
 

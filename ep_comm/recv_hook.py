@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Optional
 
-from .backends.interface import Output, ReceiveHalf
+from ep_comm.backends.interface import Output, ReceiveHalf
 
 _PENDING, _CALLED, _CLOSED = "pending", "called", "closed"
 

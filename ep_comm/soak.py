@@ -16,7 +16,7 @@ Three phases, each on its own Buffer(s):
    every rank's inputs from the seed and checks its received rows (each (token, rank) and
    (token, expert) pair exactly once, byte-exact, in order when deterministic) and the combine
    (bias, weights, the experts' output negated on odd ranks) bit for bit with the shared checker
-   ``ep_comm.testing.check`` (the NumPy reference ``ep_comm.layout`` / ``ep_comm.reduce``). (With
+   ``ep_comm.testing.check`` (the NumPy reference ``ep_comm.contract.layout`` / ``ep_comm.contract.reduce``). (With
    bfloat16 and two ranks the float32 sums are exact, so the order of the rank terms cannot show:
    ``--dtype float32`` checks it.) The memory this process holds (host RSS; GPU: CuPy pool bytes in
    use and this process's device memory per NVML, see ``ep_comm.process_memory``; the GPU-wide
@@ -47,18 +47,24 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .backends import BACKENDS, resolve_backend
-from .buffer import Buffer
-from .cli import (ArgumentParser, environment_problem, exit_collectively, int_at_least, int_list, output_problem,
-                  usage_exit)
-from .cli.progress import Progress
-from .dtypes import payload_dtype
-from .host import to_host
-from .process_memory import MIB, MemoryProbe, MemoryTrack, memory_failures
-from .testing.check import DispatchOptions, Sources, check_round_trip, same_bytes
-from .testing.dtypes import DTYPE_NAMES
-from .testing.routing import KINDS, make_routing, mask_routing, random_payload, token_count
-from .validate import TRANSPORTS
+from ep_comm.backends import resolve_backend
+from ep_comm.buffer import Buffer
+from ep_comm.cli import (
+    ArgumentParser,
+    environment_problem,
+    exit_collectively,
+    int_at_least,
+    int_list,
+    output_problem,
+    usage_exit,
+)
+from ep_comm.cli.progress import Progress
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.choices import BACKENDS, TRANSPORTS, payload_dtype
+from ep_comm.process_memory import MIB, MemoryProbe, MemoryTrack, memory_failures
+from ep_comm.testing.check import DispatchOptions, Sources, check_round_trip, same_bytes
+from ep_comm.testing.dtypes import DTYPE_NAMES
+from ep_comm.testing.routing import KINDS, make_routing, mask_routing, random_payload, token_count
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_REPORTED_FAILURES = 20  # failure lines kept in the summary (all ranks; the count covers all)

@@ -29,9 +29,9 @@ import numpy as np
 from mpi4py import MPI
 
 import ep_comm
-from ep_comm.backends import BACKENDS
 from ep_comm.cli import ArgumentParser, environment_problem, exit_collectively, int_at_least, usage_exit
-from ep_comm.layout import expert_starts
+from ep_comm.contract.choices import BACKENDS
+from ep_comm.contract.layout import expert_starts
 from ep_comm.testing.dtypes import DTYPE_NAMES, RELATIVE_ERROR_BOUND
 
 Array = Any  # numpy.ndarray, cupy.ndarray or torch.Tensor, as the ArrayOps in use makes them

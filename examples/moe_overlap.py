@@ -42,8 +42,21 @@ if __package__ in (None, ""):  # run as a file (python examples/moe_overlap.py):
 
 import ep_comm
 from ep_comm.cli import environment_problem, exit_collectively, int_at_least, output_problem, usage_exit
-from examples.moe_layer import (Array, ArrayOps, CheckResult, LayerOutput, MoELayer, array_ops, check_layer,
-                                check_line, make_params, open_buffer, parse_args, parser, seeded_tokens)
+from examples.moe_layer import (
+    Array,
+    ArrayOps,
+    CheckResult,
+    LayerOutput,
+    MoELayer,
+    array_ops,
+    check_layer,
+    check_line,
+    make_params,
+    open_buffer,
+    parse_args,
+    parser,
+    seeded_tokens,
+)
 
 NAME = "moe_overlap"
 Schedule = Callable[[], List[LayerOutput]]

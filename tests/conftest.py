@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Tuple
 
 import pytest
+from helpers import cudasim_warp, rank_results
+from helpers.options import BACKENDS, SessionOptions, current, parse_ranks, record
 from hypothesis import settings
 
-from helpers import cudasim_warp, rank_results
-from ep_comm.validate import TRANSPORTS
-from helpers.options import BACKENDS, SessionOptions, current, parse_ranks, record
+from ep_comm.contract.choices import TRANSPORTS
 
 cudasim_warp.use_without_gpu()  # before any test module imports numba.cuda (none of the imports above does)
 

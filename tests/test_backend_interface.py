@@ -14,8 +14,9 @@ import ep_comm
 from ep_comm.backends.interface import Backend
 from ep_comm.backends.mpi import MpiBackend
 from ep_comm.backends.profile import ProfileRow
+from ep_comm.contract.checks import check_profile, check_transport
+from ep_comm.contract.choices import TRANSPORTS
 from ep_comm.testing.routing import uniform_routing
-from ep_comm.validate import TRANSPORTS, check_profile, check_transport
 
 SHAPE = dict(num_experts=8, hidden=16, num_topk=2, num_max_tokens_per_rank=8, dtype="float32")
 

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ep_comm.bench.__main__ import parser
-from ep_comm import fp8
-from ep_comm.bench.measure import RankSample, fp8_failures
-from ep_comm.bench.report import Progress, csv_row, format_point, summarize
-from ep_comm.dtypes import payload_dtype
-from ep_comm.testing import expected_round_trip, first_mismatch, uniform_routing
 from helpers.bench import run_bench
 
+from ep_comm.bench.__main__ import parser
+from ep_comm.bench.measure import RankSample, fp8_failures
+from ep_comm.bench.report import Progress, csv_row, format_point, summarize
+from ep_comm.contract import fp8
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.testing import expected_round_trip, first_mismatch, uniform_routing
 
 
 # ------------------------------------------------------------------ in-process pieces
@@ -135,7 +134,7 @@ def test_fp8_check_compares_received_rows_with_the_quantized_sent_rows_byte_for_
     out = _Out(y)
     assert fp8_failures(out, y, "first") == []
     out.recv_x[1][2, 1] *= 2  # one scale of row 2
-    assert fp8_failures(out, y, "first") == ["FP8 rows (first) differ from ep_comm.fp8.quantize of the sent rows: "
+    assert fp8_failures(out, y, "first") == ["FP8 rows (first) differ from ep_comm.contract.fp8.quantize of the sent rows: "
                                              "1 of 3 rows, first recv_x row 2"]
     y[3] = np.nan
     assert fp8_failures(_Out(y[:3]), y, "last") == [], "rows past num_recv_tokens are not checked"

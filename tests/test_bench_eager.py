@@ -4,13 +4,13 @@ samples, then the command under mpirun on the CPU config. Timings are never asse
 import json
 
 import pytest
+from helpers.bench import run_bench
 
 from ep_comm.bench import busy, eager
 from ep_comm.bench.__main__ import SWEEP_TOKENS, main, parser
 from ep_comm.bench.measure import RankSample
 from ep_comm.bench.point import prime_tokens
 from ep_comm.bench.report import csv_row, format_point, format_tail, summarize
-from helpers.bench import run_bench
 
 GRAPH = {"dispatch": [2e-6] * 3, "combine": [1e-6] * 3, "dispatch_new": [4e-6] * 3, "combine_new": [2e-6] * 3}
 

@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.mpirun import launcher, run_job
+
 from ep_comm.bench import provenance
 from ep_comm.info import versions
-from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.bench import run_bench
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.mpirun import launcher, run_job
 
 from ep_comm.backends import gpu_available
 from ep_comm.bench import runner
 from ep_comm.bench.__main__ import parser
-from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240

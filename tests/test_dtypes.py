@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ep_comm.dtypes import payload_dtype
+from ep_comm.contract.choices import payload_dtype
 
 
 @pytest.mark.parametrize("given, name", [

@@ -8,16 +8,16 @@ from typing import Callable, Dict
 
 import numpy as np
 import pytest
+from helpers.eager_counts import Counts, LaunchCounter
+from helpers.fake_gpu import simulated_backend
 from mpi4py import MPI
 
 import ep_comm.buffer as buffer_module
-from ep_comm import fp8
 from ep_comm.backends.nvshmem import grid_shape
-from ep_comm.dtypes import payload_dtype
+from ep_comm.contract import fp8
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.geometry import Geometry
 from ep_comm.testing.routing import uniform_routing
-from ep_comm.validate import Geometry
-from helpers.eager_counts import Counts, LaunchCounter
-from helpers.fake_gpu import simulated_backend
 
 GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # per op (expand?): the most launches; the budget is 5 / 3 / 2 (3 for an expand combine, which sends its

@@ -15,12 +15,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.mpirun import launcher, run_job
 
 import ep_comm
 from ep_comm.testing.dtypes import RELATIVE_ERROR_BOUND
 from examples import moe_layer, moe_overlap
 from examples.moe_layer import ArrayOps, MoELayer, parse_args, run
-from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
-
 from helpers.mpirun import launcher, run_job
 from helpers.options import current
 

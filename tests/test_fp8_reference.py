@@ -1,4 +1,4 @@
-"""``ep_comm.fp8``: the reference quantizer and the packed row layout (host code, no communication)."""
+"""``ep_comm.contract.fp8``: the reference quantizer and the packed row layout (host code, no communication)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ep_comm import fp8
+from ep_comm.contract import fp8
 
 FINITE = st.floats(float(np.float32(-3e38)), float(np.float32(3e38)), width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
 

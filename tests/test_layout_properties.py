@@ -1,11 +1,11 @@
-"""Property-based tests of the reference layout (``ep_comm.layout``) on random routings."""
+"""Property-based tests of the reference layout (``ep_comm.contract.layout``) on random routings."""
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_comm import layout as lay
+from ep_comm.contract import layout as lay
 
 
 @st.composite

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import rank_results
 from helpers.mpirun import launcher, run_job
 from helpers.options import current

@@ -11,8 +11,8 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.backends.nvshmem import grid_shape, sms_in_effect
+from ep_comm.contract.checks import check_num_sms, check_num_sms_fits
 from ep_comm.testing.routing import uniform_routing
-from ep_comm.validate import check_num_sms, check_num_sms_fits
 
 SHAPE = dict(num_experts=8, hidden=16, num_topk=2, num_max_tokens_per_rank=8, dtype="float32")
 
@@ -69,7 +69,7 @@ def test_sms_in_effect_defaults_to_the_device():
 def test_grid_shape_keeps_todays_launch_at_all_sms_of_an_h200():
     assert grid_shape(132) == {"num_blocks": 264, "stream_blocks": 1056}
     assert grid_shape(16) == {"num_blocks": 32, "stream_blocks": 128}
-    kernels_api = pytest.importorskip("ep_comm.launching.kernels")
+    kernels_api = pytest.importorskip("ep_comm.launching.kernel_launches")
     default = kernels_api.Kernels(np, num_ranks=2, num_experts=8, num_topk=2, max_tokens=8)
     sized = kernels_api.Kernels(np, num_ranks=2, num_experts=8, num_topk=2, max_tokens=8, **grid_shape(132))
     assert (sized.num_blocks, sized.stream_blocks, sized.recv_units) == \

@@ -1,23 +1,23 @@
 """The ``nvshmem`` backend's FP8 path in the Numba CUDA simulator (one rank, loopback transport): ``pack_fp8`` of the
 pair and of ``x`` (``use_fp8=True``) names the arrays the scatter reads (nothing is launched or copied before the
 send), and the dispatch of either, new and replayed, stores and puts, is byte for byte the ``mpi`` backend's dispatch
-of the packed rows ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))``."""
+of the packed rows ``ep_comm.contract.fp8.pack(*ep_comm.contract.fp8.quantize(x))``."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.fake_gpu import simulated_backend
 from mpi4py import MPI
+from test_nvshmem_host import _compare, dispatch
 
-from ep_comm import fp8
 from ep_comm.backends.interface import BackendSettings, DispatchRequest
 from ep_comm.backends.mpi import MpiBackend
-from ep_comm.dtypes import payload_dtype
+from ep_comm.contract import fp8
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.geometry import Geometry
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.launching.fp8 import Fp8Rows
-from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.routing import mask_routing, uniform_routing
-from ep_comm.validate import Geometry
-from helpers.fake_gpu import simulated_backend
-from test_nvshmem_host import _compare, dispatch
 
 pytestmark = pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 

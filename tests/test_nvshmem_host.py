@@ -5,24 +5,25 @@ mpi backend, bit for bit, for peer stores and for the puts staging layout."""
 
 import numpy as np
 import pytest
+from helpers.fake_gpu import simulated_backend
 from mpi4py import MPI
 
-from ep_comm import layout as ref
 from ep_comm.backends import make_backend
 from ep_comm.backends.aborts import REASON_BYTES, decode, encode
 from ep_comm.backends.collective_steps import STEP_KINDS, Steps, step_word
 from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.mpi import MpiBackend
 from ep_comm.backends.nvshmem import NvshmemBackend
-from ep_comm.dtypes import payload_dtype
+from ep_comm.contract import layout as ref
+from ep_comm.contract.checks import topk_values, verdict_words
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.symmetric import ABORT_WORDS
 from ep_comm.errors import BufferUnusableError, PeerAbortedError
-from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
-from ep_comm.symmetric import ABORT_WORDS
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.routing import mask_routing, uniform_routing
 from ep_comm.transport.nvshmem_heap import HEAP_ENV, heap_size_for, parse_size, pick_device
 from ep_comm.transport.signals import STATUS_FLAGS, read_status
-from ep_comm.validate import Geometry, topk_values, verdict_words
-from helpers.fake_gpu import simulated_backend
 
 
 @pytest.mark.parametrize("text, value", [("1024", 1024), ("20m", 20 << 20), ("2G", 2 << 30), ("0.5k", 512),
@@ -573,7 +574,7 @@ def test_a_cached_pair_decides_on_the_symmetric_rows_once_per_buffer(monkeypatch
     """The 16-byte verdict (``wide_rows``) and the payload views of the Buffer's symmetric rows are made by the
     first calls and reused by every later cached dispatch and combine (launches stubbed: host work only)."""
     from ep_comm.launching import bound
-    from ep_comm.launching import kernels as launching
+    from ep_comm.launching import kernel_launches as launching
 
     geo = Geometry(1, 6, 16, 3, 9, payload_dtype("bfloat16"))
     be = simulated_backend(geo, True, False)

@@ -10,14 +10,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.mpirun import launcher, run_job
 
 from ep_comm import Buffer
-from ep_comm.dtypes import PAYLOAD_DTYPES
+from ep_comm.contract.choices import PAYLOAD_DTYPES
 from ep_comm.process_memory import MemoryTrack
-from ep_comm.soak import (FORCED_STEPS, ArrayIO, Shape, base_payload, check_step, main, negated, plan_step, rank_inputs,
-                          round_trip)
+from ep_comm.soak import (
+    FORCED_STEPS,
+    ArrayIO,
+    Shape,
+    base_payload,
+    check_step,
+    main,
+    negated,
+    plan_step,
+    rank_inputs,
+    round_trip,
+)
 from ep_comm.testing.routing import KINDS
-from helpers.mpirun import launcher, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300

@@ -16,9 +16,20 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.bench.config import available_configs, load_config
-from ep_comm.testing import (DTYPES, DispatchOptions, HostDispatch, Sources, check_combine, check_dispatch,
-                             check_round_trip, expected_receive, make_routing, mask_routing, random_payload,
-                             token_count)
+from ep_comm.testing import (
+    DTYPES,
+    DispatchOptions,
+    HostDispatch,
+    Sources,
+    check_combine,
+    check_dispatch,
+    check_round_trip,
+    expected_receive,
+    make_routing,
+    mask_routing,
+    random_payload,
+    token_count,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(num_experts=8, hidden=16, num_topk=3, num_max_tokens_per_rank=12)

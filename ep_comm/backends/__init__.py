@@ -9,11 +9,10 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from ..validate import Geometry
-from .interface import Backend, BackendSettings
-from .mpi import MpiBackend
-
-BACKENDS = ("auto", "mpi", "nvshmem")
+from ep_comm.backends.interface import Backend, BackendSettings
+from ep_comm.backends.mpi import MpiBackend
+from ep_comm.contract.choices import BACKENDS
+from ep_comm.contract.geometry import Geometry
 
 
 class _GpuStack(NamedTuple):
@@ -30,9 +29,9 @@ def gpu_stack() -> _GpuStack:
     try:
         import nvshmem.core  # noqa: F401  (nvshmem4py: the heap calls it)
 
-        from ..transport.nvshmem import NvshmemTransport
-        from .cupy_device import CupyDevice
-        from .nvshmem import NvshmemBackend
+        from ep_comm.backends.cupy_device import CupyDevice
+        from ep_comm.backends.nvshmem import NvshmemBackend
+        from ep_comm.transport.nvshmem import NvshmemTransport
     except ImportError as exc:
         raise RuntimeError(f"backend='nvshmem' needs CuPy and nvshmem4py ({exc}); use backend='mpi' on CPU") from exc
     return _GpuStack(NvshmemBackend, NvshmemTransport, CupyDevice)

@@ -17,8 +17,8 @@ from typing import List, Protocol, Tuple
 
 import numpy as np
 
-from ..errors import PeerAbortedError
-from ..symmetric import ABORT_WORDS, STEP_KINDS
+from ep_comm.contract.symmetric import ABORT_WORDS, STEP_KINDS
+from ep_comm.errors import PeerAbortedError
 
 HEADER_WORDS = 4
 REASON_BYTES = 8 * (ABORT_WORDS - HEADER_WORDS)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
 
-from .. import exit_guard
-from ..errors import BufferUnusableError, PeerAbortedError, RoutingError, TimeoutError
-from ..symmetric import STEP_KINDS
-from . import aborts
+from ep_comm.backends import aborts
+from ep_comm.contract.symmetric import STEP_KINDS
+from ep_comm.errors import BufferUnusableError, PeerAbortedError, RoutingError, TimeoutError
+from ep_comm.transport import exit_guard
 
 __all__ = ["STEP_KINDS", "Steps", "step_word"]
 

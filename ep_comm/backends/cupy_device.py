@@ -6,17 +6,17 @@ CUDA-graph capture detection. ``tests/test_nvshmem_host.py`` has a host twin for
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 import math
+from contextlib import contextmanager
 from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 import cupy
 import numpy as np
 from numba import cuda
 
-from ..numba_internals import interface_sync_disabled
-from ..transport.nvshmem import numba_view
-from ..transport.signals import mapped_int64
+from ep_comm.kernels.numba_internals import interface_sync_disabled
+from ep_comm.transport.nvshmem import numba_view
+from ep_comm.transport.signals import mapped_int64
 
 _CARVE_BYTES = 128  # where each array carved from one allocation starts (vector loads need 16)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Generic, List, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
-from ..handle import Array, CombineOutput, DispatchOutput, EPHandle
-from ..layout import DispatchLayout
-from .profile import ProfileRow
+from ep_comm.backends.profile import ProfileRow
+from ep_comm.contract.layout import DispatchLayout
+from ep_comm.handle import Array, CombineOutput, DispatchOutput, EPHandle
 
 Output = TypeVar("Output", DispatchOutput, CombineOutput)
 
@@ -31,7 +31,7 @@ class DispatchRequest:
     """One checked ``Buffer.dispatch`` call.
 
     ``x [T, W]`` payload in the buffer dtype: ``W = H``, or for an FP8 dispatch what the backend's
-    ``pack_fp8`` gave: the packed FP8 rows (``ep_comm.fp8``, ``packed_row_bytes(H)`` bytes) viewed in the buffer
+    ``pack_fp8`` gave: the packed FP8 rows (``ep_comm.contract.fp8``, ``packed_row_bytes(H)`` bytes) viewed in the buffer
     dtype, ``W = P / itemsize``, or an object that stands for them (``shape`` ``(T, W)``; ``nvshmem``: an
     ``ep_comm.launching.fp8.Fp8Rows``, written as packed rows by the scatter); ``recv_x`` then has ``W`` columns
     too. ``topk_idx [T, K]`` int (the handle's for a replay); ``topk_weights [T, K]``
@@ -99,9 +99,9 @@ class Backend(Protocol):
 
     def pack_fp8(self, x: Any) -> Any:
         """The payload of an FP8 dispatch (local, no communication) of ``x``: the pair ``(x_fp8 [T, H], scales
-        [T, H // 128])`` (a tuple), or ``x [T, H]`` in the buffer dtype to quantize as ``ep_comm.fp8.quantize``
+        [T, H // 128])`` (a tuple), or ``x [T, H]`` in the buffer dtype to quantize as ``ep_comm.contract.fp8.quantize``
         (``Buffer.dispatch(use_fp8=True)``). Returns the packed FP8 rows ``[T, packed_row_bytes(H) / itemsize]``
-        (``ep_comm.fp8``) in the buffer dtype, or what stands for them in :class:`DispatchRequest`."""
+        (``ep_comm.contract.fp8``) in the buffer dtype, or what stands for them in :class:`DispatchRequest`."""
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch. A new routing's ids are checked in its count step and the verdict travels with

@@ -1,7 +1,7 @@
 """The ``mpi`` backend: the whole dispatch/combine protocol on CPU, NumPy arithmetic over MPI windows.
 
 It runs the phases of the GPU path (count, prefix sums, count exchange, rank scatter, expert
-scatter, combine) with ``ep_comm.layout`` and ``ep_comm.reduce`` doing the math, so it is both
+scatter, combine) with ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce`` doing the math, so it is both
 the default where there is no GPU and the executable reference the GPU backend is checked against.
 """
 from __future__ import annotations
@@ -14,17 +14,18 @@ from typing import Any, Callable, ContextManager, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .. import fp8
-from .. import layout as lay
-from ..handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
-from ..reduce import combine_rows, expand_partials
-from ..symmetric import SymmetricLayout
-from ..transport.mpi_window import MpiWindow
-from ..validate import VERDICT_WORDS, Geometry, routing_error, topk_values, verdict_of, verdict_words
-from .collective_steps import Steps, step_word
-from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
-from .profile import Profile, ProfileRow
-
+from ep_comm.backends.collective_steps import Steps, step_word
+from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
+from ep_comm.backends.profile import Profile, ProfileRow
+from ep_comm.contract import fp8
+from ep_comm.contract import layout as lay
+from ep_comm.contract.checks import routing_error, topk_values, verdict_of, verdict_words
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.protocol import VERDICT_WORDS
+from ep_comm.contract.reduce import combine_rows, expand_partials
+from ep_comm.contract.symmetric import SymmetricLayout
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
+from ep_comm.transport.mpi_window import MpiWindow
 
 _LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
 
@@ -88,7 +89,7 @@ class MpiBackend:
         return topk_values(np, topk_idx)
 
     def dispatch_layout(self, topk_idx: np.ndarray) -> lay.DispatchLayout:
-        """``ep_comm.layout.dispatch_layout`` of ``topk_idx [T, K]``."""
+        """``ep_comm.contract.layout.dispatch_layout`` of ``topk_idx [T, K]``."""
         return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
 
     def captured_memory(self) -> ContextManager[None]:
@@ -213,7 +214,7 @@ class MpiBackend:
     # ---------------------------------------------------------------- dispatch
     def pack_fp8(self, x: Any) -> np.ndarray:
         """The payload of an FP8 dispatch: the packed FP8 rows ``[T, P / itemsize]`` in the buffer dtype of the pair
-        ``x = (x_fp8, scales)`` (``ep_comm.fp8.pack``), or of ``x [T, H]`` quantized (``ep_comm.fp8.quantize``,
+        ``x = (x_fp8, scales)`` (``ep_comm.contract.fp8.pack``), or of ``x [T, H]`` quantized (``ep_comm.contract.fp8.quantize``,
         ValueError for non-finite ``x``)."""
         rows = fp8.pack(*x) if isinstance(x, tuple) else fp8.pack(*fp8.quantize(x))
         return rows.view(self.geo.dtype)

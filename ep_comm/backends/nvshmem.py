@@ -1,7 +1,7 @@
 """The ``nvshmem`` backend: the dispatch/combine protocol on GPUs over the NVSHMEM symmetric heap.
 
 Same protocol and results as the ``mpi`` backend (``ep_comm/backends/mpi.py``), bit for bit in
-deterministic mode. The data path is ``ep_comm.launching.kernels.Kernels``; per dispatch on rank ``me``:
+deterministic mode. The data path is ``ep_comm.launching.kernel_launches.Kernels``; per dispatch on rank ``me``:
 
 1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
 2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
@@ -65,22 +65,37 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import layout as lay
-from ..errors import RoutingError
-from ..handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
-from ..host import to_host
-from ..launching import raw, weight_return
-from ..launching.fp8 import Fp8Rows, payload_arrays, payload_key
-from ..launching.plans import Plans
-from ..launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, Kernels,
-                                check_index_range)
-from ..launching.views import word_dtype
-from ..symmetric import SymmetricLayout, record_counts, record_verdict_words, record_verdicts, record_words
-from ..validate import Geometry, check_num_sms_fits, routing_error, topk_values, verdicts_clean
-from .capture import CapturePolicy
-from .collective_steps import STEP_KINDS, Steps
-from .interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
-from .profile import Profile, ProfileRow
+from ep_comm.backends.capture import CapturePolicy
+from ep_comm.backends.collective_steps import STEP_KINDS, Steps
+from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf
+from ep_comm.backends.profile import Profile, ProfileRow
+from ep_comm.contract import layout as lay
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.checks import check_num_sms_fits, routing_error, topk_values, verdicts_clean
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.symmetric import (
+    SymmetricLayout,
+    record_counts,
+    record_verdict_words,
+    record_verdicts,
+    record_words,
+    word_dtype,
+)
+from ep_comm.errors import RoutingError
+from ep_comm.handle import Array, CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
+from ep_comm.launching import raw, weight_return
+from ep_comm.launching.fp8 import Fp8Rows, payload_arrays, payload_key
+from ep_comm.launching.kernel_launches import (
+    PLACE_ATOMIC,
+    PLACE_CACHED,
+    PLACE_STABLE,
+    SLOT_ATOMIC,
+    SLOT_CACHED,
+    SLOT_STABLE,
+    Kernels,
+    check_index_range,
+)
+from ep_comm.launching.plans import Plans
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 BLOCKS_PER_SM = 2  # blocks of the unit-cut kernels (count, scatter, receive count/place) per SM
@@ -202,7 +217,7 @@ class NvshmemBackend:
         Under CUDA graph capture nothing can be read back: the check kernel folds its result into the
         capture policy's record, which the first call after the replays reads, and ``(-1, -1)``
         ("nothing wrong yet") is returned. The kernels read ids past the experts as "no expert"
-        meanwhile (``ep_comm.kernels.routing``)."""
+        meanwhile (``ep_comm.kernels.expert_ids``)."""
         signed = np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger)
         if self.capture.capturing():
             if not signed:
@@ -219,7 +234,7 @@ class NvshmemBackend:
         return int(top), int(twice)
 
     def dispatch_layout(self, topk_idx: Array) -> lay.DispatchLayout:
-        """``ep_comm.layout.dispatch_layout`` by the count kernel (no host synchronisation)."""
+        """``ep_comm.contract.layout.dispatch_layout`` by the count kernel (no host synchronisation)."""
         with self._launching():
             send = self.kernels.count(topk_idx, stable=False)
         return lay.DispatchLayout(send.num_tokens_per_rank, send.num_tokens_per_expert, send.is_token_in_rank)
@@ -380,7 +395,7 @@ class NvshmemBackend:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
         in the buffer dtype (``Buffer.dispatch(use_fp8=True)``): an ``Fp8Rows`` over them (C-contiguous), from
         which the scatter writes the packed FP8 rows as it reads each row, quantizing ``x`` on the way (the bits of
-        ``ep_comm.fp8.quantize`` for finite ``x``; not checked for non-finite values, see ``ep_comm.kernels.fp8``).
+        ``ep_comm.contract.fp8.quantize`` for finite ``x``; not checked for non-finite values, see ``ep_comm.kernels.fp8``).
         Nothing is launched here."""
         if isinstance(x, tuple):  # x_fp8 as its bits first: CuPy copies no float8 array
             return Fp8Rows(self._contiguous(x[0].view(np.uint8)), self._contiguous(x[1]), self.geo.dtype)

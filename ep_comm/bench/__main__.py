@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from ep_comm.backends import BACKENDS
 from ep_comm.bench.report import ALL_SMS
 from ep_comm.cli import ArgumentParser, exit_collectively, int_at_least, int_list, list_items
+from ep_comm.contract.choices import BACKENDS, TRANSPORTS
 from ep_comm.testing.routing import KINDS
-from ep_comm.validate import TRANSPORTS
 
 token_list = int_list("token counts", 1, "128,512,4096")
 SWEEP_TOKENS = [1, 16, 64, 128, 512, 4096]  # --sweep without a list: decode to prefill sizes
@@ -59,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--fp8", action="store_true",
-                   help="the timed dispatches send x as an FP8 pair (ep_comm.fp8.quantize, made once per point; the "
+                   help="the timed dispatches send x as an FP8 pair (ep_comm.contract.fp8.quantize, made once per point; the "
                         "config's hidden must be a multiple of 128); dispatch bytes count FP8 + scales per row; also "
                         "times the sender cast (use_fp8=True) as dispatch_cast; combine stays in the config's dtype")
     p.add_argument("--deterministic", action="store_true", help="Buffer(deterministic=True)")

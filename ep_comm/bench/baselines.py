@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .measure import Timer, sample_times
+from ep_comm.bench.measure import Timer, sample_times
 
 PeerView = Callable[[int, int], ContextManager[Any]]
 """``peer_view(nbytes, peer_rank)``: a context yielding a device ``uint8 [nbytes]`` array that lives

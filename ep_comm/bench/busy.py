@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mpi4py import MPI
 
-from .calls import AsyncPair
-from .measure import PointSpec, RankSample, sample_times
-from .stats import percentiles
+from ep_comm.bench.calls import AsyncPair
+from ep_comm.bench.measure import PointSpec, RankSample, sample_times
+from ep_comm.bench.stats import percentiles
 
 SPIN_US = 1000.0  # how long the spin kernel keeps the stream busy
 HIDDEN_SYNC_US = 500.0  # a host time above this (slowest rank's p50) means a call waited for the spin

@@ -10,9 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm.bench.measure import Payload, PointSpec, Timer, new_dispatch, packed_received, sample_times
 from ep_comm.testing import token_rows
-
-from .measure import Payload, PointSpec, Timer, new_dispatch, packed_received, sample_times
 
 
 class AsyncPair:

@@ -34,7 +34,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from ep_comm.dtypes import PAYLOAD_DTYPES
+from ep_comm.contract.choices import PAYLOAD_DTYPES
 from ep_comm.testing.routing import KINDS as ROUTING_KINDS
 
 DEFAULT_MAX_TOKENS = 4096
@@ -60,7 +60,7 @@ class RoutingDefaults:
 
 @dataclass(frozen=True)
 class Config:
-    """One MoE layer shape. ``dtype`` is a payload dtype name of ``ep_comm.dtypes``."""
+    """One MoE layer shape. ``dtype`` is a payload dtype name of ``ep_comm.contract.choices``."""
 
     name: str
     num_experts: int

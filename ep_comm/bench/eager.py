@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .measure import RankSample
+from ep_comm.bench.measure import RankSample
 
 EAGER_GRAPH = {"dispatch": "dispatch_new", "dispatch_cached": "dispatch", "combine": "combine_new"}
 HOST_OPS = ("dispatch_new_async", "dispatch_cached_async", "combine")  # host_us of the cpu_sync=False calls

@@ -39,13 +39,19 @@ import numpy as np
 from ep_comm.backends.nvshmem import grid_shape
 from ep_comm.bench.__main__ import sm_counts
 from ep_comm.cli import ArgumentParser
-from ep_comm.host import to_host
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
+from ep_comm.kernels.numba_internals import interface_sync_disabled
 from ep_comm.kernels.sleep import sleep_kernel
-from ep_comm.launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
-                                       Kernels)
-from ep_comm.launching.views import symmetric_views, word_dtype
-from ep_comm.numba_internals import interface_sync_disabled
-from ep_comm.symmetric import SymmetricLayout
+from ep_comm.launching.kernel_launches import (
+    PLACE_ATOMIC,
+    PLACE_CACHED,
+    PLACE_STABLE,
+    SLOT_ATOMIC,
+    SLOT_CACHED,
+    SLOT_STABLE,
+    Kernels,
+)
 from ep_comm.testing.routing import uniform_routing
 
 

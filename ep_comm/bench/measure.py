@@ -2,14 +2,14 @@
 replays (:mod:`ep_comm.bench.point` runs the point with them).
 
 The round trip is ``combine(dispatch(x).recv_x)`` without weights; its expected result
-(``ep_comm.testing.expected_round_trip``, the reference arithmetic of ``ep_comm.reduce``) is compared
+(``ep_comm.testing.expected_round_trip``, the reference arithmetic of ``ep_comm.contract.reduce``) is compared
 bit for bit, and the rows received per source rank against what the sources counted.
 
-With ``--fp8`` (``PointSpec.fp8``) the timed dispatches send ``x`` as the FP8 pair ``ep_comm.fp8.quantize(x)``,
+With ``--fp8`` (``PointSpec.fp8``) the timed dispatches send ``x`` as the FP8 pair ``ep_comm.contract.fp8.quantize(x)``,
 made once per point on the host (:class:`Payload`). The combine still takes rows in the payload dtype: its input
 is the ``recv_x`` of an untimed cached plain dispatch of ``x`` replaying the FP8 dispatch's handle (the same
 layout), so the round trip is checked as without ``--fp8``, and the received FP8 rows are checked byte for byte
-against ``ep_comm.fp8.quantize`` of those rows.
+against ``ep_comm.contract.fp8.quantize`` of those rows.
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import fp8 as fp8_format
-from ep_comm.dtypes import payload_dtype
-from ep_comm.host import to_host
-from ep_comm.testing import (Routing, first_mismatch, make_routing, random_payload,
-                             token_rows)
+from ep_comm.contract import fp8 as fp8_format
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.testing import Routing, first_mismatch, make_routing, random_payload, token_rows
 
 Timer = Callable[[Callable[[], Any]], Tuple[Any, float]]
 
@@ -101,7 +100,7 @@ def make_inputs(spec: PointSpec, rank: int) -> Tuple[np.ndarray, Routing]:
 class Payload:
     """What a point's timed dispatches send: ``x [T, H]`` (payload dtype, where the backend wants it), or with
     ``--fp8`` the pair ``(x_fp8 [T, H] uint8 e4m3fn bits, scales [T, H // 128] float32)`` of
-    ``ep_comm.fp8.quantize(x)``, made once before timing (``pair``)."""
+    ``ep_comm.contract.fp8.quantize(x)``, made once before timing (``pair``)."""
 
     x: Any
     pair: Optional[Tuple[Any, Any]] = None
@@ -147,14 +146,14 @@ def packed_received(out: Any, rows: np.ndarray) -> np.ndarray:
 
 
 def fp8_failures(out: Any, y: Any, which: str) -> List[str]:
-    """The received FP8 pair of ``out`` byte for byte against ``ep_comm.fp8.quantize`` of ``y`` (the payload-dtype
+    """The received FP8 pair of ``out`` byte for byte against ``ep_comm.contract.fp8.quantize`` of ``y`` (the payload-dtype
     rows of the same layout, :meth:`Payload.combine_input`), on the rows that hold a token."""
     rows = token_rows(out)
     got, want = packed_received(out, rows), fp8_format.pack(*fp8_format.quantize(to_host(y)[rows]))
     bad = np.nonzero((got != want).any(axis=1))[0]
     if not len(bad):
         return []
-    return [f"FP8 rows ({which}) differ from ep_comm.fp8.quantize of the sent rows: {len(bad)} of {len(rows)} "
+    return [f"FP8 rows ({which}) differ from ep_comm.contract.fp8.quantize of the sent rows: {len(bad)} of {len(rows)} "
             f"rows, first recv_x row {int(rows[bad[0]])}"]
 
 

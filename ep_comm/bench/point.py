@@ -10,13 +10,24 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm.host import to_host
+from ep_comm.bench import busy
+from ep_comm.bench.calls import AsyncPair, cached_times, host_call_times
+from ep_comm.bench.measure import (
+    Payload,
+    PointSpec,
+    RankSample,
+    Timer,
+    fp8_failures,
+    graph_replay_times,
+    host_rows,
+    make_inputs,
+    new_dispatch,
+    round_trip_failures,
+    sample_times,
+    with_rows,
+)
+from ep_comm.contract.arrays import to_host
 from ep_comm.testing import Routing, check_counts, expected_round_trip
-
-from . import busy
-from .calls import AsyncPair, cached_times, host_call_times
-from .measure import (Payload, PointSpec, RankSample, Timer, fp8_failures, graph_replay_times, host_rows, make_inputs,
-                      new_dispatch, round_trip_failures, sample_times, with_rows)
 
 
 def prime_tokens(tokens: Sequence[int]) -> int:

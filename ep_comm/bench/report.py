@@ -7,7 +7,7 @@ Conventions (printed in the report header too):
 * logical bytes = all compact rows a rank received (DeepEP's convention); NVLink bytes = the rows
   received from other ranks; GB/s = a rank's bytes / its p50, averaged over ranks; bytes per row are
   ``row_bytes`` per operation (``hidden * itemsize``; with ``--fp8`` the dispatch's are the FP8 bytes and
-  scales, ``ep_comm.fp8.row_bytes(hidden)``, without the packed row's padding); ``logical_bytes`` and
+  scales, ``ep_comm.contract.fp8.row_bytes(hidden)``, without the packed row's padding); ``logical_bytes`` and
   ``nvlink_bytes`` are the dispatch's;
 * tokens/s = tokens of all ranks / aggregate p50 of dispatch + combine;
 * imbalance = max / mean of received rows over ranks;
@@ -28,13 +28,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Union
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm.bench import eager
+from ep_comm.bench import shared_gpu as sharing
+from ep_comm.bench.busy import format_busy, summarize_busy
+from ep_comm.bench.measure import BF16_REFERENCE, RankSample
+from ep_comm.bench.stats import percentiles
 from ep_comm.cli import progress
-
-from . import eager
-from . import shared_gpu as sharing
-from .busy import format_busy, summarize_busy
-from .measure import BF16_REFERENCE, RankSample
-from .stats import percentiles
 
 EP_OPS = ("dispatch", "combine")
 CACHED_OPS = ("dispatch_cached", "dispatch_cast")  # eager cached dispatch (of the prepared pair) / --fp8: with the cast

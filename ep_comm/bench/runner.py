@@ -17,15 +17,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import Buffer, fp8
+from ep_comm import Buffer
+from ep_comm.bench import eager, provenance, report, shared_gpu
+from ep_comm.bench.config import Config, ConfigError, load_config
+from ep_comm.bench.measure import PointSpec, RankSample, cuda_timer, host_timer
+from ep_comm.bench.point import buffer_tokens, prime, primed_spec, run_point
 from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
-from ep_comm.dtypes import payload_dtype
+from ep_comm.contract import fp8
+from ep_comm.contract.choices import payload_dtype
 from ep_comm.info import versions
-
-from . import eager, provenance, report, shared_gpu
-from .config import Config, ConfigError, load_config
-from .measure import PointSpec, RankSample, cuda_timer, host_timer
-from .point import buffer_tokens, prime, primed_spec, run_point
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_OUTPUT_FAILED = 0, 1, 3
 
@@ -116,7 +116,7 @@ def _device_path(buf: Buffer) -> DevicePath:
 
 def _nvlink_ceiling(comm: MPI.Comm, timer: Callable, meta: Dict[str, Any]) -> None:
     """Measure the NVLink ceiling into ``meta`` (None and the error when it cannot be measured)."""
-    from . import baselines
+    from ep_comm.bench import baselines
 
     try:
         ceiling = baselines.nvlink_ceiling(comm, baselines.nvshmem_peer_view, timer)
@@ -131,7 +131,7 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
     """On the GPU path: measure the NVLink ceiling into ``meta`` and return the per-point NCCL
     baseline runner, or None when ``--no-baselines``, torch is missing or ranks share a GPU
     (``shared``: neither NCCL nor the ceiling is measured then; noted in ``meta``)."""
-    from . import baselines
+    from ep_comm.bench import baselines
 
     if shared:
         meta["nvlink_ceiling_gbps"] = None
@@ -157,7 +157,7 @@ def _gpu_extras(comm: MPI.Comm, args: argparse.Namespace, timer: Callable, meta:
 
 def row_bytes(cfg: Config, use_fp8: bool) -> Dict[str, int]:
     """Bytes counted per received row: ``{"dispatch": n, "combine": hidden * itemsize}``; the dispatch's are
-    ``hidden * itemsize`` too, or with ``use_fp8`` the FP8 bytes and scales (``ep_comm.fp8.row_bytes``: the
+    ``hidden * itemsize`` too, or with ``use_fp8`` the FP8 bytes and scales (``ep_comm.contract.fp8.row_bytes``: the
     packed row's padding to 16 bytes is not counted)."""
     combine = cfg.hidden * payload_dtype(cfg.dtype).itemsize
     return {"dispatch": fp8.row_bytes(cfg.hidden) if use_fp8 else combine, "combine": combine}
@@ -298,7 +298,7 @@ class _Session:
 
     def close(self) -> None:
         if self.nccl is not None:
-            from .baselines import close_torch_distributed
+            from ep_comm.bench.baselines import close_torch_distributed
 
             close_torch_distributed()
 
@@ -308,7 +308,7 @@ def _device_copies(comm: MPI.Comm, spec: PointSpec, recv_rows: int, per_row: Dic
     """The same-run references of a point: seconds per device copy of the bytes its dispatch delivers to this
     rank (``device_copy``: ``recv_rows * per_row["dispatch"]``, the FP8 bytes with ``--fp8``) and, where the
     combine's row bytes differ (``--fp8``), of the combine's (``device_copy_combine``)."""
-    from .baselines import device_copy_times
+    from ep_comm.bench.baselines import device_copy_times
 
     copies = {"device_copy": per_row["dispatch"]}
     if per_row["combine"] != per_row["dispatch"]:

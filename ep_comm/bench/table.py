@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .eager import EAGER_GRAPH, eager_over_graph
+from ep_comm.bench.eager import EAGER_GRAPH, eager_over_graph
 
 __all__ = ["ResultError", "load_results", "markdown_table", "main"]
 

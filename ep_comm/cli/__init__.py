@@ -11,7 +11,7 @@ from typing import IO, Callable, List, NoReturn, Optional
 
 from mpi4py import MPI
 
-from .environment import environment_problem
+from ep_comm.cli.environment import environment_problem
 
 EXIT_USAGE = 2  # bad options, a config that does not fit, an output path that cannot be written, no GPU stack
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from ..backends import gpu_stack
+from ep_comm.backends import gpu_stack
 
 # Environment variables in which launchers announce the job's size: Open MPI, then MPICH's Hydra / PMI.
 LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

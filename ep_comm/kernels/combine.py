@@ -1,4 +1,4 @@
-"""Combine: the dispatch routes run backwards, with the float32 order of ``ep_comm/reduce.py``.
+"""Combine: the dispatch routes run backwards, with the float32 order of ``ep_comm/contract/reduce.py``.
 
 Expert side: each compact row goes back to the slot it came from in its source rank's buffer,
 ``rows[src][parity, my_rank, slot]`` (a tuple of peer arrays): compact mode copies ``y[i]``, except
@@ -77,7 +77,7 @@ def own_rows(rank_psum, my_rank):
 
 @kernel
 def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
-    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (compact): one warp per piece of ``span``
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_send` (compact): one warp per piece of ``span``
     words (even) of a row; the rows whose source is ``my_rank`` are skipped (not given a warp)."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
@@ -126,7 +126,7 @@ def term_lists(num_topk):
 @kernel
 def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
                           rows):
-    """See :func:`ep_comm.launching.kernels.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
     int32 then ``[warps * K]`` float32."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
@@ -178,7 +178,7 @@ def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, o
 def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, y,
                           own_from_y, rank_psum, bias0, bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out,
                           out_is_bf16, span):
-    """See :func:`ep_comm.launching.kernels.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``.
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``.
 
     With ``own_from_y`` this rank's own partials are rows of ``y``, row ``rank_psum[my_rank - 1] + slot``
     (``rank_psum`` the inclusive psum of the compact rows per source), else ``y`` and ``rank_psum`` are

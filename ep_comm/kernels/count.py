@@ -17,10 +17,17 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32, int64
 
-from ep_comm.kernels.check import NO_ROW, fold_check, grid_check, repeats_an_earlier_lane, start_check, verdict_words
+from ep_comm.kernels.expert_ids import as_expert
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
-from ep_comm.kernels.routing import as_expert
+from ep_comm.kernels.routing_check import (
+    NO_ROW,
+    fold_check,
+    grid_check,
+    repeats_an_earlier_lane,
+    start_check,
+    verdict_words,
+)
 from ep_comm.kernels.ticket import block_totals
 from ep_comm.kernels.units import item_lanes, lane_entry, lane_place, unit_range
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, is_group_leader, lane_id, warp_scan
@@ -89,13 +96,13 @@ def count_word(hist, num_experts, r, j, experts_per_rank, verdict):
 def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, counters, ticket, check_acc,
                  unit_counts, group_counts, rank_cursor, tokens_per_rank, tokens_per_expert, rank_psum, expert_psum,
                  in_rank, count_words, idx_copy):
-    """See :meth:`ep_comm.launching.kernels.Kernels.count`; dynamic shared memory: int32 ``[E + R + warps * R]``.
+    """See :meth:`ep_comm.launching.kernel_launches.Kernels.count`; dynamic shared memory: int32 ``[E + R + warps * R]``.
 
     ``idx_copy [T, K]`` (``topk_idx``'s dtype) gets ``topk_idx`` as given: the copy a handle owns, written by the
     lanes that read the ids anyway (no copy kernel, no allocation of its own).
 
     ``count_words [R, 1 + L + 2]`` gets, per destination ``r``, ``tokens_per_rank[r]`` then
-    ``tokens_per_expert[r*L:(r+1)*L]`` then the routing verdict's two words (``ep_comm.validate.verdict_words``
+    ``tokens_per_expert[r*L:(r+1)*L]`` then the routing verdict's two words (``ep_comm.contract.checks.verdict_words``
     of the largest id and the first row naming an expert twice, over all tokens): the block the count exchange
     sends to ``r``. ``check_acc``: int64 ``[2]`` holding ``check.ACC_INIT`` between launches.
 

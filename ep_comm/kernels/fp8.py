@@ -1,8 +1,8 @@
-"""FP8 in device code: float32 -> float8 e4m3fn bits, and the writers of packed FP8 rows (``ep_comm.fp8``
+"""FP8 in device code: float32 -> float8 e4m3fn bits, and the writers of packed FP8 rows (``ep_comm.contract.fp8``
 layout) that a sender calls as it writes each row: from the pair ``(x_fp8, scales)`` (:func:`write_pair_piece`)
 or from the payload with the quantization on the way (:func:`write_cast_piece`).
 
-The reference is ``ep_comm.fp8.quantize`` (NumPy); for finite input the cast computes the same bits. The
+The reference is ``ep_comm.contract.fp8.quantize`` (NumPy); for finite input the cast computes the same bits. The
 conversion (round to nearest even, saturating at ±448) is :func:`f32_to_e4m3_bits`, integer bit arithmetic on
 the float32 pattern; the cast converts two values at once with :func:`e4m3x2_bits`, one
 ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89 and later) in compiled kernels, ``f32_to_e4m3_bits`` twice in the CUDA
@@ -26,7 +26,7 @@ from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.vector import load_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, copy_row, lane_id
 
-BLOCK = 128  # elements per scale (ep_comm.fp8.BLOCK)
+BLOCK = 128  # elements per scale (ep_comm.contract.fp8.BLOCK)
 LANE_ELEMENTS = 8  # elements one lane casts per warp step: one uint64 word of FP8 bytes
 BLOCK_WORDS = BLOCK // LANE_ELEMENTS  # uint64 words of FP8 bytes per block (16 lanes of a step)
 CAST_STEPS = 4  # warp steps (2 blocks each) whose loads a lane issues before it casts them
@@ -189,7 +189,7 @@ def cast_step(dst, values, at, active, first, head, blocks, lane):
 @cuda.jit(device=True)
 def write_cast_piece(dst, x_words, x_values, is_bf16, begin, end, wide):
     """Words ``[begin, end)`` of the packed FP8 row of one token's ``x`` into ``dst`` (uint64), quantized on the
-    way: the bits of ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))`` for finite ``x``. All lanes of a warp.
+    way: the bits of ``ep_comm.contract.fp8.pack(*ep_comm.contract.fp8.quantize(x))`` for finite ``x``. All lanes of a warp.
 
     ``x_values``: the token's ``H`` elements (float32, float16, or bfloat16 as uint16 bits with ``is_bf16``);
     ``x_words``: the same row as uint64 words, read for bfloat16 (16 bytes per access when ``wide``). A warp

@@ -19,7 +19,6 @@ from numba import types
 from numba.cuda.core.errors import TypingError
 from numba.cuda.extending import intrinsic, overload
 
-
 LIMIT = 1 << 31
 
 

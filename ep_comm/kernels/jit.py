@@ -16,7 +16,7 @@ from typing import Callable
 
 from numba import cuda
 
-from ep_comm.numba_internals import set_source_stamp
+from ep_comm.kernels.numba_internals import set_source_stamp
 
 PACKAGE_DIR = Path(__file__).parent
 

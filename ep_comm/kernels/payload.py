@@ -1,4 +1,4 @@
-"""What a sender writes as a token's row: its payload words as they are, or a packed FP8 row (``ep_comm.fp8``)
+"""What a sender writes as a token's row: its payload words as they are, or a packed FP8 row (``ep_comm.contract.fp8``)
 made on the way from the FP8 pair or from the payload with the cast (``ep_comm.kernels.fp8``).
 
 A row's source is a tuple over the sender's ``T`` tokens; its length says its form, so that each form compiles

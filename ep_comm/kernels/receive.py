@@ -1,9 +1,9 @@
 """Receive kernels: from the rows in this rank's symmetric buffer to ``recv_x`` and the handle's arrays.
 
 Not for a cached dispatch, the counts: every source sent, with its signal, its rows, its entries per
-local expert and its routing verdict (``ep_comm.symmetric``, ``counts[2][R][1 + L + 2]``). When any source's
+local expert and its routing verdict (``ep_comm.contract.symmetric``, ``counts[2][R][1 + L + 2]``). When any source's
 verdict is bad, nothing is received: the counts read as if every source sent no row, so that the copy that
-follows copies none. Both count kernels end by writing the host-mapped record (``ep_comm.symmetric``,
+follows copies none. Both count kernels end by writing the host-mapped record (``ep_comm.contract.symmetric``,
 :func:`publish_record`) that the host polls for the counts and the verdicts. In compact mode
 ``receive_count_words_kernel`` (one block) derives everything from those words alone: the
 ``psum_num_recv_tokens_per_rank`` scan, the per-expert sums, aligned counts and expert psum. Expand mode
@@ -29,10 +29,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
-from ep_comm.kernels.check import bad_verdict
+from ep_comm.contract.protocol import RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
-from ep_comm.kernels.protocol import RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS
+from ep_comm.kernels.routing_check import bad_verdict
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import block_totals
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, source_of_row, unit_range, units_for_device
@@ -52,7 +52,7 @@ def align_up(value, alignment):
 @cuda.jit(device=True)
 def any_bad_source(words, num_local):
     """Whether any source's verdict in the count words ``words [R, 1 + L + VERDICT_WORDS]`` is bad
-    (:func:`~ep_comm.kernels.check.bad_verdict`, ``num_local * R`` experts). Call from all threads of the block."""
+    (:func:`~ep_comm.kernels.routing_check.bad_verdict`, ``num_local * R`` experts). Call from all threads of the block."""
     num_ranks = words.shape[0]
     at = words.shape[1] - VERDICT_WORDS
     bad = False
@@ -89,7 +89,7 @@ def record_word(w, totals, words, aligned):
 
 @cuda.jit(device=True)
 def publish_record(record, tag, totals, words, aligned):
-    """Write the record (int64 ``[record_words(R, L)]``, host-mapped on a GPU; ``ep_comm.symmetric``): N and M
+    """Write the record (int64 ``[record_words(R, L)]``, host-mapped on a GPU; ``ep_comm.contract.symmetric``): N and M
     from ``totals [2]``, every source's verdict words from ``words [R, 1 + L + VERDICT_WORDS]``, the ``aligned [L]``
     counts, then, after a system fence, ``tag`` (the step number) last, so that a host that sees the tag sees
     the rest. Call from all threads of one block, once ``totals`` and ``aligned`` are written and synced."""
@@ -165,7 +165,7 @@ def count_local_experts(meta, psum, num_units, hist, stable, unit_counts):
 def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stable, rows_per_unit, max_units,
                          counters, ticket, unit_counts, rank_psum, unaligned, aligned, expert_psum, expert_cursor,
                          totals, record):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_count`, expand mode; dynamic shared memory: int32
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_count`, expand mode; dynamic shared memory: int32
     ``[R + 2L]``.
 
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
@@ -227,7 +227,7 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
 @kernel
 def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
                                totals, record):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_count`, compact mode: one block, which reads only
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_count`, compact mode: one block, which reads only
     the ``[R, 1 + L + 2]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
     """
     words = counts_by_parity[step_parity(step, 0)]
@@ -346,7 +346,7 @@ def write_row_origin(recv_src_metadata, row, src, slot, token, max_tokens):
 @kernel
 def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, max_units, expert_cursor,
                          unit_cursor, expert_psum, alignment, recv_topk_idx, recv_weight_bits, recv_src_metadata):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, expand mode: everything but the payload
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, expand mode: everything but the payload
     rows (ids and weight bits ``[M_out, 1]``).
 
     Rows are cut into ``units_for(N, rows_per_unit, max_units)`` units: the cut of
@@ -388,7 +388,7 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
 @kernel
 def receive_rows_kernel(rank_psum, rows_by_parity, step, zero_padding, expert_psum, alignment, recv_src_metadata,
                         recv_x, wide, span):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, expand mode: the payload rows, one warp
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, expand mode: the payload rows, one warp
     per piece of ``span`` words (even) of a received row, copied to each of its expanded rows.
 
     Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
@@ -448,7 +448,7 @@ def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, s
 @kernel
 def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
                            recv_src_metadata, recv_x, wide, span, skip_source):
-    """See :func:`ep_comm.launching.kernels.Kernels.receive_copy`, compact mode: the whole receive in one
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, compact mode: the whole receive in one
     launch, one warp per piece of ``span`` words (even) of a row (ids and weight bits ``[N_out, K]``).
 
     Row ``i`` is slot ``i - psum[s-1]`` of source ``s`` (:func:`~ep_comm.kernels.units.source_of_row`),

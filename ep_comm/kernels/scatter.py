@@ -21,14 +21,22 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ep_comm.kernels.expert_ids import routed_expert
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.payload import write_row_piece
-from ep_comm.kernels.routing import routed_expert
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
-from ep_comm.kernels.warp import (FULL_MASK, WARP, ballot, global_warp, is_group_leader, lane_id, pop_lowest,
-                                  stable_bucket_slots)
+from ep_comm.kernels.warp import (
+    FULL_MASK,
+    WARP,
+    ballot,
+    global_warp,
+    is_group_leader,
+    lane_id,
+    pop_lowest,
+    stable_bucket_slots,
+)
 
 SLOT_ATOMIC = 0
 SLOT_STABLE = 1
@@ -99,7 +107,7 @@ def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, sourc
 def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
                    mode, num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
                    metas, direct, recv_x, recv_psum):
-    """See :func:`ep_comm.launching.kernels.Kernels.scatter`; ``source``: where the rows come from
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.scatter`; ``source``: where the rows come from
     (``ep_comm.kernels.payload``), ``row_words`` words per row; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``.

@@ -23,7 +23,7 @@ Numba's kernel ABI (``numba.cuda.dispatcher._Kernel._prepare_args``), per argume
 
 Anything else (records, complex numbers, debug or cooperative kernels, kernels with argument
 extensions) keeps Numba's own launch path. What this takes from Numba's dispatcher, driver and types
-comes through :mod:`ep_comm.numba_internals`. An array object's data pointer, shape and strides are
+comes through :mod:`ep_comm.kernels.numba_internals`. An array object's data pointer, shape and strides are
 taken as fixed for its life (true of CuPy arrays and Numba device arrays unless reshaped in place).
 """
 from __future__ import annotations
@@ -39,10 +39,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 from cuda.bindings.driver import CUfunction, CUstream
 
-from ep_comm.numba_internals import compiles, kernel_handle, launchable_overload, numba_types, stream_handle
-
-from . import raw
-from .occupancy import quiet_low_occupancy
+from ep_comm.kernels.numba_internals import compiles, kernel_handle, launchable_overload, numba_types, stream_handle
+from ep_comm.launching import raw
+from ep_comm.launching.occupancy import quiet_low_occupancy
 
 __all__ = ["BoundLaunch", "ParamBlock", "Recorded", "arg_kind", "array_fields", "param_slot", "c_strides",
            "recording"]
@@ -350,7 +349,7 @@ class BoundLaunch:
     without the dispatcher.
 
     ``to_numba`` turns an argument into what Numba's own launch takes (see
-    :class:`ep_comm.launching.views.DeviceViews`).
+    :class:`ep_comm.launching.device_arrays.DeviceViews`).
     ``enabled=False`` (the CUDA simulator, or ``EP_COMM_NUMBA_LAUNCH=1``) always launches through
     Numba.
     """

@@ -1,8 +1,8 @@
 """The FP8 payload of a dispatch on the GPU, as the scatter reads it: no packed rows are made before the send.
 
-An :class:`Fp8Rows` names the arrays a packed FP8 row (``ep_comm.fp8`` layout) is written from, by the scatter
+An :class:`Fp8Rows` names the arrays a packed FP8 row (``ep_comm.contract.fp8`` layout) is written from, by the scatter
 itself (``ep_comm.kernels.payload``): the pair ``(x_fp8, scales)`` where the caller has it, or the payload ``x``
-with the quantization of ``ep_comm.fp8.quantize`` done as each row is read (``Buffer.dispatch(use_fp8=True)``).
+with the quantization of ``ep_comm.contract.fp8.quantize`` done as each row is read (``Buffer.dispatch(use_fp8=True)``).
 Where a payload array is expected it stands for the packed rows ``[T, packed_row_bytes(H) / itemsize]`` viewed
 in the buffer dtype (``shape``, ``dtype``), the rows that cross the link and land in ``recv_x``.
 """
@@ -12,11 +12,11 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ep_comm.fp8 import packed_row_bytes
+from ep_comm.contract.fp8 import packed_row_bytes
 
 __all__ = ["Fp8Rows", "payload_arrays", "payload_key"]
 
-Array = Any
+from ep_comm.contract.arrays import Array
 
 
 class Fp8Rows(NamedTuple):

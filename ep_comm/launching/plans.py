@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 
 from cuda.bindings.driver import CUstream
 
-from . import raw
-from .bound import ParamBlock, Recorded, _ArraySlot, _TupleSlot, array_fields, recording
+from ep_comm.launching import raw
+from ep_comm.launching.bound import ParamBlock, Recorded, _ArraySlot, _TupleSlot, array_fields, recording
 
 __all__ = ["LaunchPlan", "Plans", "build_plan"]
 

@@ -7,12 +7,33 @@
 
 Nothing here imports ``ep_comm.bench``.
 """
-from .check import (DispatchOptions, Expected, HostDispatch, Sources, check_combine, check_counts, check_dispatch,
-                    check_round_trip, expected_receive, same_bytes, token_rows)
-from .dtypes import DTYPE_NAMES, DTYPES, RELATIVE_ERROR_BOUND
-from .round_trip import expected_round_trip, first_mismatch
-from .routing import (KINDS, TOKEN_MODES, Routing, hot_routing, make_routing, mask_routing, random_payload,
-                      token_count, uniform_routing, zipf_routing)
+from ep_comm.testing.check import (
+    DispatchOptions,
+    Expected,
+    HostDispatch,
+    Sources,
+    check_combine,
+    check_counts,
+    check_dispatch,
+    check_round_trip,
+    expected_receive,
+    same_bytes,
+    token_rows,
+)
+from ep_comm.testing.dtypes import DTYPE_NAMES, DTYPES, RELATIVE_ERROR_BOUND
+from ep_comm.testing.round_trip import expected_round_trip, first_mismatch
+from ep_comm.testing.routing import (
+    KINDS,
+    TOKEN_MODES,
+    Routing,
+    hot_routing,
+    make_routing,
+    mask_routing,
+    random_payload,
+    token_count,
+    uniform_routing,
+    zipf_routing,
+)
 
 __all__ = [
     "DTYPES", "DTYPE_NAMES", "KINDS", "RELATIVE_ERROR_BOUND", "TOKEN_MODES",

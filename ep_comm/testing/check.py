@@ -1,5 +1,5 @@
-"""The one dispatch/combine checker: a rank's outputs against the NumPy reference (``ep_comm.layout``,
-``ep_comm.reduce``), for compact and expand dispatch, deterministic or not.
+"""The one dispatch/combine checker: a rank's outputs against the NumPy reference (``ep_comm.contract.layout``,
+``ep_comm.contract.reduce``), for compact and expand dispatch, deterministic or not.
 
 Every check returns the problems it found, one line each (empty: passed), so that a caller can
 report them (soak, bench), gather them over ranks or assert on them (tests). The receiver's
@@ -16,10 +16,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm import layout as lay
-from ep_comm.host import to_host
-
-from .round_trip import SentBack, expected_round_trip, first_mismatch
+from ep_comm.contract import layout as lay
+from ep_comm.contract.arrays import to_host
+from ep_comm.testing.round_trip import SentBack, expected_round_trip, first_mismatch
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def same_bytes(a: Any, b: Any, xp: Any = np) -> bool:
 
 
 def expected_receive(sources: Sources, me: int) -> Expected:
-    """With ``ep_comm.layout``, from every rank's inputs: the rows rank ``me`` receives (ascending order)."""
+    """With ``ep_comm.contract.layout``, from every rank's inputs: the rows rank ``me`` receives (ascending order)."""
     num_ranks = sources.num_ranks
     sent = [np.nonzero(lay.is_token_in_rank(idx, sources.num_experts, num_ranks)[:, me])[0]
             for idx in sources.topk_idx]

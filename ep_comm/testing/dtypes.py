@@ -1,5 +1,5 @@
 """The dtype table of the tests, the checks and the examples: payload dtype names, their NumPy dtypes
-(bfloat16 from ml_dtypes, the library's rule in ``ep_comm.dtypes``) and the error bounds a computation
+(bfloat16 from ml_dtypes, the library's rule in ``ep_comm.contract.choices``) and the error bounds a computation
 in each dtype is held to."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ep_comm.dtypes import PAYLOAD_DTYPES
+from ep_comm.contract.choices import PAYLOAD_DTYPES
 
 DTYPES: Dict[str, np.dtype] = dict(PAYLOAD_DTYPES)  # name -> NumPy dtype
 DTYPE_NAMES: Tuple[str, ...] = tuple(sorted(DTYPES))

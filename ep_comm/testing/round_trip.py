@@ -2,7 +2,7 @@
 
 The round trip without weights returns ``x * (ranks the token reached)`` in compact mode and
 ``x * (experts the token picked)`` in expand mode, each summed in the contract's float32 order and
-rounded to the payload dtype (the reference arithmetic of ``ep_comm.reduce``).
+rounded to the payload dtype (the reference arithmetic of ``ep_comm.contract.reduce``).
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ep_comm import layout as lay
-from ep_comm.reduce import combine_rows, expand_partials
+from ep_comm.contract import layout as lay
+from ep_comm.contract.reduce import combine_rows, expand_partials
 
 SentBack = Callable[[int, np.ndarray], np.ndarray]  # (rank, rows [T, H]) -> what that rank's experts send back
 
@@ -34,7 +34,7 @@ def expected_round_trip(x: np.ndarray, topk_idx: np.ndarray, num_experts: int, n
     Returns:
         ``[T, H]`` in ``x.dtype``: in expand mode rank ``r``'s partial is ``x[t]`` summed once per entry of
         ``t`` on ``r`` in top-k order; partials are summed in rank order after the bias, in
-        ``ep_comm.reduce``'s float32 order.
+        ``ep_comm.contract.reduce``'s float32 order.
     """
     reached = lay.is_token_in_rank(topk_idx, num_experts, num_ranks)
     if not expand:

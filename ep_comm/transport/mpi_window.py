@@ -18,7 +18,7 @@ from typing import Iterable, List
 import numpy as np
 from mpi4py import MPI
 
-from ..symmetric import ABORT_WORDS, SymmetricLayout
+from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout
 
 _LEAKED: List[MPI.Win] = []  # windows dropped after a failure: never freed (Unlock_all / Free wait for the peers)
 

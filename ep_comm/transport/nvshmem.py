@@ -15,11 +15,11 @@ import numpy as np
 from mpi4py import MPI
 from numba import cuda
 
-from ..launching.views import symmetric_views
-from ..symmetric import ABORT_WORDS, SymmetricLayout
-from . import nvshmem_puts, signals
-from .nvshmem_heap import NvshmemHeap
-from .staging import staged_destinations, staging_bytes
+from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views
+from ep_comm.transport import nvshmem_puts, signals
+from ep_comm.transport.nvshmem_heap import NvshmemHeap
+from ep_comm.transport.staging import staged_destinations, staging_bytes
+
 
 def _current_stream() -> int:
     """The handle of CuPy's current stream (the stream CuPy's own launches would take)."""
@@ -43,7 +43,7 @@ class NvshmemTransport:
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: bool):
         """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area with
-        ``use_puts``) of symmetric heap; rows are viewed as ``word`` (``launching.views.word_dtype``)."""
+        ``use_puts``) of symmetric heap; rows are viewed as ``word`` (``contract.symmetric.word_dtype``)."""
         self.use_puts = use_puts
         self.sym = sym
         extra = staging_bytes(sym) if use_puts else 0

@@ -10,7 +10,7 @@ could hang).
 The NVSHMEM world is the communicator of the first heap: later heaps must use a communicator
 over the same processes (``nvshmem_malloc`` is collective over all of them).
 
-Each heap holds ``nbytes`` of symmetric memory laid out as ``ep_comm.symmetric.SymmetricLayout``,
+Each heap holds ``nbytes`` of symmetric memory laid out as ``ep_comm.contract.symmetric.SymmetricLayout``,
 a uint8 CuPy view of the local copy, a tuple of uint8 views of every rank's copy (peer views,
 ``nvshmem_ptr``) and the same as a device array of base addresses for kernels. With
 ``use_puts`` (``Buffer(transport="puts")``) data goes out through NVSHMEM device puts to the
@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 
 from mpi4py import MPI
 
-from .. import exit_guard
+from ep_comm.transport import exit_guard
 
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
 _HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric objects and rounding
@@ -87,8 +87,8 @@ class _Runtime:
                                  f"{self.heap_bytes} bytes ({HEAP_ENV}); set {HEAP_ENV} larger before the first Buffer")
             return
         import cupy
-        from cuda.core import Device
         import nvshmem.core as nvs
+        from cuda.core import Device
 
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank = local.rank

@@ -23,8 +23,8 @@ MAX_PUT_CTAS = 1024
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """``(put_blocks_kernel, signal_kernel)``, compiled lazily on first use."""
-    from numba import cuda, int32, int64
     import nvshmem.core.device.numba as nvd
+    from numba import cuda, int32, int64
     from nvshmem.bindings.device.numba import quiet
 
     @cuda.jit

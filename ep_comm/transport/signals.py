@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from cuda.bindings.driver import CUfunction
 
-from ..launching import raw
+from ep_comm.launching import raw
 
 STATUS_SEQ, STATUS_MISSING, STATUS_FLAGS = 0, 1, 2  # int64 words of the status record
 WAIT_THREADS = 128

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Tuple
 
-from ..symmetric import SymmetricLayout
+from ep_comm.contract.symmetric import SymmetricLayout
 
 
 def staging_bytes(sym: SymmetricLayout) -> int:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.mpirun import launcher, run_job
 from helpers.options import current
 

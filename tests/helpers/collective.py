@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import numpy as np
 
 import ep_comm
-from helpers.oracle import RANK, World
 from helpers.options import current
+from helpers.oracle import RANK, World
 
 TIMEOUT_S = 30.0
 

@@ -183,7 +183,7 @@ def use_without_gpu() -> bool:
     ``numba.cuda`` is then the simulator, :func:`install` the intrinsics. Returns whether it is."""
     if not HAVE_GPU:
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-    from ep_comm.numba_internals import ENABLE_CUDASIM
+    from ep_comm.kernels.numba_internals import ENABLE_CUDASIM
 
     if ENABLE_CUDASIM:
         install()

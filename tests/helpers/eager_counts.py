@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
-from ep_comm import host
 from ep_comm.backends import nvshmem as nvshmem_backend
+from ep_comm.contract import arrays as host
 from ep_comm.launching import bound
 
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",

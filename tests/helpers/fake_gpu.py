@@ -8,8 +8,7 @@ from mpi4py import MPI
 
 from ep_comm.backends.interface import BackendSettings
 from ep_comm.backends.nvshmem import NvshmemBackend
-from ep_comm.launching.views import symmetric_views, word_dtype
-from ep_comm.symmetric import ABORT_WORDS, SymmetricLayout
+from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.transport.staging import staged_destinations, staging_bytes
 
 

@@ -32,9 +32,9 @@ from mpi4py import MPI  # noqa: E402
 
 import ep_comm.buffer as buffer_module  # noqa: E402
 from ep_comm.backends.nvshmem import grid_shape  # noqa: E402
-from ep_comm.dtypes import payload_dtype  # noqa: E402
+from ep_comm.contract.choices import payload_dtype  # noqa: E402
+from ep_comm.contract.geometry import Geometry  # noqa: E402
 from ep_comm.testing.routing import uniform_routing  # noqa: E402
-from ep_comm.validate import Geometry  # noqa: E402
 from helpers.eager_counts import LaunchCounter  # noqa: E402
 from helpers.fake_gpu import simulated_backend  # noqa: E402
 

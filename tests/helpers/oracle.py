@@ -1,6 +1,6 @@
 """What the contract says comes out of the collective suites of ``tests/mpi``: the world's inputs and expectations.
 
-Written from docs/design.md with plain loops, independent of ``ep_comm.layout`` and ``ep_comm.reduce``,
+Written from docs/design.md with plain loops, independent of ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce``,
 so that the suite checks the backends (and the reference) against the contract itself.
 Every rank computes the same expectations from the allgathered inputs.
 """

@@ -13,16 +13,15 @@ import types
 from pathlib import Path
 
 import ml_dtypes
-import numpy as np
 import numba.cuda.dispatcher
+import numpy as np
 from numba import cuda, typeof
 
+from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.kernels.jit import SOURCES_DIGEST
+from ep_comm.kernels.numba_internals import source_stamp
 from ep_comm.launching.fp8 import Fp8Rows
-from ep_comm.launching.kernels import PLACE_STABLE, SLOT_STABLE, Kernels
-from ep_comm.launching.views import symmetric_views, word_dtype
-from ep_comm.numba_internals import source_stamp
-from ep_comm.symmetric import SymmetricLayout
+from ep_comm.launching.kernel_launches import PLACE_STABLE, SLOT_STABLE, Kernels
 
 CC = (9, 0)
 R, E, K, T, H = 2, 16, 4, 8, 24

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.cudasim_warp import HAVE_GPU
 
-from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
 def pytest_collection_modifyitems(config, items):

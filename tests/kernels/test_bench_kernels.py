@@ -1,5 +1,5 @@
 """Every measurement of ``python -m ep_comm.bench.kernels`` runs, at a tiny shape: per SM count, and as a pair of
-simulated ranks whose round trip is checked against ``ep_comm.layout`` / ``ep_comm.reduce``."""
+simulated ranks whose round trip is checked against ``ep_comm.contract.layout`` / ``ep_comm.contract.reduce``."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,12 @@ import json
 import numpy as np
 from helpers.host_timing import HostTiming
 
-from ep_comm import layout as ref
-from ep_comm import reduce
 from ep_comm.backends.nvshmem import grid_shape
-from ep_comm.dtypes import PAYLOAD_DTYPES
 from ep_comm.bench.kernels import Bench, CupyTiming, Pair, parse_args, queue_steps, run
-from ep_comm.host import to_host
+from ep_comm.contract import layout as ref
+from ep_comm.contract import reduce
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.choices import PAYLOAD_DTYPES
 
 TINY = ["--tokens", "6", "--hidden", "8", "--experts", "8", "--topk", "2", "--alignment", "4", "--warps-per-block", "2"]
 

@@ -19,11 +19,11 @@ from cuda.bindings.driver import CUresult
 from numba.core import types
 from numba.cuda.np.numpy_support import strides_from_shape
 
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.launching import bound as bound_module
 from ep_comm.launching import raw as raw_module
 from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm.launching.plans import Plans
-from ep_comm.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
 class FakeCudaArray:
@@ -322,10 +322,10 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
     """A small dispatch and combine (results bit-exact against the NumPy reference), every driver launch's
     parameters checked against ``_Kernel._prepare_args`` (Numba's launch) on the same arguments."""
     import cupy as cp
-
-    from ep_comm.launching.views import DeviceViews
     from test_combine import run_combine
     from test_dispatch import make_world
+
+    from ep_comm.launching.device_arrays import DeviceViews
 
     views, checked, original = DeviceViews(), [], BoundLaunch._launch_packed
 
@@ -354,7 +354,6 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     """The same small dispatch and combine through Numba's launch only, then pre-bound: both bit-exact against
     the NumPy reference (``run_combine`` asserts it), and the pre-bound run launches through the driver."""
     import cupy as cp
-
     from test_combine import run_combine
     from test_dispatch import make_world
 

@@ -1,13 +1,13 @@
-"""The routing check kernel against ``ep_comm.validate``'s array code: largest id, first repeated row."""
+"""The routing check kernel against ``ep_comm.contract.checks``'s array code: largest id, first repeated row."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ep_comm.host import to_host
-from ep_comm.launching.kernels import Kernels
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.checks import topk_values
+from ep_comm.launching.kernel_launches import Kernels
 from ep_comm.testing.routing import make_routing, mask_routing
-from ep_comm.validate import topk_values
 
 
 def kernels(xp, topk: int) -> Kernels:

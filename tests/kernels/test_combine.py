@@ -1,4 +1,4 @@
-"""Combine kernels against ``ep_comm.reduce``: bit for bit, float32/float16/bfloat16, with weights and bias.
+"""Combine kernels against ``ep_comm.contract.reduce``: bit for bit, float32/float16/bfloat16, with weights and bias.
 
 Compact mode: the rows a rank received from itself are not sent back into its own buffer; the reduce
 reads them from ``y``.
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from ep_comm import layout as ref
-from ep_comm import reduce
-from ep_comm.host import to_host
-from ep_comm.launching.views import payload_rows
 from test_dispatch import make_world, run_dispatch
 from world import bits, random_payload, spy_launches
+
+from ep_comm.contract import layout as ref
+from ep_comm.contract import reduce
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.symmetric import payload_rows
 
 PARITY = 0  # dispatch ran with parity 1
 
@@ -145,7 +145,7 @@ def test_payload_rows_views_words_as_elements():
 def test_long_rows_are_cut_into_uneven_pieces(xp, monkeypatch, dtype, hidden, bias, expand):
     """Few tokens with long rows: the row kernels (scatter, receive rows, combine copy, reduce) cut rows into
     pieces, the last one shorter, one warp per piece; every output stays bit for bit the reference."""
-    from ep_comm.launching.kernels import Kernels
+    from ep_comm.launching.kernel_launches import Kernels
 
     world = make_world(xp, seed=16, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
     world.kernels.split_warps = 64

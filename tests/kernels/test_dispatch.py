@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from world import DTYPES, World, bits, random_payload, random_routing, routing_verdict, spy_launches, with_verdict
 
-from ep_comm import layout as ref
-from ep_comm.host import to_host
-from ep_comm.launching.kernels import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
-from world import (DTYPES, World, bits, random_payload, random_routing, routing_verdict, spy_launches,
-                   with_verdict)
+from ep_comm.contract import layout as ref
+from ep_comm.contract.arrays import to_host
+from ep_comm.launching.kernel_launches import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
 
 MAX_TOKENS = 24
 

@@ -1,4 +1,4 @@
-"""The FP8 device code (``ep_comm.kernels.fp8``) against ``ml_dtypes`` and ``ep_comm.fp8.quantize``, bit for bit,
+"""The FP8 device code (``ep_comm.kernels.fp8``) against ``ml_dtypes`` and ``ep_comm.contract.fp8.quantize``, bit for bit,
 and the packed FP8 rows (narrower than the symmetric rows) through the scatter and receive kernels: as prepared
 rows, written by the scatter from the pair where it lies, and cast by the scatter as it reads each row."""
 from __future__ import annotations
@@ -9,14 +9,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from numba import cuda
+from test_dispatch import check_compact, make_world, run_dispatch
 
-from ep_comm import fp8
-from ep_comm.host import to_host
+from ep_comm.contract import fp8
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.symmetric import symmetric_views, word_dtype
 from ep_comm.kernels.fp8 import e4m3x2_bits, f32_to_e4m3_bits
 from ep_comm.launching.fp8 import Fp8Rows
-from ep_comm.launching.views import symmetric_views, word_dtype
 from ep_comm.testing.dtypes import DTYPES
-from test_dispatch import check_compact, make_world, run_dispatch
 
 
 @cuda.jit
@@ -55,7 +55,7 @@ def boundary_values() -> np.ndarray:
 
 
 def reference_bits(values: np.ndarray) -> np.ndarray:
-    """ml_dtypes' e4m3fn bits of ``clip(values, -448, 448)`` (what ``ep_comm.fp8.quantize`` does)."""
+    """ml_dtypes' e4m3fn bits of ``clip(values, -448, 448)`` (what ``ep_comm.contract.fp8.quantize`` does)."""
     return np.clip(values, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
@@ -160,7 +160,7 @@ def test_a_cached_compact_replay_writes_narrow_rows_straight_into_recv_x(xp):
 def test_the_scatter_writes_packed_rows_from_the_pair_or_the_cast(xp, source, expand):
     """No packed copy before the send: the scatter reads the pair where it lies (FP8 bytes, then the scales two to
     a word, then the pad), or casts the payload as it reads it, and the rows that arrive are byte for byte
-    ``ep_comm.fp8.pack(*ep_comm.fp8.quantize(x))`` (zero blocks, subnormal-only blocks, -0.0 included)."""
+    ``ep_comm.contract.fp8.pack(*ep_comm.contract.fp8.quantize(x))`` (zero blocks, subnormal-only blocks, -0.0 included)."""
     world = narrow_world(xp, seed=13, hidden=384, source=source, masked=0.2)  # 3 blocks: a scale word half pad
     run_dispatch(world, deterministic=True, expand=expand, alignment=4, zero_padding=True)
     run_dispatch(world, deterministic=False, expand=expand, worst_case=True, parity=0)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ep_comm.kernels.jit import SOURCES_DIGEST, kernel, sources_digest
-from ep_comm.numba_internals import ENABLE_CUDASIM
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM
 
 REPO = Path(__file__).parent.parent.parent
 PACKAGE = REPO / "ep_comm"
@@ -30,7 +30,7 @@ COUNT_CHILD = """
 import json
 import cupy as cp
 import numpy as np
-from ep_comm.launching.kernels import Kernels
+from ep_comm.launching.kernel_launches import Kernels
 from ep_comm.kernels.count import count_kernel
 
 k = Kernels(cp, num_ranks=2, num_experts=16, num_topk=4, max_tokens=64)
@@ -130,7 +130,7 @@ def test_device_modules_import_only_device_modules():
                 continue
             for name in names:
                 if name.split(".")[0] == "ep_comm" or name.startswith("relative"):
-                    assert name.startswith("ep_comm.kernels.") or name == "ep_comm.numba_internals", (path.name, name)
+                    assert name.startswith("ep_comm.kernels.") or name == "ep_comm.kernels.numba_internals", (path.name, name)
 
 
 def test_kernel_refuses_a_function_defined_outside_the_package():

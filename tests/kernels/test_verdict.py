@@ -5,16 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numba import cuda
-
-from ep_comm import layout as ref
-from ep_comm.host import to_host
-from ep_comm.kernels.check import ACC_INIT
-from ep_comm.kernels.check import verdict_words as device_verdict_words
-from ep_comm.launching.kernels import Kernels
-from ep_comm.symmetric import read_record, record_words
-from ep_comm.validate import ID_CLAMP, verdict_of, verdict_words
 from test_dispatch import make_world
 from world import World, random_routing, routing_verdict
+
+from ep_comm.contract import layout as ref
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.checks import verdict_of, verdict_words
+from ep_comm.contract.protocol import ID_CLAMP
+from ep_comm.contract.symmetric import read_record, record_words
+from ep_comm.kernels.routing_check import ACC_INIT
+from ep_comm.kernels.routing_check import verdict_words as device_verdict_words
+from ep_comm.launching.kernel_launches import Kernels
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 EXPERTS = 64

@@ -1,7 +1,7 @@
 """A simulated world of R ranks in one process: every rank's symmetric buffer is a plain array, the
 scatter kernel gets all of them as its tuple of destinations, and each receiver runs its receive kernels.
 
-Expected values come from the NumPy reference (``ep_comm.layout``, ``ep_comm.reduce``) only; routings and
+Expected values come from the NumPy reference (``ep_comm.contract.layout``, ``ep_comm.contract.reduce``) only; routings and
 payloads from the shared generators of ``ep_comm.testing.routing``.
 """
 from __future__ import annotations
@@ -11,15 +11,21 @@ from typing import Optional
 
 import numpy as np
 
-from ep_comm import layout as ref
-from ep_comm.host import to_host
-from ep_comm.launching.kernels import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE,
-                                       Kernels)
-from ep_comm.launching.views import symmetric_views, word_dtype
-from ep_comm.symmetric import SymmetricLayout
+from ep_comm.contract import layout as ref
+from ep_comm.contract.arrays import to_host
+from ep_comm.contract.checks import topk_values, verdict_words
+from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
+from ep_comm.launching.kernel_launches import (
+    PLACE_ATOMIC,
+    PLACE_CACHED,
+    PLACE_STABLE,
+    SLOT_ATOMIC,
+    SLOT_CACHED,
+    SLOT_STABLE,
+    Kernels,
+)
 from ep_comm.testing import routing as gen
 from ep_comm.testing.dtypes import DTYPES
-from ep_comm.validate import topk_values, verdict_words
 
 NEGATIVE_ZERO_RATE = 0.05  # share of -0.0 payload entries
 
@@ -45,13 +51,13 @@ def random_payload(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> n
 
 
 def routing_verdict(topk_idx: np.ndarray) -> tuple:
-    """The two verdict words of a routing ``[T, K]`` by the host rule (``ep_comm.validate``): what its count
+    """The two verdict words of a routing ``[T, K]`` by the host rule (``ep_comm.contract.checks``): what its count
     kernel sends."""
     return verdict_words(*topk_values(np, topk_idx)) if len(topk_idx) else verdict_words(-1, -1)
 
 
 def with_verdict(words: np.ndarray, verdict: tuple = (0, 0)) -> np.ndarray:
-    """The count words a sender's count kernel writes: ``words [R, 1 + L]`` (``ep_comm.layout.send_count_words``)
+    """The count words a sender's count kernel writes: ``words [R, 1 + L]`` (``ep_comm.contract.layout.send_count_words``)
     with the two encoded ``verdict`` words appended to every row (default: clean)."""
     return np.concatenate([words, np.tile(np.asarray(verdict, words.dtype), (len(words), 1))], axis=1)
 
@@ -139,7 +145,7 @@ class World:
     def send(self, parity: int, deterministic: bool, cached: Optional[list] = None,
              direct: Optional[list] = None) -> list:
         """Count and scatter on every source rank; the count exchange done by hand (the reference's words,
-        ``ep_comm.layout.send_count_words``). ``direct[s]``: with
+        ``ep_comm.contract.layout.send_count_words``). ``direct[s]``: with
         ``cached``, ``(recv_x, rank_psum)`` of receiver ``s``, where source ``s``'s rows to itself go."""
         k = self.kernels
         sent = []
@@ -163,7 +169,7 @@ class World:
 
     def exchange_counts(self, parity: int, src: int, words: np.ndarray, verdict: tuple = (0, 0)) -> None:
         """The count exchange of source ``src``: row ``d`` of its ``words [R, 1 + L]`` and its ``verdict`` words
-        (encoded, :func:`ep_comm.validate.verdict_words`; default clean) into receiver ``d``'s count words of
+        (encoded, :func:`ep_comm.contract.checks.verdict_words`; default clean) into receiver ``d``'s count words of
         ``parity``."""
         block = with_verdict(words, verdict)
         for d in range(self.num_ranks):

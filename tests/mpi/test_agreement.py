@@ -1,15 +1,15 @@
-"""The construction check (``ep_comm.agreement``): ranks that pass different Buffer arguments, or a rank whose own
+"""The construction check (``ep_comm.contract.agreement``): ranks that pass different Buffer arguments, or a rank whose own
 arguments are invalid, make every rank raise before anything is allocated; the world stays in step. Collective;
 each test under a hard timeout, so a check that leaves a rank waiting fails instead of hanging."""
 from __future__ import annotations
 
 import pytest
+from helpers.collective import dispatch, make_buffer
+from helpers.options import current
+from helpers.oracle import RANK, WORLD, bits, expected_compact_combine, make_world
 
 import ep_comm
-from ep_comm.host import to_host
-from helpers.collective import dispatch, make_buffer
-from helpers.oracle import RANK, WORLD, bits, expected_compact_combine, make_world
-from helpers.options import current
+from ep_comm.contract.arrays import to_host
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
 ODD = WORLD - 1  # the rank that passes something else

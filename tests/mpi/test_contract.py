@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from ep_comm.host import to_host
-from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
 from helpers.collective import dispatch, shared_buffers, to_device
-from helpers.oracle import (COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine,
-                            make_world)
+from helpers.oracle import COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine, make_world
+
+from ep_comm.contract.arrays import to_host
+from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
 
 pytestmark = pytest.mark.mpi
 

@@ -12,13 +12,13 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.collective import dispatch, make_buffer, to_device
+from helpers.options import current
+from helpers.oracle import COMM, RANK, WORLD, bits, expected_compact_combine, make_world
 from mpi4py import MPI
 
 import ep_comm
-from ep_comm.host import to_host
-from helpers.collective import dispatch, make_buffer, to_device
-from helpers.oracle import COMM, RANK, WORLD, bits, expected_compact_combine, make_world
-from helpers.options import current
+from ep_comm.contract.arrays import to_host
 
 pytestmark = pytest.mark.mpi
 BACKEND = current().backend

@@ -1,10 +1,10 @@
 """FP8 dispatch (docs/design.md, FP8): the pair ``(x_fp8, scales)`` and ``use_fp8=True``, on every rank of an
 ``mpirun`` job.
 
-The received pair, packed again (``ep_comm.fp8.pack``), must be what the shared checker expects when the
+The received pair, packed again (``ep_comm.contract.fp8.pack``), must be what the shared checker expects when the
 sources' payloads are their packed FP8 rows (the reference's expected rows, checked against the oracle's
 received pairs), and byte for byte what a plain dispatch of those packed bytes (a Buffer whose hidden is the
-packed row in bfloat16 elements) receives. ``use_fp8=True`` must equal dispatching ``ep_comm.fp8.quantize(x)``
+packed row in bfloat16 elements) receives. ``use_fp8=True`` must equal dispatching ``ep_comm.contract.fp8.quantize(x)``
 as a pair. Collective: every test runs on every rank.
 """
 from __future__ import annotations
@@ -14,13 +14,13 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
-
-from ep_comm import fp8
-from ep_comm.host import to_host
-from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
 from helpers.collective import shared_buffers, to_device
-from helpers.oracle import RANK, World, bits, expected_compact_combine, make_world
 from helpers.options import current
+from helpers.oracle import RANK, World, bits, expected_compact_combine, make_world
+
+from ep_comm.contract import fp8
+from ep_comm.contract.arrays import to_host
+from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
 
 pytestmark = pytest.mark.mpi
 HIDDEN = 256
@@ -39,7 +39,7 @@ def fp8_world(routing: str, dtype: str = "bfloat16", seed: int = 0) -> World:
 
 
 def pair_of(x: np.ndarray) -> tuple:
-    """``ep_comm.fp8.quantize(x)`` where the backend under test wants it (x_fp8 as uint8 bits off NumPy)."""
+    """``ep_comm.contract.fp8.quantize(x)`` where the backend under test wants it (x_fp8 as uint8 bits off NumPy)."""
     q, s = fp8.quantize(x)
     return to_device(q if current().backend == "mpi" else q.view(np.uint8)), to_device(s)
 

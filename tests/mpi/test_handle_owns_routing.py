@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from ep_comm.host import to_host
 from helpers.collective import make_buffer, to_device
 from helpers.oracle import RANK, bits, expected_compact_combine, expected_expand_combine, make_world
+
+from ep_comm.contract.arrays import to_host
 
 pytestmark = pytest.mark.mpi
 

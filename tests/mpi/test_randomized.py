@@ -26,18 +26,24 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import pytest
+from helpers.collective import to_device
+from helpers.options import current
+from helpers.oracle import COMM, RANK, WORLD, World, bits, expected_compact_combine, expected_expand_combine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ep_comm
-from ep_comm.host import to_host
-from ep_comm.testing.check import (DispatchOptions, HostDispatch, Sources, check_combine, check_dispatch,
-                                   expected_receive)
+from ep_comm.contract.arrays import to_host
+from ep_comm.testing.check import (
+    DispatchOptions,
+    HostDispatch,
+    Sources,
+    check_combine,
+    check_dispatch,
+    expected_receive,
+)
 from ep_comm.testing.dtypes import DTYPES
 from ep_comm.testing.routing import KINDS, make_routing, mask_routing, random_payload, token_count
-from helpers.collective import to_device
-from helpers.oracle import COMM, RANK, WORLD, World, bits, expected_compact_combine, expected_expand_combine
-from helpers.options import current
 
 pytestmark = pytest.mark.mpi
 BUFFER_KWARGS = current().buffer_kwargs()  # backend, and on nvshmem its transport

@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 import pytest
-
-import ep_comm
-from ep_comm.host import to_host
-from ep_comm.testing import token_rows
 from helpers.collective import dispatch, make_buffer, to_device
 from helpers.oracle import COMM, RANK, WORLD, bits, make_world
+
+import ep_comm
+from ep_comm.contract.arrays import to_host
+from ep_comm.testing import token_rows
 
 pytestmark = pytest.mark.mpi
 

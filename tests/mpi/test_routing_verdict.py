@@ -12,10 +12,10 @@ from typing import Callable, Dict
 
 import numpy as np
 import pytest
-
-from ep_comm.host import to_host
 from helpers.collective import dispatch, make_buffer, to_device
 from helpers.oracle import RANK, WORLD, bits, expected_compact_combine, make_world
+
+from ep_comm.contract.arrays import to_host
 
 pytestmark = pytest.mark.mpi
 

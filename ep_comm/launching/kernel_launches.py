@@ -2,11 +2,11 @@
 
 Arrays are NumPy (in the simulator) or CuPy / any ``__cuda_array_interface__`` array (on a GPU);
 this module only slices, views and allocates with the array module ``xp`` it was given. Payloads
-travel as raw words (:mod:`ep_comm.launching.views`). The mode constants of the scatter
+travel as raw words (:mod:`ep_comm.launching.device_arrays`). The mode constants of the scatter
 (``SLOT_*``) and of the receive placement (``PLACE_*``) are the device modules' own, re-exported.
 
 Typical use by a backend, per dispatch on rank ``me`` (``views[r]`` are rank r's symmetric
-buffer, see :func:`ep_comm.launching.views.symmetric_views`)::
+buffer, see :func:`ep_comm.launching.device_arrays.symmetric_views`)::
 
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
     send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
@@ -33,24 +33,37 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ep_comm.kernels.check import ACC_INIT, routing_check_kernel
-from ep_comm.kernels.combine import (BF16_PASSES, SPAN, combine_copy_kernel, combine_expand_bf16_kernel,
-                                     combine_expand_kernel, combine_reduce_bf16_kernel, combine_reduce_kernel)
+from ep_comm.contract.arrays import Array
+from ep_comm.contract.fp8 import packed_row_bytes
+from ep_comm.contract.protocol import VERDICT_WORDS
+from ep_comm.contract.symmetric import payload_rows, payload_words, record_words
+from ep_comm.kernels.combine import (
+    BF16_PASSES,
+    SPAN,
+    combine_copy_kernel,
+    combine_expand_bf16_kernel,
+    combine_expand_kernel,
+    combine_reduce_bf16_kernel,
+    combine_reduce_kernel,
+)
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.receive import (PLACE_ATOMIC, PLACE_CACHED, PLACE_STABLE, receive_compact_kernel,
-                                     receive_count_kernel, receive_count_words_kernel, receive_place_kernel,
-                                     receive_rows_kernel)
+from ep_comm.kernels.receive import (
+    PLACE_ATOMIC,
+    PLACE_CACHED,
+    PLACE_STABLE,
+    receive_compact_kernel,
+    receive_count_kernel,
+    receive_count_words_kernel,
+    receive_place_kernel,
+    receive_rows_kernel,
+)
+from ep_comm.kernels.routing_check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
-from ep_comm.fp8 import packed_row_bytes
 from ep_comm.launching.bound import BoundLaunch
+from ep_comm.launching.device_arrays import DeviceViews, wide_rows
 from ep_comm.launching.fp8 import Fp8Rows
-from ep_comm.launching.views import DeviceViews, payload_rows, payload_words, wide_rows
-from ep_comm.symmetric import record_words
-from ep_comm.validate import VERDICT_WORDS
-
-Array = Any
 
 __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED",
            "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
@@ -69,7 +82,7 @@ class SendLayout(NamedTuple):
     is_token_in_rank: Array  # [T, R] bool
     slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx: filled by :meth:`Kernels.scatter`
     # [R, 1 + L + VERDICT_WORDS] int32: row r is num_tokens_per_rank[r], num_tokens_per_expert[r*L:(r+1)*L], then
-    # the routing verdict's words (ep_comm.validate.verdict_words), the same in every row
+    # the routing verdict's words (ep_comm.contract.checks.verdict_words), the same in every row
     count_words: Array
 
 
@@ -79,7 +92,7 @@ class ReceiveCounts(NamedTuple):
     rank_psum: Array  # [R] int32, inclusive prefix sum of rows per source rank
     num_unaligned_per_expert: Array  # [L] int32
     num_aligned_per_expert: Array  # [L] int32
-    expert_psum: Array  # [L] int32, ep_comm.layout.expert_psum(counts, alignment, expand)
+    expert_psum: Array  # [L] int32, ep_comm.contract.layout.expert_psum(counts, alignment, expand)
     totals: Array  # [2] int32: received rows N, expanded rows M (padding included)
 
 
@@ -292,7 +305,7 @@ class Kernels:
         return held[1]
 
     def _wide(self, rows: Any) -> bool:
-        """:func:`~ep_comm.launching.views.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
+        """:func:`~ep_comm.launching.device_arrays.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
         decided once per Buffer."""
         return self._fixed("wide", rows, lambda: wide_rows(*rows) if isinstance(rows, tuple) else wide_rows(rows))
 
@@ -466,7 +479,7 @@ class Kernels:
                 (a scan over the received meta rows, with per-unit cursors when ``stable``); compact mode
                 is one single-block launch over the count words alone.
             stable: stable (deterministic) expand placement.
-            record: int64 ``[record_words(R, L)]`` (``ep_comm.symmetric``; host-mapped memory on a GPU): gets N,
+            record: int64 ``[record_words(R, L)]`` (``ep_comm.contract.symmetric``; host-mapped memory on a GPU): gets N,
                 M, every source's verdict words and the aligned counts, then ``step[0]`` in its tag word last.
                 None: a scratch record of this Kernels.
 
@@ -543,7 +556,7 @@ class Kernels:
         ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
         ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
         or the same bytes viewed as ``[2, R, max_tokens, row_bytes // itemsize]`` payload elements
-        (expand, see :func:`~ep_comm.launching.views.payload_rows`). Compact copies only the rows of
+        (expand, see :func:`~ep_comm.launching.device_arrays.payload_rows`). Compact copies only the rows of
         other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
         launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
         float32 when given, this rank's own rows included. Bfloat16 ``y`` goes through

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64
 
+from ep_comm.contract.protocol import ID_CLAMP
 from ep_comm.kernels.jit import kernel
-from ep_comm.kernels.protocol import ID_CLAMP
 from ep_comm.kernels.ticket import last_block_to_arrive
 from ep_comm.kernels.warp import lanes_below, match_any
 
@@ -89,14 +89,14 @@ def grid_check(block_check, acc):
 @cuda.jit(device=True)
 def verdict_words(top, twice):
     """The two verdict words of ``(largest id or -1, first repeated row or -1)``, as int32:
-    ``ep_comm.validate.verdict_words`` (``min(top + 1, ID_CLAMP)`` without overflowing at the int64 maximum)."""
+    ``ep_comm.contract.checks.verdict_words`` (``min(top + 1, ID_CLAMP)`` without overflowing at the int64 maximum)."""
     return np.int32(min(top, np.int64(ID_CLAMP - 1)) + 1), np.int32(twice + 1)
 
 
 @cuda.jit(device=True)
 def bad_verdict(top_word, twice_word, num_experts):
     """Whether a rank's two verdict words (:func:`verdict_words`) tell a bad routing: an id at or above
-    ``num_experts``, or a row naming an expert twice (``ep_comm.validate.routing_error``'s rule)."""
+    ``num_experts``, or a row naming an expert twice (``ep_comm.contract.checks.routing_error``'s rule)."""
     return top_word > num_experts or twice_word > 0
 
 

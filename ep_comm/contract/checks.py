@@ -6,56 +6,19 @@ the count exchange (:func:`verdict_words`), and every rank raises the same :func
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from . import layout as lay
-from .dtypes import PAYLOAD_DTYPES
-from .errors import RoutingError
-from .fp8 import BLOCK as FP8_BLOCK
-from .kernels.protocol import ID_CLAMP as ID_CLAMP  # the device code's constants, re-exported
-from .kernels.protocol import VERDICT_WORDS as VERDICT_WORDS
+from ep_comm.contract.choices import PAYLOAD_DTYPES, TRANSPORTS
+from ep_comm.contract.fp8 import BLOCK as FP8_BLOCK
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.protocol import ID_CLAMP
+from ep_comm.errors import RoutingError
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 FLOATS = "float16, bfloat16, float32 or float64"  # the weight and bias dtypes taken (as float32)
-TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The fixed shape of a Buffer."""
-
-    num_ranks: int
-    num_experts: int
-    hidden: int
-    num_topk: int
-    max_tokens: int
-    dtype: np.dtype
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    def differences(self, other: "Geometry") -> List[str]:
-        """``"name=mine (this Buffer: other's)"`` for every field in which ``other``, the geometry of the Buffer
-        asked to use something made with this one, differs; fields by their constructor names."""
-        names = {"num_ranks": "ranks", "max_tokens": "num_max_tokens_per_rank"}
-        return [f"{names.get(f.name, f.name)}={_shown(getattr(self, f.name))} "
-                f"(this Buffer: {_shown(getattr(other, f.name))})"
-                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
-
-    def output_rows(self, exact: Optional[Tuple[int, int]], expand: bool, alignment: int) -> Tuple[int, int]:
-        """``(rows of recv_src_metadata, rows of recv_x)``: ``ep_comm.layout.output_rows`` for this geometry."""
-        return lay.output_rows(exact, expand, alignment, self.num_ranks, self.max_tokens, self.num_topk,
-                               self.experts_per_rank)
-
-
-def _shown(value: Any) -> Any:
-    """A geometry value as a message shows it: a dtype by its name."""
-    return value.name if isinstance(value, np.dtype) else value
 
 
 def check_comm(comm: Any) -> MPI.Comm:

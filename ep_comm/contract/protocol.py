@@ -2,7 +2,7 @@
 the receive count's record.
 
 They live here, inside the kernel cache key (``jit.py``), and the host modules re-export them:
-``ep_comm.validate`` (the verdict's encoding) and ``ep_comm.symmetric`` (the record's layout). Plain Python: the
+``ep_comm.contract.checks`` (the verdict's encoding) and ``ep_comm.contract.symmetric`` (the record's layout). Plain Python: the
 host imports it without Numba.
 """
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Payload dtypes: names of the contract mapped to NumPy dtypes (bfloat16 from ml_dtypes)."""
+"""The choices a Buffer takes by name: payload dtypes (bfloat16 from ml_dtypes), backends and transports."""
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
+BACKENDS = ("auto", "mpi", "nvshmem")  # Buffer(backend=...): "auto" picks nvshmem where a GPU stack runs, else mpi
+TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
 
 PAYLOAD_DTYPES = {
     "float32": np.dtype(np.float32),

@@ -9,7 +9,7 @@ that a peer's region is addressed by the same offsets everywhere:
 * ``counts[2][R][1 + L + VERDICT_WORDS]`` int64 (``L`` local experts): what source ``s`` sent in the operation
   of that parity (new routing only): word 0 its rows, word ``1 + j`` its entries for local expert ``j`` (the
   slice ``[r*L:(r+1)*L]`` of its count kernel's tokens per expert, for this rank ``r``), then the two words of
-  its routing verdict (``ep_comm.validate.verdict_words``; all zero, as a missing rank's zeroed block, reads clean);
+  its routing verdict (``ep_comm.contract.checks.verdict_words``; all zero, as a missing rank's zeroed block, reads clean);
 * ``rows[2][R][max_tokens]`` payload rows of ``row_bytes`` (hidden * itemsize, padded to 16 B);
 * ``meta[2][R][max_tokens][1 + 2K]`` int32: source token, K local expert ids, K float32 weights
   (as raw bits);
@@ -28,13 +28,15 @@ The receive count's **record** (not in the symmetric buffer: host-mapped memory 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from .kernels.protocol import RECORD_M, RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS  # re-exported
-from .validate import verdict_of
+from ep_comm.contract.arrays import Array
+from ep_comm.contract.checks import verdict_of
+from ep_comm.contract.protocol import RECORD_M, RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS  # re-exported
 
 _ALIGN = 128
 STEP_KINDS = {"dispatch": 1, "combine": 2, "close": 3}  # the low bits of a signal word (collective_steps)
@@ -150,3 +152,48 @@ def record_counts(words: Any, num_ranks: int, num_local_experts: int) -> Tuple[i
 def record_verdict_words(words: Any, num_ranks: int) -> Any:
     """The int64 ``[R, VERDICT_WORDS]`` verdict words of a record (a NumPy view of it, not copied)."""
     return words[RECORD_VERDICTS: RECORD_VERDICTS + VERDICT_WORDS * num_ranks].reshape(num_ranks, VERDICT_WORDS)
+
+
+class SymmetricViews(NamedTuple):
+    """Typed views of one rank's symmetric buffer (``ep_comm.contract.symmetric`` byte layout)."""
+
+    signal: Array  # [R] int64
+    counts: Array  # [2, R, 1 + L + 2] int64: per source rows, then entries per local expert, then its verdict
+    rows: Array  # [2, R, max_tokens, row_bytes // word] words
+    meta: Array  # [2, R, max_tokens, 1 + 2K] int32
+
+
+def symmetric_views(buffer: Array, layout: SymmetricLayout, word: np.dtype) -> SymmetricViews:
+    """Typed views of a flat uint8 symmetric buffer (``layout.total_bytes`` long); rows as ``word``."""
+    def region(offset: int, nbytes: int, dtype) -> Array:
+        return buffer[offset: offset + nbytes].view(dtype)
+
+    r, t = layout.num_ranks, layout.max_tokens
+    rows_bytes = 2 * r * t * layout.row_bytes
+    return SymmetricViews(
+        signal=region(layout.signal_offset, 8 * r, np.int64),
+        counts=region(layout.counts_offset, 16 * r * layout.count_words, np.int64).reshape(2, r, layout.count_words),
+        rows=region(layout.rows_offset, rows_bytes, word).reshape(2, r, t, layout.row_bytes // np.dtype(word).itemsize),
+        meta=region(layout.meta_offset, 2 * r * t * layout.meta_words * 4, np.int32).reshape(
+            2, r, t, layout.meta_words),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def word_dtype(hidden: int, itemsize: int) -> np.dtype:
+    """The word type :func:`payload_words` uses for rows of ``hidden`` elements of ``itemsize`` bytes: the widest
+    of uint64/uint32/uint16 that divides a row (remembered: every launch asks it again)."""
+    row_bytes = hidden * itemsize
+    return np.dtype(next(w for w in (np.uint64, np.uint32, np.uint16) if row_bytes % np.dtype(w).itemsize == 0))
+
+
+def payload_words(x: Array) -> Array:
+    """View ``x [rows, H]`` (float32/float16/bfloat16/uint16) as ``[rows, H * itemsize // word]`` words
+    (:func:`word_dtype`), in one view."""
+    return x.view(word_dtype(x.shape[1], x.dtype.itemsize))
+
+
+def payload_rows(rows: Array, dtype) -> Array:
+    """Re-view ``[..., words]`` row storage as payload elements of ``dtype`` (bfloat16 as uint16 bits)."""
+    dtype = np.dtype(dtype)
+    return rows.view(dtype if dtype in (np.float32, np.float16) else np.uint16)

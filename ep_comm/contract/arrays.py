@@ -1,9 +1,11 @@
-"""Host-side array helpers (bench, soak, the test oracle, kernel tests): NumPy only, no CuPy or Numba at load."""
+"""The arrays ep_comm takes and returns, and their host copies: NumPy only, no CuPy or Numba at load."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+
+Array = Any  # numpy.ndarray on the mpi backend; cupy.ndarray (or any __cuda_array_interface__ array) on nvshmem
 
 
 def to_host(arr: Any) -> Any:
