@@ -22,7 +22,7 @@ step ahead). The launches of a step are therefore the same at every step, and th
 calls (a dispatch of a new routing or of a handle, a combine) can be captured into a CUDA graph and
 replayed, with peer stores (``capture.py`` says what is refused).
 
-Combine runs ``combine_send`` back into the sources' buffers (plus the weights' return route when
+Combine runs ``Kernels.combine_scatter`` back into the sources' buffers (plus the weights' return route when
 weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias. In
 compact mode the rows this rank received from itself are not sent: ``combine_reduce`` reads their
 partials straight from ``y`` (with one rank there is no send launch at all); expand mode sends its
@@ -668,7 +668,7 @@ class NvshmemBackend:
         reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
         the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
-        k.combine_send(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
+        k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
                        step=t.send_step, ahead=t.send_ahead, expand=h.expand, weights=weights if h.expand else None)
         if weights is not None:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)

@@ -17,7 +17,7 @@ of the device, 264 blocks on an H200); each row carries its ``sms``.
 ``--pair``: sources 0 and 1 also run as two simulated ranks at once (:class:`Pair`), each on its own
 non-blocking stream with its own ``Kernels`` of the ``--sms`` value's launch shape (a fixed SM share by
 grid size: the hardware places the blocks of both), storing into each other's buffers. Per op (compact
-dispatch: count + scatter, then receive count + copy; combine: combine_send, then combine_reduce), from
+dispatch: count + scatter, then receive count + copy; combine: combine_scatter, then combine_reduce), from
 CUDA events on both streams: the wall time (first start to last end) and the tail, from the end of the
 later send phase (the last remote store) to the later end. Between the phases the real protocol has a
 signal and a wait; here CUDA events order them (each stream waits for the other's send event), so both
@@ -262,11 +262,11 @@ class Bench:
                                                       self.num_expanded * row_bytes),
             "receive_copy (expand, cached)": (receive_copy(True, PLACE_CACHED, expand_out),
                                               self.num_expanded * row_bytes),
-            "combine_send (compact copy)": (lambda: k.combine_send(
+            "combine_scatter (compact copy)": (lambda: k.combine_scatter(
                 y_compact, compact_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
                 expand=False),
                 (self.num_rows - own_rows) * row_bytes),  # rank 0's own rows stay in y
-            "combine_send (expand reduce)": (lambda: k.combine_send(
+            "combine_scatter (expand reduce)": (lambda: k.combine_scatter(
                 y_expand, expand_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
                 expand=True, weights=weights), self.num_expanded * row_bytes),
             "combine_reduce (compact, own rows from y)": (lambda: k.combine_reduce(
@@ -294,7 +294,7 @@ class Pair:
 
     Dispatch: send = count + scatter (+ the count words into every receiver's buffer, standing in for the
     signal's counts), receive = receive_count + receive_copy into ``out[r]`` (:meth:`Bench.outputs`, compact).
-    Combine: send = combine_send of the received rows ``out[r][0]`` back to their sources, receive =
+    Combine: send = combine_scatter of the received rows ``out[r][0]`` back to their sources, receive =
     combine_reduce into ``combined[r] [T, H]`` uint16 (the rows rank r received from itself read from ``y``).
     The combine uses the layouts and outputs of the latest dispatch, so a dispatch runs first.
     """
@@ -329,7 +329,7 @@ class Pair:
 
     def combine_send(self, r: int) -> None:
         y, meta = self.out[r][0], self.out[r][3]
-        self.k[r].combine_send(y, meta, self.recv[r].rank_psum, self.b.rows, my_rank=r, step=self.b.combine_step,
+        self.k[r].combine_scatter(y, meta, self.recv[r].rank_psum, self.b.rows, my_rank=r, step=self.b.combine_step,
                                expand=False)
 
     def combine_receive(self, r: int) -> None:

@@ -77,7 +77,7 @@ def own_rows(rank_psum, my_rank):
 
 @kernel
 def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
-    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_send` (compact): one warp per piece of ``span``
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_scatter` (compact): one warp per piece of ``span``
     words (even) of a row; the rows whose source is ``my_rank`` are skipped (not given a warp)."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
@@ -126,7 +126,7 @@ def term_lists(num_topk):
 @kernel
 def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
                           rows):
-    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_send` (expand); dynamic shared memory: ``[warps * K]``
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_scatter` (expand); dynamic shared memory: ``[warps * K]``
     int32 then ``[warps * K]`` float32."""
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]

@@ -2,11 +2,11 @@
 
 Arrays are NumPy (in the simulator) or CuPy / any ``__cuda_array_interface__`` array (on a GPU);
 this module only slices, views and allocates with the array module ``xp`` it was given. Payloads
-travel as raw words (:mod:`ep_comm.launching.device_arrays`). The mode constants of the scatter
+travel as raw words (:func:`ep_comm.contract.symmetric.payload_words`). The mode constants of the scatter
 (``SLOT_*``) and of the receive placement (``PLACE_*``) are the device modules' own, re-exported.
 
 Typical use by a backend, per dispatch on rank ``me`` (``views[r]`` are rank r's symmetric
-buffer, see :func:`ep_comm.launching.device_arrays.symmetric_views`)::
+buffer, see :func:`ep_comm.contract.symmetric.symmetric_views`)::
 
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
     send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
@@ -16,7 +16,7 @@ buffer, see :func:`ep_comm.launching.device_arrays.symmetric_views`)::
     k.receive_copy(recv.rank_psum, own.rows, own.meta, step, recv_x, recv_topk_idx, recv_topk_weights,
                    recv_src_metadata, expand=e, mode=PLACE_STABLE, expert_psum=recv.expert_psum,
                    alignment=a, zero_padding=z)
-    # combine (next step): k.combine_send(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views],
+    # combine (next step): k.combine_scatter(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views],
     #          my_rank=me, step=step, ahead=1, expand=e, weights=w); transport signal;
     #          k.combine_reduce(own.rows, step, ...)
 
@@ -547,7 +547,7 @@ class Kernels:
         self._launch(receive_rows_kernel, blocks=blocks)(
             rank_psum, rows, step, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide, span)
 
-    def combine_send(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
+    def combine_scatter(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
                      my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None,
                      ahead: int = 0) -> None:
         """Send expert outputs back: row ``i`` goes to ``rows[src][parity, my_rank, slot]`` of its source
@@ -556,7 +556,7 @@ class Kernels:
         ``y``: compact ``[N, H]`` or expand ``[M, H]`` payload; ``recv_src_metadata [N, 2 + K]`` and
         ``rank_psum [R]`` from the dispatch; ``rows[r]``: rank r's ``SymmetricViews.rows`` (compact)
         or the same bytes viewed as ``[2, R, max_tokens, row_bytes // itemsize]`` payload elements
-        (expand, see :func:`~ep_comm.launching.device_arrays.payload_rows`). Compact copies only the rows of
+        (expand, see :func:`~ep_comm.contract.symmetric.payload_rows`). Compact copies only the rows of
         other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
         launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
         float32 when given, this rank's own rows included. Bfloat16 ``y`` goes through
@@ -602,7 +602,7 @@ class Kernels:
         arrays of any payload dtype. Compact mode gives ``y [N, H]`` (the combine's input, ``out``'s
         dtype) and ``recv_rank_psum`` (int32 ``[R]``, the dispatch's inclusive psum of rows per source):
         this rank's own partials are then read from ``y`` (row ``recv_rank_psum[my_rank - 1] + slot``),
-        as :meth:`combine_send` did not copy them; expand mode gives neither (they are in ``rows``).
+        as :meth:`combine_scatter` did not copy them; expand mode gives neither (they are in ``rows``).
         """
         if (y is None) != (recv_rank_psum is None):
             raise ValueError(f"y is {'None' if y is None else 'given'} but recv_rank_psum is "

@@ -61,7 +61,7 @@ def record_all(dtype: np.dtype) -> list:
                        np.zeros(ids_shape, np.int64), np.zeros(ids_shape, np.float32),
                        np.zeros((R * T, 2 + K), np.int32), expand=expand, mode=PLACE_STABLE,
                        expert_psum=counts.expert_psum, alignment=1, zero_padding=True)
-        k.combine_send(np.zeros((ids_shape[0], H), dtype), np.zeros((R * T, 2 + K), np.int32), counts.rank_psum,
+        k.combine_scatter(np.zeros((ids_shape[0], H), dtype), np.zeros((R * T, 2 + K), np.int32), counts.rank_psum,
                        [v.rows for v in views], my_rank=0, step=step, expand=expand,
                        weights=np.zeros(ids_shape[0], np.float32) if expand else None)
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,

@@ -64,7 +64,7 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
         ys.append(random_payload(rng, (rows, world.hidden), world.dtype))
         device_ys.append(world.device_payload(ys[d]))
         weights.append(rng.standard_normal(rows).astype(np.float32) if weighted and expand else None)
-        k.combine_send(device_ys[d], xp.asarray(received[d].recv_src_metadata),
+        k.combine_scatter(device_ys[d], xp.asarray(received[d].recv_src_metadata),
                        received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, step=world.step(PARITY),
                        expand=expand, weights=world.dev(weights[d]))
     for s, region in enumerate(poisoned or ()):
@@ -216,7 +216,7 @@ def test_expand_send_bfloat16_signed_zeros_are_the_reference_partials(xp, weight
         y[rng.random(y.shape) < 0.7] = -0.0
         weights = rng.choice(np.float32([-0.0, 0.0, -1.5, 0.75]), rows) if weighted else None
         meta = received[d].recv_src_metadata
-        world.kernels.combine_send(world.device_payload(y), xp.asarray(meta), received[d].counts.rank_psum,
+        world.kernels.combine_scatter(world.device_payload(y), xp.asarray(meta), received[d].counts.rank_psum,
                                    [v.rows for v in world.views], my_rank=d, step=world.step(PARITY), expand=True,
                                    weights=world.dev(weights))
         n = len(world.arrivals(d, sent))
