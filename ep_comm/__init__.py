@@ -3,6 +3,7 @@
 ``Buffer`` is the public API (see README.md); ``backend="mpi"`` runs on CPU over MPI one-sided
 windows, ``backend="nvshmem"`` on GPUs over NVSHMEM symmetric memory.
 """
+from ep_comm._version import __version__ as __version__
 from ep_comm.buffer import Buffer
 from ep_comm.contract.layout import DispatchLayout
 from ep_comm.errors import BufferUnusableError, PeerAbortedError, RoutingError, TimeoutError
@@ -11,4 +12,3 @@ from ep_comm.recv_hook import RecvHook
 
 __all__ = ["Buffer", "BufferUnusableError", "CombineOutput", "DispatchLayout", "DispatchOutput", "EPHandle",
            "PeerAbortedError", "RecvHook", "RoutingError", "TimeoutError"]
-__version__ = "0.1.0"

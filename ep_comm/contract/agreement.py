@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from mpi4py import MPI
 
-import ep_comm
+from ep_comm._version import __version__
 
 # what must agree: the geometry, the payload dtype, the backend resolved, and the choices as given
 FIELDS = ("num_experts", "hidden", "num_topk", "num_max_tokens_per_rank", "dtype", "backend", "transport",
@@ -36,7 +36,7 @@ def construction_fields(*, num_experts: int, hidden: int, num_topk: int, num_max
     return dict(num_experts=int(num_experts), hidden=int(hidden), num_topk=int(num_topk),
                 num_max_tokens_per_rank=int(num_max_tokens_per_rank), dtype=str(dtype), backend=str(backend),
                 transport=str(transport), deterministic=bool(deterministic),
-                num_sms=None if num_sms is None else int(num_sms), version=ep_comm.__version__)
+                num_sms=None if num_sms is None else int(num_sms), version=__version__)
 
 
 def agree(comm: MPI.Comm, fields: Optional[Dict[str, Any]], error: Optional[Exception]) -> None:
