@@ -14,7 +14,7 @@ import pytest
 from ep_comm.bench import runner, shared_gpu
 from ep_comm.bench.measure import RankSample
 from ep_comm.bench.report import csv_row, format_report, summarize, write_csv, write_json
-from ep_comm.process_memory import GPU_WIDE_NOTE, MIB, MemoryProbe, MemoryTrack, memory_failures, process_used_bytes
+from ep_comm.soak.memory import GPU_WIDE_NOTE, MIB, MemoryProbe, MemoryTrack, memory_failures, process_used_bytes
 
 NOTE = "shared GPU: not an NVLink figure"
 

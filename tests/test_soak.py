@@ -14,19 +14,10 @@ from helpers.mpirun import launcher, run_job
 
 from ep_comm import Buffer
 from ep_comm.contract.choices import PAYLOAD_DTYPES
-from ep_comm.process_memory import MemoryTrack
-from ep_comm.soak import (
-    FORCED_STEPS,
-    ArrayIO,
-    Shape,
-    base_payload,
-    check_step,
-    main,
-    negated,
-    plan_step,
-    rank_inputs,
-    round_trip,
-)
+from ep_comm.soak.__main__ import main
+from ep_comm.soak.memory import MemoryTrack
+from ep_comm.soak.plan import FORCED_STEPS, Shape, base_payload, plan_step, rank_inputs
+from ep_comm.soak.round_trip import ArrayIO, check_step, negated, round_trip
 from ep_comm.testing.routing import KINDS
 
 REPO = Path(__file__).resolve().parents[1]
