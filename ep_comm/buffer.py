@@ -1,4 +1,5 @@
-"""``ep_comm.Buffer``: the public API. Checks every argument, then hands the work to a backend."""
+"""``ep_comm.Buffer``: the public API. Checks every argument (``ep_comm._buffer_arguments``: the checks and forms
+a backend takes), then hands the work to a backend."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,16 +7,22 @@ import functools
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
-import numpy as np
 from mpi4py import MPI
 
+from ep_comm._buffer_arguments import (
+    as_float32,
+    check_constructor_arguments,
+    check_handle_once,
+    dispatch_payload,
+    fp8_output,
+    topk_idx_array,
+)
 from ep_comm.backends import make_backend, resolve_backend
 from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract import checks as chk
-from ep_comm.contract import fp8
 from ep_comm.contract.agreement import agree, construction_fields
-from ep_comm.contract.choices import PAYLOAD_DTYPES, payload_dtype
+from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.layout import DispatchLayout
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle
@@ -29,20 +36,6 @@ def _holds_captured_memory(method: Callable) -> Callable:
         with self._live().captured_memory():
             return method(self, *args, **kwargs)
     return call
-
-
-def _float32(xp: Any, a: Any, copy: bool) -> Any:
-    """Floating array ``a`` as float32 (a new array when ``copy``); bfloat16 exactly through its bits, so that
-    no bfloat16 arithmetic is needed from the array module (CuPy)."""
-    if np.dtype(a.dtype) == PAYLOAD_DTYPES["bfloat16"]:
-        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return a.astype(xp.float32, copy=copy)
-
-
-def _fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
-    """``out`` with its packed FP8 ``recv_x`` (``[rows, P / itemsize]``) as the pair ``(recv_x_fp8 [rows, H],
-    recv_scales [rows, H / 128] float32)``, views of it (``ep_comm.contract.fp8.unpack``)."""
-    return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, hidden))
 
 
 class Buffer:
@@ -101,8 +94,8 @@ class Buffer:
         fields, error = None, None
         try:
             backend_name = resolve_backend(backend)
-            self._check_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank, timeout_s,
-                                  num_sms, transport, profile)
+            check_constructor_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank,
+                                        timeout_s, num_sms, transport, profile)
             self.geometry = Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
                                          int(num_max_tokens_per_rank), payload_dtype(dtype))
             fields = construction_fields(num_experts=num_experts, hidden=hidden, num_topk=num_topk,
@@ -118,7 +111,7 @@ class Buffer:
                                    transport, bool(profile))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
-        # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (see _check_handle)
+        # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (check_handle_once)
         self._checked_handles: Dict[int, weakref.ref] = {}
         self._profiling = bool(profile)
         self._pending: Optional[RecvHook] = None  # the receive hook of a split call, until it is called
@@ -127,17 +120,6 @@ class Buffer:
         self.transport: Optional[str] = self._backend.transport_name
         self.rank = comm.rank
         self.num_ranks = comm.size
-
-    @staticmethod
-    def _check_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any, num_max_tokens_per_rank: Any,
-                         timeout_s: Any, num_sms: Any, transport: Any, profile: Any) -> None:
-        """This rank's own checks of the constructor's arguments (TypeError / ValueError), no communication."""
-        chk.check_geometry(num_ranks, num_experts, hidden, num_topk, num_max_tokens_per_rank)
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
-        chk.check_num_sms(num_sms)
-        chk.check_transport(transport)
-        chk.check_profile(profile)
 
     @property
     def num_local_experts(self) -> int:
@@ -176,29 +158,6 @@ class Buffer:
         """``hook`` (this Buffer's pending one) is being called: collective calls may follow."""
         self._pending = None
 
-    def _check_handle(self, handle: Any, doing: str) -> None:
-        """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry
-        (TypeError / ValueError otherwise). The check runs once per handle: a handle is never changed after the
-        dispatch that made it, and the geometry is the Buffer's for good. The handles that passed are kept by
-        weak reference (a handle's lifetime stays its user's), and forgotten when they die."""
-        checked = self._checked_handles
-        key = id(handle)
-        seen = checked.get(key)
-        if seen is not None and seen() is handle:
-            return
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f"handle must be an EPHandle from {doing}, got {type(handle).__name__}")
-        chk.check_handle(handle, self.geometry)
-        checked[key] = weakref.ref(handle, lambda _, key=key: checked.pop(key, None))
-
-    def _topk_idx(self, topk_idx: Any) -> Any:
-        """``topk_idx`` as the backend's array, its type, shape, token count and (unsigned) int64 range checked
-        (``validate.check_topk_idx``); its values are the dispatch's count step's to check."""
-        be = self._live()
-        topk_idx = be.as_array(topk_idx, "topk_idx")
-        chk.check_topk_idx(topk_idx, self.geometry)
-        return topk_idx
-
     @_holds_captured_memory
     def get_dispatch_layout(self, topk_idx: Any) -> DispatchLayout:
         """Counts of a routing (local, no communication).
@@ -214,7 +173,8 @@ class Buffer:
             ValueError: an id ``>= num_experts`` or a row naming an expert twice, at once on this rank (nothing
                 is collective here; ``dispatch`` raises it on every rank, ``validate.routing_error``).
         """
-        be, idx = self._live(), self._topk_idx(topk_idx)
+        be = self._live()
+        idx = topk_idx_array(be, self.geometry, topk_idx)
         if idx.shape[0]:
             chk.check_topk_values(*be.routing_summary(idx), self.geometry)
         return be.dispatch_layout(idx)
@@ -294,14 +254,14 @@ class Buffer:
         if (topk_idx is None) == (handle is None):
             raise ValueError("give exactly one of topk_idx (a new routing) and handle (a cached dispatch)")
         if handle is not None:
-            self._check_handle(handle, "an earlier dispatch")
+            check_handle_once(self._checked_handles, handle, geo, "an earlier dispatch")
             num_tokens, idx = handle.num_tokens, handle.topk_idx
             expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
         else:
-            idx = self._topk_idx(topk_idx)
+            idx = topk_idx_array(be, geo, topk_idx)
             num_tokens = idx.shape[0]
             chk.check_alignment(expert_alignment)
-        x, is_fp8 = self._payload(x, num_tokens, use_fp8)
+        x, is_fp8 = dispatch_payload(be, geo, x, num_tokens, use_fp8)
         if topk_weights is not None:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             chk.check_weights(topk_weights, "topk_weights", (num_tokens, geo.num_topk))
@@ -314,34 +274,13 @@ class Buffer:
         if handle is None and idx.dtype.kind == "u":
             idx = idx.astype(be.xp.int64)
         if topk_weights is not None:
-            topk_weights = _float32(be.xp, topk_weights, copy=True)
+            topk_weights = as_float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
             topk_weights = handle.topk_weights
-        finish = functools.partial(_fp8_output, hidden=geo.hidden) if is_fp8 else None
+        finish = functools.partial(fp8_output, hidden=geo.hidden) if is_fp8 else None
         return self._start(return_recv_hook, be.dispatch, be.dispatch_send,
                            DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
                                            bool(zero_padding), bool(cpu_sync), stats), finish)
-
-    def _payload(self, x: Any, num_tokens: int, use_fp8: Any) -> tuple:
-        """``(payload, is_fp8)``: ``x`` checked as the dispatch's payload (``num_tokens`` rows). Non-FP8: ``x``
-        itself ``[T, H]``. FP8 (``x`` a pair, or ``use_fp8``): the backend's ``pack_fp8`` of the pair or of ``x``,
-        the packed FP8 rows ``[T, P]`` (``ep_comm.contract.fp8``) as a payload in the buffer dtype, ``[T, P / itemsize]``
-        (the narrower payload the backends carry; on ``nvshmem`` written by the scatter itself)."""
-        be, geo = self._live(), self.geometry
-        chk.check_flag(use_fp8, "use_fp8")
-        is_pair = not hasattr(x, "shape") and chk.is_fp8_pair(x)  # an array is no pair: no call on the fast path
-        if is_pair and use_fp8:
-            raise ValueError("use_fp8=True with x given as an FP8 pair (x_fp8, scales): use_fp8 quantizes x given in "
-                             "the buffer's dtype; pass one or the other")
-        if is_pair or use_fp8:
-            chk.check_fp8_hidden(geo.hidden)
-        if is_pair:
-            x_fp8, scales = (be.as_array(a, name) for name, a in zip(chk.FP8_PARTS, chk.fp8_pair(x)))
-            chk.check_fp8_pair(x_fp8, scales, num_tokens, geo, "num_tokens")
-            return be.pack_fp8((x_fp8, scales)), True
-        x = be.as_array(x, "x")
-        chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
-        return (be.pack_fp8(x), True) if use_fp8 else (x, False)
 
     @_holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
@@ -378,14 +317,14 @@ class Buffer:
         be = self._ready("combine")
         chk.check_flag(return_recv_hook, "return_recv_hook")
         geo = self.geometry
-        self._check_handle(handle, "dispatch")
+        check_handle_once(self._checked_handles, handle, geo, "dispatch")
         y = be.as_array(y, "y")
         chk.check_payload(y, "y", handle.num_out_rows, geo, "rows of the dispatch's recv_x")
         if topk_weights is not None:
             topk_weights = be.as_array(topk_weights, "topk_weights")
             shape = (handle.num_out_rows,) if handle.expand else (handle.num_out_rows, geo.num_topk)
             chk.check_weights(topk_weights, "topk_weights", shape)
-            topk_weights = _float32(be.xp, topk_weights, copy=False)
+            topk_weights = as_float32(be.xp, topk_weights, copy=False)
         bias_terms = tuple(be.as_array(b, "bias") for b in chk.check_bias(bias, handle.num_tokens, geo))
         return self._start(return_recv_hook, be.combine, be.combine_send,
                            CombineRequest(y, handle, topk_weights, bias_terms))

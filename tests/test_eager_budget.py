@@ -13,7 +13,7 @@ from helpers.fake_gpu import simulated_backend
 from mpi4py import MPI
 
 import ep_comm.buffer as buffer_module
-from ep_comm.backends.nvshmem import grid_shape
+from ep_comm.backends.sm_grid import grid_shape
 from ep_comm.contract import fp8
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import ep_comm
-from ep_comm.backends.nvshmem import grid_shape, sms_in_effect
+from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract.checks import check_num_sms, check_num_sms_fits
 from ep_comm.testing.routing import uniform_routing
 

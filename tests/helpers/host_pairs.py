@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import ep_comm.buffer as buffer_module  # noqa: E402
-from ep_comm.backends.nvshmem import grid_shape  # noqa: E402
+from ep_comm.backends.sm_grid import grid_shape  # noqa: E402
 from ep_comm.contract.choices import payload_dtype  # noqa: E402
 from ep_comm.contract.geometry import Geometry  # noqa: E402
 from ep_comm.testing.routing import uniform_routing  # noqa: E402

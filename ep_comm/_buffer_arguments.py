@@ -1,0 +1,89 @@
+"""The arguments of ``Buffer``'s calls, checked and put in the forms a backend takes (private to ``ep_comm.buffer``):
+the constructor's own checks, a routing as the backend's array, the dispatch payload (the rows, or the FP8 pair
+or ``use_fp8`` as the backend's FP8 payload) and the FP8 pair of its output, weights as float32, and a handle checked
+once per Buffer."""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Dict
+
+import numpy as np
+
+from ep_comm.backends.interface import Backend
+from ep_comm.contract import checks as chk
+from ep_comm.contract import fp8
+from ep_comm.contract.choices import PAYLOAD_DTYPES
+from ep_comm.contract.geometry import Geometry
+from ep_comm.handle import DispatchOutput, EPHandle
+
+
+def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any,
+                                num_max_tokens_per_rank: Any, timeout_s: Any, num_sms: Any, transport: Any,
+                                profile: Any) -> None:
+    """This rank's own checks of the constructor's arguments (TypeError / ValueError), no communication."""
+    chk.check_geometry(num_ranks, num_experts, hidden, num_topk, num_max_tokens_per_rank)
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
+    chk.check_num_sms(num_sms)
+    chk.check_transport(transport)
+    chk.check_profile(profile)
+
+
+def as_float32(xp: Any, a: Any, copy: bool) -> Any:
+    """Floating array ``a`` as float32 (a new array when ``copy``); bfloat16 exactly through its bits, so that
+    no bfloat16 arithmetic is needed from the array module (CuPy)."""
+    if np.dtype(a.dtype) == PAYLOAD_DTYPES["bfloat16"]:
+        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float32, copy=copy)
+
+
+def fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
+    """``out`` with its packed FP8 ``recv_x`` (``[rows, P / itemsize]``) as the pair ``(recv_x_fp8 [rows, H],
+    recv_scales [rows, H / 128] float32)``, views of it (``ep_comm.contract.fp8.unpack``)."""
+    return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, hidden))
+
+
+def topk_idx_array(be: Backend, geo: Geometry, topk_idx: Any) -> Any:
+    """``topk_idx`` as the backend's array, its type, shape, token count and (unsigned) int64 range checked
+    (``validate.check_topk_idx``); its values are the dispatch's count step's to check."""
+    topk_idx = be.as_array(topk_idx, "topk_idx")
+    chk.check_topk_idx(topk_idx, geo)
+    return topk_idx
+
+
+def dispatch_payload(be: Backend, geo: Geometry, x: Any, num_tokens: int, use_fp8: Any) -> tuple:
+    """``(payload, is_fp8)``: ``x`` checked as the dispatch's payload (``num_tokens`` rows). Non-FP8: ``x``
+    itself ``[T, H]``. FP8 (``x`` a pair, or ``use_fp8``): the backend's ``pack_fp8`` of the pair or of ``x``,
+    the packed FP8 rows ``[T, P]`` (``ep_comm.contract.fp8``) as a payload in the buffer dtype, ``[T, P / itemsize]``
+    (the narrower payload the backends carry; on ``nvshmem`` written by the scatter itself)."""
+    chk.check_flag(use_fp8, "use_fp8")
+    is_pair = not hasattr(x, "shape") and chk.is_fp8_pair(x)  # an array is no pair: no call on the fast path
+    if is_pair and use_fp8:
+        raise ValueError("use_fp8=True with x given as an FP8 pair (x_fp8, scales): use_fp8 quantizes x given in "
+                         "the buffer's dtype; pass one or the other")
+    if is_pair or use_fp8:
+        chk.check_fp8_hidden(geo.hidden)
+    if is_pair:
+        x_fp8, scales = (be.as_array(a, name) for name, a in zip(chk.FP8_PARTS, chk.fp8_pair(x)))
+        chk.check_fp8_pair(x_fp8, scales, num_tokens, geo, "num_tokens")
+        return be.pack_fp8((x_fp8, scales)), True
+    x = be.as_array(x, "x")
+    chk.check_payload(x, "x", num_tokens, geo, "num_tokens")
+    return (be.pack_fp8(x), True) if use_fp8 else (x, False)
+
+
+def check_handle_once(checked: Dict[int, weakref.ref], handle: Any, geo: Geometry, doing: str) -> None:
+    """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry ``geo``
+    (TypeError / ValueError otherwise). The check runs once per handle: a handle is never changed after the
+    dispatch that made it, and the geometry is the Buffer's for good. The handles that passed are kept in
+    ``checked`` (``id(handle)`` -> weak reference: a handle's lifetime stays its user's), and forgotten when they
+    die."""
+    key = id(handle)
+    seen = checked.get(key)
+    if seen is not None and seen() is handle:
+        return
+    if not isinstance(handle, EPHandle):
+        raise TypeError(f"handle must be an EPHandle from {doing}, got {type(handle).__name__}")
+    chk.check_handle(handle, geo)
+    checked[key] = weakref.ref(handle, lambda _, key=key: checked.pop(key, None))

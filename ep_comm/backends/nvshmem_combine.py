@@ -1,0 +1,99 @@
+"""The combine half of ``NvshmemBackend`` (``NvshmemCombine``): the send half (``Kernels.combine_scatter`` back into
+the sources' buffers, the weights' return route, puts, signal) and the receive half (wait, then ``combine_reduce``
+with the bias; in compact mode this rank's own rows straight from ``y``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ep_comm.backends.interface import CombineRequest, ReceiveHalf
+from ep_comm.backends.nvshmem_steps import NvshmemSteps
+from ep_comm.contract.arrays import Array
+from ep_comm.handle import CombineOutput, EPHandle
+from ep_comm.launching import weight_return
+
+
+class NvshmemCombine(NvshmemSteps):
+    """``NvshmemBackend``'s ``combine`` and ``combine_send``."""
+
+    def combine(self, request: CombineRequest) -> CombineOutput:
+        """One collective combine of ``request.y`` along the routes of ``request.handle``."""
+        return self._collective("combine", request.handle.cpu_sync, "total", self._whole, self._combine, request)
+
+    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
+        """The send half of one collective combine (rows and weights back, puts, signal; no wait), and its receive
+        half."""
+        return self._split("combine", request.handle.cpu_sync, self._combine, request)
+
+    def _combine(self, seq: int, request: CombineRequest, hooked: bool) -> Callable[[], CombineOutput]:
+        """The send half of a combine; returns its receive half."""
+        h, weights, y = request.handle, self._contiguous(request.topk_weights), self._contiguous(request.y)
+        key = ("combine send", y.shape, y.dtype.char, h.expand, None if weights is None else weights.shape)
+        roots = (y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank) + ((weights,) if weights is not None else ())
+        with self.profile.phase("combine", "send"):
+            self._planned(key, roots, lambda: self._combine_send(h, y, weights))
+            self.transport.flush(self.kernels.stream, seq % 2, h.psum_num_recv_tokens_per_rank,
+                                 with_meta=weights is not None)
+        self._signal("combine", seq, hooked)
+        return functools.partial(self._combine_receive, request, y, weights, hooked)
+
+    def _combine_receive(self, request: CombineRequest, y: Array, weights: Optional[Array],
+                         hooked: bool) -> CombineOutput:
+        """The receive half of a combine: the wait, then the reduce (with this rank's own rows from ``y``)."""
+        h = request.handle
+        self._wait("combine", hooked, with_counts=False)
+        arrived = self.device.progress() if h.cpu_sync else None
+        with self.profile.phase("combine", "reduce"):
+            x, back = self._combine_reduce(h, y, request.bias_terms, weights is not None)
+        if arrived is not None:
+            self._check_arrival(arrived, "combine")
+        return CombineOutput(x, back)
+
+    def _combine_send(self, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
+        """The rows of ``y`` back to their sources' buffers (compact: those of other sources only, the reduce
+        reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
+        the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
+        xp, t, k = self.xp, self.transport, self.kernels
+        k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
+                       step=t.send_step, ahead=t.send_ahead, expand=h.expand, weights=weights if h.expand else None)
+        if weights is not None:
+            bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
+            weight_return.send_weights(k.launcher, bits, h.expand, h.recv_src_metadata,
+                                       h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
+                                       step=t.send_step, ahead=t.send_ahead, max_blocks=k.num_blocks)
+
+    def _combine_reduce(self, h: EPHandle, y: Array, bias_terms: Sequence[Array], with_weights: bool) -> tuple:
+        """``(x [T, H], gathered weights [T, K] float32 or None)`` from the rows every rank sent back and,
+        in compact mode, this rank's own rows straight from ``y``: one allocation for both, one launch plan."""
+        xp, geo, t, k = self.xp, self.geo, self.transport, self.kernels
+        terms = tuple(_bias_term(xp, b) for b in bias_terms)
+        shapes = [((h.num_tokens, geo.hidden), geo.dtype)] + (
+            [((h.num_tokens, geo.num_topk), np.float32)] if with_weights else [])
+        arrays, block = self.device.carve(shapes)
+        x, back = arrays[0], arrays[1] if with_weights else None
+        own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
+
+        def reduce() -> None:
+            k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
+                             bias=list(terms), **own)
+            if with_weights:
+                weight_return.gather_weights(k.launcher, self._own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
+                                             back.view(xp.int32), experts_per_rank=geo.experts_per_rank,
+                                             my_rank=self.rank, max_blocks=k.num_blocks)
+
+        key = ("combine reduce", h.num_tokens, h.topk_idx.dtype.char, h.expand, with_weights,
+               None if h.expand else y.shape, tuple(b.dtype.char for b in terms))
+        roots = (h.dst_buffer_slot_idx, h.topk_idx, block) + (() if h.expand else (y, own["recv_rank_psum"])) + terms
+        self._planned(key, roots, reduce)
+        return x, back
+
+
+def _bias_term(xp: Any, b: Array) -> Array:
+    """A bias term the combine kernel reads: float32/float16/bfloat16 as is, other floats as float32."""
+    kind = np.dtype(b.dtype)
+    if kind.itemsize == 2 or kind == np.float32:
+        return xp.ascontiguousarray(b)
+    return xp.ascontiguousarray(b.astype(xp.float32))

@@ -1,0 +1,198 @@
+"""How the nvshmem backend runs a collective step (``NvshmemSteps``, the base of ``NvshmemBackend``): on the
+caller's stream, numbered by ``collective_steps.Steps``, whole or split into a send half and a receive hook,
+its launches as launch plans; the step's signal and bounded GPU wait (``transport.signals``), the host's
+bounded poll where ``cpu_sync`` needs host numbers, and the deferred routing verdict of a ``cpu_sync=False``
+dispatch. What a capture refuses and holds is ``capture.py``'s; the step numbers and abort records are
+``collective_steps.py``'s.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
+
+from ep_comm.backends.capture import CapturePolicy
+from ep_comm.backends.collective_steps import STEP_KINDS, Steps
+from ep_comm.backends.interface import ReceiveHalf
+from ep_comm.backends.profile import Profile
+from ep_comm.contract.arrays import Array
+from ep_comm.contract.checks import routing_error, verdicts_clean
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.symmetric import record_verdict_words, record_verdicts
+from ep_comm.errors import RoutingError
+from ep_comm.launching import raw
+from ep_comm.launching.kernel_launches import Kernels
+from ep_comm.launching.plans import Plans
+
+POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound) plus this for the work before them
+
+
+class NvshmemSteps:
+    """The step machinery of ``NvshmemBackend``, over the attributes its ``__init__`` sets (declared here)."""
+
+    xp: Any
+    rank: int
+    geo: Geometry
+    timeout_s: float
+    transport: Any
+    device: Any
+    kernels: Kernels
+    capture: CapturePolicy
+    profile: Profile
+    steps: Steps
+    plans: Plans
+    _own_rows: Array  # this rank's symmetric rows and meta rows, as the kernels take them
+    _own_meta: Array
+    _record_host: Any
+    _unchecked: Optional[Tuple[Any, str]]
+
+    def _launching(self) -> ContextManager[None]:
+        """Kernels launch on the caller's current stream (taken now), without interface syncs inside the
+        returned context."""
+        self.kernels.stream = self.device.stream()
+        return self.device.launching()
+
+    def _collective(self, what: str, host_wait: bool, phase: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, *args)`` as the next collective step (host number ``seq``), timed as its ``phase``, on the
+        caller's stream, after
+        raising any timeout an earlier asynchronous wait recorded (the step's signal advances the device
+        counter) and the routing error of an earlier ``cpu_sync=False`` dispatch (:meth:`_raise_unchecked`).
+        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold. A dispatch or
+        combine reads the peers' abort records from the device on entry only when the last finished wait saw one
+        (the mapped status record, ``Steps.run``): a record posted since ends this step's GPU wait early, and the
+        step's poll raises. A close reads them always ("cannot close": a peer gave up, nothing to wait for).
+        """
+        self.capture.begin(what, host_wait)
+        if not self.capture.active and what != "close":
+            self.capture.raise_for_checks()
+            self._raise_unchecked()
+        seen = True  # an unusable buffer: Steps.run raises BufferUnusableError before reading anything
+        if not self.steps.unusable:
+            missing, seen = self.transport.wait_state()
+            if missing:
+                raise self.steps.timed_out("an earlier operation", missing)
+        return self.steps.run(what, seen or what == "close", self._step, what, phase, body, *args)
+
+    def _step(self, seq: int, what: str, phase: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, *args)`` timed as the step's ``phase``, launching on the caller's stream."""
+        with self.profile.phase(what, phase), self._launching():
+            return body(seq, *args)
+
+    def _whole(self, seq: int, send: Callable[..., Callable[[], Any]], *args: Any) -> Any:
+        """A plain step: ``send(seq, *args, False)`` (signal and wait), then at once the receive half it returns."""
+        return send(seq, *args, False)()
+
+    def _split(self, what: str, host_wait: bool, send: Callable[..., Callable[[], Any]], *args: Any) -> ReceiveHalf:
+        """Step ``what``'s send half now (``send(seq, *args, True)``: up to a signal that waits for nothing), and its
+        receive half as a ``ReceiveHalf`` (guarded by ``Steps.resume``): the hook's call must be captured into a
+        CUDA graph exactly when the send was, and an uncaptured one waits for an event recorded after the send
+        when it runs on another stream."""
+        receive = self._collective(what, host_wait, "send part", send, *args, True)
+        captured = self.capture.active
+        sent = None if captured else self.device.mark()
+        return ReceiveHalf(self.steps.latest, functools.partial(self._prepare_hook, what, captured, sent),
+                           functools.partial(self.steps.resume, what, self._hook, what, receive))
+
+    def _prepare_hook(self, what: str, captured: bool, sent: Any) -> None:
+        """Before a hook enqueues anything: RuntimeError unless its capture state is its send's; an uncaptured
+        hook's stream waits for ``sent`` (``device.mark()`` after the send) when it is not the send's stream."""
+        self.capture.resume(what, captured)
+        if sent is not None:
+            self.device.wait_for(sent)
+
+    def _hook(self, what: str, receive: Callable[[], Any]) -> Any:
+        """The receive half of a split step on the caller's stream, timed as its ``hook``; under capture the
+        memory it allocates is held for the graph."""
+        with self.capture.memory(), self.profile.phase(what, "hook"), self._launching():
+            return receive()
+
+    def _contiguous(self, a: Optional[Array]) -> Optional[Array]:
+        """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
+        return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)
+
+    def _signal_and_wait(self, what: str, seq: int, counts: Optional[Array] = None) -> None:
+        """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``, int32 ``[R, 1 + L]``:
+        rows, then entries per local expert, ``SendLayout.count_words``), then enqueue the bounded wait for
+        every rank's signal (the received counts of a missing rank become 0).
+
+        The signal word is ``step_word(seq, what)`` (monotone). A peer has arrived when its word equals
+        this step's value or reached the next step (a peer is at most one step ahead); a peer in
+        another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
+        with self.profile.phase(what, "signal+wait"):
+            self.transport.exchange(self.kernels.stream, seq, STEP_KINDS[what], self.timeout_s, counts)
+
+    def _signal(self, what: str, seq: int, hooked: bool, counts: Optional[Array] = None) -> None:
+        """The end of step ``seq``'s send half: :meth:`_signal_and_wait` for a plain step; for a split one
+        (``hooked``) the signal alone (with ``counts`` as there), whose wait the hook enqueues (:meth:`_wait`)."""
+        if not hooked:
+            self._signal_and_wait(what, seq, counts)
+            return
+        with self.profile.phase(what, "signal"):
+            self.transport.signal(self.kernels.stream, seq, STEP_KINDS[what], counts)
+
+    def _wait(self, what: str, hooked: bool, with_counts: bool) -> None:
+        """The start of a split step's receive half (``hooked``): the bounded GPU wait for every rank's signal
+        (``with_counts``: zeroing a missing rank's received count words); nothing for a plain step."""
+        if hooked:
+            with self.profile.phase(what, "wait"):
+                self.transport.wait(STEP_KINDS[what], self.timeout_s, with_counts)
+
+    def _check_arrival(self, marker: Any, what: str) -> None:
+        """Poll until the GPU reached ``marker`` (``device.progress()`` taken after the step's wait: the work
+        enqueued after it runs on meanwhile), then raise on a peer's abort record or a timeout: one poll, no
+        stream synchronisation."""
+        with self.profile.phase(what, "host sync"):
+            self._poll(marker, what)
+        self._after_host_wait(what)
+
+    def _poll(self, marker: Any, what: str) -> None:
+        """Spin until the GPU reached ``marker`` (``device.progress()``); its waits are bounded by ``timeout_s``, so
+        past ``timeout_s + POLL_SLACK_S`` the step is given up (``ep_comm.TimeoutError``: the stream's earlier work
+        never finished, or a kernel hangs)."""
+        reached = self.device.reached
+        if reached(marker):
+            return
+        deadline = time.perf_counter() + self.timeout_s + POLL_SLACK_S
+        while not reached(marker):
+            if time.perf_counter() > deadline:
+                missing = self.transport.wait_state()[0]
+                raise self.steps.timed_out(what, missing) if missing else self.steps.stalled(
+                    what, self.timeout_s + POLL_SLACK_S)
+            time.sleep(0)
+
+    def _raise_unchecked(self) -> None:
+        """The routing error of the last ``cpu_sync=False`` dispatch of a new routing, if any rank's verdict was bad
+        (every rank raises it at its next call, before that call does anything). Polls that dispatch's receive count
+        when it has not finished yet (bounded, :meth:`_poll`)."""
+        if self._unchecked is None:
+            return
+        (marker, step), self._unchecked = self._unchecked, None
+        self._poll(marker, "dispatch")
+        error = self._verdict(step)
+        if error is not None:
+            raise error
+
+    def _verdict(self, step: str) -> Optional[RoutingError]:
+        """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
+        None when all are clean."""
+        geo = self.geo
+        words = record_verdict_words(self._record_host, geo.num_ranks)
+        if verdicts_clean(words, geo.num_experts):
+            return None
+        return routing_error(record_verdicts(self._record_host, geo.num_ranks), geo.num_experts, step)
+
+    def _after_host_wait(self, what: str) -> None:
+        """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
+        ``Steps.after_wait`` says (a peer's abort record: the rows of this step are not to be used). The abort
+        records are read from the device only when a rank is missing or the mapped status record shows one
+        (the wait kernel copies word 0 of every record there): no host round trip after a clean wait."""
+        self.steps.after_wait(what, *self.transport.wait_state())
+
+    def _planned(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
+        """``path()`` (launches through ``Kernels``) as a launch plan of ``key`` over ``roots`` (``Plans.run``); run
+        as it is while profiling (its phases) or capturing (what a capture holds is its own)."""
+        if self.profile.enabled or self.capture.active:
+            path()
+            return
+        self.plans.run(key, raw.stream(self.device.handle()), roots, path)
+
