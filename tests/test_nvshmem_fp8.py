@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.fake_gpu import simulated_backend
+from helpers.fake_gpu import dispatch, simulated_backend
+from helpers.same_outputs import assert_same_dispatch
 from mpi4py import MPI
-from test_nvshmem_host import _compare, dispatch
 
 from ep_comm.backends.interface import BackendSettings, DispatchRequest
 from ep_comm.backends.mpi import MpiBackend
@@ -52,11 +52,11 @@ def test_fp8_dispatch_matches_the_mpi_backend(dtype, expand, cpu_sync, use_puts,
     om = dispatch(mpi, packed, idx, None, None, *args)
     on = dispatch(nv, sent, idx, None, None, *args)
     assert on.recv_x.shape[1] == fp8.packed_row_bytes(geo.hidden) // geo.dtype.itemsize
-    _compare("dispatch", om, on)
+    assert_same_dispatch("dispatch", om, on)
     packed2, sent2 = payloads(x[::-1].copy())
     rm = dispatch(mpi, packed2, None, None, om.handle, *args)
     rn = dispatch(nv, sent2, None, None, on.handle, *args)
-    _compare("replay", rm, rn)
+    assert_same_dispatch("replay", rm, rn)
     nv.close()
     mpi.close()
 
@@ -75,6 +75,6 @@ def test_a_split_fp8_dispatch_writes_its_rows_in_the_send_half():
     half = nv.dispatch_send(DispatchRequest(nv.pack_fp8((q.view(np.uint8), scales)), idx, None, None, False, 1, False,
                                             True, None))
     half.prepare()
-    _compare("hooked dispatch", om, half.receive())
+    assert_same_dispatch("hooked dispatch", om, half.receive())
     nv.close()
     mpi.close()

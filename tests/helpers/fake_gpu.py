@@ -1,15 +1,24 @@
 """The fake GPU of the nvshmem backend's host-side tests: a loopback transport (one rank, its own only peer) and a
 host device (NumPy arrays, no streams): ``simulated_backend`` runs the backend's real call sequence with the kernels
-in the Numba CUDA simulator (or stubbed by the test)."""
+in the Numba CUDA simulator (or stubbed by the test).
+
+The tests drive it with the requests ``Buffer`` makes (:func:`dispatch`, :func:`combine`), mostly at the small
+geometry ``SMALL_GEO`` with the routing ``SMALL_IDX``, and watch its kernel launches with :func:`launch_log`."""
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.nvshmem import NvshmemBackend
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
+from ep_comm.launching import bound
 from ep_comm.transport.staging import staged_destinations, staging_bytes
+
+SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
+SMALL_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)  # 3 tokens of SMALL_GEO: [T, K] int64
 
 
 class LoopbackTransport:
@@ -151,3 +160,39 @@ def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = 
     settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
     return NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
                           launch=launch or dict(num_blocks=2, warps_per_block=2))
+
+
+def dispatch(be, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, stats):
+    """``be.dispatch`` of the request ``Buffer.dispatch`` makes (a replay sends the handle's routing)."""
+    idx = topk_idx if handle is None else handle.topk_idx
+    return be.dispatch(DispatchRequest(x, idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, stats))
+
+
+def combine(be, y, handle, topk_weights, bias_terms):
+    """``be.combine`` of the request ``Buffer.combine`` makes."""
+    return be.combine(CombineRequest(y, handle, topk_weights, tuple(bias_terms)))
+
+
+def eager_replay(expand: bool, seed: int) -> tuple:
+    """``(backend, x, first, eager, eager_sum)``: a simulated backend of ``SMALL_GEO``, 3 tokens ``x`` (float32),
+    the dispatch ``first`` of ``SMALL_IDX``, an eager cached ``cpu_sync=False`` replay of ``x * 2`` and its combine
+    (what a captured replay must give)."""
+    be = simulated_backend(SMALL_GEO, True, False)
+    x = np.random.default_rng(seed).standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
+    first = dispatch(be, x, SMALL_IDX, None, None, expand, 2, True, True, None)
+    eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
+    return be, x, first, eager, combine(be, eager.recv_x, eager.handle, None, ())
+
+
+def launch_log(monkeypatch) -> list:
+    """Every kernel launch's grid and non-array arguments, in order."""
+    log, launch = [], bound.BoundLaunch.__call__
+
+    def recording(self, grid, block, stream, shared_bytes, *args):
+        scalars = tuple(a if isinstance(a, (bool, int, float, np.integer, np.floating)) else type(a).__name__
+                        for a in args)
+        log.append((self.dispatcher.__name__, grid, block, shared_bytes, scalars))
+        return launch(self, grid, block, stream, shared_bytes, *args)
+
+    monkeypatch.setattr(bound.BoundLaunch, "__call__", recording)
+    return log

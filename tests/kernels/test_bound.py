@@ -322,8 +322,8 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
     """A small dispatch and combine (results bit-exact against the NumPy reference), every driver launch's
     parameters checked against ``_Kernel._prepare_args`` (Numba's launch) on the same arguments."""
     import cupy as cp
-    from test_combine import run_combine
-    from test_dispatch import make_world
+    from combine_checks import run_combine
+    from world import kernel_world
 
     from ep_comm.launching.device_arrays import DeviceViews
 
@@ -343,7 +343,7 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
         return launched
 
     monkeypatch.setattr(BoundLaunch, "_launch_packed", checked_launch)
-    world = make_world(cp, seed=21, hidden=40, masked=0.2)
+    world = kernel_world(cp, seed=21, hidden=40, masked=0.2)
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
         run_combine(world, expand=expand, weighted=expand, bias=1)
     assert len(set(map(id, checked))) >= 6
@@ -354,8 +354,8 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     """The same small dispatch and combine through Numba's launch only, then pre-bound: both bit-exact against
     the NumPy reference (``run_combine`` asserts it), and the pre-bound run launches through the driver."""
     import cupy as cp
-    from test_combine import run_combine
-    from test_dispatch import make_world
+    from combine_checks import run_combine
+    from world import kernel_world
 
     raw_launches = []
     launch = raw_module.cuLaunchKernel
@@ -363,10 +363,10 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     with monkeypatch.context() as numba_only:
         numba_only.setattr(BoundLaunch, "_launch_packed", lambda *a: False)
         for expand in (False, True):
-            run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
+            run_combine(kernel_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
     assert raw_launches == []
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
-        run_combine(make_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
+        run_combine(kernel_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
     assert len(set(map(int, raw_launches))) >= 6
 
 

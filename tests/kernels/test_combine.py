@@ -7,86 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_dispatch import make_world, run_dispatch
-from world import bits, random_payload, spy_launches
+from combine_checks import PARITY, run_combine
+from dispatch_checks import run_dispatch
+from world import bits, kernel_world, random_payload, spy_launches
 
-from ep_comm.contract import layout as ref
 from ep_comm.contract import reduce
 from ep_comm.contract.arrays import to_host
 from ep_comm.contract.symmetric import payload_rows
 
-PARITY = 0  # dispatch ran with parity 1
-
-
-def expected_combine(world, sent, received, ys, weights, bias_terms, expand: bool) -> list:
-    """Per source rank: ``reduce.combine_rows`` over the partials ``reduce.expand_partials`` makes."""
-    from_rank = []
-    for d in range(world.num_ranks):
-        n = len(world.arrivals(d, sent))
-        meta = received[d].recv_src_metadata[:n]
-        partial = (reduce.expand_partials(ys[d], meta[:, 2:], weights[d], world.dtype) if expand else ys[d][:n])
-        from_rank.append((meta, partial))
-    out = []
-    for s in range(world.num_ranks):
-        tokens = world.topk[s].shape[0]
-        rows = []
-        for meta, partial in from_rank:
-            per_token = np.zeros((tokens, world.hidden), world.dtype)
-            mine = meta[:, 0] // world.max_tokens == s
-            per_token[meta[mine, 0] % world.max_tokens] = partial[mine]
-            rows.append(per_token)
-        reached = ref.is_token_in_rank(world.topk[s], world.num_experts, world.num_ranks)
-        out.append(reduce.combine_rows(rows, reached, bias_terms[s], world.dtype))
-    return out
-
-
-def poison_own_regions(world) -> list:
-    """Fill every rank's own region ``rows[PARITY, rank]`` with all-one bits (NaN in every payload dtype);
-    returns a copy of each region as filled."""
-    filled = []
-    for s, view in enumerate(world.views):
-        view.rows[PARITY, s] = np.iinfo(view.rows.dtype).max
-        filled.append(to_host(view.rows[PARITY, s]).copy())
-    return filled
-
-
-def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic: bool = True,
-                poison_own: bool = False):
-    """Dispatch, combine on every rank and compare with the reference bit for bit; with ``poison_own``
-    (compact), every rank's own region is poisoned before the combine and must stay untouched by it."""
-    sent, received = run_dispatch(world, deterministic=deterministic, expand=expand, alignment=2, zero_padding=True)
-    poisoned = poison_own_regions(world) if poison_own else None
-    rng = np.random.default_rng(7)
-    k, xp = world.kernels, world.xp
-    ys, device_ys, weights = [], [], []
-    for d in range(world.num_ranks):
-        rows = len(received[d].recv_x) if expand else received[d].recv_src_metadata.shape[0]
-        ys.append(random_payload(rng, (rows, world.hidden), world.dtype))
-        device_ys.append(world.device_payload(ys[d]))
-        weights.append(rng.standard_normal(rows).astype(np.float32) if weighted and expand else None)
-        k.combine_scatter(device_ys[d], xp.asarray(received[d].recv_src_metadata),
-                       received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, step=world.step(PARITY),
-                       expand=expand, weights=world.dev(weights[d]))
-    for s, region in enumerate(poisoned or ()):
-        np.testing.assert_array_equal(to_host(world.views[s].rows[PARITY, s]), region)
-    bias_terms = []
-    for s in range(world.num_ranks):
-        shape = (world.topk[s].shape[0], world.hidden)
-        terms = [random_payload(rng, shape, world.dtype), random_payload(rng, shape, np.dtype(np.float32))][:bias]
-        bias_terms.append(terms)
-    want = expected_combine(world, sent, received, ys, weights, bias_terms, expand)
-    for s in range(world.num_ranks):
-        out = xp.full((world.topk[s].shape[0], world.hidden), 3, world.device_payload(world.x[s]).dtype)
-        own = {} if expand else dict(y=device_ys[s], recv_rank_psum=received[s].counts.rank_psum)
-        k.combine_reduce(world.views[s].rows, world.step(PARITY), xp.asarray(sent[s].slot_idx),
-                         world.dev(world.topk[s]), out, my_rank=s,
-                         bias=[world.device_payload(b) for b in bias_terms[s]], **own)
-        np.testing.assert_array_equal(bits(to_host(out)), bits(want[s]))
-
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_expand_combine_weighted_with_bias_pair(xp, dtype):
-    world = make_world(xp, seed=11, dtype=dtype, hidden=40, masked=0.2, nowhere=1)
+    world = kernel_world(xp, seed=11, dtype=dtype, hidden=40, masked=0.2, nowhere=1)
     run_combine(world, expand=True, weighted=True, bias=2)
 
 
@@ -99,7 +31,7 @@ def test_compact_combine_reads_own_rows_from_y(xp, monkeypatch, ranks, dtype, bi
     launches nothing; with several, one copy per rank."""
     from ep_comm.kernels.combine import combine_copy_kernel
 
-    world = make_world(xp, seed=20 + ranks, ranks=ranks, experts=12, dtype=dtype, hidden=40, tokens=(7, 9, 4),
+    world = kernel_world(xp, seed=20 + ranks, ranks=ranks, experts=12, dtype=dtype, hidden=40, tokens=(7, 9, 4),
                        masked=0.2, nowhere=1)
     launched = spy_launches(monkeypatch)
     run_combine(world, expand=False, weighted=False, bias=bias, deterministic=False, poison_own=True)
@@ -107,7 +39,7 @@ def test_compact_combine_reads_own_rows_from_y(xp, monkeypatch, ranks, dtype, bi
 
 
 def test_compact_reduce_takes_y_and_its_psum_together(xp):
-    world = make_world(xp, seed=12, ranks=2, experts=4, hidden=8, tokens=(3, 2))
+    world = kernel_world(xp, seed=12, ranks=2, experts=4, hidden=8, tokens=(3, 2))
     out = xp.zeros((3, 8), world.device_payload(world.x[0]).dtype)
     with pytest.raises(ValueError, match="y is given but recv_rank_psum is None"):
         world.kernels.combine_reduce(world.views[0].rows, world.step(PARITY), xp.zeros((3, 3), np.int32),
@@ -120,14 +52,14 @@ def test_bfloat16_combine_without_bias_reduces_16_bytes_per_access(xp, monkeypat
     for bit the reference sum, NaN and infinity rounding included (random payloads hold both)."""
     from ep_comm.kernels.combine import combine_reduce_bf16_kernel, combine_reduce_kernel
 
-    world = make_world(xp, seed=15, dtype="bfloat16", hidden=72, masked=0.2)
+    world = kernel_world(xp, seed=15, dtype="bfloat16", hidden=72, masked=0.2)
     launched = spy_launches(monkeypatch)
     run_combine(world, expand=expand, weighted=expand, bias=0)
     assert combine_reduce_bf16_kernel in launched and combine_reduce_kernel not in launched
 
 
 def test_expand_combine_unweighted_no_bias_many_ranks(xp):
-    world = make_world(xp, seed=13, ranks=4, experts=16, topk=5, tokens=(9, 0, 12, 5), hidden=8)
+    world = kernel_world(xp, seed=13, ranks=4, experts=16, topk=5, tokens=(9, 0, 12, 5), hidden=8)
     run_combine(world, expand=True, weighted=False, bias=0)
 
 
@@ -147,7 +79,7 @@ def test_long_rows_are_cut_into_uneven_pieces(xp, monkeypatch, dtype, hidden, bi
     pieces, the last one shorter, one warp per piece; every output stays bit for bit the reference."""
     from ep_comm.launching.kernel_launches import Kernels
 
-    world = make_world(xp, seed=16, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
+    world = kernel_world(xp, seed=16, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
     world.kernels.split_warps = 64
     cuts = []
     row_pieces = Kernels._row_pieces
@@ -178,7 +110,7 @@ def test_expand_combine_bfloat16_sends_16_bytes_per_access(xp, monkeypatch, rank
     without bias, whole rows or pieces (``split``: thousands of warps' worth of pieces for few rows)."""
     from ep_comm.kernels.combine import combine_expand_bf16_kernel, combine_expand_kernel
 
-    world = make_world(xp, seed=30 + hidden, ranks=ranks, experts=16 * ranks, topk=topk, hidden=hidden,
+    world = kernel_world(xp, seed=30 + hidden, ranks=ranks, experts=16 * ranks, topk=topk, hidden=hidden,
                        tokens=(6, 4, 3), masked=0.2, nowhere=1)
     if split:
         world.kernels.split_warps = 256
@@ -196,7 +128,7 @@ def test_expand_combine_general_kernel_for_narrow_payloads(xp, monkeypatch, dtyp
     general expand send, bit for bit the reference."""
     from ep_comm.kernels.combine import combine_expand_bf16_kernel, combine_expand_kernel
 
-    world = make_world(xp, seed=17, ranks=2, experts=8, topk=3, dtype=dtype, hidden=hidden, tokens=(5, 4))
+    world = kernel_world(xp, seed=17, ranks=2, experts=8, topk=3, dtype=dtype, hidden=hidden, tokens=(5, 4))
     launched = spy_launches(monkeypatch)
     run_combine(world, expand=True, weighted=True, bias=0)
     assert launched.count(combine_expand_kernel) == 2 and combine_expand_bf16_kernel not in launched
@@ -206,7 +138,7 @@ def test_expand_combine_general_kernel_for_narrow_payloads(xp, monkeypatch, dtyp
 def test_expand_send_bfloat16_signed_zeros_are_the_reference_partials(xp, weighted):
     """The wide expand send's rows in the sources' buffers are ``reduce.expand_partials`` bit for bit when
     most terms are -0.0 and weights include -0.0, 0 and negatives (``acc = 0`` first: sums of -0.0 are +0.0)."""
-    world = make_world(xp, seed=18, ranks=2, experts=16, topk=6, hidden=136, tokens=(5, 4), masked=0.1)
+    world = kernel_world(xp, seed=18, ranks=2, experts=16, topk=6, hidden=136, tokens=(5, 4), masked=0.1)
     world.kernels.split_warps = 256
     sent, received = run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
     rng = np.random.default_rng(3)

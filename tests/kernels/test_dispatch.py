@@ -3,24 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dispatch_checks import check_compact, check_expand, run_dispatch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from world import DTYPES, World, bits, random_payload, random_routing, routing_verdict, spy_launches, with_verdict
+from world import MAX_TOKENS, World, kernel_world, random_payload, routing_verdict, spy_launches, with_verdict
 
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
 from ep_comm.launching.kernel_launches import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
-
-MAX_TOKENS = 24
-
-
-def make_world(xp, *, seed=0, ranks=3, experts=12, topk=3, hidden=20, tokens=(10, 13, 0), dtype="bfloat16",
-               weights=True, max_tokens=MAX_TOKENS, **routing) -> World:
-    rng = np.random.default_rng(seed)
-    routings = [random_routing(rng, t, topk, experts, **routing) for t in tokens[:ranks]]
-    xs = [random_payload(rng, (t, hidden), DTYPES[dtype]) for t in tokens[:ranks]]
-    ws = [rng.random((t, topk)).astype(np.float32) if weights else None for t in tokens[:ranks]]
-    return World(xp, experts, max_tokens, routings, xs, ws)
 
 
 def check_count(world: World, deterministic: bool) -> None:
@@ -46,7 +36,7 @@ def check_count(world: World, deterministic: bool) -> None:
     dict(ranks=33, experts=66, topk=4, tokens=(30,) + (1,) * 32, max_tokens=30),
 ])
 def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
-    world = make_world(xp, **case)
+    world = kernel_world(xp, **case)
     check_count(world, deterministic=True)
     check_count(world, deterministic=False)  # counters and ticket were reset by the last block
     assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
@@ -59,107 +49,31 @@ def test_indices_must_fit_32_bits():
     Kernels(np, num_ranks=2**10, num_experts=2**10, num_topk=6, max_tokens=2**17 - 1)
 
 
-def check_sender(world: World, sent: list, deterministic: bool) -> None:
-    """dst_buffer_slot_idx: exact in deterministic mode; else each rank's slots are a permutation."""
-    for s, item in enumerate(sent):
-        in_rank = ref.is_token_in_rank(world.topk[s], world.num_experts, world.num_ranks)
-        stable = ref.dst_buffer_slot_idx(world.topk[s], ref.stable_rank_slots(in_rank), s, world.local,
-                                          world.max_tokens)
-        if deterministic:
-            np.testing.assert_array_equal(item.slot_idx, stable)
-            continue
-        np.testing.assert_array_equal(item.slot_idx >= 0, stable >= 0)
-        ranks = ref.entry_ranks(world.topk[s], world.local)
-        for d in range(world.num_ranks):
-            pick = (ranks == d) & (stable >= 0)
-            assert sorted(item.slot_idx[pick]) == sorted(stable[pick])
-
-
-def check_compact(world: World, d: int, got, want: dict) -> None:
-    n = len(want["x"])
-    np.testing.assert_array_equal(to_host(got.counts.rank_psum), ref.inclusive_psum(want["per_source"]))
-    np.testing.assert_array_equal(bits(got.recv_x[:n]), bits(want["x"]))
-    np.testing.assert_array_equal(got.recv_topk_idx[:n], want["local"])
-    np.testing.assert_array_equal(got.recv_topk_weights[:n].view(np.uint32), want["weights"].view(np.uint32))
-    np.testing.assert_array_equal(got.recv_src_metadata[:n, :2], want["origin"])
-    np.testing.assert_array_equal(got.recv_src_metadata[:n, 2:], -1)
-    assert (got.recv_topk_idx[n:] == -1).all() and (got.recv_src_metadata[n:] == -1).all()
-    assert (got.recv_topk_weights[n:] == 0).all()
-
-
-def check_expand(world: World, d: int, got, want: dict, alignment: int, zero_padding: bool, deterministic: bool):
-    n = len(want["x"])
-    lay = ref.receive_layout(want["local"], world.local, alignment, expand=True)
-    counts = got.counts
-    np.testing.assert_array_equal(to_host(counts.num_unaligned_per_expert), lay.num_unaligned_per_expert)
-    np.testing.assert_array_equal(to_host(counts.num_aligned_per_expert), lay.num_aligned_per_expert)
-    np.testing.assert_array_equal(to_host(counts.expert_psum), lay.psum_per_expert)
-    np.testing.assert_array_equal(to_host(counts.totals), [n, lay.num_expanded_tokens])
-    np.testing.assert_array_equal(got.recv_src_metadata[:n, :2], want["origin"])
-    placed = got.recv_src_metadata[:n, 2:]
-    np.testing.assert_array_equal(placed >= 0, want["local"] >= 0)
-    if deterministic:
-        np.testing.assert_array_equal(placed, lay.expanded_row)
-    else:  # any order inside each expert's block
-        for e in range(world.local):
-            assert sorted(placed[want["local"] == e]) == sorted(lay.expanded_row[want["local"] == e])
-    rows, cols = np.nonzero(placed >= 0)
-    dest = placed[rows, cols]
-    np.testing.assert_array_equal(bits(got.recv_x[dest]), bits(want["x"][rows]))
-    np.testing.assert_array_equal(got.recv_topk_idx[dest], want["local"][rows, cols])
-    np.testing.assert_array_equal(got.recv_topk_weights[dest], want["weights"][rows, cols])
-    unused = np.ones(len(got.recv_topk_idx), bool)
-    unused[dest] = False
-    assert (got.recv_topk_idx[unused] == -1).all() and (got.recv_topk_weights[unused] == 0).all()
-    padding = unused.copy()
-    padding[lay.num_expanded_tokens:] = False
-    if zero_padding:
-        assert (bits(got.recv_x[padding]) == 0).all()
-    assert (got.recv_src_metadata[n:] == -1).all()
-
-
-def run_dispatch(world: World, *, deterministic: bool, expand: bool, alignment: int = 1, zero_padding: bool = False,
-                 worst_case: bool = False, parity: int = 1):
-    sent = world.send(parity, deterministic)
-    check_sender(world, sent, deterministic)
-    received = []
-    for d in range(world.num_ranks):
-        got = world.receive(d, parity, expand=expand, alignment=alignment, zero_padding=zero_padding,
-                            deterministic=deterministic, worst_case=worst_case)
-        want = world.expected_compact(d, sent)
-        if expand:
-            check_expand(world, d, got, want, alignment, zero_padding, deterministic)
-        else:
-            check_compact(world, d, got, want)
-        received.append(got)
-    return sent, received
-
-
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_compact_dispatch(xp, deterministic, dtype):
-    run_dispatch(make_world(xp, seed=1, dtype=dtype), deterministic=deterministic, expand=False)
+    run_dispatch(kernel_world(xp, seed=1, dtype=dtype), deterministic=deterministic, expand=False)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_expand_dispatch_aligned_zero_padded(xp, deterministic):
-    world = make_world(xp, seed=2, dtype="float16", hidden=11, masked=0.2)  # odd row bytes: 16-bit words
+    world = kernel_world(xp, seed=2, dtype="float16", hidden=11, masked=0.2)  # odd row bytes: 16-bit words
     run_dispatch(world, deterministic=deterministic, expand=True, alignment=4, zero_padding=True)
 
 
 def test_expand_dispatch_many_experts_and_worst_case_outputs(xp):
-    world = make_world(xp, seed=3, ranks=2, experts=70, topk=8, tokens=(40, 17), hot_expert=3, nowhere=2,
+    world = kernel_world(xp, seed=3, ranks=2, experts=70, topk=8, tokens=(40, 17), hot_expert=3, nowhere=2,
                        max_tokens=40)
     run_dispatch(world, deterministic=True, expand=True, alignment=8, zero_padding=True, worst_case=True)
 
 
 def test_compact_worst_case_tail_and_parity_zero(xp):
-    world = make_world(xp, seed=4, weights=False)
+    world = kernel_world(xp, seed=4, weights=False)
     run_dispatch(world, deterministic=True, expand=False, worst_case=True, parity=0)
 
 
 def test_zero_tokens_everywhere(xp):
-    world = make_world(xp, tokens=(0, 0, 0))
+    world = kernel_world(xp, tokens=(0, 0, 0))
     run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
 
 
@@ -179,7 +93,7 @@ def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks
     as the wait does, counts as a source that sent nothing."""
     from ep_comm.kernels.receive import receive_count_words_kernel
 
-    world = make_world(xp, seed=31, ranks=ranks, experts=experts, topk=3, tokens=tokens, masked=0.2,
+    world = kernel_world(xp, seed=31, ranks=ranks, experts=experts, topk=3, tokens=tokens, masked=0.2,
                        max_tokens=40)
     sent = world.send(1, deterministic=True)
     launched = spy_launches(monkeypatch)
@@ -204,7 +118,7 @@ def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks
 
 @pytest.mark.parametrize("expand", [False, True])
 def test_cached_dispatch_replays_the_routing(xp, expand):
-    world = make_world(xp, seed=5, hot_expert=1)
+    world = kernel_world(xp, seed=5, hot_expert=1)
     sent, first = run_dispatch(world, deterministic=False, expand=expand, alignment=2, zero_padding=True)
     rng = np.random.default_rng(9)
     world.x = [random_payload(rng, x.shape, x.dtype) for x in world.x]
@@ -228,7 +142,7 @@ def test_cached_dispatch_replays_the_routing(xp, expand):
        alignment=st.sampled_from([1, 3]), deterministic=st.booleans())
 def test_random_routings(xp, seed, ranks, topk, alignment, deterministic):
     tokens = tuple(np.random.default_rng(seed).integers(0, MAX_TOKENS + 1, size=ranks))
-    world = make_world(xp, seed=seed, ranks=ranks, experts=4 * ranks + 4 * (ranks == 1), topk=topk, hidden=6,
+    world = kernel_world(xp, seed=seed, ranks=ranks, experts=4 * ranks + 4 * (ranks == 1), topk=topk, hidden=6,
                        tokens=tokens, masked=0.25)
     run_dispatch(world, deterministic=deterministic, expand=True, alignment=alignment, zero_padding=True)
 
@@ -240,7 +154,7 @@ def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden):
     cached dispatches stay bit for bit the reference."""
     from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
 
-    world = make_world(xp, seed=17, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
+    world = kernel_world(xp, seed=17, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
     world.kernels.split_warps = 64
     launched = spy_launches(monkeypatch)
     run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
@@ -271,7 +185,7 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
     outputs (``cpu_sync=False``) the tail past N marked -1 with zero weight bits."""
     from ep_comm.kernels.receive import receive_compact_kernel, receive_count_words_kernel
 
-    world = make_world(xp, seed=21, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
+    world = kernel_world(xp, seed=21, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps
     sent = world.send(1, deterministic=True)
     launches = []
@@ -312,7 +226,7 @@ def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, mo
     from ep_comm.kernels.receive import receive_compact_kernel
     from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
 
-    world = make_world(xp, seed=31, ranks=ranks, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
+    world = kernel_world(xp, seed=31, ranks=ranks, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps
     sent, first = run_dispatch(world, deterministic=False, expand=False)
     rng = np.random.default_rng(32)
@@ -339,7 +253,7 @@ def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, mo
 
 def test_own_rows_straight_into_recv_x_only_for_a_cached_compact_dispatch(xp):
     """``recv_x`` needs ``recv_psum`` and the recorded slots of a handle; ``skip_source`` a compact receive."""
-    world = make_world(xp, ranks=1, tokens=(4,))
+    world = kernel_world(xp, ranks=1, tokens=(4,))
     k, view = world.kernels, world.views[0]
     topk, x = world.dev(world.topk[0]), world.device_payload(world.x[0])
     recv_x = xp.zeros_like(x)

@@ -8,8 +8,9 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
+from dispatch_checks import check_compact, run_dispatch
 from numba import cuda
-from test_dispatch import check_compact, make_world, run_dispatch
+from world import kernel_world
 
 from ep_comm.contract import fp8
 from ep_comm.contract.arrays import to_host
@@ -99,14 +100,14 @@ def payload(rng, shape, dtype: str) -> np.ndarray:
 
 
 def narrow_world(xp, seed: int, hidden: int, dtype: str = "bfloat16", source: str = "rows", **kw):
-    """A simulated world (``test_dispatch.make_world``) whose payloads are packed FP8 rows of ``hidden``
+    """A simulated world (``world.kernel_world``) whose payloads are packed FP8 rows of ``hidden``
     elements, viewed in ``dtype`` (``packed_row_bytes(hidden) / itemsize`` columns), over symmetric buffers sized
     for ``hidden`` elements of ``dtype``: the narrower payload of an FP8 dispatch in the rows of the Buffer's.
     ``source``: what the scatter reads, the packed rows themselves (``"rows"``), or an ``Fp8Rows`` of the pair
     (``"pair"``) or of the payload the rows quantize (``"cast"``)."""
     itemsize = DTYPES[dtype].itemsize
     width = fp8.packed_row_bytes(hidden) // itemsize
-    world = make_world(xp, seed=seed, hidden=width, dtype=dtype, **kw)
+    world = kernel_world(xp, seed=seed, hidden=width, dtype=dtype, **kw)
     rng = np.random.default_rng(seed)
     values = [payload(rng, (len(x), hidden), dtype) for x in world.x]
     pairs = [fp8.quantize(v) for v in values]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numba import cuda
-from test_dispatch import make_world
-from world import World, random_routing, routing_verdict
+from world import World, kernel_world, random_routing, routing_verdict
 
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
@@ -109,7 +108,7 @@ MODE_IDS = ["compact", "compact-stable", "expand", "expand-stable"]
 def test_receive_count_writes_the_record(xp, expand, stable):
     """A clean receive count matches the reference and writes its record: the step number, N, M, every source's
     verdict words, the aligned counts."""
-    world = make_world(xp, seed=5, tokens=(10, 13, 0), masked=0.2)
+    world = kernel_world(xp, seed=5, tokens=(10, 13, 0), masked=0.2)
     world.kernels = receive_kernels(xp, world)
     sent = world.send(1, deterministic=stable)
     for d in range(world.num_ranks):
@@ -133,7 +132,7 @@ def test_a_bad_verdict_of_any_source_empties_every_receive(xp, expand, stable, b
     """When one source's verdict is bad, every receiver counts nothing (psums, counts, totals all 0), its record
     says so with every source's verdict, and the copy that follows copies no row: worst-case outputs get only
     their -1 tails; the next clean step receives as usual."""
-    world = make_world(xp, seed=9, tokens=(10, 13, 7), masked=0.1)
+    world = kernel_world(xp, seed=9, tokens=(10, 13, 7), masked=0.1)
     world.kernels = receive_kernels(xp, world)
     world.send(0, deterministic=stable)
     world.exchange_counts(0, 1, ref.send_count_words(ref.dispatch_layout(world.topk[1], world.num_experts, 3)),

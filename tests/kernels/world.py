@@ -1,5 +1,6 @@
 """A simulated world of R ranks in one process: every rank's symmetric buffer is a plain array, the
-scatter kernel gets all of them as its tuple of destinations, and each receiver runs its receive kernels.
+scatter kernel gets all of them as its tuple of destinations, and each receiver runs its receive kernels
+(``kernel_world`` draws one with random routings and payloads).
 
 Expected values come from the NumPy reference (``ep_comm.contract.layout``, ``ep_comm.contract.reduce``) only; routings and
 payloads from the shared generators of ``ep_comm.testing.routing``.
@@ -28,6 +29,7 @@ from ep_comm.testing import routing as gen
 from ep_comm.testing.dtypes import DTYPES
 
 NEGATIVE_ZERO_RATE = 0.05  # share of -0.0 payload entries
+MAX_TOKENS = 24  # num_max_tokens_per_rank of a kernel_world unless given
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -247,3 +249,15 @@ class World:
                           dtype=np.int32).reshape(-1, 2)
         return {"x": x, "local": local, "weights": weights, "origin": origin,
                 "per_source": np.bincount([s for s, _, _ in rows], minlength=self.num_ranks)}
+
+
+def kernel_world(xp, *, seed=0, ranks=3, experts=12, topk=3, hidden=20, tokens=(10, 13, 0), dtype="bfloat16",
+                 weights=True, max_tokens=MAX_TOKENS, **routing) -> World:
+    """A ``World`` of ``ranks`` simulated ranks over ``xp`` with ``tokens[r]`` random tokens on rank ``r``: routings of
+    ``random_routing`` (``routing``: its ``masked``, ``hot_expert``, ``nowhere``), payloads of ``random_payload`` in
+    ``dtype``, float32 weights unless ``weights`` is False; all drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    routings = [random_routing(rng, t, topk, experts, **routing) for t in tokens[:ranks]]
+    xs = [random_payload(rng, (t, hidden), DTYPES[dtype]) for t in tokens[:ranks]]
+    ws = [rng.random((t, topk)).astype(np.float32) if weights else None for t in tokens[:ranks]]
+    return World(xp, experts, max_tokens, routings, xs, ws)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.collective import dispatch, shared_buffers, to_device
+from helpers.contract_checks import check_compact, check_dispatch_outputs
 from helpers.oracle import COMM, RANK, WORLD, align, bits, expected_compact_combine, expected_expand_combine, make_world
 
 from ep_comm.contract.arrays import to_host
-from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch, expected_receive
+from ep_comm.testing.check import DispatchOptions
 
 pytestmark = pytest.mark.mpi
 
@@ -45,23 +46,6 @@ def test_dispatch_layout_counts(buffers, routing):
 
 
 # ---------------------------------------------------------------- compact dispatch
-def check_dispatch_outputs(world, out, opts: DispatchOptions) -> None:
-    """The shared checker on this rank's outputs of a dispatch of ``world`` with ``opts``; the reference's
-    received (source rank, token) pairs and per-expert rows agree with the oracle's."""
-    sources = Sources(world.num_experts, world.max_tokens, world.topk_idx, world.x, world.weights)
-    problems = check_dispatch(sources, RANK, opts, HostDispatch.of(out))
-    assert not problems, problems
-    want = expected_receive(sources, RANK)
-    assert [divmod(int(o), world.max_tokens) for o in want.origin] == world.received(RANK), "reference != oracle"
-    per_expert = [len(world.expert_rows(RANK, e)) for e in range(world.experts_per_rank)]
-    assert want.expert_counts(world.experts_per_rank).tolist() == per_expert, "reference != oracle"
-
-
-def check_compact(world, out, deterministic: bool) -> None:
-    """:func:`check_dispatch_outputs` of a compact dispatch with weights."""
-    check_dispatch_outputs(world, out, DispatchOptions(weighted=True, deterministic=deterministic))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("deterministic", [True, False])

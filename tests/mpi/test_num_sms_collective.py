@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.collective import dispatch, make_buffer
+from helpers.contract_checks import check_compact
 from helpers.options import current
 from helpers.oracle import bits, expected_compact_combine, expected_expand_combine, make_world
-from test_contract import check_compact
 
 from ep_comm.contract.arrays import to_host
 

@@ -125,7 +125,7 @@ def rank_inputs(case: Case, rank: int) -> Tuple[np.ndarray, np.ndarray, np.ndarr
     return idx, x, routing.topk_weights
 
 
-def make_world(case: Case) -> World:
+def case_world(case: Case) -> World:
     """Every rank's inputs; each rank builds them all from the seed (no communication)."""
     inputs = [rank_inputs(case, r) for r in range(WORLD)]
     return World(case.num_experts, case.hidden, case.num_topk, case.max_tokens, DTYPES[case.dtype],
@@ -250,7 +250,7 @@ def test_randomized_dispatch_combine(case: Case):
     agree_on(case)
 
     def body() -> None:
-        world = make_world(case)
+        world = case_world(case)
         rng = np.random.default_rng((case.seed, RANK, 2))
         bias = [random_payload(rng, world.x[RANK].shape, DTYPES[case.dtype], NEGATIVE_ZERO_RATE)
                 for _ in range(0 if case.expand else case.bias_terms)]

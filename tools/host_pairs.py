@@ -7,11 +7,11 @@ plans are replayed as on the GPU. Prints, per pair, Python function calls, kerne
 microseconds (best of several repeats). A measurement, never a pass/fail test (the budgets are
 ``tests/test_eager_budget.py``)::
 
-    PYTHONPATH=. python tests/helpers/host_pairs.py [--pairs 2000]
+    python tools/host_pairs.py [--pairs 2000] [--repeats 5]
 
 The figures are of this machine and of NumPy standing in for CuPy (``numpy.empty`` is far cheaper than
 ``cupy.empty``, and no driver call is made): compare them before and after a change on the same machine, not with
-GPU figures.
+GPU figures. The ``ep_comm`` and ``tests/helpers`` imported are those of the checkout this script lies in.
 """
 from __future__ import annotations
 
@@ -19,24 +19,26 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # this checkout's ep_comm and its tests' helpers
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from helpers import cudasim_warp  # noqa: E402
+from helpers import cudasim_warp
 
-cudasim_warp.use_without_gpu()
+cudasim_warp.use_without_gpu()  # before anything imports numba.cuda
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from helpers.eager_counts import LaunchCounter
+from helpers.fake_gpu import simulated_backend
+from mpi4py import MPI
 
-import ep_comm.buffer as buffer_module  # noqa: E402
-from ep_comm.backends.sm_grid import grid_shape  # noqa: E402
-from ep_comm.contract.choices import payload_dtype  # noqa: E402
-from ep_comm.contract.geometry import Geometry  # noqa: E402
-from ep_comm.testing.routing import uniform_routing  # noqa: E402
-from helpers.eager_counts import LaunchCounter  # noqa: E402
-from helpers.fake_gpu import simulated_backend  # noqa: E402
+import ep_comm.buffer as buffer_module
+from ep_comm.backends.sm_grid import grid_shape
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.geometry import Geometry
+from ep_comm.testing.routing import uniform_routing
 
 GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))  # DeepSeek-V3 decode
 

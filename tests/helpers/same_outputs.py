@@ -1,0 +1,45 @@
+"""Byte-for-byte comparisons of two backends' outputs (the mpi backend's and the simulated nvshmem backend's) or of
+two ways to make the same call (plain and split, eager and captured): shapes, dtypes' bytes, and every handle field."""
+import numpy as np
+
+
+def assert_same(name, a, b) -> None:
+    """``a`` (mpi, or the reference call) and ``b`` (nvshmem) are both None, or of one shape and the same bytes in
+    ``a``'s dtype."""
+    if a is None or b is None:
+        assert a is None and b is None, name
+        return
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, f"{name}: shape {a.shape} (mpi) != {b.shape} (nvshmem)"
+    assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b.astype(a.dtype)).tobytes(), \
+        f"{name}: differs\nmpi={a}\nnvshmem={b}"
+
+
+def defined_rows(out, handle):
+    """recv_x rows the contract defines: the received (and zeroed padding) rows, not the worst-case tail."""
+    rows = int(handle.num_expanded_tokens if handle.expand else handle.num_recv_tokens)
+    return np.asarray(out.recv_x)[:rows]
+
+
+def assert_same_dispatch(tag, om, on) -> None:
+    """Two dispatch outputs (``om`` the mpi backend's or the reference call's, ``on`` the one checked) agree byte for
+    byte: the defined ``recv_x`` rows, received ids and weights, and every field of the handles."""
+    assert_same(f"{tag} recv_x", defined_rows(om, om.handle), defined_rows(on, on.handle))
+    assert_same(f"{tag} recv_topk_idx", om.recv_topk_idx, on.recv_topk_idx)
+    assert_same(f"{tag} recv_topk_weights", om.recv_topk_weights, on.recv_topk_weights)
+    hm, hn = om.handle, on.handle
+    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx",
+                  "num_recv_tokens", "num_expanded_tokens", "num_out_rows", "is_token_in_rank"):
+        assert_same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
+    assert_same(f"{tag} handle.num_recv_tokens_per_expert", np.asarray(hm.num_recv_tokens_per_expert),
+                np.asarray(hn.num_recv_tokens_per_expert))
+    assert isinstance(hn.num_recv_tokens_per_expert, list) == hm.cpu_sync
+
+
+def assert_same_as_eager(first, eager, eager_sum, captured, captured_sum) -> None:
+    """A captured replay's received rows (those ``first`` received), ids and combine equal the eager replay's."""
+    rows = int(first.handle.num_expanded_tokens if first.handle.expand else first.handle.num_recv_tokens)
+    np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
+    np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
+    np.testing.assert_array_equal(captured_sum.x, eager_sum.x)

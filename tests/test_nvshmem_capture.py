@@ -1,0 +1,72 @@
+"""CUDA-graph capture on the simulated nvshmem backend (a fake GPU that says it is capturing): which steps may be
+captured, a captured bad routing reported by the next call, and a captured cached dispatch and combine giving the
+eager results."""
+
+import numpy as np
+import pytest
+from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, combine, dispatch, eager_replay, simulated_backend
+from helpers.same_outputs import assert_same_as_eager
+
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
+
+
+def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_usable():
+    be = simulated_backend(SMALL_GEO, False, False)
+    x = np.ones((3, SMALL_GEO.hidden), np.float32)
+    out = dispatch(be, x, SMALL_IDX, None, None, False, 1, False, True, None)
+    be.device.capturing_now = True
+    with pytest.raises(RuntimeError, match="topk_idx has dtype uint8: a dispatch captured into a CUDA graph needs "
+                                           "signed expert ids"):
+        be.routing_summary(SMALL_IDX.astype(np.uint8))
+    with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
+        dispatch(be, x, SMALL_IDX, None, None, False, 1, False, True, None)
+    with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
+        dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
+    with pytest.raises(RuntimeError, match="combine was called while .* waits on the host"):
+        combine(be, out.recv_x, out.handle, None, ())
+    assert be.steps.seq == 1 and int(be.transport.step[0]) == 1 and not be.steps.unusable
+    be.device.capturing_now = False
+    again = dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
+    np.testing.assert_array_equal(again.recv_x, out.recv_x)
+    puts = simulated_backend(SMALL_GEO, False, True)
+    first = dispatch(puts, x, SMALL_IDX, None, None, False, 1, False, False, None)
+    puts.device.capturing_now = True
+    with pytest.raises(RuntimeError, match=r"puts transport \(Buffer\(transport='puts'\)\)"):
+        dispatch(puts, x, None, None, first.handle, False, 1, False, False, None)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+def test_a_captured_dispatch_with_a_bad_routing_is_reported_by_the_next_call_and_receives_nothing():
+    """The bad id is read as "no expert" (nothing written out of bounds), and the verdict that travels with the
+    count exchange empties the receive: only the -1 tails of the worst-case outputs are written."""
+    geo = SMALL_GEO
+    be = simulated_backend(geo, True, False)
+    x = np.arange(3 * geo.hidden, dtype=np.float32).reshape(3, geo.hidden)
+    bad = SMALL_IDX.copy()
+    bad[1, 1] = 40  # past the 6 experts: read as "no expert" by the kernels
+    be.device.capturing_now = True
+    with be.captured_memory():
+        assert be.routing_summary(bad) == (-1, -1)  # nothing can be read back under capture
+        captured = dispatch(be, x, bad, None, None, False, 1, False, False, None)
+    be.device.capturing_now = False
+    assert be.capture.held, "the captured call's allocations are held for the graph"
+    with pytest.raises(ValueError, match="replayed from a CUDA graph was given a topk_idx holding expert id 40"):
+        dispatch(be, x, None, None, captured.handle, False, 1, False, False, None)
+    assert not be.steps.unusable
+    assert (captured.recv_topk_idx == -1).all() and (captured.handle.recv_src_metadata == -1).all()
+    assert be.routing_summary(SMALL_IDX) == (5, -1)  # reported once: the record was cleared
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("expand", [False, True])
+def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand):
+    be, x, first, eager, eager_sum = eager_replay(expand, seed=3)
+    be.device.capturing_now = True
+    captured = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)
+    captured_sum = combine(be, captured.recv_x, captured.handle, None, ())
+    be.device.capturing_now = False
+    assert_same_as_eager(first, eager, eager_sum, captured, captured_sum)
+    np.testing.assert_array_equal(captured.handle.num_recv_tokens_per_expert, first.handle.num_recv_tokens_per_expert)
+    assert int(captured.handle.num_expanded_tokens) == int(first.handle.num_expanded_tokens)
+    be.close()
+    assert not be.capture.held
