@@ -11,7 +11,7 @@ from pathlib import Path
 from helpers.mpirun import launcher, run_job
 
 from ep_comm.bench import provenance
-from ep_comm.info import versions
+from ep_comm.cli.versions import versions
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from ep_comm.bench.config import ConfigError, available_configs, load_config
+from ep_comm.bench.config import ConfigError, load_config
+from ep_comm.cli import configs
+from ep_comm.cli.configs import available_configs, config_dir
 
 SHIPPED = {
     # name: (num_experts, hidden, num_topk, tokens_per_rank)
@@ -102,3 +104,16 @@ def test_config_dir_override(tmp_path, monkeypatch):
     monkeypatch.setenv("EP_COMM_CONFIG_DIR", str(tmp_path))
     assert available_configs() == ["mine"]
     assert load_config("mine").hidden == 64
+
+
+def test_an_installed_wheel_reads_its_package_data_a_checkout_the_top_level_configs(tmp_path, monkeypatch):
+    monkeypatch.delenv("EP_COMM_CONFIG_DIR", raising=False)
+    package = tmp_path / "site-packages" / "ep_comm"
+    (package / "configs").mkdir(parents=True)
+    (tmp_path / "site-packages" / "configs").mkdir()
+    monkeypatch.setattr(configs, "PACKAGE_DIR", package)
+    assert config_dir() == package / "configs", "a wheel: ep_comm/configs"
+    checkout = tmp_path / "checkout" / "ep_comm"
+    checkout.mkdir(parents=True)
+    monkeypatch.setattr(configs, "PACKAGE_DIR", checkout)
+    assert config_dir() == tmp_path / "checkout" / "configs", "a checkout: configs/ beside ep_comm/"

@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 import ep_comm
-from ep_comm.bench.config import available_configs, load_config
+from ep_comm.bench.config import load_config
+from ep_comm.cli.configs import available_configs, shipped_config_dir
 from ep_comm.testing import (
     DTYPES,
     DispatchOptions,
@@ -162,20 +168,29 @@ def test_the_checker_catches_dirty_padding_and_order():
 
 
 # ------------------------------------------------------------------ packaging
-def test_configs_are_package_data():
-    shipped = importlib.resources.files("ep_comm.bench") / "configs"
-    names = sorted(p.name[:-len(".toml")] for p in shipped.iterdir() if p.name.endswith(".toml"))
+def test_the_configs_of_a_checkout_are_its_top_level_configs():
+    shipped = shipped_config_dir()
+    assert shipped == REPO / "configs", "ep_comm is imported from this checkout, which has no ep_comm/configs/"
+    names = sorted(p.stem for p in shipped.glob("*.toml"))
     assert "cpu_demo" in names and names == available_configs()
     assert load_config("cpu_demo").path == str(shipped / "cpu_demo.toml")
     assert (importlib.resources.files("ep_comm") / "py.typed").is_file()
 
 
-def test_the_wheel_carries_the_configs_and_py_typed(tmp_path):
+def test_every_package_directory_is_listed_in_pyproject():
+    with open(REPO / "pyproject.toml", "rb") as f:
+        listed = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ep_comm").rglob("*.py")}
+    assert sorted(on_disk | {"ep_comm.configs"}) == sorted(listed), "pyproject's [tool.setuptools] packages"
+
+
+def test_the_wheel_carries_the_modules_configs_and_py_typed(tmp_path):
     source = tmp_path / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    shutil.copytree(REPO / "ep_comm", source / "ep_comm", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("ep_comm", "configs"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "out"), str(source)]
     try:
         built = subprocess.run(cmd, capture_output=True, text=True, timeout=WHEEL_TIMEOUT_S)
@@ -184,6 +199,8 @@ def test_the_wheel_carries_the_configs_and_py_typed(tmp_path):
     assert built.returncode == 0, built.stdout + built.stderr[-5000:]
     (wheel,) = (tmp_path / "out").glob("ep_comm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    configs = {p.name for p in (REPO / "ep_comm" / "bench" / "configs").glob("*.toml")}
-    assert {f"ep_comm/bench/configs/{c}" for c in configs} <= names and "cpu_demo.toml" in configs
-    assert "ep_comm/py.typed" in names and "ep_comm/testing/check.py" in names
+    configs = {p.name for p in (REPO / "configs").glob("*.toml")}
+    assert {f"ep_comm/configs/{c}" for c in configs} <= names and "cpu_demo.toml" in configs
+    modules = {p.relative_to(source).as_posix() for p in (source / "ep_comm").rglob("*.py")}
+    assert modules <= names and "ep_comm/testing/check.py" in modules
+    assert "ep_comm/py.typed" in names

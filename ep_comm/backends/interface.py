@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Generic, List, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
 from ep_comm.backends.profile import ProfileRow
+from ep_comm.contract.arrays import Array
 from ep_comm.contract.layout import DispatchLayout
-from ep_comm.handle import Array, CombineOutput, DispatchOutput, EPHandle
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle
 
 Output = TypeVar("Output", DispatchOutput, CombineOutput)
 

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                     "an output path that cannot be written or no GPU stack for --backend nvshmem (all checked before "
                     "the run), 3 the results could not be written at the end.")
     p.add_argument("--config", default="cpu_demo",
-                   help="config name in ep_comm/bench/configs/ or a path to a .toml (default: cpu_demo)")
+                   help="config name in configs/ (ep_comm/configs/ in a wheel) or a path to a .toml (default: cpu_demo)")
     p.add_argument("--routing", choices=KINDS, help="routing generator (default: the config's routing.kind)")
     p.add_argument("--seed", type=int_at_least(0), help="routing/input seed (default: the config's routing.seed)")
     p.add_argument("--tokens", type=int_at_least(1), help="tokens per rank (default: the config's tokens_per_rank)")

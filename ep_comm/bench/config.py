@@ -1,5 +1,5 @@
-"""Model and benchmark shapes: TOML files under ``ep_comm/bench/configs/`` (package data), one loader, strict
-validation.
+"""Model and benchmark shapes: TOML files under the top-level ``configs/`` (``ep_comm/configs/`` in the wheel;
+found by :mod:`ep_comm.cli.configs`), one loader, strict validation.
 
 A config file holds the MoE layer shape and optional routing defaults::
 
@@ -27,22 +27,19 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, Tuple, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from ep_comm.cli.configs import available_configs, config_dir
 from ep_comm.contract.choices import PAYLOAD_DTYPES
 from ep_comm.testing.routing import KINDS as ROUTING_KINDS
 
 DEFAULT_MAX_TOKENS = 4096
 """``max_tokens_per_rank`` of a config that does not set it (or its ``tokens_per_rank`` when larger)."""
-
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-"""Where configs are looked up by name; ``EP_COMM_CONFIG_DIR`` overrides it."""
-
 
 class ConfigError(ValueError):
     """A config file is missing, unreadable, or breaks a rule; the message names file, key, value and rule."""
@@ -132,16 +129,6 @@ def _check_relations(path: Path, cfg: Config) -> None:
                           f"must be < num_experts = {cfg.num_experts}")
     if cfg.name != path.stem:
         raise ConfigError(f"{path}: name = {cfg.name!r}: must equal the file name {path.stem!r}")
-
-
-def config_dir() -> Path:
-    """The directory names are looked up in: ``$EP_COMM_CONFIG_DIR`` or the configs shipped in the package."""
-    return Path(os.environ.get("EP_COMM_CONFIG_DIR", CONFIG_DIR))
-
-
-def available_configs() -> List[str]:
-    """Names of the configs in :func:`config_dir`, sorted."""
-    return sorted(p.stem for p in config_dir().glob("*.toml"))
 
 
 def resolve_config_path(name_or_path: Union[str, Path]) -> Path:

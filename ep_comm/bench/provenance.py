@@ -1,6 +1,6 @@
 """Where a benchmark's figures come from: the command line, the git commit of the checkout ep_comm runs
 from (with a dirty flag), and on GPU the rank's GPU model and driver. The package versions are
-:func:`ep_comm.info.versions`."""
+:func:`ep_comm.cli.versions.versions`."""
 from __future__ import annotations
 
 import shlex
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional, Union
 
-from ep_comm.info import command_output
+from ep_comm.cli.external_commands import command_output
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the ep_comm package
 

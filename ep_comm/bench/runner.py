@@ -23,9 +23,9 @@ from ep_comm.bench.config import Config, ConfigError, load_config
 from ep_comm.bench.measure import PointSpec, RankSample, cuda_timer, host_timer
 from ep_comm.bench.point import buffer_tokens, prime, primed_spec, run_point
 from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
+from ep_comm.cli.versions import versions
 from ep_comm.contract import fp8
 from ep_comm.contract.choices import payload_dtype
-from ep_comm.info import versions
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_OUTPUT_FAILED = 0, 1, 3
 

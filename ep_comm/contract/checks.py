@@ -85,7 +85,7 @@ def check_num_sms_fits(num_sms: Optional[int], sms_per_rank: Sequence[int]) -> N
                          f"{sms_per_rank[fewest]} SMs (use None for all of them)")
 
 
-def _shape(arr: Any, name: str) -> tuple:
+def _shape(arr: Any, name: str) -> Tuple[int, ...]:
     shape = getattr(arr, "shape", None)
     if shape is None:
         raise TypeError(f"{name} must be an array, got {type(arr).__name__}")
@@ -182,7 +182,7 @@ def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: s
                         f"(ranks with a bad topk_idx: {bad}); the Buffer stays usable")
 
 
-def topk_values(xp, topk_idx: Any) -> tuple:
+def topk_values(xp: Any, topk_idx: Any) -> Tuple[int, int]:
     """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing.
 
     No sort and a single device-to-host read: on the GPU this is a handful of small launches and
@@ -230,7 +230,7 @@ def is_fp8_pair(x: Any) -> bool:
     return isinstance(x, tuple) or (isinstance(x, list) and len(x) == 2 and all(_is_array(a) for a in x))
 
 
-def fp8_pair(x: Any) -> tuple:
+def fp8_pair(x: Any) -> Tuple[Any, ...]:
     """``x`` given as the FP8 pair ``(x_fp8, scales)``: exactly two items, both given (None is no array)."""
     if len(x) != 2:
         raise ValueError(f"x is a {type(x).__name__} of {len(x)} items: an FP8 payload is the pair (x_fp8, scales)")
@@ -256,7 +256,7 @@ def check_fp8_pair(x_fp8: Any, scales: Any, rows: int, geo: Geometry, row_name: 
             raise ValueError(f"{name} has shape {shape}: must be [{row_name}={rows}, {width_rule}]")
 
 
-def check_weights(weights: Optional[Any], name: str, shape: tuple) -> None:
+def check_weights(weights: Optional[Any], name: str, shape: Tuple[int, ...]) -> None:
     """Floating-point weights of exactly ``shape`` (or None)."""
     if weights is None:
         return
@@ -318,7 +318,7 @@ def check_stats(stats: Optional[Any], geo: Geometry) -> None:
                          "it must be writeable")
 
 
-def check_bias(bias: Any, num_tokens: int, geo: Geometry) -> tuple:
+def check_bias(bias: Any, num_tokens: int, geo: Geometry) -> Tuple[Any, ...]:
     """``bias``: None, one ``[T, H]`` array or a pair of them; returns a tuple of arrays."""
     if bias is None:
         return ()

@@ -1,20 +1,22 @@
 """The choices a Buffer takes by name: payload dtypes (bfloat16 from ml_dtypes), backends and transports."""
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import ml_dtypes
 import numpy as np
 
 BACKENDS = ("auto", "mpi", "nvshmem")  # Buffer(backend=...): "auto" picks nvshmem where a GPU stack runs, else mpi
 TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
 
-PAYLOAD_DTYPES = {
+PAYLOAD_DTYPES: Dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
 
 
-def payload_dtype(dtype) -> np.dtype:
+def payload_dtype(dtype: Any) -> np.dtype:
     """Resolve ``dtype`` (a name or a NumPy dtype) to one of the supported payload dtypes."""
     if isinstance(dtype, str):
         name = dtype

@@ -83,7 +83,8 @@ def dequantize(x_fp8: np.ndarray, scales: np.ndarray) -> np.ndarray:
     e4m3fn bits)."""
     q = np.asarray(x_fp8).view(FP8_DTYPE).astype(np.float32)
     t, h = q.shape
-    return (q.reshape(t, h // BLOCK, BLOCK) * np.asarray(scales, np.float32)[:, :, None]).reshape(t, h)
+    out: np.ndarray = (q.reshape(t, h // BLOCK, BLOCK) * np.asarray(scales, np.float32)[:, :, None]).reshape(t, h)
+    return out
 
 
 def pack(x_fp8: Any, scales: Any, xp: Any = np) -> Any:

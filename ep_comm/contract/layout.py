@@ -12,7 +12,7 @@ experts, ``N`` received (compact) rows, ``M`` expanded rows. Index arrays are in
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class ReceiveLayout(NamedTuple):
     num_expanded_tokens: int  # rows of the expanded output, padding included
 
 
-def align_up(value, alignment: int):
+def align_up(value: Any, alignment: int) -> Any:
     """Round ``value`` (int or integer array) up to a multiple of ``alignment`` (>= 1)."""
     return -(-value // alignment) * alignment
 
@@ -162,7 +162,8 @@ def expert_psum(counts: np.ndarray, alignment: int, expand: bool) -> np.ndarray:
     if not expand:
         return inclusive_psum(align_up(counts, alignment))
     starts = exclusive_psum(align_up(counts, alignment))[:-1].astype(np.int64)
-    return (starts + counts).astype(np.int32)
+    psum: np.ndarray = (starts + counts).astype(np.int32)
+    return psum
 
 
 def expert_starts(psum: np.ndarray, alignment: int) -> np.ndarray:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.checks import verdict_of
@@ -133,9 +134,9 @@ class Record(NamedTuple):
 def read_record(words: Sequence[int], num_ranks: int, num_local_experts: int) -> Record:
     """Decode a whole record (int64 ``[record_words(R, L)]``, e.g. a host copy) read once its tag is the step's
     number: :func:`record_counts` and :func:`record_verdicts` with the tag."""
-    words = np.asarray(words, dtype=np.int64)
-    num_recv, num_expanded, aligned = record_counts(words, num_ranks, num_local_experts)
-    return Record(int(words[RECORD_TAG]), num_recv, num_expanded, record_verdicts(words, num_ranks), aligned)
+    record = np.asarray(words, dtype=np.int64)
+    num_recv, num_expanded, aligned = record_counts(record, num_ranks, num_local_experts)
+    return Record(int(record[RECORD_TAG]), num_recv, num_expanded, record_verdicts(record, num_ranks), aligned)
 
 
 def record_verdicts(words: Any, num_ranks: int) -> List[Tuple[int, int]]:
@@ -165,7 +166,7 @@ class SymmetricViews(NamedTuple):
 
 def symmetric_views(buffer: Array, layout: SymmetricLayout, word: np.dtype) -> SymmetricViews:
     """Typed views of a flat uint8 symmetric buffer (``layout.total_bytes`` long); rows as ``word``."""
-    def region(offset: int, nbytes: int, dtype) -> Array:
+    def region(offset: int, nbytes: int, dtype: DTypeLike) -> Array:
         return buffer[offset: offset + nbytes].view(dtype)
 
     r, t = layout.num_ranks, layout.max_tokens
@@ -193,7 +194,7 @@ def payload_words(x: Array) -> Array:
     return x.view(word_dtype(x.shape[1], x.dtype.itemsize))
 
 
-def payload_rows(rows: Array, dtype) -> Array:
+def payload_rows(rows: Array, dtype: DTypeLike) -> Array:
     """Re-view ``[..., words]`` row storage as payload elements of ``dtype`` (bfloat16 as uint16 bits)."""
     dtype = np.dtype(dtype)
     return rows.view(dtype if dtype in (np.float32, np.float16) else np.uint16)

@@ -1,4 +1,4 @@
-"""Host stand-in for ``ep_comm.bench.kernels.CupyTiming`` in the Numba CUDA simulator, whose kernels run to the
+"""Host stand-in for ``ep_comm.bench.event_timing.CupyTiming`` in the Numba CUDA simulator, whose kernels run to the
 end at launch and which has no streams of its own: a stream is a plain object (Numba stream 0), an event the
 host time at its record, and waits, the hold and synchronisation do nothing."""
 from __future__ import annotations

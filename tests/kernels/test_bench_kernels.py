@@ -8,7 +8,8 @@ import numpy as np
 from helpers.host_timing import HostTiming
 
 from ep_comm.backends.sm_grid import grid_shape
-from ep_comm.bench.kernels import Bench, CupyTiming, Pair, parse_args, queue_steps, run
+from ep_comm.bench.event_timing import CupyTiming
+from ep_comm.bench.kernels import Bench, Pair, parse_args, queue_steps, run
 from ep_comm.contract import layout as ref
 from ep_comm.contract import reduce
 from ep_comm.contract.arrays import to_host
