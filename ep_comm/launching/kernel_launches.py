@@ -37,26 +37,18 @@ from ep_comm.contract.arrays import Array
 from ep_comm.contract.fp8 import packed_row_bytes
 from ep_comm.contract.protocol import VERDICT_WORDS
 from ep_comm.contract.symmetric import payload_rows, payload_words, record_words
-from ep_comm.kernels.combine import (
-    BF16_PASSES,
-    SPAN,
-    combine_copy_kernel,
-    combine_expand_bf16_kernel,
-    combine_expand_kernel,
-    combine_reduce_bf16_kernel,
-    combine_reduce_kernel,
-)
+from ep_comm.kernels.combine import SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
+from ep_comm.kernels.combine_bf16 import BF16_PASSES, combine_expand_bf16_kernel, combine_reduce_bf16_kernel
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (
     PLACE_ATOMIC,
     PLACE_CACHED,
     PLACE_STABLE,
     receive_compact_kernel,
-    receive_count_kernel,
-    receive_count_words_kernel,
     receive_place_kernel,
     receive_rows_kernel,
 )
+from ep_comm.kernels.receive_count import receive_count_kernel, receive_count_words_kernel
 from ep_comm.kernels.routing_check import ACC_INIT, routing_check_kernel
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
@@ -560,7 +552,7 @@ class Kernels:
         other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
         launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
         float32 when given, this rank's own rows included. Bfloat16 ``y`` goes through
-        :func:`~ep_comm.kernels.combine.combine_expand_bf16_kernel` (16 bytes per access, rows cut into
+        :func:`~ep_comm.kernels.combine_bf16.combine_expand_bf16_kernel` (16 bytes per access, rows cut into
         pieces when few, :meth:`_row_pieces`) when ``y``'s rows and ``rows`` (as uint64 words, i.e.
         ``SymmetricViews.rows`` itself) are an even number of words and 16-byte aligned (hidden a
         multiple of 8); anything else through the general

@@ -46,14 +46,14 @@ import json
 import cupy as cp
 import ep_comm
 from ep_comm.bench.kernels import Bench, parse_args
-from ep_comm.kernels import check, combine, count, receive, scatter
+from ep_comm.kernels import combine, combine_bf16, count, receive, receive_count, routing_check, scatter
 
 bench = Bench(cp, parse_args(["--tokens", "64", "--hidden", "256", "--experts", "16", "--topk", "4",
                               "--alignment", "4", "--warps-per-block", "2"]), 2)  # 2 SMs: 4 blocks
 for launch, _ in bench.measurements().values():
     launch()
 cp.cuda.runtime.deviceSynchronize()
-kernels = {id(k): k for m in (check, combine, count, receive, scatter) for k in vars(m).values() if hasattr(k, "stats")}
+kernels = {id(k): k for m in (combine, combine_bf16, count, receive, receive_count, routing_check, scatter) for k in vars(m).values() if hasattr(k, "stats")}
 print(json.dumps({"package": ep_comm.__file__,
                   "hits": sum(sum(k.stats.cache_hits.values()) for k in kernels.values()),
                   "misses": sum(sum(k.stats.cache_misses.values()) for k in kernels.values())}))
