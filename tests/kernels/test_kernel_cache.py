@@ -139,6 +139,16 @@ def test_device_modules_import_only_device_modules():
                     assert name.startswith("ep_comm.kernels.") or name == "ep_comm.contract.protocol", (path.name, name)
 
 
+def test_the_uncached_kernels_modules_import_neither_nvshmem_nor_numba():
+    """The NVSHMEM puts kernels (outside the disk cache) compile on first use, the signal kernels are CUDA C
+    text: importing their modules and the puts' host side loads neither NVSHMEM nor Numba."""
+    script = ("import sys, ep_comm.kernels.puts, ep_comm.kernels.signal_wait, ep_comm.transport.nvshmem_puts; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nvshmem', 'numba')))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip() == "[]"
+
+
 def test_kernel_refuses_a_function_defined_outside_the_package():
     def outside(x):
         x[0] = 1
