@@ -6,8 +6,8 @@ contiguous run of ``count`` rows, with ``put_nbi_block`` in chunks, and ``nvshme
 end of every CTA (so every byte has landed when the kernel ends); a later kernel
 (``signal_peers``) writes each peer's count block (optional) and ``signal[me]`` with ``nvshmem_p``.
 The kernels (``ep_comm.kernels.puts``) call NVSHMEM device functions, so they cannot be cached on disk:
-the first call in a process compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank is its PE. Staging
-blocks live in the symmetric heap, so every transport can read them.
+the first call in a process compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank
+is its PE. Staging blocks live in the symmetric heap, so every transport can read them.
 """
 from __future__ import annotations
 

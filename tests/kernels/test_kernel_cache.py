@@ -53,7 +53,8 @@ bench = Bench(cp, parse_args(["--tokens", "64", "--hidden", "256", "--experts", 
 for launch, _ in bench.measurements().values():
     launch()
 cp.cuda.runtime.deviceSynchronize()
-kernels = {id(k): k for m in (combine, combine_bf16, count, receive, receive_count, routing_check, scatter) for k in vars(m).values() if hasattr(k, "stats")}
+modules = (combine, combine_bf16, count, receive, receive_count, routing_check, scatter)
+kernels = {id(k): k for m in modules for k in vars(m).values() if hasattr(k, "stats")}
 print(json.dumps({"package": ep_comm.__file__,
                   "hits": sum(sum(k.stats.cache_hits.values()) for k in kernels.values()),
                   "misses": sum(sum(k.stats.cache_misses.values()) for k in kernels.values())}))
