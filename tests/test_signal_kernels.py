@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ep_comm.kernels.signal_wait import CUDA_SOURCE as _SOURCE
 from ep_comm.launching import raw
-from ep_comm.transport.signals import _SOURCE, PARAMS, SignalLaunches, _count_words
+from ep_comm.transport.signals import PARAMS, SignalLaunches, _count_words
 
 
 def test_count_blocks_are_one_per_destination_of_the_received_width():

@@ -1,12 +1,15 @@
-"""``@kernel``: ``cuda.jit(cache=True)`` whose on-disk cache follows every source file of this package.
+"""``@kernel``: ``cuda.jit(cache=True)`` whose on-disk cache follows every source file the device code reads.
 
 Numba keys a cached kernel on its own file's modification time and size only, so an edit to a
 device function in another file (``warp.py``, say) would leave stale kernels in the cache. Here
-each kernel's key is a digest of all of ``ep_comm/kernels/*.py`` instead. This package holds device
-code only (the host side is ``ep_comm.launching``), so editing host code keeps every cached kernel;
-for the same reason only kernels defined in this package may use ``@kernel``. The cache sits in
-``__pycache__`` next to the sources, or under ``NUMBA_CACHE_DIR``. Kernels that call NVSHMEM
-device functions cannot be cached (Numba cannot pickle their linked code): use ``cuda.jit``.
+each kernel's key is a digest of :data:`KEY_SOURCES` instead: every ``ep_comm/kernels/*.py`` and
+``ep_comm/contract/protocol.py``, the host/device protocol constants that kernels compile in. This
+package holds device code only (the host side is ``ep_comm.launching``), so editing host code keeps
+every cached kernel; for the same reason only kernels defined in this package may use ``@kernel``.
+``numba_internals.py`` (the shim of Numba's private internals, which sets the key) lives in this
+package too, so an edit of it also recompiles every kernel. The cache sits in ``__pycache__`` next to
+the sources, or under ``NUMBA_CACHE_DIR``. Kernels that call NVSHMEM device functions cannot be cached
+(Numba cannot pickle their linked code): use ``cuda.jit``.
 """
 from __future__ import annotations
 
@@ -19,15 +22,19 @@ from numba import cuda
 from ep_comm.kernels.numba_internals import set_source_stamp
 
 PACKAGE_DIR = Path(__file__).parent
+PACKAGE_ROOT = PACKAGE_DIR.parent  # ep_comm/
+KEY_SOURCES = ("kernels/*.py", "contract/protocol.py")  # under PACKAGE_ROOT: what the key covers
 
 
-def sources_digest(package_dir: Path = PACKAGE_DIR) -> str:
-    """SHA-256 over the names and contents of the Python files in ``package_dir`` (default: this
-    package), in name order."""
+def sources_digest(package_root: Path = PACKAGE_ROOT) -> str:
+    """SHA-256 over the paths (relative to ``package_root``) and contents of the files :data:`KEY_SOURCES`
+    names under ``package_root`` (default: ``ep_comm``), pattern by pattern, each in name order."""
+    root = Path(package_root)
     digest = hashlib.sha256()
-    for path in sorted(Path(package_dir).glob("*.py")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    for pattern in KEY_SOURCES:
+        for path in sorted(root.glob(pattern)):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 

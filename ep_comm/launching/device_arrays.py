@@ -9,7 +9,7 @@ import numpy as np
 from numba import cuda
 
 from ep_comm.contract.arrays import Array
-from ep_comm.launching.bound import array_fields
+from ep_comm.launching.param_blocks import array_fields
 
 __all__ = ["DeviceViews", "wide_rows"]
 

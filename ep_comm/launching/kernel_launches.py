@@ -1,4 +1,5 @@
-"""Host side of the kernels: launch shapes, the persistent workspace, and one method per kernel.
+"""Host side of the kernels: one method per kernel, on the launch shapes and the persistent workspace of
+:class:`~ep_comm.launching.launch_shapes.LaunchShapes`.
 
 Arrays are NumPy (in the simulator) or CuPy / any ``__cuda_array_interface__`` array (on a GPU);
 this module only slices, views and allocates with the array module ``xp`` it was given. Payloads
@@ -26,89 +27,35 @@ reads the buffer parity from it (the senders, which run before the signal that a
 """
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.fp8 import packed_row_bytes
-from ep_comm.contract.protocol import VERDICT_WORDS
-from ep_comm.contract.symmetric import payload_rows, payload_words, record_words
-from ep_comm.kernels.combine import (
-    BF16_PASSES,
-    SPAN,
-    combine_copy_kernel,
-    combine_expand_bf16_kernel,
-    combine_expand_kernel,
-    combine_reduce_bf16_kernel,
-    combine_reduce_kernel,
-)
+from ep_comm.contract.symmetric import payload_rows, payload_words
+from ep_comm.kernels.combine import SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
+from ep_comm.kernels.combine_bf16 import BF16_PASSES, combine_expand_bf16_kernel, combine_reduce_bf16_kernel
 from ep_comm.kernels.count import count_kernel
 from ep_comm.kernels.receive import (
     PLACE_ATOMIC,
     PLACE_CACHED,
     PLACE_STABLE,
     receive_compact_kernel,
-    receive_count_kernel,
-    receive_count_words_kernel,
     receive_place_kernel,
     receive_rows_kernel,
 )
-from ep_comm.kernels.routing_check import ACC_INIT, routing_check_kernel
+from ep_comm.kernels.receive_count import receive_count_kernel, receive_count_words_kernel
+from ep_comm.kernels.routing_check import routing_check_kernel
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
-from ep_comm.launching.bound import BoundLaunch
-from ep_comm.launching.device_arrays import DeviceViews, wide_rows
+from ep_comm.launching.device_arrays import wide_rows
 from ep_comm.launching.fp8 import Fp8Rows
+from ep_comm.launching.launch_shapes import LaunchShapes, ReceiveCounts, SendLayout, check_index_range
 
-__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "bound_launch", "SLOT_ATOMIC", "SLOT_STABLE", "SLOT_CACHED",
-           "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
-
-# debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
-NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
-
-
-class SendLayout(NamedTuple):
-    """What :meth:`Kernels.count` produces (all on the device)."""
-
-    num_tokens_per_rank: Array  # [R] int32, a token counts once per rank
-    num_tokens_per_expert: Array  # [E] int32
-    rank_psum: Array  # [R] int32, inclusive
-    expert_psum: Array  # [E + 1] int32, exclusive with the total appended
-    is_token_in_rank: Array  # [T, R] bool
-    slot_idx: Array  # [T, K] int32, dst_buffer_slot_idx: filled by :meth:`Kernels.scatter`
-    # [R, 1 + L + VERDICT_WORDS] int32: row r is num_tokens_per_rank[r], num_tokens_per_expert[r*L:(r+1)*L], then
-    # the routing verdict's words (ep_comm.contract.checks.verdict_words), the same in every row
-    count_words: Array
-
-
-class ReceiveCounts(NamedTuple):
-    """What :meth:`Kernels.receive_count` produces (all on the device)."""
-
-    rank_psum: Array  # [R] int32, inclusive prefix sum of rows per source rank
-    num_unaligned_per_expert: Array  # [L] int32
-    num_aligned_per_expert: Array  # [L] int32
-    expert_psum: Array  # [L] int32, ep_comm.contract.layout.expert_psum(counts, alignment, expand)
-    totals: Array  # [2] int32: received rows N, expanded rows M (padding included)
-
-
-_DEVICE_VIEWS = DeviceViews()
-_BOUND: dict = {}
-
-
-def bound_launch(kernel: Any, device: Optional[int]) -> BoundLaunch:
-    """The process's one :class:`BoundLaunch` of ``kernel`` on CUDA device ``device`` (None: launches
-    through Numba, as in the simulator). Its plans depend only on the kernel, the device (a compiled
-    function belongs to one device's context) and the argument kinds, so every ``Kernels`` (every
-    Buffer) shares them and binds each kind once."""
-    bound = _BOUND.get((kernel, device))
-    if bound is None:
-        bound = _BOUND[kernel, device] = BoundLaunch(kernel, _DEVICE_VIEWS, enabled=device is not None)
-    return bound
+__all__ = ["Kernels", "SendLayout", "ReceiveCounts", "check_index_range", "SLOT_ATOMIC", "SLOT_STABLE",
+           "SLOT_CACHED", "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
 
 
 def _payload(x: Array) -> tuple[Array, bool]:
@@ -125,184 +72,13 @@ def _copy_step(wide: bool) -> int:
     return COPY_UNROLL * WARP * (2 if wide else 1)
 
 
-_CARVE_WORDS = 4  # each array carved from a shared allocation starts on 16 bytes, as vector loads need
-
-
-def _carved(sizes: Sequence[int]) -> tuple[list, int]:
-    """``(slices, words)``: the int32 word slices of consecutive arrays of ``sizes`` words in one allocation
-    of ``words`` words, each slice starting on a multiple of ``_CARVE_WORDS``."""
-    slices, at = [], 0
-    for size in sizes:
-        slices.append(slice(at, at + size))
-        at += -(-size // _CARVE_WORDS) * _CARVE_WORDS
-    return slices, at
-
-
-_FIXED_MAX = 64  # views and verdicts of long-lived arrays one Kernels keeps (Kernels._fixed)
-
-
-def _blocks(warps: int, cap: int, warps_per_block: int) -> int:
-    """Blocks of ``warps_per_block`` warps for ``warps`` busy warps: at least 1, at most ``cap``."""
-    return max(1, min(cap, -(-warps // warps_per_block)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_pieces(rows: int, n: int, quantum: int, split_warps: int, warps_per_block: int,
-                stream_blocks: int) -> tuple[int, int]:
-    """:meth:`Kernels._row_pieces` of a Kernels with ``split_warps``, ``warps_per_block`` and ``stream_blocks``
-    (ints in, ints out: remembered, as calls repeat the same few shapes)."""
-    passes = max(1, -(-n // quantum))
-    span = -(-passes // min(passes, max(1, split_warps // max(rows, 1)))) * quantum
-    return span, _blocks(rows * -(-n // span), stream_blocks, warps_per_block)
-
-
-@functools.lru_cache(maxsize=4096)
-def _token_cut(num_tokens: int, num_topk: int, num_units: int, count_tokens_per_warp: int) -> tuple[int, int]:
-    """:meth:`Kernels.token_cut` of a Kernels with ``num_topk``, ``num_units`` and ``count_tokens_per_warp``
-    (remembered, as :func:`_row_pieces`)."""
-    step = WARP // num_topk
-    per_unit = -(-max(num_tokens, 1) // num_units)
-    per_unit = -(-per_unit // step) * step
-    return units_for(num_tokens, per_unit, num_units), max(1, count_tokens_per_warp // per_unit)
-
-
-INDEX_LIMIT = 2**30
-
-
-def check_index_range(num_ranks: int, max_tokens: int, num_topk: int) -> None:
-    """Raise ValueError unless ``num_ranks * max_tokens * (num_topk + 2)`` is below ``2**30``: that bounds every row
-    and entry index of the kernels (the widest arrays: ``R * max_tokens`` rows of ``K + 2`` metadata words), with
-    room for a grid stride past the end, since kernel indices are 32-bit (``ep_comm/kernels/index32.py``)."""
-    entries = num_ranks * max_tokens * (num_topk + 2)
-    if entries >= INDEX_LIMIT:
-        raise ValueError(f"num_ranks * num_max_tokens_per_rank * (num_topk + 2) = {num_ranks} * {max_tokens} * "
-                         f"({num_topk} + 2) = {entries}: must be below 2**30 on the GPU backend, whose kernels "
-                         "index rows and entries in 32 bits")
-
-
-@dataclass
-class Kernels:
+class Kernels(LaunchShapes):
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
 
-    ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
-    one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
-    (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
-    tokens on as few blocks as that needs. Received rows are cut into units of about
-    ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
-    stable expand placement scans its per-unit counts once per local expert; the receive count
-    runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
-    whose last block does those scans (one column per warp at a time). The row-streaming
-    kernels (compact receive, expand receive rows, combine) need no unit cut and run on
-    ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
-    NVLink busy; they cut rows into pieces when rows are few, about ``split_warps`` pieces in all
-    (default: ``2 * num_blocks * warps_per_block``), one warp per piece. ``stream`` is a Numba
-    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.launching.bound`);
-    ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
+    Constructed as its base :class:`~ep_comm.launching.launch_shapes.LaunchShapes` (the geometry, how work is
+    cut, ``stream``; on a GPU every kernel is launched pre-bound, :mod:`ep_comm.launching.bound`), which also
+    holds the workspace and the views of the count and receive count blocks.
     """
-
-    xp: Any
-    num_ranks: int
-    num_experts: int
-    num_topk: int
-    max_tokens: int
-    num_blocks: int = 264
-    warps_per_block: int = 8
-    recv_units: int = 0
-    stream: Any = 0
-    stream_blocks: int = 0
-    count_tokens_per_warp: int = 16
-    recv_rows_per_unit: int = 32
-    recv_count_warps_per_block: int = 0
-    split_warps: int = 0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_topk <= WARP:
-            raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
-        if self.warps_per_block < 2:
-            raise ValueError("warps_per_block must be at least 2")
-        check_index_range(self.num_ranks, self.max_tokens, self.num_topk)
-        xp, r, e = self.xp, self.num_ranks, self.num_experts
-        self.num_units = self.num_blocks * self.warps_per_block
-        self.recv_units = self.recv_units or self.num_blocks
-        self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
-        self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
-        self.split_warps = self.split_warps or 2 * self.num_units
-        self.threads = self.warps_per_block * WARP
-        # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
-        prebound = xp is not np and not NUMBA_LAUNCH_ONLY
-        self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
-        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
-        self._ticket = xp.zeros(1, dtype=np.uint32)
-        self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))  # check_routing's and count's (one stream)
-        self._record = xp.zeros(record_words(r, self.num_local), dtype=np.int64)  # receive_count's, when not given
-        self._rank_cursor = xp.zeros(r, dtype=np.int32)
-        self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
-        self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
-        self._send_groups = xp.zeros((self.num_units, r), dtype=np.int32)
-        self._recv_cursor = xp.zeros((self.recv_units, self.num_local), dtype=np.int32)
-        self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
-        self._no_bias = xp.zeros((1, 1), dtype=np.float32)
-        self._fixed_views: dict = {}  # _fixed: (what, id(base)) -> (base, view or verdict)
-        # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
-        # return: views of one fresh allocation per call (they are returned together, and kept together)
-        local = self.num_local
-        self._send_slices, self._send_words = _carved((r * self.count_width, r, e, r, e + 1))
-        self._recv_slices, self._recv_words = _carved((2, r, local, local, local))
-
-    @property
-    def num_local(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    @property
-    def prebound(self) -> bool:
-        """Whether kernels launch pre-bound (a GPU, not ``EP_COMM_NUMBA_LAUNCH=1``): then launch plans can be made."""
-        return self._launch_device is not None
-
-    @property
-    def count_width(self) -> int:
-        """int32 count words per destination: rows, one per local expert, the verdict's ``VERDICT_WORDS``."""
-        return 1 + self.num_local + VERDICT_WORDS
-
-    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
-        threads = WARP * warps_per_block if warps_per_block else self.threads
-        bound = bound_launch(kernel, self._launch_device)
-        grid, stream = blocks or self.num_blocks, self.stream
-        return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
-
-    def launcher(self, kernel: Any, blocks: int, threads: int) -> Callable[..., None]:
-        """``launcher(kernel, blocks, threads)(*args)``: launch another module's ``kernel`` as these kernels launch
-        theirs (pre-bound on a GPU, on :attr:`stream`, no dynamic shared memory)."""
-        bound, stream = bound_launch(kernel, self._launch_device), self.stream
-        return lambda *args: bound(blocks, threads, stream, 0, *args)
-
-    def _blocks_for(self, warps: int, cap: int) -> int:
-        """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride
-        kernel needs no more, and idle blocks cost launch time that small (decode) calls feel."""
-        return _blocks(warps, cap, self.warps_per_block)
-
-    def _row_pieces(self, rows: int, n: int, quantum: int) -> tuple[int, int]:
-        """``(span, blocks)`` of a row-streaming kernel over ``rows`` rows of ``n`` indices (elements or
-        words) cut into pieces of ``span``, a whole number of ``quantum`` (one warp pass): about
-        ``split_warps`` pieces in all, so that few rows (decode) still keep thousands of warps busy, and
-        whole rows once there are that many. Depends on shapes only, as graph capture needs."""
-        return _row_pieces(rows, n, quantum, self.split_warps, self.warps_per_block, self.stream_blocks)
-
-    def token_cut(self, num_tokens: int) -> tuple[int, int]:
-        """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
-        consecutive units one count warp walks."""
-        return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp)
-
-    def _fixed(self, what: Any, base: Any, make: Callable[[], Any]) -> Any:
-        """``make()`` for a long-lived ``base`` (a symmetric buffer's rows, or the tuple of every rank's: the
-        same objects at every call of a Buffer), made once per (``what``, ``base``) and kept with ``base``.
-        At most ``_FIXED_MAX`` are kept (callers that pass new objects each time only refill the table)."""
-        key = (what, id(base))
-        held = self._fixed_views.get(key)
-        if held is None or held[0] is not base:
-            if len(self._fixed_views) >= _FIXED_MAX:
-                self._fixed_views.clear()
-            held = self._fixed_views[key] = (base, make())
-        return held[1]
 
     def _wide(self, rows: Any) -> bool:
         """:func:`~ep_comm.launching.device_arrays.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
@@ -317,43 +93,6 @@ class Kernels:
         blocks = min(self.num_blocks, -(-topk_idx.shape[0] // self.threads))
         self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out, into is not None)
         return out
-
-    def send_words(self, num_tokens: int) -> int:
-        """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""
-        return self._ids_at(num_tokens) + 2 * num_tokens * self.num_topk
-
-    def _ids_at(self, num_tokens: int) -> int:
-        """The first word of the ids' copy in a count block: after ``is_token_in_rank``, on 16 bytes."""
-        bool_words = -(-num_tokens * self.num_ranks // 4)
-        return self._in_rank_at(num_tokens) + -(-bool_words // _CARVE_WORDS) * _CARVE_WORDS
-
-    def _in_rank_at(self, num_tokens: int) -> int:
-        """The first word of ``is_token_in_rank`` in a count block: after ``slot_idx``, on 16 bytes."""
-        return self._send_words + -(-num_tokens * self.num_topk // _CARVE_WORDS) * _CARVE_WORDS
-
-    def send_layout(self, block: Array, num_tokens: int) -> SendLayout:
-        """The :class:`SendLayout` arrays of a count of ``num_tokens`` tokens: views of ``block``, int32
-        ``[send_words(num_tokens)]`` (``is_token_in_rank`` as bool bytes of its last words)."""
-        _, per_rank, per_expert, rank_psum, expert_psum = map(block.__getitem__, self._send_slices)
-        in_rank, slot_idx = self.routing_views(block, num_tokens)
-        return SendLayout(per_rank, per_expert, rank_psum, expert_psum, in_rank, slot_idx, self.count_words_view(block))
-
-    def count_words_view(self, block: Array) -> Array:
-        """``count_words [R, count_width]`` of a count ``block`` (the first of its views, :meth:`send_layout`)."""
-        return block[self._send_slices[0]].reshape(self.num_ranks, self.count_width)
-
-    def routing_views(self, block: Array, num_tokens: int) -> tuple[Array, Array]:
-        """``(is_token_in_rank [T, R] bool, slot_idx [T, K] int32)``, the handle's views of a count ``block``."""
-        words, k, r = self._send_words, self.num_topk, self.num_ranks
-        in_rank = block[self._in_rank_at(num_tokens):].view(np.bool_)[: num_tokens * r].reshape(num_tokens, r)
-        return in_rank, block[words:words + num_tokens * k].reshape(num_tokens, k)
-
-    def ids_view(self, block: Array, num_tokens: int, dtype: Any) -> Array:
-        """``[T, K]`` of ``dtype`` (an integer type of at most 8 bytes): the copy of the ids a count writes into its
-        ``block``."""
-        first, entries = self._ids_at(num_tokens), num_tokens * self.num_topk
-        ids = block[first:first + 2 * entries].view(np.uint8)[:entries * np.dtype(dtype).itemsize]
-        return ids.view(dtype).reshape(num_tokens, self.num_topk)
 
     def count(self, topk_idx: Array, *, stable: bool, block: Optional[Array] = None) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender, and check it: ids at or
@@ -454,16 +193,6 @@ class Kernels:
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)
 
-    @property
-    def recv_words(self) -> int:
-        """int32 words of the block one :meth:`receive_count` writes (:meth:`receive_layout`)."""
-        return self._recv_words
-
-    def receive_layout(self, block: Array) -> ReceiveCounts:
-        """The :class:`ReceiveCounts` arrays: views of ``block``, int32 ``[recv_words]``."""
-        totals, rank_psum, unaligned, aligned, expert_psum = map(block.__getitem__, self._recv_slices)
-        return ReceiveCounts(rank_psum, unaligned, aligned, expert_psum, totals)
-
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool, block: Optional[Array] = None, record: Optional[Array] = None) -> ReceiveCounts:
         """Count what arrived at the parity of ``step``; nothing (every count 0) when any source's routing
@@ -560,7 +289,7 @@ class Kernels:
         other sources: :meth:`combine_reduce` reads this rank's own from ``y`` (with one rank nothing is
         launched). Expand reduces the row's expanded rows in top-k order, weighted by ``weights [M]``
         float32 when given, this rank's own rows included. Bfloat16 ``y`` goes through
-        :func:`~ep_comm.kernels.combine.combine_expand_bf16_kernel` (16 bytes per access, rows cut into
+        :func:`~ep_comm.kernels.combine_bf16.combine_expand_bf16_kernel` (16 bytes per access, rows cut into
         pieces when few, :meth:`_row_pieces`) when ``y``'s rows and ``rows`` (as uint64 words, i.e.
         ``SymmetricViews.rows`` itself) are an even number of words and 16-byte aligned (hidden a
         multiple of 8); anything else through the general

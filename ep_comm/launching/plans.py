@@ -21,11 +21,12 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 from cuda.bindings.driver import CUstream
 
 from ep_comm.launching import raw
-from ep_comm.launching.bound import ParamBlock, Recorded, _ArraySlot, _TupleSlot, array_fields, recording
+from ep_comm.launching.bound import Recorded, recording
+from ep_comm.launching.param_blocks import ParamBlock, _ArraySlot, _TupleSlot, array_fields
 
 __all__ = ["LaunchPlan", "Plans", "build_plan"]
 
-_DATA = 4  # index of the data pointer among an array parameter's words (bound.py: meminfo, parent, nitems, itemsize)
+_DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
 PointerSlot = Tuple[Any, int, int]  # (ctypes words of one array parameter, root index, byte offset in the root)
 

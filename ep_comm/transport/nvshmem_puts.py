@@ -5,55 +5,18 @@ block (see ``NvshmemTransport``); then ``put_blocks`` sends every destination it
 contiguous run of ``count`` rows, with ``put_nbi_block`` in chunks, and ``nvshmem_quiet`` at the
 end of every CTA (so every byte has landed when the kernel ends); a later kernel
 (``signal_peers``) writes each peer's count block (optional) and ``signal[me]`` with ``nvshmem_p``.
-Kernels that call NVSHMEM device functions cannot be cached on disk: the first call in a process
-compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank is its PE. Staging
-blocks live in the symmetric heap, so every transport can read them.
+The kernels (``ep_comm.kernels.puts``) call NVSHMEM device functions, so they cannot be cached on disk:
+the first call in a process compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank
+is its PE. Staging blocks live in the symmetric heap, so every transport can read them.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
+from ep_comm.kernels.puts import CHUNK_BYTES, put_kernels
+
 PUT_THREADS = 256
-CHUNK_BYTES = 256 << 10
 MAX_PUT_CTAS = 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """``(put_blocks_kernel, signal_kernel)``, compiled lazily on first use."""
-    import nvshmem.core.device.numba as nvd
-    from numba import cuda, int32, int64
-    from nvshmem.bindings.device.numba import quiet
-
-    @cuda.jit
-    def put_blocks_kernel(stage, first_block, block_bytes, sym, dst_offset, row_bytes, psum, chunks):
-        num_ranks = psum.shape[0]
-        job = cuda.blockIdx.x
-        while job < num_ranks * chunks:
-            r = job // chunks
-            begin = (job - r * chunks) * CHUNK_BYTES
-            rows = psum[r] - (psum[r - 1] if r > 0 else 0)
-            end = min(begin + CHUNK_BYTES, rows * row_bytes)
-            if begin < end:
-                s0 = (first_block + r) * block_bytes + begin
-                t0 = dst_offset + begin
-                nvd.put_nbi_block(sym[t0:t0 + end - begin], stage[s0:s0 + end - begin], int32(r))
-            job += cuda.gridDim.x
-        quiet()
-
-    @cuda.jit
-    def signal_kernel(signals, count_words, counts, has_counts, num_ranks, me, seq):
-        r = cuda.threadIdx.x
-        if r < num_ranks:
-            if has_counts:
-                for w in range(count_words.shape[1]):
-                    nvd.p(count_words[me, w:w + 1], int64(counts[r, w]), int32(r))
-                quiet()
-            nvd.p(signals[me:me + 1], seq, int32(r))
-
-    return put_blocks_kernel, signal_kernel
 
 
 def put_blocks(stream, stage, first_block: int, block_bytes: int, sym, dst_offset: int, row_bytes: int, psum) -> None:
@@ -61,7 +24,7 @@ def put_blocks(stream, stage, first_block: int, block_bytes: int, sym, dst_offse
     (``stage``: uint8 Numba device array over the symmetric heap, blocks ``block_bytes`` apart) at byte
     ``dst_offset`` of its copy of ``sym`` (this rank's uint8 symmetric buffer, the symmetric address).
     ``psum``: int32 ``[R]`` inclusive prefix sum on the device. Launched on Numba stream ``stream``."""
-    put_blocks_kernel, _ = _kernels()
+    put_blocks_kernel, _ = put_kernels()
     chunks = max(1, -(-block_bytes // CHUNK_BYTES))
     grid = max(1, min(psum.shape[0] * chunks, MAX_PUT_CTAS))
     put_blocks_kernel[grid, PUT_THREADS, stream](stage, np.int64(first_block), np.int64(block_bytes), sym,
@@ -73,7 +36,7 @@ def signal_peers(stream, signals, count_words, num_ranks: int, me: int, seq: int
     int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R, 1 + L + 2]``: per destination
     its rows, its entries per local expert, the routing verdict), first ``count_words[me] = counts[r]`` on PE ``r``
     (``count_words``: int64 ``[R, 1 + L + 2]`` symmetric words, the step's parity; not written without ``counts``)."""
-    _, signal_kernel = _kernels()
+    _, signal_kernel = put_kernels()
     has_counts = counts is not None
     signal_kernel[1, max(32, -(-num_ranks // 32) * 32), stream](
         signals, count_words, counts if has_counts else count_words, has_counts, np.int64(num_ranks), np.int64(me),

@@ -1,5 +1,5 @@
-"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, parameter blocks in Numba's ABI, plan binding,
-driver launches.
+"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, parameter blocks in Numba's ABI
+(``ep_comm.launching.param_blocks``), plan binding, driver launches.
 
 The first tests need no GPU: fake CUDA arrays, a fake dispatcher and a fake ``cuLaunchKernel`` stand in
 for CuPy, Numba's compiled kernel and the driver; the bytes a parameter block passes are compared with
@@ -21,8 +21,10 @@ from numba.cuda.np.numpy_support import strides_from_shape
 
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.launching import bound as bound_module
+from ep_comm.launching import param_blocks
 from ep_comm.launching import raw as raw_module
-from ep_comm.launching.bound import BoundLaunch, ParamBlock, arg_kind, array_fields, c_strides, param_slot
+from ep_comm.launching.bound import BoundLaunch
+from ep_comm.launching.param_blocks import ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm.launching.plans import Plans
 
 
@@ -81,7 +83,7 @@ class FakeCupyArray:
 
 def reference_params(ty, value):
     """The bytes of each kernel parameter Numba's ABI gives ``value`` of type ``ty`` (the module docstring of
-    ``ep_comm.launching.bound``), computed independently from the array interface."""
+    ``ep_comm.launching.param_blocks``), computed independently from the array interface."""
     if isinstance(ty, types.BaseTuple):
         return [p for t, v in zip(ty, value) for p in reference_params(t, v)]
     if isinstance(ty, types.Array):
@@ -160,8 +162,8 @@ def test_patching_a_changed_argument_gives_a_fresh_packs_bytes(monkeypatch):
     p, q = FakeCupyArray(0x100, (2,), np.int64), FakeCupyArray(0x300, (9,), np.int64)
     block, _, _ = packed(sig, [x, y, np.int32(3), 0.5, (p, p), True])
     reads = []
-    describe = bound_module._array  # what an array slot reads of an array it has not taken yet
-    monkeypatch.setattr(bound_module, "_array", lambda a: reads.append(a) or describe(a))
+    describe = param_blocks._array  # what an array slot reads of an array it has not taken yet
+    monkeypatch.setattr(param_blocks, "_array", lambda a: reads.append(a) or describe(a))
     z = FakeCupyArray(0x9100, (3, 4), np.int32, (32, 4))
     for args, read in (([z, y, np.int32(3), 0.5, (p, q), True], [z, q]),  # two arrays new, the rest the same
                        ([z, y, np.int32(-1), -0.5, (p, q), False], []),  # scalars only

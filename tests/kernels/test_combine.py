@@ -50,7 +50,8 @@ def test_compact_reduce_takes_y_and_its_psum_together(xp):
 def test_bfloat16_combine_without_bias_reduces_16_bytes_per_access(xp, monkeypatch, expand):
     """The wide bfloat16 reduce (hidden a multiple of 8, no bias) is the one launched, and it is bit
     for bit the reference sum, NaN and infinity rounding included (random payloads hold both)."""
-    from ep_comm.kernels.combine import combine_reduce_bf16_kernel, combine_reduce_kernel
+    from ep_comm.kernels.combine import combine_reduce_kernel
+    from ep_comm.kernels.combine_bf16 import combine_reduce_bf16_kernel
 
     world = kernel_world(xp, seed=15, dtype="bfloat16", hidden=72, masked=0.2)
     launched = spy_launches(monkeypatch)
@@ -108,7 +109,8 @@ def test_expand_combine_bfloat16_sends_16_bytes_per_access(xp, monkeypatch, rank
     """bfloat16 expand combine with rows of whole 16-byte pairs: the wide expand send is the one launched (once
     per rank, never the general one) and the combine is bit for bit the reference, weighted or not, with and
     without bias, whole rows or pieces (``split``: thousands of warps' worth of pieces for few rows)."""
-    from ep_comm.kernels.combine import combine_expand_bf16_kernel, combine_expand_kernel
+    from ep_comm.kernels.combine import combine_expand_kernel
+    from ep_comm.kernels.combine_bf16 import combine_expand_bf16_kernel
 
     world = kernel_world(xp, seed=30 + hidden, ranks=ranks, experts=16 * ranks, topk=topk, hidden=hidden,
                        tokens=(6, 4, 3), masked=0.2, nowhere=1)
@@ -126,7 +128,8 @@ def test_expand_combine_bfloat16_sends_16_bytes_per_access(xp, monkeypatch, rank
 def test_expand_combine_general_kernel_for_narrow_payloads(xp, monkeypatch, dtype, hidden):
     """float32, float16 and bfloat16 rows that are not whole 16-byte pairs (44 elements: 11 words) take the
     general expand send, bit for bit the reference."""
-    from ep_comm.kernels.combine import combine_expand_bf16_kernel, combine_expand_kernel
+    from ep_comm.kernels.combine import combine_expand_kernel
+    from ep_comm.kernels.combine_bf16 import combine_expand_bf16_kernel
 
     world = kernel_world(xp, seed=17, ranks=2, experts=8, topk=3, dtype=dtype, hidden=hidden, tokens=(5, 4))
     launched = spy_launches(monkeypatch)

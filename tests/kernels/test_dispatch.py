@@ -91,7 +91,7 @@ def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks
     unaligned and aligned counts per local expert, the compact expert psum and the totals are the reference's
     for the rows received, with every received meta row overwritten first; a missing source's block, zeroed
     as the wait does, counts as a source that sent nothing."""
-    from ep_comm.kernels.receive import receive_count_words_kernel
+    from ep_comm.kernels.receive_count import receive_count_words_kernel
 
     world = kernel_world(xp, seed=31, ranks=ranks, experts=experts, topk=3, tokens=tokens, masked=0.2,
                        max_tokens=40)
@@ -183,7 +183,8 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
     """A compact receive is one launch of ``receive_compact_kernel`` (rows whole or in pieces, wide or
     narrow): payload, ids, weight bits and metadata bit for bit the reference, and with worst-case
     outputs (``cpu_sync=False``) the tail past N marked -1 with zero weight bits."""
-    from ep_comm.kernels.receive import receive_compact_kernel, receive_count_words_kernel
+    from ep_comm.kernels.receive import receive_compact_kernel
+    from ep_comm.kernels.receive_count import receive_count_words_kernel
 
     world = kernel_world(xp, seed=21, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps

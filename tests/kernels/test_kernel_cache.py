@@ -1,6 +1,7 @@
 """The on-disk kernel cache: a second process takes the kernels from it instead of compiling them, and
-its key (``ep_comm.kernels.jit.SOURCES_DIGEST``) covers the device code in ``ep_comm/kernels`` only,
-so that editing host code (``ep_comm/launching``, the backends, ...) keeps every cached kernel.
+its key (``ep_comm.kernels.jit.SOURCES_DIGEST``) covers the device code only (``ep_comm/kernels`` and the
+protocol constants the kernels compile in, ``ep_comm/contract/protocol.py``), so that editing host code
+(``ep_comm/launching``, the backends, ...) keeps every cached kernel.
 
 The process tests need a GPU (the simulator has no cache). To see the cold-start times of a first
 process and of one after a host-side edit on a GPU machine::
@@ -45,14 +46,15 @@ import json
 import cupy as cp
 import ep_comm
 from ep_comm.bench.kernels import Bench, parse_args
-from ep_comm.kernels import check, combine, count, receive, scatter
+from ep_comm.kernels import combine, combine_bf16, count, receive, receive_count, routing_check, scatter
 
 bench = Bench(cp, parse_args(["--tokens", "64", "--hidden", "256", "--experts", "16", "--topk", "4",
                               "--alignment", "4", "--warps-per-block", "2"]), 2)  # 2 SMs: 4 blocks
 for launch, _ in bench.measurements().values():
     launch()
 cp.cuda.runtime.deviceSynchronize()
-kernels = {id(k): k for m in (check, combine, count, receive, scatter) for k in vars(m).values() if hasattr(k, "stats")}
+modules = (combine, combine_bf16, count, receive, receive_count, routing_check, scatter)
+kernels = {id(k): k for m in modules for k in vars(m).values() if hasattr(k, "stats")}
 print(json.dumps({"package": ep_comm.__file__,
                   "hits": sum(sum(k.stats.cache_hits.values()) for k in kernels.values()),
                   "misses": sum(sum(k.stats.cache_misses.values()) for k in kernels.values())}))
@@ -94,10 +96,10 @@ def test_second_process_loads_the_kernel_from_disk(tmp_path):
 @pytest.mark.skipif(ENABLE_CUDASIM, reason="the CUDA simulator compiles nothing")
 def test_a_host_edit_keeps_every_cached_kernel(tmp_path):
     """Every kernel a dispatch and combine launch is compiled by a first process; after an edit of
-    host code (``launching/kernels.py``) a second process loads them all from the cache."""
+    host code (``launching/kernel_launches.py``) a second process loads them all from the cache."""
     root = copy_of_the_package(tmp_path / "src")
     first = in_new_process(EVERY_KERNEL_CHILD, tmp_path / "cache", root)
-    append_comment(root / "ep_comm" / "launching" / "kernels.py")
+    append_comment(root / "ep_comm" / "launching" / "kernel_launches.py")
     second = in_new_process(EVERY_KERNEL_CHILD, tmp_path / "cache", root)
     print(f"\ncold start: first process {first['seconds']:.1f} s ({first['misses']} kernels compiled), "
           f"after a host-side edit {second['seconds']:.1f} s ({second['hits']} from the cache, "
@@ -108,18 +110,23 @@ def test_a_host_edit_keeps_every_cached_kernel(tmp_path):
 
 
 def test_the_cache_key_covers_device_code_only(tmp_path):
-    kernels_dir = copy_of_the_package(tmp_path) / "ep_comm" / "kernels"
-    assert sources_digest(kernels_dir) == SOURCES_DIGEST == sources_digest(PACKAGE / "kernels")
-    for host_module in ("launching/kernels.py", "launching/bound.py", "numba_internals.py", "backends/nvshmem.py"):
-        append_comment(tmp_path / "ep_comm" / host_module)
-    assert sources_digest(kernels_dir) == SOURCES_DIGEST
-    append_comment(kernels_dir / "warp.py")
-    assert sources_digest(kernels_dir) != SOURCES_DIGEST
+    """Host modules are outside the key; ``ep_comm/kernels/*.py`` (the Numba shim ``numba_internals.py``
+    included, as it lives there) and ``contract/protocol.py`` are inside."""
+    root = copy_of_the_package(tmp_path) / "ep_comm"
+    assert sources_digest(root) == SOURCES_DIGEST == sources_digest(PACKAGE)
+    for host_module in ("launching/kernel_launches.py", "launching/bound.py", "transport/signals.py",
+                        "contract/checks.py", "backends/nvshmem.py"):
+        append_comment(root / host_module)
+    assert sources_digest(root) == SOURCES_DIGEST
+    for device_module in ("kernels/warp.py", "kernels/numba_internals.py", "contract/protocol.py"):
+        before = sources_digest(root)
+        append_comment(root / device_module)
+        assert sources_digest(root) != before, device_module
 
 
 def test_device_modules_import_only_device_modules():
-    """``ep_comm/kernels`` imports nothing of ep_comm's host side (whose edits the cache key ignores),
-    except the numba internals shim that sets the key."""
+    """``ep_comm/kernels`` imports nothing of ep_comm's host side (whose edits the cache key ignores): only
+    ``ep_comm.kernels.*`` and the protocol constants ``ep_comm.contract.protocol``, both inside the key."""
     for path in sorted((PACKAGE / "kernels").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
@@ -130,7 +137,17 @@ def test_device_modules_import_only_device_modules():
                 continue
             for name in names:
                 if name.split(".")[0] == "ep_comm" or name.startswith("relative"):
-                    assert name.startswith("ep_comm.kernels.") or name == "ep_comm.kernels.numba_internals", (path.name, name)
+                    assert name.startswith("ep_comm.kernels.") or name == "ep_comm.contract.protocol", (path.name, name)
+
+
+def test_the_uncached_kernels_modules_import_neither_nvshmem_nor_numba():
+    """The NVSHMEM puts kernels (outside the disk cache) compile on first use, the signal kernels are CUDA C
+    text: importing their modules and the puts' host side loads neither NVSHMEM nor Numba."""
+    script = ("import sys, ep_comm.kernels.puts, ep_comm.kernels.signal_wait, ep_comm.transport.nvshmem_puts; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nvshmem', 'numba')))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip() == "[]"
 
 
 def test_kernel_refuses_a_function_defined_outside_the_package():

@@ -1,0 +1,128 @@
+"""The CUDA C kernels of the signal/wait protocol (:data:`CUDA_SOURCE`) and the status-record words they share
+with the host.
+
+Device code that CuPy compiles at run time (``RawModule``): the host side, ``ep_comm.transport.signals``,
+compiles and launches the kernels ``advance_step``, ``signal_and_wait``, ``send_signal`` and ``wait_signals``
+(their parameters: ``PARAMS`` there) and decodes the status record. Rank ``me``'s signal for step ``seq`` is
+``signal[me] = seq << 2 | kind`` in every rank's buffer, stored with ``st.release.sys`` after a system-scope
+fence and polled with ``ld.acquire.sys``; a wait is bounded by a ``%globaltimer`` deadline. The status record
+(int64 ``[2 + 2R]``): the signal value of the last wait that finished (:data:`STATUS_SEQ`), the missing total
+(:data:`STATUS_MISSING`, sticky), one missing flag per rank from :data:`STATUS_FLAGS` on (sticky), then word 0
+of every rank's abort record. Plain Python: importing it needs neither Numba nor CuPy.
+"""
+from __future__ import annotations
+
+STATUS_SEQ, STATUS_MISSING, STATUS_FLAGS = 0, 1, 2  # int64 words of the status record
+
+CUDA_SOURCE = r"""
+typedef unsigned long long u64;
+typedef long long i64;
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ i64 load_acquire_sys(const i64* p) {
+    i64 v;
+    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_release_sys(i64* p, i64 v) {
+    asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
+extern "C" __global__ void advance_step(i64* step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) step[0] += 1;
+}
+
+// The step number this launch signals, step[0] + 1, read by every thread of the CTA; thread 0 stores it
+// back only after all have read it. counts (or NULL, int32 [R][count_words]): row r goes to block me of the
+// step's parity of the int64 [2][R][count_words] count words at counts_offset of rank r, before the signal.
+__device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step, int kind,
+                           const int* counts, i64 counts_offset, int count_words) {
+    const i64 seq = step[0] + 1;
+    __syncthreads();
+    if (threadIdx.x == 0) step[0] = seq;
+    if (counts)
+        for (int i = threadIdx.x; i < num_ranks * count_words; i += blockDim.x) {
+            const int r = i / count_words;
+            volatile i64* block = (volatile i64*)(peers[r] + counts_offset) + ((seq & 1) * num_ranks + me) * count_words;
+            block[i - r * count_words] = counts[i];
+        }
+    __threadfence_system();
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
+        store_release_sys((i64*)(peers[r] + signal_offset) + me, seq << 2 | kind);
+    return seq;
+}
+
+// Rank s arrived when signal[s] == seq << 2 | kind (this step) or >= (seq + 1) << 2 (its next); it gave up
+// when word 0 of its abort record (aborts, int64 [R][abort_words], or NULL) is set: then it is not waited for.
+// status: [want, missing total (sticky), missing flag per rank (sticky), abort word 0 per rank]; the count
+// words (counts_by_parity, or NULL: int64 [2][R][count_words], the step's parity) of a rank that did not
+// arrive are zeroed so that later kernels see an empty, well-formed block.
+__device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, u64 timeout_ns, i64* status,
+                          i64* counts_by_parity, int count_words, const i64* aborts, int abort_words) {
+    const i64 want = seq << 2 | kind, ahead = (seq + 1) << 2;
+    i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks * count_words : 0;
+    __shared__ int missing;
+    __shared__ int poisoned;
+    if (threadIdx.x == 0) {
+        missing = 0;
+        poisoned = ((volatile i64*)status)[1] > 0;
+    }
+    __syncthreads();
+    const u64 start = global_ns();
+    for (int s = threadIdx.x; s < num_ranks; s += blockDim.x) {
+        bool arrived = false;
+        unsigned pause = 32;
+        while (!poisoned) {
+            const i64 v = load_acquire_sys(signals + s);
+            if (v == want || v >= ahead) { arrived = true; break; }
+            if (aborts && load_acquire_sys(aborts + (i64)s * abort_words) != 0) break;
+            if (global_ns() - start > timeout_ns) break;
+            __nanosleep(pause);
+            if (pause < 256) pause *= 2;  // a signal is seen within ~0.3 us: decode steps last tens of us
+        }
+        if (!arrived) {
+            atomicAdd(&missing, 1);
+            ((volatile i64*)status)[2 + s] = 1;
+            if (counts)
+                for (int w = 0; w < count_words; ++w) ((volatile i64*)counts)[s * count_words + w] = 0;
+        }
+        if (aborts) ((volatile i64*)status)[2 + num_ranks + s] = load_acquire_sys(aborts + (i64)s * abort_words);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ((volatile i64*)status)[1] += missing;
+        __threadfence_system();
+        ((volatile i64*)status)[0] = want;
+    }
+}
+
+// One CTA: the step's signal to every rank (peer stores), then the bounded wait for every rank's signal.
+extern "C" __global__ void signal_and_wait(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step,
+                                           int kind, const int* counts, i64 counts_offset, int count_words,
+                                           const i64* signals, u64 timeout_ns, i64* status, i64* counts_by_parity,
+                                           const i64* aborts, int abort_words) {
+    const i64 seq = signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
+    wait_step(signals, num_ranks, seq, kind, timeout_ns, status, counts_by_parity, count_words, aborts, abort_words);
+}
+
+// One CTA: the step's signal to every rank (peer stores) without a wait: the send half of a split step, whose
+// receive half launches wait_signals.
+extern "C" __global__ void send_signal(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step,
+                                       int kind, const int* counts, i64 counts_offset, int count_words) {
+    signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
+}
+
+// One CTA: the bounded wait alone, for the step the counter holds (the puts transport signals through NVSHMEM).
+extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const i64* step, int kind, u64 timeout_ns,
+                                        i64* status, i64* counts_by_parity, int count_words, const i64* aborts,
+                                        int abort_words) {
+    wait_step(signals, num_ranks, step[0], kind, timeout_ns, status, counts_by_parity, count_words, aborts,
+              abort_words);
+}
+"""
