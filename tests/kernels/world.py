@@ -16,15 +16,7 @@ from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
 from ep_comm.contract.checks import topk_values, verdict_words
 from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
-from ep_comm.launching.kernel_launches import (
-    PLACE_ATOMIC,
-    PLACE_CACHED,
-    PLACE_STABLE,
-    SLOT_ATOMIC,
-    SLOT_CACHED,
-    SLOT_STABLE,
-    Kernels,
-)
+from ep_comm.launching import kernel_launches as kl
 from ep_comm.testing import routing as gen
 from ep_comm.testing.dtypes import DTYPES
 
@@ -68,7 +60,7 @@ def spy_launches(monkeypatch, arguments: Optional[list] = None) -> list:
     """The kernels every ``Kernels`` launches from now on (within the test), in launch order; with
     ``arguments``, each launch's ``(kernel, args)`` is appended to it as well."""
     launched = []
-    launch = Kernels._launch
+    launch = kl.Kernels._launch
 
     def spy(self, kernel, *args, **kwargs):
         launched.append(kernel)
@@ -81,7 +73,7 @@ def spy_launches(monkeypatch, arguments: Optional[list] = None) -> list:
             return launcher(*kernel_args)
         return recorded
 
-    monkeypatch.setattr(Kernels, "_launch", spy)
+    monkeypatch.setattr(kl.Kernels, "_launch", spy)
     return launched
 
 
@@ -112,7 +104,7 @@ class World:
     topk: list
     x: list
     w: list
-    kernels: Kernels = field(init=False)
+    kernels: kl.Kernels = field(init=False)
     sources: Optional[list] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +113,7 @@ class World:
         self.hidden = self.x[0].shape[1]
         self.dtype = self.x[0].dtype
         self.local = self.num_experts // self.num_ranks
-        self.kernels = Kernels(self.xp, num_ranks=self.num_ranks, num_experts=self.num_experts,
+        self.kernels = kl.Kernels(self.xp, num_ranks=self.num_ranks, num_experts=self.num_experts,
                                num_topk=self.num_topk, max_tokens=self.max_tokens, num_blocks=3, warps_per_block=2,
                                count_tokens_per_warp=16, recv_rows_per_unit=4)  # several groups and units
         self.sym = SymmetricLayout(self.num_ranks, self.max_tokens, self.hidden, self.num_topk, self.dtype.itemsize,
@@ -155,9 +147,9 @@ class World:
             topk = self.dev(self.topk[s])
             if cached is None:
                 lay = k.count(topk, stable=deterministic)
-                slot_idx, mode = lay.slot_idx, SLOT_STABLE if deterministic else SLOT_ATOMIC
+                slot_idx, mode = lay.slot_idx, kl.SLOT_STABLE if deterministic else kl.SLOT_ATOMIC
             else:
-                lay, slot_idx, mode = None, self.dev(cached[s]), SLOT_CACHED
+                lay, slot_idx, mode = None, self.dev(cached[s]), kl.SLOT_CACHED
             recv_x, recv_psum = direct[s] if direct is not None else (None, None)
             payload = self.device_payload(self.x[s]) if self.sources is None else self.sources[s]
             k.scatter(payload, topk, self.dev(self.w[s]), slot_idx,
@@ -206,10 +198,10 @@ class World:
         if cached is None:
             counts = k.receive_count(view.counts, view.meta, self.step(parity), alignment=alignment, expand=expand,
                                      stable=deterministic)
-            mode = PLACE_STABLE if deterministic else PLACE_ATOMIC
+            mode = kl.PLACE_STABLE if deterministic else kl.PLACE_ATOMIC
             num_rows, num_expanded = (int(v) for v in to_host(counts.totals))
         else:
-            counts, mode = cached.counts, PLACE_CACHED
+            counts, mode = cached.counts, kl.PLACE_CACHED
             num_rows = cached.recv_src_metadata.shape[0]
             num_expanded = cached.recv_x.shape[0]
         if outputs is None:
