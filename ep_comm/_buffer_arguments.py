@@ -15,18 +15,24 @@ from ep_comm.contract import checks as chk
 from ep_comm.contract import fp8
 from ep_comm.contract.choices import PAYLOAD_DTYPES
 from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.topology import check_scaleup_ranks
 from ep_comm.handle import DispatchOutput, EPHandle
 
 
 def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any,
                                 num_max_tokens_per_rank: Any, timeout_s: Any, num_sms: Any, transport: Any,
-                                profile: Any) -> None:
+                                scaleup_ranks: Any, profile: Any) -> None:
     """This rank's own checks of the constructor's arguments (TypeError / ValueError), no communication."""
     chk.check_geometry(num_ranks, num_experts, hidden, num_topk, num_max_tokens_per_rank)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds")
     chk.check_num_sms(num_sms)
     chk.check_transport(transport)
+    check_scaleup_ranks(scaleup_ranks, num_ranks)
+    if transport == "stores" and scaleup_ranks is not None and scaleup_ranks < num_ranks:
+        raise ValueError(f"transport='stores' with scaleup_ranks={scaleup_ranks}: stores reach only the peers of a "
+                         f"rank's node of {scaleup_ranks}, and {num_ranks} ranks make {num_ranks // scaleup_ranks} "
+                         "nodes: use transport='auto' or 'puts'")
     chk.check_profile(profile)
 
 

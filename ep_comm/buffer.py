@@ -49,13 +49,14 @@ class Buffer:
 
     Attributes: ``backend`` (``"mpi"``/``"nvshmem"``), ``num_sms`` (the SM count in effect: an int
     on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"`` on ``nvshmem``, None on
-    ``mpi``), ``geometry``, ``rank``, ``num_ranks``, ``deterministic``, ``timeout_s``.
+    ``mpi``), ``scaleup_ranks`` (ranks per node), ``geometry``, ``rank``, ``num_ranks``, ``deterministic``,
+    ``timeout_s``.
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, num_experts: int, hidden: int, num_topk: int,
                  num_max_tokens_per_rank: int, dtype: Any = "bfloat16", backend: str = "auto",
                  deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None,
-                 transport: str = "stores", profile: bool = False):
+                 transport: str = "auto", scaleup_ranks: Optional[int] = None, profile: bool = False):
         """Collective over ``comm``: every rank passes the same arguments.
 
         The first collective call is the construction check (``ep_comm.contract.agreement``), before anything is
@@ -84,9 +85,16 @@ class Buffer:
                 row-streaming ones), and a value above the SM count of any rank's GPU raises
                 ValueError on every rank. On ``mpi`` it is accepted and has no effect.
             transport: how the ``nvshmem`` backend reaches its peers: ``"stores"`` (stores through
-                NVSHMEM peer views; needs P2P between all GPUs) or ``"puts"`` (NVSHMEM puts, for peers
-                without P2P; cannot be captured into a CUDA graph). Anything else raises ValueError.
-                On ``mpi`` it is accepted and has no effect (``buf.transport`` is None there).
+                NVSHMEM peer views; needs P2P between all GPUs), ``"puts"`` (NVSHMEM puts, for peers
+                without P2P; cannot be captured into a CUDA graph) or ``"auto"`` (the default: stores where
+                every peer is in scale-up reach, i.e. ``scaleup_ranks`` is None or the rank count, else puts
+                to every peer; a per-peer mix is not built yet). Anything else raises ValueError, and so does
+                ``"stores"`` with ``scaleup_ranks`` below the rank count. ``buf.transport`` is the one in
+                effect. On ``mpi`` it is accepted and has no effect (``buf.transport`` is None there).
+            scaleup_ranks: ranks per (virtual) node: nodes of this many consecutive ranks, peers outside a
+                rank's node out of scale-up reach (``ep_comm.contract.topology``; how a job pins its topology,
+                and how several nodes are tested on one host). None (default) = every rank in one node; else
+                an int >= 1 that divides the rank count (TypeError / ValueError otherwise).
             profile: True records per-phase timings on every rank, read by :meth:`profile_table`
                 (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
         """
@@ -95,12 +103,13 @@ class Buffer:
         try:
             backend_name = resolve_backend(backend)
             check_constructor_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank,
-                                        timeout_s, num_sms, transport, profile)
+                                        timeout_s, num_sms, transport, scaleup_ranks, profile)
             self.geometry = Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
                                          int(num_max_tokens_per_rank), payload_dtype(dtype))
             fields = construction_fields(num_experts=num_experts, hidden=hidden, num_topk=num_topk,
                                          num_max_tokens_per_rank=num_max_tokens_per_rank,
                                          dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
+                                         scaleup_ranks=scaleup_ranks,
                                          deterministic=deterministic, num_sms=num_sms)
         except (TypeError, ValueError) as exc:  # still collective: the peers learn of it and raise too
             error = exc
@@ -108,7 +117,7 @@ class Buffer:
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
         settings = BackendSettings(self.deterministic, self.timeout_s, None if num_sms is None else int(num_sms),
-                                   transport, bool(profile))
+                                   transport, scaleup_ranks, bool(profile))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
         # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (check_handle_once)
@@ -118,6 +127,7 @@ class Buffer:
         self.backend: str = self._backend.name
         self.num_sms: Optional[int] = self._backend.num_sms
         self.transport: Optional[str] = self._backend.transport_name
+        self.scaleup_ranks: int = comm.size if scaleup_ranks is None else int(scaleup_ranks)
         self.rank = comm.rank
         self.num_ranks = comm.size
 

@@ -23,7 +23,8 @@ class BackendSettings:
     deterministic: bool
     timeout_s: float
     num_sms: Optional[int] = None  # SMs the GPU kernels are sized for; None: all of the device's
-    transport: str = "stores"  # one of validate.TRANSPORTS; the mpi backend has no choice to make
+    transport: str = "auto"  # one of contract.choices.TRANSPORTS; the mpi backend has no choice to make
+    scaleup_ranks: Optional[int] = None  # ranks per (virtual) node (contract.topology); None: one node
     profile: bool = False  # record per-phase timings for Backend.profile_table()
 
 
@@ -85,7 +86,7 @@ class Backend(Protocol):
 
     name: str  # "mpi" or "nvshmem"
     num_sms: Optional[int]  # SMs the kernels use; None without kernels
-    transport_name: Optional[str]  # one of validate.TRANSPORTS in effect; None where there is no choice (mpi)
+    transport_name: Optional[str]  # "stores" or "puts" in effect; None where there is no choice (mpi)
     xp: Any  # the array module of the backend's arrays (numpy or cupy)
 
     def as_array(self, obj: Any, name: str) -> Array:

@@ -77,10 +77,19 @@ from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.checks import topk_values
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout, record_words, word_dtype
+from ep_comm.contract.topology import Topology
 from ep_comm.launching.kernel_launches import Kernels, check_index_range
 from ep_comm.launching.plans import Plans
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
+
+
+def uses_puts(settings: BackendSettings, num_ranks: int) -> bool:
+    """Whether ``settings.transport`` sends through NVSHMEM puts: ``"puts"``, or ``"auto"`` where
+    ``settings.scaleup_ranks`` puts some peers out of scale-up reach (``"stores"`` then is refused by ``Buffer``)."""
+    if settings.transport == "auto":
+        return Topology.of(num_ranks, settings.scaleup_ranks).num_nodes > 1
+    return settings.transport == "puts"
 
 
 class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
@@ -138,8 +147,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                               geo.experts_per_rank)
-        transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize),
-                                   settings.transport == "puts")
+        transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize), uses_puts(settings, comm.size))
         device = device_type(transport.device)
         try:
             num_sms = sms_in_effect(comm, settings.num_sms, device.sm_count())

@@ -60,8 +60,8 @@ def check_num_sms(num_sms: Any) -> None:
 def check_transport(transport: Any) -> None:
     """``transport``: one of :data:`TRANSPORTS`."""
     if not isinstance(transport, str) or transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}: must be one of {TRANSPORTS} (peer-view stores, or NVSHMEM puts "
-                         "for peers without P2P)")
+        raise ValueError(f"transport={transport!r}: must be one of {TRANSPORTS} (auto: stores where every peer is "
+                         "in scale-up reach, else puts; peer-view stores; or NVSHMEM puts for peers without P2P)")
 
 
 def check_profile(profile: Any) -> None:

@@ -7,7 +7,9 @@ import ml_dtypes
 import numpy as np
 
 BACKENDS = ("auto", "mpi", "nvshmem")  # Buffer(backend=...): "auto" picks nvshmem where a GPU stack runs, else mpi
-TRANSPORTS = ("stores", "puts")  # Buffer(transport=...): peer-view stores or NVSHMEM puts (nvshmem backend)
+# Buffer(transport=...) on nvshmem: "auto" (stores where every peer is in scale-up reach, else puts), peer-view
+# stores, or NVSHMEM puts
+TRANSPORTS = ("auto", "stores", "puts")
 
 PAYLOAD_DTYPES: Dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
