@@ -48,8 +48,8 @@ class Buffer:
     ``ep_comm.PeerAbortedError`` at its next call or wait.
 
     Attributes: ``backend`` (``"mpi"``/``"nvshmem"``), ``num_sms`` (the SM count in effect: an int
-    on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"`` on ``nvshmem``, None on
-    ``mpi``), ``scaleup_ranks`` (ranks per node), ``geometry``, ``rank``, ``num_ranks``, ``deterministic``,
+    on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"``/``"stores+puts"`` on ``nvshmem``,
+    None on ``mpi``), ``scaleup_ranks`` (ranks per node), ``geometry``, ``rank``, ``num_ranks``, ``deterministic``,
     ``timeout_s``.
     """
 
@@ -85,12 +85,13 @@ class Buffer:
                 row-streaming ones), and a value above the SM count of any rank's GPU raises
                 ValueError on every rank. On ``mpi`` it is accepted and has no effect.
             transport: how the ``nvshmem`` backend reaches its peers: ``"stores"`` (stores through
-                NVSHMEM peer views; needs P2P between all GPUs), ``"puts"`` (NVSHMEM puts, for peers
-                without P2P; cannot be captured into a CUDA graph) or ``"auto"`` (the default: stores where
-                every peer is in scale-up reach, i.e. ``scaleup_ranks`` is None or the rank count, else puts
-                to every peer; a per-peer mix is not built yet). Anything else raises ValueError, and so does
-                ``"stores"`` with ``scaleup_ranks`` below the rank count. ``buf.transport`` is the one in
-                effect. On ``mpi`` it is accepted and has no effect (``buf.transport`` is None there).
+                NVSHMEM peer views to every rank; needs P2P between all GPUs), ``"puts"`` (NVSHMEM puts to
+                every rank, for peers without P2P) or ``"auto"`` (the default: stores to the ranks of this
+                rank's node, ``scaleup_ranks``, and puts to the rest, in the same launches). Every mix can be
+                captured into a CUDA graph. Anything else raises ValueError, and so does ``"stores"`` with
+                ``scaleup_ranks`` below the rank count. ``buf.transport`` is the one in effect: ``"stores"``,
+                ``"puts"`` (every peer through puts) or ``"stores+puts"``. On ``mpi`` it is accepted and has
+                no effect (``buf.transport`` is None there).
             scaleup_ranks: ranks per (virtual) node: nodes of this many consecutive ranks, peers outside a
                 rank's node out of scale-up reach (``ep_comm.contract.topology``; how a job pins its topology,
                 and how several nodes are tested on one host). None (default) = every rank in one node; else

@@ -36,7 +36,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--backend", choices=BACKENDS, default="mpi",
                     help="backend of the collective suites (tests/mpi): mpi (default) or nvshmem (GPUs)")
     group.addoption("--transport", choices=TRANSPORTS, default="stores",
-                    help="the nvshmem backend's transport: stores (peer stores, default) or puts (nvshmem puts)")
+                    help="the nvshmem backend's transport: stores (peer stores, default), puts (nvshmem puts) or auto "
+                         "(stores in a node, puts between nodes)")
+    group.addoption("--scaleup-ranks", type=int, default=None,
+                    help="Buffer(scaleup_ranks=N) of the collective suites: virtual nodes of N ranks (default: one "
+                         "node)")
     group.addoption("--ranks", type=parse_ranks, default=None,
                     help="job sizes of the multi-rank tests, e.g. 1,2,4 (default: 1,2,3,4 on mpi, 1,2 on nvshmem; "
                          "2 for tests/gpu)")
@@ -55,7 +59,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 @pytest.hookimpl(tryfirst=True)  # before the junitxml plugin opens --junitxml's path
 def pytest_configure(config: pytest.Config) -> None:
     record(SessionOptions(config.getoption("backend"), config.getoption("transport"), config.getoption("ranks"),
-                          config.getoption("--hypothesis-profile")))
+                          config.getoption("--hypothesis-profile"), config.getoption("--scaleup-ranks")))
     xmlpath = getattr(config.option, "xmlpath", None)
     if xmlpath:
         config.option.xmlpath = rank_results.rank_path(xmlpath, rank_results.rank_from_environment())

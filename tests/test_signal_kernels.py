@@ -50,7 +50,7 @@ def test_signal_kernels_compile_with_acquire_release_at_system_scope():
     except RuntimeError as exc:  # the bindings without a libnvrtc to load
         pytest.skip(f"no NVRTC here: {exc}")
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    assert entries == {"advance_step", "signal_and_wait", "send_signal", "wait_signals"}
+    assert entries == {"signal_and_wait", "send_signal", "wait_signals"}
     assert "ld.acquire.sys.global.b64" in ptx and "st.release.sys.global.b64" in ptx
     assert "globaltimer" in ptx and "nanosleep" in ptx
 
@@ -134,15 +134,15 @@ def test_signal_and_wait_passes_the_rawkernel_bytes_on_the_callers_stream(launch
         assert got == want
 
 
-def test_the_puts_advance_then_wait_with_the_rawkernel_bytes(launches):
-    puts = _transport(None)
-    puts.advance_step(7)
-    puts.wait_signals(7, 1, True, 1.0)
-    puts.wait_signals(7, 3, False, 1.0)
+def test_wait_signals_alone_passes_its_rawkernel_bytes(launches):
+    """The wait after a ``send_signal`` (a split step's hook, or a step that also signals through puts): its own
+    parameters, the count words zeroed for a missing rank only when the step exchanged counts."""
+    stores = _transport(PEERS)
+    stores.wait_signals(7, 1, True, 1.0)
+    stores.wait_signals(7, 3, False, 1.0)
     assert [(name, block[0], stream) for name, _, block, _, stream, _, _ in launches] == [
-        ("advance_step", 32, 7), ("wait_signals", 128, 7), ("wait_signals", 128, 7)]
-    assert launches[0][5] == _rawkernel_bytes((STEP,))
-    for (*_, got, _), (kind, received, words) in zip(launches[1:], [(1, RECEIVED, WORDS), (3, None, 0)]):
+        ("wait_signals", 128, 7), ("wait_signals", 128, 7)]
+    for (*_, got, _), (kind, received, words) in zip(launches, [(1, RECEIVED, WORDS), (3, None, 0)]):
         assert got == _rawkernel_bytes((SIGNALS, np.int32(R), STEP, np.int32(kind), np.uint64(10 ** 9), STATUS,
                                         received or np.uint64(0), np.int32(words), ABORTS, np.int32(64)))
 
@@ -179,5 +179,5 @@ def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):
 
 def test_a_failed_launch_names_the_kernel_and_the_result(monkeypatch):
     monkeypatch.setattr(raw, "cuLaunchKernel", lambda *args: (raw.CUresult.CUDA_ERROR_INVALID_VALUE,))
-    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of signal kernel advance_step \(grid=1, block=32, shared_bytes=0\) returned .*INVALID_VALUE"):
-        _transport(None).advance_step(0)
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of signal kernel send_signal \(grid=1, block=128, shared_bytes=0\) returned .*INVALID_VALUE"):
+        _transport(PEERS).send_signal(0, 1, None)

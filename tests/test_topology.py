@@ -8,8 +8,9 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm._buffer_arguments import check_constructor_arguments
 from ep_comm.backends.interface import BackendSettings
-from ep_comm.backends.nvshmem import uses_puts
+from ep_comm.backends.nvshmem import puts_peers
 from ep_comm.contract.topology import Topology, check_scaleup_ranks
+from ep_comm.transport.staging import transport_mode
 
 
 def test_nodes_of_consecutive_ranks_and_their_forwarders():
@@ -43,13 +44,15 @@ def test_stores_cannot_reach_a_second_node():
     check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "auto", 2, False)
 
 
-@pytest.mark.parametrize("transport, scaleup_ranks, puts", [
-    ("auto", None, False), ("auto", 4, False), ("auto", 2, True), ("auto", 1, True),
-    ("stores", None, False), ("puts", None, True), ("puts", 4, True),
+@pytest.mark.parametrize("transport, scaleup_ranks, me, puts, mode", [
+    ("auto", None, 1, (), "stores"), ("auto", 4, 2, (), "stores"), ("auto", 2, 1, (2, 3), "stores+puts"),
+    ("auto", 2, 2, (0, 1), "stores+puts"), ("auto", 1, 3, (0, 1, 2), "puts"), ("stores", None, 0, (), "stores"),
+    ("puts", None, 0, (0, 1, 2, 3), "puts"), ("puts", 4, 3, (0, 1, 2, 3), "puts"),
 ])
-def test_auto_sends_through_puts_exactly_where_a_peer_is_out_of_reach(transport, scaleup_ranks, puts):
+def test_auto_sends_through_puts_exactly_to_the_peers_out_of_reach(transport, scaleup_ranks, me, puts, mode):
     settings = BackendSettings(True, 1.0, transport=transport, scaleup_ranks=scaleup_ranks)
-    assert uses_puts(settings, 4) is puts
+    assert puts_peers(settings, 4, me) == puts
+    assert transport_mode(puts, 4, me) == mode
 
 
 def test_the_buffer_reports_its_nodes_and_the_mpi_backend_has_no_transport():

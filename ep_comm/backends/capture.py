@@ -2,9 +2,9 @@
 holds, and the routing checks of captured dispatches, reported after their replays.
 
 A capture can hold dispatches with ``cpu_sync=False`` (a new routing with int32/int64 ids, or
-``handle=...``) and the combines of their handles, over peer stores. A step that waits on the host,
-or any step of the puts transport (its buffer offsets come from the host's step number, which a
-replay would reuse), is refused before it enqueues anything: the buffer stays usable. A split step (``return_recv_hook=True``)
+``handle=...``) and the combines of their handles, over peer stores, puts or both (every launch reads the step
+from the device counter). A step that waits on the host is refused before it enqueues anything: the buffer stays
+usable. A split step (``return_recv_hook=True``)
 may be captured in two graphs, its send half in one and its hook in another: each half holds what it
 allocates (the send half the outputs of a replay, the hook those of a new routing), and a hook is captured
 exactly when its send was (:meth:`CapturePolicy.resume`).
@@ -30,14 +30,12 @@ class CaptureDevice(Protocol):
         """A context in which every allocation is also appended to ``held``."""
 
 
-def refusal(what: str, host_wait: bool, uses_puts: bool) -> Optional[str]:
+def refusal(what: str, host_wait: bool) -> Optional[str]:
     """Why step ``what`` cannot be captured into a CUDA graph, or None when it can.
 
-    ``host_wait``: the step waits on the host (cpu_sync); ``uses_puts``: the puts transport."""
+    ``host_wait``: the step waits on the host (cpu_sync)."""
     if host_wait:
         return "it waits on the host (cpu_sync=True, or a combine of a cpu_sync=True dispatch's handle)"
-    if uses_puts:
-        return "the puts transport (Buffer(transport='puts')) takes its buffer offsets from the host"
     return None
 
 
@@ -49,10 +47,9 @@ class CapturePolicy:
     ``[largest id, a repeated row]`` that the routing check of captured dispatches folds into.
     """
 
-    def __init__(self, device: CaptureDevice, num_experts: int, uses_puts: bool):
+    def __init__(self, device: CaptureDevice, num_experts: int):
         self._device = device
         self._num_experts = num_experts
-        self._uses_puts = uses_puts
         self.active = False
         self.held: List[Any] = []
         self._checks_host, self.checks = device.mapped_int64(2, fill=-1)
@@ -65,11 +62,11 @@ class CapturePolicy:
         """Start step ``what``: note whether it is captured, and raise RuntimeError (before anything is
         enqueued) when it is but cannot be (see :func:`refusal`)."""
         self.active = self._device.capturing()
-        why = refusal(what, host_wait, self._uses_puts) if self.active else None
+        why = refusal(what, host_wait) if self.active else None
         if why:
             raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA graph, "
                                f"and {why}: a capture can hold dispatches with cpu_sync=False (a new routing with "
-                               "int32/int64 ids, or handle=...) and the combines of their handles, over peer stores; "
+                               "int32/int64 ids, or handle=...) and the combines of their handles; "
                                "call it outside the capture")
 
     def resume(self, what: str, send_captured: bool) -> None:

@@ -86,7 +86,7 @@ class Backend(Protocol):
 
     name: str  # "mpi" or "nvshmem"
     num_sms: Optional[int]  # SMs the kernels use; None without kernels
-    transport_name: Optional[str]  # "stores" or "puts" in effect; None where there is no choice (mpi)
+    transport_name: Optional[str]  # "stores", "puts" or "stores+puts" in effect; None where there is no choice (mpi)
     xp: Any  # the array module of the backend's arrays (numpy or cupy)
 
     def as_array(self, obj: Any, name: str) -> Array:

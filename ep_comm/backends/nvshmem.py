@@ -5,8 +5,8 @@ deterministic mode. The data path is ``ep_comm.launching.kernel_launches.Kernels
 
 1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
 2. ``scatter``: each (token, destination) row and meta row straight into region ``[parity][me]``
-   of the destination's symmetric buffer (stores through peer views; with ``transport="puts"``
-   into a local staging block that ``nvshmem_puts.put_blocks`` sends). A replayed handle in compact
+   of the destination's symmetric buffer (stores through peer views; for a destination reached through puts, out of
+   scale-up reach or with ``transport="puts"``, into a local staging block that ``nvshmem_puts.put_blocks`` sends). A replayed handle in compact
    mode allocates the outputs first and sends the payload of the rows for ``me`` itself straight to
    their ``recv_x`` rows instead (their meta rows still go to the own buffer);
 3. signal ``step_word(seq, kind)`` to every rank, carrying this rank's per-destination counts (new
@@ -20,7 +20,7 @@ Every step's signal advances the device step counter (``ep_comm.kernels.step_cou
 the step number and buffer parity from it, not from the host (the senders, before the signal, one
 step ahead). The launches of a step are therefore the same at every step, and the ``cpu_sync=False``
 calls (a dispatch of a new routing or of a handle, a combine) can be captured into a CUDA graph and
-replayed, with peer stores (``capture.py`` says what is refused).
+replayed, over stores, puts or both (``capture.py`` says what is refused).
 
 Combine runs ``Kernels.combine_scatter`` back into the sources' buffers (plus the weights' return route when
 weights are given, ``weight_return``), signal + wait, then ``combine_reduce`` with the bias. In
@@ -42,7 +42,7 @@ imports no CuPy: it uses the device's array module.
 
 A split step (``Buffer(..., return_recv_hook=True)``, :meth:`NvshmemBackend.dispatch_send` and
 :meth:`~NvshmemBackend.combine_send`) enqueues its send half up to a signal that waits for nothing
-(``signals.send_signal`` on peer stores, the NVSHMEM signal with puts), and returns its receive half, which
+(``signals.send_signal`` on peer stores, then the NVSHMEM signal of the peers reached through puts), and returns its receive half, which
 enqueues ``signals.wait_signals`` and the receive on the hook's stream (made to wait for the send's when it
 is another stream and nothing is captured). The two halves may be captured into two graphs: a hook is
 captured exactly when its send was (``CapturePolicy.resume``).
@@ -84,12 +84,14 @@ from ep_comm.launching.plans import Plans
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 
 
-def uses_puts(settings: BackendSettings, num_ranks: int) -> bool:
-    """Whether ``settings.transport`` sends through NVSHMEM puts: ``"puts"``, or ``"auto"`` where
-    ``settings.scaleup_ranks`` puts some peers out of scale-up reach (``"stores"`` then is refused by ``Buffer``)."""
+def puts_peers(settings: BackendSettings, num_ranks: int, me: int) -> Tuple[int, ...]:
+    """The ranks rank ``me`` reaches through NVSHMEM puts: every rank with ``transport="puts"`` (itself included),
+    none with ``"stores"``, and with ``"auto"`` those out of its node (``settings.scaleup_ranks``), the rest through
+    stores."""
     if settings.transport == "auto":
-        return Topology.of(num_ranks, settings.scaleup_ranks).num_nodes > 1
-    return settings.transport == "puts"
+        topology = Topology.of(num_ranks, settings.scaleup_ranks)
+        return tuple(r for r in range(num_ranks) if not topology.in_reach(me, r))
+    return tuple(range(num_ranks)) if settings.transport == "puts" else ()
 
 
 class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
@@ -111,7 +113,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         self.deterministic, self.timeout_s = settings.deterministic, settings.timeout_s
         self.num_sms: Optional[int] = num_sms
         self.transport, self.device = transport, device
-        self.transport_name = "puts" if transport.use_puts else "stores"
+        self.transport_name = transport.mode
         self.kernels = Kernels(xp, num_ranks=geo.num_ranks, num_experts=geo.num_experts, num_topk=geo.num_topk,
                                max_tokens=geo.max_tokens, **launch)
         own = transport.own
@@ -119,7 +121,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         self._own_meta = device.kernel_array(own.meta)
         self._own_counts = device.kernel_array(own.counts)
         self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
-        self.capture = CapturePolicy(device, geo.num_experts, transport.use_puts)
+        self.capture = CapturePolicy(device, geo.num_experts)
         self.profile = Profile(settings.profile, device)
         self.steps = Steps(self.rank, settings.timeout_s, transport)
         self.plans = Plans(self.kernels.prebound, device.allocations_into)
@@ -147,7 +149,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                               geo.experts_per_rank)
-        transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize), uses_puts(settings, comm.size))
+        transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize), puts_peers(settings, comm.size, comm.rank))
         device = device_type(transport.device)
         try:
             num_sms = sms_in_effect(comm, settings.num_sms, device.sm_count())

@@ -35,7 +35,7 @@ class NvshmemCombine(NvshmemSteps):
         roots = (y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank) + ((weights,) if weights is not None else ())
         with self.profile.phase("combine", "send"):
             self._planned(key, roots, lambda: self._combine_send(h, y, weights))
-            self.transport.flush(self.kernels.stream, seq % 2, h.psum_num_recv_tokens_per_rank,
+            self.transport.flush(self.kernels.stream, h.psum_num_recv_tokens_per_rank,
                                  with_meta=weights is not None)
         self._signal("combine", seq, hooked)
         return functools.partial(self._combine_receive, request, y, weights, hooked)
@@ -58,12 +58,12 @@ class NvshmemCombine(NvshmemSteps):
         the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
         k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
-                       step=t.send_step, ahead=t.send_ahead, expand=h.expand, weights=weights if h.expand else None)
+                       step=t.step, ahead=1, expand=h.expand, weights=weights if h.expand else None)
         if weights is not None:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
             weight_return.send_weights(k.launcher, bits, h.expand, h.recv_src_metadata,
                                        h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
-                                       step=t.send_step, ahead=t.send_ahead, max_blocks=k.num_blocks)
+                                       step=t.step, ahead=1, max_blocks=k.num_blocks)
 
     def _combine_reduce(self, h: EPHandle, y: Array, bias_terms: Sequence[Array], with_weights: bool) -> tuple:
         """``(x [T, H], gathered weights [T, K] float32 or None)`` from the rows every rank sent back and,

@@ -57,15 +57,14 @@ class NvshmemDispatch(NvshmemSteps):
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(request.x, routing.topk_idx, request.topk_weights, routing.dst_buffer_slot_idx,
-                                 t.rows, t.meta, src_rank=self.rank, step=t.send_step, ahead=t.send_ahead, mode=mode,
+                                 t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1, mode=mode,
                                  recv_x=recv_x, recv_psum=recv_psum)
 
-    def _flush(self, seq: int, psum: Optional[Array]) -> None:
-        """Puts only: send the staged rows and meta rows, ``psum`` (int32 ``[R]``) the inclusive prefix sum of the
+    def _flush(self, psum: Array) -> None:
+        """With puts: send the staged rows and meta rows, ``psum`` (int32 ``[R]``) the inclusive prefix sum of the
         rows per destination."""
-        if self.transport.use_puts:
-            with self.profile.phase("dispatch", "puts"):
-                self.transport.flush(self.kernels.stream, seq % 2, psum, with_meta=True)
+        with self.profile.phase("dispatch", "puts"):
+            self.transport.flush(self.kernels.stream, psum, with_meta=True)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` (an ``Fp8Rows``' arrays are already) and ``topk_weights`` C-contiguous (itself when
@@ -101,8 +100,8 @@ class NvshmemDispatch(NvshmemSteps):
         key = ("send", num_tokens, idx.dtype.char, payload_key(x), weights is not None, stable)
         roots = (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
         self._planned(key, roots, count_and_scatter)
-        if self.transport.use_puts:
-            self._flush(seq, k.send_layout(send_block, num_tokens).rank_psum)
+        if self.transport.puts_to:
+            self._flush(k.send_layout(send_block, num_tokens).rank_psum)
         self._signal("dispatch", seq, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
@@ -160,8 +159,8 @@ class NvshmemDispatch(NvshmemSteps):
         key = ("cached send", payload_key(x), h.topk_idx.dtype.char, weights is not None,
                None if local is None else outputs[0].shape)
         self._planned(key, roots, lambda: self._scatter(request, h.routing, kernel_launches.SLOT_CACHED, local))
-        if self.transport.use_puts:
-            self._flush(seq, self._derived(h, "send_psum", _send_psum))
+        if self.transport.puts_to:
+            self._flush(self._derived(h, "send_psum", _send_psum))
         self._signal("dispatch", seq, hooked)
         return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
 

@@ -119,7 +119,7 @@ class NvshmemSteps:
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
         with self.profile.phase(what, "signal+wait"):
-            self.transport.exchange(self.kernels.stream, seq, STEP_KINDS[what], self.timeout_s, counts)
+            self.transport.exchange(self.kernels.stream, STEP_KINDS[what], self.timeout_s, counts)
 
     def _signal(self, what: str, seq: int, hooked: bool, counts: Optional[Array] = None) -> None:
         """The end of step ``seq``'s send half: :meth:`_signal_and_wait` for a plain step; for a split one
@@ -128,7 +128,7 @@ class NvshmemSteps:
             self._signal_and_wait(what, seq, counts)
             return
         with self.profile.phase(what, "signal"):
-            self.transport.signal(self.kernels.stream, seq, STEP_KINDS[what], counts)
+            self.transport.signal(self.kernels.stream, STEP_KINDS[what], counts)
 
     def _wait(self, what: str, hooked: bool, with_counts: bool) -> None:
         """The start of a split step's receive half (``hooked``): the bounded GPU wait for every rank's signal

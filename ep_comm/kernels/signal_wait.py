@@ -2,7 +2,7 @@
 with the host.
 
 Device code that CuPy compiles at run time (``RawModule``): the host side, ``ep_comm.transport.signals``,
-compiles and launches the kernels ``advance_step``, ``signal_and_wait``, ``send_signal`` and ``wait_signals``
+compiles and launches the kernels ``signal_and_wait``, ``send_signal`` and ``wait_signals``
 (their parameters: ``PARAMS`` there) and decodes the status record. Rank ``me``'s signal for step ``seq`` is
 ``signal[me] = seq << 2 | kind`` in every rank's buffer, stored with ``st.release.sys`` after a system-scope
 fence and polled with ``ld.acquire.sys``; a wait is bounded by a ``%globaltimer`` deadline. The status record
@@ -34,13 +34,10 @@ __device__ __forceinline__ void store_release_sys(i64* p, i64 v) {
     asm volatile("st.release.sys.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
-extern "C" __global__ void advance_step(i64* step) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) step[0] += 1;
-}
-
 // The step number this launch signals, step[0] + 1, read by every thread of the CTA; thread 0 stores it
 // back only after all have read it. counts (or NULL, int32 [R][count_words]): row r goes to block me of the
 // step's parity of the int64 [2][R][count_words] count words at counts_offset of rank r, before the signal.
+// A rank whose peers[r] is 0 (NULL: reached through NVSHMEM puts, which signal it themselves) is skipped.
 __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step, int kind,
                            const int* counts, i64 counts_offset, int count_words) {
     const i64 seq = step[0] + 1;
@@ -49,12 +46,13 @@ __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_o
     if (counts)
         for (int i = threadIdx.x; i < num_ranks * count_words; i += blockDim.x) {
             const int r = i / count_words;
+            if (!peers[r]) continue;
             volatile i64* block = (volatile i64*)(peers[r] + counts_offset) + ((seq & 1) * num_ranks + me) * count_words;
             block[i - r * count_words] = counts[i];
         }
     __threadfence_system();
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
-        store_release_sys((i64*)(peers[r] + signal_offset) + me, seq << 2 | kind);
+        if (peers[r]) store_release_sys((i64*)(peers[r] + signal_offset) + me, seq << 2 | kind);
     return seq;
 }
 
@@ -118,7 +116,7 @@ extern "C" __global__ void send_signal(const u64* peers, int num_ranks, int me, 
     signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
 }
 
-// One CTA: the bounded wait alone, for the step the counter holds (the puts transport signals through NVSHMEM).
+// One CTA: the bounded wait alone, for the step the counter holds (after send_signal: a split step, or puts).
 extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const i64* step, int kind, u64 timeout_ns,
                                         i64* status, i64* counts_by_parity, int count_words, const i64* aborts,
                                         int abort_words) {

@@ -1,14 +1,15 @@
 """``NvshmemTransport``: how bytes reach the peers on the GPU, over the NVSHMEM symmetric heap.
 
-Two ways, chosen by ``Buffer(transport=...)``: ``"stores"``, the kernels store straight into every
-peer's buffer through NVSHMEM peer views, and the signal is a CuPy kernel (``signals``); or
-``"puts"``, the kernels write each destination's rows into a local staging block
-(``staging``) that ``nvshmem_puts.put_blocks`` sends, and NVSHMEM carries the signal (peers
-without P2P). GPU only: imports CuPy and Numba-CUDA.
+Per peer, one of two ways, fixed at construction (``puts_to``): **stores**, the kernels store straight into the
+peer's buffer through its NVSHMEM peer view, and the signal is a CUDA C kernel (``signals``); or **puts**, the kernels
+write the peer's rows into a local staging block (``staging``) that ``nvshmem_puts.put_blocks`` sends, and NVSHMEM
+carries its count block and signal (peers out of scale-up reach, or every rank with ``Buffer(transport="puts")``).
+Both kinds go out in the same launches of a step, and all of them read the step from the device counter, so a CUDA
+graph captures any mix. GPU only: imports CuPy and Numba-CUDA.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import cupy
 import numpy as np
@@ -18,7 +19,7 @@ from numba import cuda
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views
 from ep_comm.transport import nvshmem_puts, signals
 from ep_comm.transport.nvshmem_heap import NvshmemHeap
-from ep_comm.transport.staging import staged_destinations, staging_bytes
+from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes, transport_mode
 
 
 def _current_stream() -> int:
@@ -32,95 +33,99 @@ def numba_view(a: Any) -> Any:
 
 
 class NvshmemTransport:
-    """One Buffer's symmetric heap on this rank, and the stores or puts that reach the peers.
+    """One Buffer's symmetric heap on this rank, and the stores or puts that reach each peer.
 
-    ``rows``/``meta``: per-rank destination views for the kernels (Numba device arrays, made once);
-    ``own``: typed views of this rank's buffer (``SymmetricViews``); ``step``: the device step
-    counter (int64 ``[1]``); ``send_step`` and ``send_ahead``: where the sending kernels take their
-    parity from, ``step[0] + 1`` (they run before the signal that advances the counter), or a
-    constant 0 with puts (the staging area has one half); ``device``: the CUDA device ordinal.
+    ``rows``/``meta``: per-rank destination views for the kernels (Numba device arrays, made once; ``[2, R,
+    max_tokens, ...]`` each: the peer's own rows and meta for a peer reached through stores, a staging view for one
+    reached through puts); ``own``: typed views of this rank's buffer (``SymmetricViews``); ``step``: the device step
+    counter (int64 ``[1]``; the sending kernels take their parity from ``step[0] + 1``, as they run before the signal
+    that advances it); ``puts_to``: the ranks reached through puts; ``mode``: :func:`transport_mode`; ``device``: the
+    CUDA device ordinal.
     """
 
-    def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, use_puts: bool):
-        """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area with
-        ``use_puts``) of symmetric heap; rows are viewed as ``word`` (``contract.symmetric.word_dtype``)."""
-        self.use_puts = use_puts
-        self.sym = sym
-        extra = staging_bytes(sym) if use_puts else 0
-        self.heap = NvshmemHeap(comm, sym.total_bytes + extra, use_puts)
+    def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, puts_to: Sequence[int]):
+        """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area when ``puts_to`` names a
+        rank) of symmetric heap; rows are viewed as ``word`` (``contract.symmetric.word_dtype``). ``puts_to``: the
+        ranks reached through puts; the others must be in load/store reach (RuntimeError on every rank otherwise)."""
+        self.sym, r = sym, sym.num_ranks
+        self.puts_to = tuple(sorted(set(puts_to)))
+        self.mode = transport_mode(self.puts_to, r, comm.rank)
+        stores_to = tuple(q for q in range(r) if q not in self.puts_to)
+        self.heap = NvshmemHeap(comm, sym.total_bytes + (staging_bytes(sym) if self.puts_to else 0), stores_to)
         self.rank, self.device = self.heap.rank, self.heap.device
-        self.status = signals.WaitStatus(sym.num_ranks, self.device)
+        self.status = signals.WaitStatus(r, self.device)
         self.step = cupy.zeros(1, dtype=cupy.int64)
-        self.send_step = cupy.zeros(1, dtype=cupy.int64) if use_puts else self.step
-        self.send_ahead = 0 if use_puts else 1
         self.own = symmetric_views(self.heap.local, sym, word)
-        rows, meta = self._staged(word) if use_puts else self._peer_views(word)
+        rows, meta = self._views(word)
         self.rows = tuple(numba_view(v) for v in rows)
         self.meta = tuple(numba_view(v) for v in meta)
         self._aborts = self.heap.local[sym.abort_offset: sym.abort_offset + sym.abort_bytes]
-        self._abort_words = self._aborts.view(cupy.int64).reshape(sym.num_ranks, ABORT_WORDS)
+        self._abort_words = self._aborts.view(cupy.int64).reshape(r, ABORT_WORDS)
         self._side = cupy.cuda.Stream(non_blocking=True)  # abort records: never queued behind the caller's waits
-        self._signals = signals.SignalLaunches(None if use_puts else self.heap.peer_ptrs, sym.num_ranks, self.rank,
-                                               sym.signal_offset, sym.counts_offset, self.step, self.own.signal,
-                                               self.status.device, self.own.counts, self._abort_words, self.device)
-        self._no_records = np.zeros((sym.num_ranks, ABORT_WORDS), dtype=np.int64)
+        stores_ptrs = cupy.asarray([0 if q in self.puts_to else int(self.heap.peers[q].data.ptr) for q in range(r)],
+                                   dtype=cupy.uint64)
+        self._signals = signals.SignalLaunches(stores_ptrs, r, self.rank, sym.signal_offset, sym.counts_offset,
+                                               self.step, self.own.signal, self.status.device, self.own.counts,
+                                               self._abort_words, self.device)
+        self._no_records = np.zeros((r, ABORT_WORDS), dtype=np.int64)
 
-    def _peer_views(self, word: np.dtype) -> tuple:
-        """Every rank's rows and meta views (stores)."""
-        peers = [symmetric_views(p, self.sym, word) for p in self.heap.peers]
-        return tuple(v.rows for v in peers), tuple(v.meta for v in peers)
-
-    def _staged(self, word: np.dtype) -> tuple:
-        """The per-destination views into the staging area (puts), which also keeps its Numba views."""
-        sym = self.sym
-        r, t = sym.num_ranks, sym.max_tokens
-        rows_bytes = (2 * r - 1) * t * sym.row_bytes
+    def _views(self, word: np.dtype) -> tuple:
+        """Every rank's rows and meta views: its own (stores) or a staging view (puts, see ``staging``); with puts,
+        also keeps the Numba views the puts read (staging, this buffer, the step counter, the ranks they reach, the
+        signal and count words)."""
+        sym, r, t = self.sym, self.sym.num_ranks, self.sym.max_tokens
+        peers = [None if q in self.puts_to else symmetric_views(p, sym, word) for q, p in enumerate(self.heap.peers)]
+        if not self.puts_to:
+            return tuple(v.rows for v in peers), tuple(v.meta for v in peers)
+        rows_bytes = staging_blocks(r) * t * sym.row_bytes
         stage = self.heap.local[sym.total_bytes: sym.total_bytes + staging_bytes(sym)]
-        self._stage_rows = numba_view(stage[:rows_bytes])
-        self._stage_meta = numba_view(stage[rows_bytes:])
-        self._sym = numba_view(self.heap.local)
-        return staged_destinations(stage[:rows_bytes].view(word).reshape(2 * r - 1, t, -1),
-                                   stage[rows_bytes:].view(cupy.int32).reshape(2 * r - 1, t, -1), r)
+        stage_rows = stage[:rows_bytes].view(word).reshape(staging_blocks(r), t, -1)
+        stage_meta = stage[rows_bytes:].view(cupy.int32).reshape(staging_blocks(r), t, -1)
+        self._stage_rows, self._stage_meta = numba_view(stage[:rows_bytes]), numba_view(stage[rows_bytes:])
+        self._sym, self._step = numba_view(self.heap.local), numba_view(self.step)
+        self._signal_words, self._count_words = numba_view(self.own.signal), numba_view(self.own.counts)
+        self._remote = numba_view(cupy.asarray([q in self.puts_to for q in range(r)], dtype=cupy.uint8))
+        return (tuple(staged_destination(stage_rows, q, r) if v is None else v.rows for q, v in enumerate(peers)),
+                tuple(staged_destination(stage_meta, q, r) if v is None else v.meta for q, v in enumerate(peers)))
 
-    def flush(self, stream: Any, parity: int, psum: Any, with_meta: bool) -> None:
-        """Puts only: send each destination ``r`` its staged ``psum[r] - psum[r-1]`` rows (and meta rows)."""
-        if not self.use_puts:
+    def flush(self, stream: Any, psum: Any, with_meta: bool) -> None:
+        """Send each destination ``r`` reached through puts its staged ``psum[r] - psum[r-1]`` rows (and meta rows)
+        (``psum``: int32 ``[R]`` on the device); nothing without puts. Before the step's signal."""
+        if not self.puts_to:
             return
         sym, me = self.sym, self.rank
-        nvshmem_puts.put_blocks(stream, self._stage_rows, me, sym.max_tokens * sym.row_bytes, self._sym,
-                                sym.row_at(parity, me), sym.row_bytes, psum)
+        psum = numba_view(psum)  # not through Numba's argument conversion, which would synchronise (refused in a capture)
+        nvshmem_puts.put_blocks(stream, self._stage_rows, sym.max_tokens * sym.row_bytes, self._sym, sym.row_at(0, me),
+                                sym.row_at(1, me) - sym.row_at(0, me), self._step, sym.row_bytes, psum, self._remote,
+                                me)
         if with_meta:
             meta_bytes = 4 * sym.meta_words
-            nvshmem_puts.put_blocks(stream, self._stage_meta, me, sym.max_tokens * meta_bytes, self._sym,
-                                    sym.meta_at(parity, me), meta_bytes, psum)
+            nvshmem_puts.put_blocks(stream, self._stage_meta, sym.max_tokens * meta_bytes, self._sym,
+                                    sym.meta_at(0, me), sym.meta_at(1, me) - sym.meta_at(0, me), self._step,
+                                    meta_bytes, psum, self._remote, me)
 
-    def exchange(self, stream: Any, seq: int, kind: int, timeout_s: float, counts: Any = None) -> None:
-        """Enqueue step ``seq``'s signal to every rank, then the bounded wait for every rank's signal: :meth:`signal`
-        then :meth:`wait`, in one launch (``signals.signal_and_wait``) on peer stores."""
-        if self.use_puts:
-            self.signal(stream, seq, kind, counts)
+    def exchange(self, stream: Any, kind: int, timeout_s: float, counts: Any = None) -> None:
+        """Enqueue the step's signal to every rank, then the bounded wait for every rank's signal: :meth:`signal`
+        then :meth:`wait`; one launch (``signals.signal_and_wait``) where every rank is reached through stores."""
+        if self.puts_to:
+            self.signal(stream, kind, counts)
             self.wait(kind, timeout_s, counts is not None)
             return
         self._signals.signal_and_wait(_current_stream(), kind, counts, timeout_s)
 
-    def signal(self, stream: Any, seq: int, kind: int, counts: Any = None) -> None:
-        """Enqueue step ``seq``'s signal to every rank, without a wait (the send half of a split step).
+    def signal(self, stream: Any, kind: int, counts: Any = None) -> None:
+        """Enqueue the step's signal to every rank, without a wait (the send half of a split step).
 
         Advances the device step counter, then ``signal[me] = step << 2 | kind`` in every rank (the step
         word, ``collective_steps.step_word``), after ``counts`` (int32 ``[R, 1 + L + 2]``: per destination its
-        rows, then its entries per local expert, then the routing verdict) went to their count words of the step's parity. The signal
-        kernels go on CuPy's current stream (``stream`` is its Numba twin, which the puts take) through their
-        prepared launches (``signals.SignalLaunches``). Peer stores read the step from the device counter
-        (``signals.send_signal``); puts signal with the host's ``seq`` (equal to it: the puts path is never
-        captured into a graph) through NVSHMEM."""
-        on = _current_stream()
-        if not self.use_puts:
-            self._signals.send_signal(on, kind, counts)
-            return
-        sym, me = self.sym, self.rank
-        self._signals.advance_step(on)
-        nvshmem_puts.signal_peers(stream, numba_view(self.own.signal), numba_view(self.own.counts[seq % 2]),
-                                  sym.num_ranks, me, seq << 2 | kind, None if counts is None else numba_view(counts))
+        rows, then its entries per local expert, then the routing verdict) went to their count words of the step's
+        parity: one launch for the ranks reached through stores (``signals.send_signal``, on CuPy's current stream),
+        then one for those reached through puts (``nvshmem_puts.signal_peers``, on ``stream``, its Numba twin), after
+        every put of the step landed. Both read the step from the device counter."""
+        self._signals.send_signal(_current_stream(), kind, counts)
+        if self.puts_to:
+            nvshmem_puts.signal_peers(stream, self._signal_words, self._count_words, self._remote, self.rank,
+                                      self._step, kind, None if counts is None else numba_view(counts))
 
     def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
         """Enqueue on CuPy's current stream the bounded wait for every rank's signal of the step the device counter

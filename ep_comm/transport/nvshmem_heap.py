@@ -12,9 +12,8 @@ over the same processes (``nvshmem_malloc`` is collective over all of them).
 
 Each heap holds ``nbytes`` of symmetric memory laid out as ``ep_comm.contract.symmetric.SymmetricLayout``,
 a uint8 CuPy view of the local copy, a tuple of uint8 views of every rank's copy (peer views,
-``nvshmem_ptr``) and the same as a device array of base addresses for kernels. With
-``use_puts`` (``Buffer(transport="puts")``) data goes out through NVSHMEM device puts to the
-symmetric address instead of stores through peer views (peers without P2P).
+``nvshmem_ptr``; None for a rank out of load/store reach). The ranks the transport reaches through
+stores must have a peer view; the others get their data through NVSHMEM device puts to the symmetric address.
 """
 from __future__ import annotations
 
@@ -135,7 +134,9 @@ _LEAKED: List[object] = []  # buffers of timed-out heaps: never freed (nvshmem_f
 class NvshmemHeap:
     """``nbytes`` of symmetric memory on every rank of ``comm`` (collective constructor)."""
 
-    def __init__(self, comm: MPI.Comm, nbytes: int, use_puts: bool):
+    def __init__(self, comm: MPI.Comm, nbytes: int, stores_to: Tuple[int, ...]):
+        """Collective over ``comm``; RuntimeError when a rank of ``stores_to`` (reached through stores) has no peer
+        view."""
         import cupy
         import nvshmem.core as nvs
 
@@ -143,19 +144,20 @@ class NvshmemHeap:
         self.rank = comm.rank
         self.num_ranks = comm.size
         self.device = _RUNTIME.device
-        self.use_puts = use_puts
         self.nbytes = nbytes
         self.local = nvs.array((nbytes,), dtype="uint8")
         self.local[...] = 0
         cupy.cuda.runtime.deviceSynchronize()
         self.peers: Tuple[object, ...] = tuple(
             self.local if r == self.rank else self._peer_view(nvs, r) for r in range(self.num_ranks))
-        self.peer_ptrs = cupy.asarray([int(p.data.ptr) if p is not None else 0 for p in self.peers], dtype=cupy.uint64)
-        if not self.use_puts and any(p is None for p in self.peers):
-            missing = [r for r, p in enumerate(self.peers) if p is None]
-            raise RuntimeError(f"rank {self.rank}: ranks {missing} are not reachable by load/store (no P2P); "
-                               "use Buffer(transport='puts') to send through NVSHMEM puts")
-        comm.Barrier()  # every rank zeroed its signals before anyone can signal it
+        # also the barrier after which anyone may signal: every rank zeroed its signals before it
+        missing = {rank: peers for rank, peers in enumerate(comm.allgather(
+            [r for r in stores_to if self.peers[r] is None])) if peers}
+        if missing:  # on every rank alike: the collective free cannot hang
+            nvs.free_array(self.local)
+            raise RuntimeError(f"ranks {sorted(missing)} cannot reach peers {missing} (rank: peers) by load/store (no "
+                               "P2P), but the transport reaches them through stores; use Buffer(transport='puts'), or "
+                               "a scaleup_ranks that leaves them out of the rank's node, to send through NVSHMEM puts")
         _RUNTIME.live += 1
 
     def _peer_view(self, nvs, rank: int):
@@ -172,7 +174,7 @@ class NvshmemHeap:
             return
         import nvshmem.core as nvs
 
-        local, self.local, self.peers, self.peer_ptrs = self.local, None, (), None
+        local, self.local, self.peers = self.local, None, ()
         _RUNTIME.live -= 1
         if collective:
             nvs.free_array(local)

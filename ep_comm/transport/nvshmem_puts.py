@@ -1,12 +1,12 @@
-"""Sending through NVSHMEM device puts instead of peer-view stores (peers without P2P).
+"""Sending through NVSHMEM device puts to the peers out of load/store reach (or to every rank, ``transport="puts"``).
 
-With puts, the kernels of ``ep_comm.kernels`` write each destination's rows into a local staging
-block (see ``NvshmemTransport``); then ``put_blocks`` sends every destination its block, one
-contiguous run of ``count`` rows, with ``put_nbi_block`` in chunks, and ``nvshmem_quiet`` at the
-end of every CTA (so every byte has landed when the kernel ends); a later kernel
-(``signal_peers``) writes each peer's count block (optional) and ``signal[me]`` with ``nvshmem_p``.
-The kernels (``ep_comm.kernels.puts``) call NVSHMEM device functions, so they cannot be cached on disk:
-the first call in a process compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank
+For a destination reached through puts, the kernels of ``ep_comm.kernels`` write its rows into a local staging
+block (``staging``); then ``put_blocks`` sends every such destination its block, one contiguous run of ``count`` rows,
+with ``put_nbi_block`` in chunks, and ``nvshmem_quiet`` at the end of every CTA (so every byte has landed when the
+kernel ends); after the stores' signal launch (which advances the device step counter), ``signal_peers`` writes each
+such peer's count block (optional) and ``signal[me]`` with ``nvshmem_p``. Both read the step from the device counter,
+so a CUDA graph replays them. The kernels (``ep_comm.kernels.puts``) call NVSHMEM device functions, so they cannot be
+cached on disk: the first call in a process compiles them (~10 s). The NVSHMEM world equals the communicator, so a rank
 is its PE. Staging blocks live in the symmetric heap, so every transport can read them.
 """
 from __future__ import annotations
@@ -19,25 +19,31 @@ PUT_THREADS = 256
 MAX_PUT_CTAS = 1024
 
 
-def put_blocks(stream, stage, first_block: int, block_bytes: int, sym, dst_offset: int, row_bytes: int, psum) -> None:
-    """Rank ``r`` gets ``psum[r] - psum[r-1]`` rows of ``row_bytes`` from staging block ``first_block + r``
-    (``stage``: uint8 Numba device array over the symmetric heap, blocks ``block_bytes`` apart) at byte
-    ``dst_offset`` of its copy of ``sym`` (this rank's uint8 symmetric buffer, the symmetric address).
-    ``psum``: int32 ``[R]`` inclusive prefix sum on the device. Launched on Numba stream ``stream``."""
+def put_blocks(stream, stage, block_bytes: int, sym, dst_offset: int, parity_bytes: int, step, row_bytes: int, psum,
+               remote, me: int) -> None:
+    """Every rank ``r`` with ``remote[r]`` gets ``psum[r] - psum[r-1]`` rows of ``row_bytes`` from staging block
+    ``me + parity * R + r`` (``stage``: uint8 Numba device array over the symmetric heap, blocks ``block_bytes``
+    apart) at byte ``dst_offset + parity * parity_bytes`` of its copy of ``sym`` (this rank's uint8 symmetric buffer,
+    the symmetric address), ``parity`` that of step ``step[0] + 1`` (``step``: the int64 ``[1]`` device step counter;
+    the puts run before the step's signal). ``psum``: int32 ``[R]`` inclusive prefix sum on the device; ``remote``:
+    uint8 ``[R]``, 1 for the ranks reached through puts. Launched on Numba stream ``stream``."""
     put_blocks_kernel, _ = put_kernels()
     chunks = max(1, -(-block_bytes // CHUNK_BYTES))
     grid = max(1, min(psum.shape[0] * chunks, MAX_PUT_CTAS))
-    put_blocks_kernel[grid, PUT_THREADS, stream](stage, np.int64(first_block), np.int64(block_bytes), sym,
-                                                 np.int64(dst_offset), np.int64(row_bytes), psum, np.int64(chunks))
+    put_blocks_kernel[grid, PUT_THREADS, stream](stage, np.int64(block_bytes), sym, np.int64(dst_offset),
+                                                 np.int64(parity_bytes), step, np.int64(row_bytes), psum, remote,
+                                                 np.int64(me), np.int64(chunks))
 
 
-def signal_peers(stream, signals, count_words, num_ranks: int, me: int, seq: int, counts=None) -> None:
-    """After every earlier put on the stream: ``signal[me] = seq`` on every PE (``signals``: this rank's
-    int64 ``[R]`` signal words, the symmetric address). With ``counts`` (int32 ``[R, 1 + L + 2]``: per destination
-    its rows, its entries per local expert, the routing verdict), first ``count_words[me] = counts[r]`` on PE ``r``
-    (``count_words``: int64 ``[R, 1 + L + 2]`` symmetric words, the step's parity; not written without ``counts``)."""
+def signal_peers(stream, signals, count_words, remote, me: int, step, kind: int, counts=None) -> None:
+    """After every earlier put on the stream: ``signal[me] = step[0] << 2 | kind`` on every PE ``r`` with ``remote[r]``
+    (``signals``: this rank's int64 ``[R]`` signal words, the symmetric address; ``step``: the device step counter,
+    which the stores' signal launch advanced to this step). With ``counts`` (int32 ``[R, 1 + L + 2]``: per destination
+    its rows, its entries per local expert, the routing verdict), first ``count_words[parity, me] = counts[r]`` on PE
+    ``r`` (``count_words``: int64 ``[2, R, 1 + L + 2]`` symmetric words; not written without ``counts``)."""
     _, signal_kernel = put_kernels()
+    num_ranks = remote.shape[0]
     has_counts = counts is not None
     signal_kernel[1, max(32, -(-num_ranks // 32) * 32), stream](
-        signals, count_words, counts if has_counts else count_words, has_counts, np.int64(num_ranks), np.int64(me),
-        np.int64(seq))
+        signals, count_words, counts if has_counts else count_words, has_counts, remote, np.int64(me), step,
+        np.int64(kind))

@@ -7,14 +7,14 @@ Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer vie
 number from the Buffer's device step counter (int64 ``[1]``, see ``ep_comm.kernels.step_counter``)
 so that a CUDA graph can replay them:
 
-* ``signal_and_wait`` (peer stores), one launch per step: advances the counter to this step,
+* ``signal_and_wait`` (every peer through stores), one launch per step: advances the counter to this step,
   ``step + 1``; optionally sends this rank's per-destination count block (rows, then entries per local
   expert, then the routing verdict: ``1 + L + 2`` words) into every peer's count words of the step's parity, then a system-scope
   fence and ``signal[me] = step << 2 | kind`` in every peer with a ``st.release.sys`` store (a
   receiver that acquires the signal sees every row and count sent before it); then the wait below;
-* ``send_signal`` (peer stores, the send half of a split step, ``Buffer(..., return_recv_hook=True)``): the
-  signal part of ``signal_and_wait`` alone; its hook launches ``wait_signals``;
-* ``advance_step``: ``step += 1`` alone (the puts transport signals through NVSHMEM instead);
+* ``send_signal``: the signal part of ``signal_and_wait`` alone (the send half of a split step,
+  ``Buffer(..., return_recv_hook=True)``, or a step that also reaches peers through puts, whose NVSHMEM signal
+  kernel follows it: it skips the peers whose address is 0); ``wait_signals`` follows;
 * ``wait_signals``: one CTA polls the local ``signal[s]`` words with ``ld.acquire.sys`` until each
   equals the step's word or passed the next step's threshold (a peer at most one step ahead),
   rank ``s`` posted an abort record (``ep_comm.backends.aborts``: it will not come), or a
@@ -63,7 +63,6 @@ def _function(name: str, device: int) -> Tuple[int, object]:
 _PTR, _I32, _I64, _U64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 # every kernel's parameters in the order of its CUDA C signature in CUDA_SOURCE (pointers as 64-bit addresses)
 PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
-    "advance_step": (("step", _PTR),),
     "signal_and_wait": (("peers", _PTR), ("num_ranks", _I32), ("me", _I32), ("signal_offset", _I64),
                         ("step", _PTR), ("kind", _I32), ("counts", _PTR), ("counts_offset", _I64),
                         ("count_words", _I32), ("signals", _PTR), ("timeout_ns", _U64), ("status", _PTR),
@@ -75,8 +74,7 @@ PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
                      ("abort_words", _I32)),
 }
 _PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns")  # what a call of SignalLaunches writes
-THREADS = {"advance_step": 32, "signal_and_wait": WAIT_THREADS, "send_signal": WAIT_THREADS,
-           "wait_signals": WAIT_THREADS}  # one CTA each
+THREADS = {"signal_and_wait": WAIT_THREADS, "send_signal": WAIT_THREADS, "wait_signals": WAIT_THREADS}  # one CTA each
 
 
 def address(a: Any) -> int:
@@ -133,9 +131,8 @@ class SignalLaunches:
     the timeout.
 
     Args:
-        peer_ptrs: uint64 ``[R]`` device addresses of every rank's buffer (None: the puts transport, which
-            signals through NVSHMEM and launches only ``advance_step`` and ``wait_signals``; peer stores launch
-            ``signal_and_wait``, or ``send_signal`` then ``wait_signals`` for a split step).
+        peer_ptrs: uint64 ``[R]`` device addresses of every rank's buffer, 0 for a rank reached through puts (which
+            NVSHMEM signals: the signal kernels skip it).
         num_ranks: ``R``.
         me: this rank.
         signal_offset: byte offset of the int64 ``[R]`` signal words in every rank's buffer.
@@ -157,12 +154,9 @@ class SignalLaunches:
         self._received = address(counts_by_parity)
         self._words = _count_words(None, counts_by_parity)
         fixed = dict(signals=address(signals), num_ranks=num_ranks, step=address(step), status=address(status),
-                     aborts=address(aborts), abort_words=_abort_words(aborts))
-        if peer_ptrs is not None:
-            fixed.update(peers=address(peer_ptrs), me=me, signal_offset=signal_offset, counts_offset=counts_offset)
-        names = ("advance_step", "wait_signals") if peer_ptrs is None else ("signal_and_wait", "send_signal",
-                                                                             "wait_signals")
-        self._launches = {name: _prepared(name, fixed, function(name, device)) for name in names}
+                     aborts=address(aborts), abort_words=_abort_words(aborts), peers=address(peer_ptrs), me=me,
+                     signal_offset=signal_offset, counts_offset=counts_offset)
+        self._launches = {name: _prepared(name, fixed, function(name, device)) for name in PARAMS}
         # per launch, the slots of the per-call values (_PER_CALL); a value the kernel does not take goes to a sink
         self._per_call_slots = {name: tuple(launch.slot(p) if launch.takes(p) else _I64() for p in _PER_CALL)
                                 for name, launch in self._launches.items()}
@@ -191,14 +185,11 @@ class SignalLaunches:
         self._per_call("signal_and_wait", kind, counts, words, timeout_s)(stream)
 
     def send_signal(self, stream: int, kind: int, counts: Any) -> None:
-        """The signal part of :meth:`signal_and_wait` alone, one launch on stream handle ``stream`` (peer stores,
-        the send half of a split step): ``step[0] += 1``, ``counts`` (or None) into every rank's count words,
-        ``signal[me]`` in every rank's buffer; nothing waits (the hook enqueues :meth:`wait_signals`)."""
+        """The signal part of :meth:`signal_and_wait` alone, one launch on stream handle ``stream`` (the send half of
+        a split step, or a step that also signals through puts): ``step[0] += 1``, ``counts`` (or None) into the count
+        words of every rank reached through stores, ``signal[me]`` in their buffers; nothing waits (the hook, or the
+        step after its puts' signal, enqueues :meth:`wait_signals`)."""
         self._per_call("send_signal", kind, counts, 0, 0.0)(stream)
-
-    def advance_step(self, stream: int) -> None:
-        """Enqueue ``step[0] += 1`` on stream handle ``stream``: the start of a collective step (puts)."""
-        self._launches["advance_step"](stream)
 
     def wait_signals(self, stream: int, kind: int, with_counts: bool, timeout_s: float) -> None:
         """Enqueue on stream handle ``stream`` the bounded wait until ``signals[s] == step[0] << 2 | kind`` or

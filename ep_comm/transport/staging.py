@@ -1,30 +1,40 @@
-"""The staging layout of the puts transport: where the kernels write each destination's rows before the puts.
+"""The staging layout of the puts: where the kernels write the rows of each destination reached through puts, and the
+name of a transport's mix of stores and puts.
 
 Plain array arithmetic (any array module), shared by ``NvshmemTransport`` and the simulator's
 loopback transport in the tests.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Sequence
 
 from ep_comm.contract.symmetric import SymmetricLayout
 
 
+def staging_blocks(num_ranks: int) -> int:
+    """Blocks of ``max_tokens`` rows in the staging area: ``3R - 1`` (see :func:`staged_destination`)."""
+    return 3 * num_ranks - 1
+
+
 def staging_bytes(sym: SymmetricLayout) -> int:
-    """Bytes of the puts staging area: ``2R - 1`` blocks of ``max_tokens`` rows and meta rows."""
-    blocks = 2 * sym.num_ranks - 1
-    return blocks * sym.max_tokens * (sym.row_bytes + 4 * sym.meta_words)
+    """Bytes of the puts staging area: :func:`staging_blocks` of ``max_tokens`` rows and as many of meta rows."""
+    return staging_blocks(sym.num_ranks) * sym.max_tokens * (sym.row_bytes + 4 * sym.meta_words)
 
 
-def staged_destinations(rows_stage: Any, meta_stage: Any, num_ranks: int) -> Tuple[tuple, tuple]:
-    """Per-destination views for the kernels in puts mode, as tuples of ``[1, R, max_tokens, ...]``.
+def staged_destination(stage: Any, r: int, num_ranks: int) -> Any:
+    """The view the kernels write destination ``r``'s rows through when ``r`` is reached by puts: ``[2, R, max_tokens,
+    ...]`` like a peer's rows or meta, over the ``[3R - 1, max_tokens, ...]`` blocks of ``stage``.
 
-    ``rows_stage``/``meta_stage`` are ``[2R - 1, max_tokens, ...]`` blocks. The view of destination
-    ``r`` starts at block ``r``, so the row a kernel writes at ``[0, me, slot]`` lands in block
-    ``r + me``: each destination gets its own contiguous block, which ``put_blocks`` sends whole.
+    The view starts at block ``r``, so the row a kernel from rank ``me`` writes at ``[parity, me, slot]`` lands in
+    block ``r + parity * R + me``: at each step (one parity) each destination gets its own contiguous block, which
+    ``put_blocks`` sends whole to the region ``[parity, me]`` of rank ``r``.
     """
-    def view(stage, r: int):
-        return stage[r: r + num_ranks].reshape((1,) + (num_ranks,) + tuple(stage.shape[1:]))
+    return stage[r: r + 2 * num_ranks].reshape((2, num_ranks) + tuple(stage.shape[1:]))
 
-    return (tuple(view(rows_stage, r) for r in range(num_ranks)),
-            tuple(view(meta_stage, r) for r in range(num_ranks)))
+
+def transport_mode(puts_to: Sequence[int], num_ranks: int, me: int) -> str:
+    """The name of a transport that reaches the ranks ``puts_to`` through puts and the others through stores:
+    ``"stores"`` (none through puts), ``"puts"`` (every peer but ``me``, or more) or ``"stores+puts"``."""
+    if not puts_to:
+        return "stores"
+    return "puts" if set(puts_to) >= set(range(num_ranks)) - {me} else "stores+puts"

@@ -4,13 +4,14 @@ Both backends run the same routings on the same inputs; every output, handle fie
 result must match bit for bit (deterministic mode), and the nvshmem dispatch passes the shared checker
 (``ep_comm.testing.check``) against every rank's inputs. Then: PyTorch tensors in (DLPack), a
 non-deterministic buffer (combine still bit-exact), CUDA graph replays, receive hooks (``return_recv_hook=True``:
-eager on both transports, the hook on another stream, and send and hook captured into two graphs), and last a
-timeout: rank 1 skips a dispatch,
+eager, the hook on another stream, and send and hook captured into two graphs), and last a timeout: rank 1 skips
+a dispatch,
 rank 0 must raise ep_comm.TimeoutError naming rank 1, and everyone must get out without a hang.
 Prints ``RANK r OK`` lines and exits non-zero on the first mismatch.
 
-``--transport stores|puts`` (default stores): the nvshmem Buffers' ``transport``; with puts only the
-comparison with mpi and the timeout run (puts cannot be captured into a CUDA graph).
+``--transport stores|puts|auto`` (default stores) and ``--scaleup-ranks N`` (virtual nodes of N ranks; default one
+node): the nvshmem Buffers' ``transport`` and ``scaleup_ranks`` (``auto`` with nodes: stores in a node, puts between
+them). Every check runs on every transport; the mpi reference is always one node.
 """
 from __future__ import annotations
 
@@ -119,14 +120,30 @@ def one_case(bufs, dtype: str, expand: bool, alignment: int, cpu_sync: bool, mas
     same(f"{tag} combine.topk_weights", cm.topk_weights, cn.topk_weights)
 
 
-def check_against_mpi(transport: str) -> None:
+NV: dict = {}  # the nvshmem Buffers' transport and scaleup_ranks (main sets them)
+
+
+def nvshmem_buffer(**kw) -> ep_comm.Buffer:
+    """An nvshmem Buffer of ``kw`` on the transport and nodes of the command line."""
+    return ep_comm.Buffer(backend="nvshmem", **NV, **kw)
+
+
+def expected_mode() -> str:
+    """``Buffer.transport`` the command line's transport and nodes give."""
+    nodes = WORLD // (NV["scaleup_ranks"] or WORLD)
+    if NV["transport"] != "auto" or nodes == 1:
+        return "stores" if NV["transport"] in ("stores", "auto") else "puts"
+    return "puts" if nodes == WORLD else "stores+puts"
+
+
+def check_against_mpi() -> None:
     geo_kw = dict(num_experts=4 * WORLD, hidden=40, num_topk=3, num_max_tokens_per_rank=20, deterministic=True,
                   timeout_s=20.0)
     seed = 0
     for dtype in ("bfloat16", "float16", "float32"):
         mpi_buf = ep_comm.Buffer(dtype=dtype, backend="mpi", **geo_kw)
-        nv_buf = ep_comm.Buffer(dtype=dtype, backend="nvshmem", transport=transport, **geo_kw)
-        assert nv_buf.transport == transport
+        nv_buf = nvshmem_buffer(dtype=dtype, **geo_kw)
+        assert nv_buf.transport == expected_mode(), (nv_buf.transport, NV)
         for expand, alignment in ((False, 1), (True, 1), (True, 4)):
             for cpu_sync in (True, False):
                 for masked, weighted, with_bias in ((False, True, False), (True, False, True)):
@@ -134,7 +151,7 @@ def check_against_mpi(transport: str) -> None:
                     one_case((mpi_buf, nv_buf), dtype, expand, alignment, cpu_sync, masked, weighted, with_bias, seed)
         nv_buf.close()
         mpi_buf.close()
-    print(f"RANK {RANK} OK nvshmem == mpi bit for bit (transport={transport}, {seed} cases)", flush=True)
+    print(f"RANK {RANK} OK nvshmem == mpi bit for bit ({NV}, transport {expected_mode()}, {seed} cases)", flush=True)
 
 
 def check_torch_and_nondeterministic() -> None:
@@ -142,7 +159,7 @@ def check_torch_and_nondeterministic() -> None:
 
     kw = dict(num_experts=2 * WORLD, hidden=64, num_topk=2, num_max_tokens_per_rank=16, dtype="bfloat16",
               timeout_s=20.0)
-    buf = ep_comm.Buffer(backend="nvshmem", deterministic=False, **kw)
+    buf = nvshmem_buffer(deterministic=False, **kw)
     ref = ep_comm.Buffer(backend="mpi", deterministic=True, **kw)
     idx = routing(99, 12, kw["num_experts"], 2, masked=False)
     x = np.random.default_rng(RANK).standard_normal((12, 64)).astype(ml_dtypes.bfloat16)
@@ -197,7 +214,7 @@ def check_graph_replay() -> None:
     new routing, or a cpu_sync=True step, under capture is refused and the buffer stays usable."""
     kw = dict(num_experts=4 * WORLD, hidden=64, num_topk=3, num_max_tokens_per_rank=24, dtype="bfloat16",
               deterministic=True, timeout_s=20.0)
-    nv, ref = ep_comm.Buffer(backend="nvshmem", **kw), ep_comm.Buffer(backend="mpi", **kw)
+    nv, ref = nvshmem_buffer(**kw), ep_comm.Buffer(backend="mpi", **kw)
     stream = cp.cuda.Stream(non_blocking=True)
     replays = 0
     for expand, alignment, weighted in ((False, 1, True), (True, 4, False)):
@@ -246,14 +263,14 @@ def check_graph_replay() -> None:
           "routing reported by the next call)", flush=True)
 
 
-def check_recv_hooks(transport: str) -> None:
+def check_recv_hooks() -> None:
     """``return_recv_hook=True`` on nvshmem: eager hooks (new routing and replay, cpu_sync True and False, compact
     and expand, combine with weights and bias) equal the mpi backend's plain calls bit for bit, with the hook on
     the send's stream or on another one; with peer stores the send halves and the hooks of a cached dispatch
     and of its combine are captured into four graphs, replayed in order with new payloads, bit for bit."""
     kw = dict(num_experts=4 * WORLD, hidden=64, num_topk=3, num_max_tokens_per_rank=24, dtype="bfloat16",
-              deterministic=True, timeout_s=20.0, transport=transport)
-    nv, ref = ep_comm.Buffer(backend="nvshmem", **kw), ep_comm.Buffer(backend="mpi", **kw)
+              deterministic=True, timeout_s=20.0)
+    nv, ref = nvshmem_buffer(**kw), ep_comm.Buffer(backend="mpi", **kw)
     send_stream, hook_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(71 + RANK)
     x0 = rng.standard_normal((20, 64)).astype(ml_dtypes.bfloat16)
@@ -285,12 +302,11 @@ def check_recv_hooks(transport: str) -> None:
         cm = ref.combine(want.recv_x, want.handle, topk_weights=want.recv_topk_weights, bias=bias)
         same(f"{tag} combine.x", cm.x, res.x)
         same(f"{tag} combine.topk_weights", cm.topk_weights, res.topk_weights)
-    if transport == "stores":
-        check_hook_graphs(nv, ref, send_stream, x0)
+    check_hook_graphs(nv, ref, send_stream, x0)
     nv.close()
     ref.close()
-    print(f"RANK {RANK} OK receive hooks == mpi bit for bit ({transport}; eager, on another stream"
-          f"{', and send/hook captured into separate graphs' if transport == 'stores' else ''})", flush=True)
+    print(f"RANK {RANK} OK receive hooks == mpi bit for bit ({expected_mode()}; eager, on another stream, and "
+          "send/hook captured into separate graphs)", flush=True)
 
 
 def check_hook_graphs(nv, ref, stream, x0) -> None:
@@ -370,7 +386,7 @@ def check_non_contiguous() -> None:
     backend's results on contiguous copies, bit for bit."""
     kw = dict(num_experts=4 * WORLD, hidden=32, num_topk=3, num_max_tokens_per_rank=16, dtype="float32",
               deterministic=True, timeout_s=20.0)
-    nv, ref = ep_comm.Buffer(backend="nvshmem", **kw), ep_comm.Buffer(backend="mpi", **kw)
+    nv, ref = nvshmem_buffer(**kw), ep_comm.Buffer(backend="mpi", **kw)
     idx = routing(80, 12, kw["num_experts"], 3, masked=True)
     rng = np.random.default_rng(80 + RANK)
     wide, w = rng.standard_normal((12, 64)).astype(np.float32), rng.random((12, 6)).astype(np.float32)
@@ -386,9 +402,9 @@ def check_non_contiguous() -> None:
     print(f"RANK {RANK} OK strided and Fortran-order inputs == mpi on contiguous copies", flush=True)
 
 
-def check_timeout(transport: str) -> None:
+def check_timeout() -> None:
     buf = ep_comm.Buffer(num_experts=2 * WORLD, hidden=16, num_topk=1, num_max_tokens_per_rank=4, dtype="float32",
-                         backend="nvshmem", transport=transport, timeout_s=2.0)
+                         backend="nvshmem", timeout_s=2.0, **NV)
     idx = cp.zeros((2, 1), dtype=cp.int64)
     x = cp.ones((2, 16), dtype=cp.float32)
     start = time.monotonic()
@@ -422,17 +438,19 @@ def check_timeout(transport: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", choices=("stores", "puts"), default="stores",
+    parser.add_argument("--transport", choices=("stores", "puts", "auto"), default="stores",
                         help="Buffer(transport=...) of the nvshmem Buffers (default: stores)")
-    transport = parser.parse_args().transport
-    check_against_mpi(transport)
-    if transport == "stores":
-        check_torch_and_nondeterministic()
-        check_non_contiguous()
-        check_graph_replay()
-    check_recv_hooks(transport)
+    parser.add_argument("--scaleup-ranks", type=int, default=None,
+                        help="Buffer(scaleup_ranks=...) of the nvshmem Buffers (default: one node)")
+    args = parser.parse_args()
+    NV.update(transport=args.transport, scaleup_ranks=args.scaleup_ranks)
+    check_against_mpi()
+    check_torch_and_nondeterministic()
+    check_non_contiguous()
+    check_graph_replay()
+    check_recv_hooks()
     COMM.Barrier()
-    check_timeout(transport)
+    check_timeout()
     print(f"RANK {RANK} ALL OK", flush=True)
     return 0
 

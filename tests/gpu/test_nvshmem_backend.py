@@ -1,4 +1,4 @@
-"""GPU tests of the nvshmem backend: ``nvshmem_vs_mpi.py --transport stores|puts`` under ``mpirun -n N`` for each
+"""GPU tests of the nvshmem backend: ``nvshmem_vs_mpi.py`` on stores, puts, and two virtual nodes under ``mpirun -n N`` for each
 N of ``--ranks`` (default 2; several ranks may share one GPU), skipped without a GPU stack (CuPy, nvshmem4py
 and a GPU).
 
@@ -38,11 +38,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("num_ranks", current().ranks or DEFAULT_JOB_SIZES)
 
 
-@pytest.mark.parametrize("transport", ["stores", "puts"], ids=["peer-stores", "nvshmem-puts"])
-def test_nvshmem_matches_mpi_and_times_out_cleanly(num_ranks, transport):
+@pytest.mark.parametrize("transport, nodes", [("stores", 1), ("puts", 1), ("auto", 2)],
+                         ids=["peer-stores", "nvshmem-puts", "two-virtual-nodes"])
+def test_nvshmem_matches_mpi_and_times_out_cleanly(num_ranks, transport, nodes):
+    """``two-virtual-nodes``: ``transport="auto"`` with ``scaleup_ranks = num_ranks / 2``: stores inside a node,
+    puts between the two."""
+    if num_ranks % nodes:
+        pytest.skip(f"{num_ranks} ranks do not split into {nodes} nodes")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                NUMBA_CUDA_ENABLE_NRT="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = launcher(num_ranks, env) + [sys.executable, str(SCRIPT), "--transport", transport]
+    if nodes > 1:
+        cmd += ["--scaleup-ranks", str(num_ranks // nodes)]
     proc = run_job(cmd, env, JOB_TIMEOUT_S, cwd=REPO)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,58 +15,61 @@ from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.launching import bound
-from ep_comm.transport.staging import staged_destinations, staging_bytes
+from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes, transport_mode
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
 SMALL_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)  # 3 tokens of SMALL_GEO: [T, K] int64
 
 
 class LoopbackTransport:
-    """``NvshmemTransport`` for one rank on host arrays: the rank is its own only peer."""
+    """``NvshmemTransport`` for one rank on host arrays: the rank is its own only peer, reached through stores, or
+    with ``use_puts`` through puts (as ``transport="puts"`` does)."""
 
     device = None  # no GPU: arrays are not checked for theirs
 
     def __init__(self, sym, word, use_puts: bool):
-        self.sym, self.use_puts, self.rank = sym, use_puts, 0
+        self.sym, self.rank = sym, 0
+        self.puts_to = (0,) if use_puts else ()
+        self.mode = transport_mode(self.puts_to, 1, 0)
         self.buffer = np.zeros(sym.total_bytes + (staging_bytes(sym) if use_puts else 0), np.uint8)
         self.own = symmetric_views(self.buffer[: sym.total_bytes], sym, word)
         self.missing = []
         self.step = np.zeros(1, np.int64)
-        self.send_step = np.zeros(1, np.int64) if use_puts else self.step
-        self.send_ahead = 0 if use_puts else 1
         if use_puts:
-            t = sym.max_tokens
+            t, blocks = sym.max_tokens, staging_blocks(1)
             stage = self.buffer[sym.total_bytes:]
-            rows_bytes = t * sym.row_bytes
-            self.stage_rows = stage[:rows_bytes].view(word).reshape(1, t, -1)
-            self.stage_meta = stage[rows_bytes:].view(np.int32).reshape(1, t, -1)
-            self.rows, self.meta = staged_destinations(self.stage_rows, self.stage_meta, 1)
+            rows_bytes = blocks * t * sym.row_bytes
+            self.stage_rows = stage[:rows_bytes].view(word).reshape(blocks, t, -1)
+            self.stage_meta = stage[rows_bytes:].view(np.int32).reshape(blocks, t, -1)
+            self.rows = (staged_destination(self.stage_rows, 0, 1),)
+            self.meta = (staged_destination(self.stage_meta, 0, 1),)
         else:
             self.rows, self.meta = (self.own.rows,), (self.own.meta,)
         self.aborts = self.buffer[sym.abort_offset: sym.abort_offset + sym.abort_bytes].view(np.int64).reshape(
             1, ABORT_WORDS)
         self.closed_collectively = None
 
-    def flush(self, stream, parity: int, psum, with_meta: bool) -> None:
-        """What ``put_blocks`` does for one rank: staged block 0 -> region [parity][0]."""
-        if self.use_puts:
-            n = int(psum[0])
-            self.own.rows[parity, 0, :n] = self.stage_rows[0, :n]
+    def flush(self, stream, psum, with_meta: bool) -> None:
+        """What ``put_blocks`` does for one rank: staged block ``parity`` -> region [parity][0], the parity that of
+        the step the next signal starts."""
+        if self.puts_to:
+            n, parity = int(psum[0]), int(self.step[0] + 1) & 1
+            self.own.rows[parity, 0, :n] = self.stage_rows[parity, :n]
             if with_meta:
-                self.own.meta[parity, 0, :n] = self.stage_meta[0, :n]
+                self.own.meta[parity, 0, :n] = self.stage_meta[parity, :n]
 
-    def exchange(self, stream, seq: int, kind: int, timeout_s: float, counts=None) -> None:
+    def exchange(self, stream, kind: int, timeout_s: float, counts=None) -> None:
         """Signal, then wait (one launch on peer stores): the rank's own signal is the only one."""
-        self.signal(stream, seq, kind, counts)
+        self.signal(stream, kind, counts)
         self.wait(kind, timeout_s, counts is not None)
 
-    def signal(self, stream, seq: int, kind: int, counts=None) -> None:
+    def signal(self, stream, kind: int, counts=None) -> None:
         """The step's signal (and counts) to the rank itself."""
         self.step[0] += 1
-        assert seq == int(self.step[0]), "the host and device step numbers agree without graph replays"
+        seq = int(self.step[0])
         if counts is not None:
             self.own.counts[seq % 2, 0] = counts[0]
-        self.own.signal[0] = int(self.step[0]) << 2 | kind
+        self.own.signal[0] = seq << 2 | kind
 
     def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
         """The wait for the step the counter holds: the rank's own signal arrived unless it was never sent."""
@@ -173,11 +176,11 @@ def combine(be, y, handle, topk_weights, bias_terms):
     return be.combine(CombineRequest(y, handle, topk_weights, tuple(bias_terms)))
 
 
-def eager_replay(expand: bool, seed: int) -> tuple:
-    """``(backend, x, first, eager, eager_sum)``: a simulated backend of ``SMALL_GEO``, 3 tokens ``x`` (float32),
-    the dispatch ``first`` of ``SMALL_IDX``, an eager cached ``cpu_sync=False`` replay of ``x * 2`` and its combine
-    (what a captured replay must give)."""
-    be = simulated_backend(SMALL_GEO, True, False)
+def eager_replay(expand: bool, seed: int, use_puts: bool = False) -> tuple:
+    """``(backend, x, first, eager, eager_sum)``: a simulated backend of ``SMALL_GEO`` (over puts with ``use_puts``),
+    3 tokens ``x`` (float32), the dispatch ``first`` of ``SMALL_IDX``, an eager cached ``cpu_sync=False`` replay of
+    ``x * 2`` and its combine (what a captured replay must give)."""
+    be = simulated_backend(SMALL_GEO, True, use_puts)
     x = np.random.default_rng(seed).standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
     first = dispatch(be, x, SMALL_IDX, None, None, expand, 2, True, True, None)
     eager = dispatch(be, x * 2, None, None, first.handle, expand, 2, True, False, None)

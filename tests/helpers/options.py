@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 BACKENDS = ("mpi", "nvshmem")
 # job sizes of the multi-rank tests without --ranks; nvshmem: the GPU machines have 1 or 2 GPUs
@@ -43,17 +43,22 @@ class SessionOptions:
     transport: str = "stores"
     ranks: Optional[Tuple[int, ...]] = None
     hypothesis_profile: Optional[str] = None
+    scaleup_ranks: Optional[int] = None
 
     @property
     def job_sizes(self) -> Tuple[int, ...]:
         """Rank counts of the multi-rank contract jobs: ``--ranks``, else the backend's default."""
         return self.ranks or DEFAULT_JOB_SIZES[self.backend]
 
-    def buffer_kwargs(self) -> Dict[str, str]:
-        """Keyword arguments selecting the backend (and on nvshmem its transport) for ``ep_comm.Buffer``."""
+    def buffer_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments selecting the backend (and on nvshmem its transport) and the virtual nodes
+        (``--scaleup-ranks``, where given) for ``ep_comm.Buffer``."""
+        kwargs: Dict[str, Any] = {"backend": self.backend}
         if self.backend == "nvshmem":
-            return {"backend": self.backend, "transport": self.transport}
-        return {"backend": self.backend}
+            kwargs["transport"] = self.transport
+        if self.scaleup_ranks is not None:
+            kwargs["scaleup_ranks"] = self.scaleup_ranks
+        return kwargs
 
     def pytest_args(self) -> List[str]:
         """These options on the command line of the pytest session each rank of a job runs."""
@@ -62,6 +67,8 @@ class SessionOptions:
             args += ["--ranks", ",".join(str(n) for n in self.ranks)]
         if self.hypothesis_profile:
             args += ["--hypothesis-profile", self.hypothesis_profile]
+        if self.scaleup_ranks is not None:
+            args += ["--scaleup-ranks", str(self.scaleup_ranks)]
         return args
 
 

@@ -21,9 +21,14 @@ def ranks_text(value_of_others, value_of_odd) -> str:
     return f"{value_of_others!r} on ranks {list(range(WORLD - 1))}, {value_of_odd!r} on ranks [{ODD}]"
 
 
+def session_base() -> dict:
+    """``BASE`` with the session's backend arguments (``--scaleup-ranks`` among them)."""
+    return dict(BASE, **current().buffer_kwargs())
+
+
 def build(**changed):
-    """A Buffer of ``BASE`` on the session's backend, ``changed`` on rank ``ODD`` only."""
-    kwargs = dict(BASE, **current().buffer_kwargs())
+    """A Buffer of :func:`session_base` on every rank, ``changed`` on rank ``ODD`` only."""
+    kwargs = session_base()
     if RANK == ODD:
         kwargs.update(changed)
     return ep_comm.Buffer(**kwargs)
@@ -44,7 +49,7 @@ def assert_world_still_works() -> None:
 def test_a_rank_with_another_argument_makes_every_rank_raise_naming_it(field, other):
     with pytest.raises(ValueError) as info:
         build(**{field: other})
-    assert str(info.value) == (f"Buffer: arguments differ between ranks ({field}: {ranks_text(BASE[field], other)}): "
+    assert str(info.value) == (f"Buffer: arguments differ between ranks ({field}: {ranks_text(session_base()[field], other)}): "
                                "every rank must pass the same; no rank made the Buffer")
     assert_world_still_works()
 
