@@ -62,9 +62,10 @@ class NvshmemTransport:
         self._aborts = self.heap.local[sym.abort_offset: sym.abort_offset + sym.abort_bytes]
         self._abort_words = self._aborts.view(cupy.int64).reshape(r, ABORT_WORDS)
         self._side = cupy.cuda.Stream(non_blocking=True)  # abort records: never queued behind the caller's waits
-        stores_ptrs = cupy.asarray([0 if q in self.puts_to else int(self.heap.peers[q].data.ptr) for q in range(r)],
-                                   dtype=cupy.uint64)
-        self._signals = signals.SignalLaunches(stores_ptrs, r, self.rank, sym.signal_offset, sym.counts_offset,
+        # held here: the signal launches keep only its address
+        self._stores_ptrs = cupy.asarray([0 if q in self.puts_to else int(self.heap.peers[q].data.ptr)
+                                          for q in range(r)], dtype=cupy.uint64)
+        self._signals = signals.SignalLaunches(self._stores_ptrs, r, self.rank, sym.signal_offset, sym.counts_offset,
                                                self.step, self.own.signal, self.status.device, self.own.counts,
                                                self._abort_words, self.device)
         self._no_records = np.zeros((r, ABORT_WORDS), dtype=np.int64)
@@ -84,7 +85,8 @@ class NvshmemTransport:
         self._stage_rows, self._stage_meta = numba_view(stage[:rows_bytes]), numba_view(stage[rows_bytes:])
         self._sym, self._step = numba_view(self.heap.local), numba_view(self.step)
         self._signal_words, self._count_words = numba_view(self.own.signal), numba_view(self.own.counts)
-        self._remote = numba_view(cupy.asarray([q in self.puts_to for q in range(r)], dtype=cupy.uint8))
+        self._remote_mask = cupy.asarray([q in self.puts_to for q in range(r)], dtype=cupy.uint8)
+        self._remote = numba_view(self._remote_mask)
         return (tuple(staged_destination(stage_rows, q, r) if v is None else v.rows for q, v in enumerate(peers)),
                 tuple(staged_destination(stage_meta, q, r) if v is None else v.meta for q, v in enumerate(peers)))
 

@@ -40,10 +40,11 @@ def signal_peers(stream, signals, count_words, remote, me: int, step, kind: int,
     (``signals``: this rank's int64 ``[R]`` signal words, the symmetric address; ``step``: the device step counter,
     which the stores' signal launch advanced to this step). With ``counts`` (int32 ``[R, 1 + L + 2]``: per destination
     its rows, its entries per local expert, the routing verdict), first ``count_words[parity, me] = counts[r]`` on PE
-    ``r`` (``count_words``: int64 ``[2, R, 1 + L + 2]`` symmetric words; not written without ``counts``)."""
+    ``r`` (``count_words``: int64 ``[2, R, 1 + L + 2]`` symmetric words; not written without ``counts``, whose place a
+    ``[R, 1 + L + 2]`` block of them takes then, never read)."""
     _, signal_kernel = put_kernels()
     num_ranks = remote.shape[0]
     has_counts = counts is not None
     signal_kernel[1, max(32, -(-num_ranks // 32) * 32), stream](
-        signals, count_words, counts if has_counts else count_words, has_counts, remote, np.int64(me), step,
+        signals, count_words, counts if has_counts else count_words[0], has_counts, remote, np.int64(me), step,
         np.int64(kind))
