@@ -69,8 +69,9 @@ def _tokens_problem(cfg: Config, args: argparse.Namespace) -> Optional[str]:
 
 
 def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
-    """The config, once the environment, the config's fit to ``comm`` and the output paths are checked
-    (a UsageError, the same on every rank, otherwise)."""
+    """The config, once the environment, the config's fit to ``comm`` (and ``--scaleup-ranks``'s) and the output
+    paths are checked (a UsageError, the same on every rank, otherwise); sets ``--transport``'s default: ``"stores"``,
+    or ``"auto"`` with several nodes."""
     problem = environment_problem(comm, args.backend)
     if problem:
         raise UsageError(problem)
