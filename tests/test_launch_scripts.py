@@ -349,3 +349,22 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# ------------------------------------------------------------------ slurm_two_nodes.sbatch
+def test_slurm_two_nodes_runs_the_bench_through_slurm_sbatch_with_nodes_of_eight(tmp_path):
+    """Inside a (fake) allocation: launch/slurm.sbatch's srun line gets the bench with --scaleup-ranks 8, --no-graphs
+    (puts across nodes) and the JSON path, then the script's own arguments."""
+    (tmp_path / "launch").symlink_to(LAUNCH)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", 'echo "srun $*"'), ("scontrol", "echo node-a; echo node-b")):
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{SYSTEM_PATH}", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node-[a-b]"}
+    done = subprocess.run(["bash", str(LAUNCH / "slurm_two_nodes.sbatch"), "--routing", "zipf"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == (
+        "srun --mpi=pmix --cpu-bind=none launch/bind_gpu.sh python3 -m ep_comm.bench --config deepseek_v3_prefill "
+        "--scaleup-ranks 8 --no-graphs --json results/prefill_2x8.json --routing zipf")

@@ -53,8 +53,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per point (default: 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="stores",
-                   help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores)")
+    p.add_argument("--transport", choices=TRANSPORTS,
+                   help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores; 'auto' "
+                        "with --scaleup-ranks of several nodes, where stores are refused)")
+    p.add_argument("--scaleup-ranks", type=int_at_least(1), metavar="N",
+                   help="ranks per (virtual) node, Buffer(scaleup_ranks=N); N must divide the rank count (default: "
+                        "one node of every rank). Several nodes send through puts (give --no-graphs on GPU). Each "
+                        "point's JSON gets 'link_model' and the report a table: per operation, rows and bytes per "
+                        "token each rank sends over scale-up and scale-out, flat and forwarded, and the time at "
+                        "NVLink 356 GB/s and RDMA 400 Gb/s per GPU next to the measured one (meta: scaleup_ranks, "
+                        "num_nodes, link_rates_gbps)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--fp8", action="store_true",

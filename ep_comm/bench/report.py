@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Union
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm.bench import eager
+from ep_comm.bench import eager, link_model
 from ep_comm.bench import shared_gpu as sharing
 from ep_comm.bench.busy import format_busy, summarize_busy
 from ep_comm.bench.measure import BF16_REFERENCE, RankSample
@@ -211,7 +211,7 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
                      f"the cast adds {cast['p50'] - pair['p50']:.1f} us at p50")
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's {compared_op(op)} time")
-    lines += format_busy(point.get("busy_check"))
+    lines += format_busy(point.get("busy_check")) + link_model.format_lines(point.get("link_model"))
     fp8_over_bf16 = point.get("graph_fp8_over_bf16")
     if fp8_over_bf16:
         lines.append("  CUDA graph replay, FP8 dispatch over the same-run dispatch of x in the payload dtype (p50): "

@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ep_comm import Buffer
-from ep_comm.bench import eager, provenance, report, shared_gpu
+from ep_comm.bench import eager, link_model, provenance, report, shared_gpu
 from ep_comm.bench.config import Config, ConfigError, load_config
 from ep_comm.bench.measure import PointSpec, RankSample, cuda_timer, host_timer
 from ep_comm.bench.point import buffer_tokens, prime, primed_spec, run_point
@@ -26,6 +26,7 @@ from ep_comm.cli import EXIT_USAGE, environment_problem, output_problem
 from ep_comm.cli.versions import versions
 from ep_comm.contract import fp8
 from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.topology import Topology
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_OUTPUT_FAILED = 0, 1, 3
 
@@ -68,8 +69,9 @@ def _tokens_problem(cfg: Config, args: argparse.Namespace) -> Optional[str]:
 
 
 def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
-    """The config, once the environment, the config's fit to ``comm`` and the output paths are checked
-    (a UsageError, the same on every rank, otherwise)."""
+    """The config, once the environment, the config's fit to ``comm`` (and ``--scaleup-ranks``'s) and the output
+    paths are checked (a UsageError, the same on every rank, otherwise); sets ``--transport``'s default: ``"stores"``,
+    or ``"auto"`` with several nodes."""
     problem = environment_problem(comm, args.backend)
     if problem:
         raise UsageError(problem)
@@ -86,6 +88,12 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
     if cfg.num_experts % comm.size:
         raise UsageError(f"config {cfg.name}: num_experts = {cfg.num_experts} is not divisible by the "
                          f"{comm.size} ranks of this run (experts are split evenly over ranks)")
+    try:
+        nodes = Topology.of(comm.size, args.scaleup_ranks).num_nodes
+    except ValueError as exc:
+        raise UsageError(f"--scaleup-ranks: {exc}") from exc
+    if args.transport is None:  # stores cannot reach a peer of another node
+        args.transport = "auto" if nodes > 1 else "stores"
     if args.plot:
         missing = comm.bcast(report.matplotlib_missing() if comm.rank == 0 else None, root=0)
         if missing:
@@ -189,6 +197,9 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[Poi
         "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
     }
+    if args.scaleup_ranks:
+        meta.update(link_model.link_meta(Topology.of(comm.size, args.scaleup_ranks), spec.routing, cfg.num_experts,
+                                         cfg.num_topk))
     if path.gpu_id is not None:
         meta["gpu"] = provenance.gpu_model(path.gpu_id)
     if shared:
@@ -232,7 +243,7 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                       num_max_tokens_per_rank=buffer_tokens(specs), dtype=cfg.dtype,
                       backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
-                      transport=args.transport)
+                      transport=args.transport, scaleup_ranks=args.scaleup_ranks)
     except ValueError as exc:
         raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
 
@@ -252,6 +263,7 @@ class _Session:
         self.shared_gpu = False
         self.shown = comm.rank == 0 and not args.quiet  # rank 0 prints the report as the run goes
         self.profiler = cProfile.Profile() if args.host_profile and comm.rank == 0 else None
+        self.topology = Topology.of(comm.size, args.scaleup_ranks) if args.scaleup_ranks else None
 
     def start(self, buf: Buffer) -> None:
         """On the first Buffer (collective): pick the timer, find out whether ranks share a GPU, fill
@@ -283,8 +295,13 @@ class _Session:
             if buf.backend == "nvshmem":
                 sample.times.update(_device_copies(self.comm, spec, sample.recv_rows, per_row, self.timer))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
+            links = (link_model.reduced_rows(self.comm, routing.topk_idx, spec.num_experts, self.topology)
+                     if self.topology else None)
             if self.comm.rank == 0:
                 self.points.append(report.summarize(samples, per_row, num_sms, buf.num_sms, self.shared_gpu))
+                if links is not None:
+                    self.points[-1]["link_model"] = link_model.section(links, spec.num_tokens, per_row,
+                                                                       self.points[-1]["latency_us"])
                 self.progress.finish(_summary_line(self.points[-1]))
                 if self.shown:
                     print(report.format_point(self.points[-1], self.meta.get("nvlink_ceiling_gbps")), flush=True)

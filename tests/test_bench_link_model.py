@@ -1,0 +1,71 @@
+"""``python -m ep_comm.bench --scaleup-ranks N`` under mpirun: the meta fields, each point's ``link_model`` equal to
+``ep_comm.contract.traffic`` on the bench's own routing, the report's table, and the refused combinations."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers.bench import run_bench
+
+from ep_comm.contract import traffic
+from ep_comm.contract.topology import Topology
+from ep_comm.testing import make_routing
+
+RANKS, TOKENS, EXPERTS, TOPK, ROW_BYTES = 4, 64, 16, 4, 256 * 2  # cpu_demo: hidden 256 bfloat16, uniform, seed 0
+
+
+def test_link_model_counts_the_rows_of_the_bench_routing_on_two_nodes(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_bench(RANKS, "--config", "cpu_demo", "--tokens", str(TOKENS), "--scaleup-ranks", "2", "--iters", "1",
+                     "--warmup", "0", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    meta, point = result["meta"], result["points"][0]
+    assert point["check_passed"], point["failures"]
+    assert (meta["scaleup_ranks"], meta["num_nodes"], meta["transport"]) == (2, 2, "auto")
+    assert meta["link_rates_gbps"] == {"scaleup": 356.0, "scaleout": 50.0}
+    want = traffic.uniform_expectation(EXPERTS, TOPK, RANKS, 2)._asdict()
+    assert meta["uniform_expectation"] == pytest.approx(want)
+
+    routings = [make_routing("uniform", TOKENS, EXPERTS, TOPK, seed=(0, r)).topk_idx for r in range(RANKS)]
+    rows = traffic.world_rows(routings, EXPERTS, Topology.of(RANKS, 2))
+    model = point["link_model"]
+    for i, op in enumerate(traffic.OPS):
+        assert model[op]["row_bytes"] == ROW_BYTES
+        assert model[op]["measured_p50_us"] == point["latency_us"][op]["p50"]
+        for j, route in enumerate(traffic.ROUTES):
+            for k, link in enumerate(traffic.LINKS):
+                got = model[op][route][link]
+                assert np.array(got["rows_per_token"]) * TOKENS == pytest.approx(rows[i, j, k])
+                assert got["bytes_per_token"] == pytest.approx(list(rows[i, j, k] * ROW_BYTES / TOKENS))
+                assert got["rows_per_token_max"] == pytest.approx(rows[i, j, k].max() / TOKENS)
+                assert got["bytes_per_token_mean"] == pytest.approx(rows[i, j, k].sum() * ROW_BYTES / (RANKS * TOKENS))
+            nbytes = rows[i, j] * ROW_BYTES
+            assert model[op][route]["model_us"] == pytest.approx(traffic.model_time_s(nbytes[0], nbytes[1]) * 1e6)
+        ratio = rows[i, 1, 1].sum() / rows[i, 0, 1].sum()
+        assert model[op]["forwarded_over_flat"]["scaleout_bytes"] == pytest.approx(ratio)
+    assert model["dispatch"]["forwarded_over_flat"]["scaleout_bytes"] < 1
+    assert model["combine"]["forwarded_over_flat"]["scaleout_bytes"] == 1.0
+    assert "link model (rows/token sent per rank" in done.stdout
+    assert "dispatch forwarded/flat scale-out bytes: " in done.stdout
+
+
+def test_without_scaleup_ranks_there_is_no_link_model(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_bench(2, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0", "--quiet",
+                     "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["meta"]["transport"] == "stores" and "scaleup_ranks" not in result["meta"]
+    assert "link_model" not in result["points"][0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scaleup-ranks", "3"], "--scaleup-ranks: scaleup_ranks=3: must be >= 1 and divide the rank count 4"),
+    (["--scaleup-ranks", "2", "--transport", "stores"], "transport='stores' with scaleup_ranks=2"),
+])
+def test_scaleup_ranks_that_cannot_run_are_refused(args, message):
+    done = run_bench(RANKS, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--quiet", *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr
