@@ -353,8 +353,8 @@ def _alive(pid: int) -> bool:
 
 # ------------------------------------------------------------------ slurm_two_nodes.sbatch
 def test_slurm_two_nodes_runs_the_bench_through_slurm_sbatch_with_nodes_of_eight(tmp_path):
-    """Inside a (fake) allocation: launch/slurm.sbatch's srun line gets the bench with --scaleup-ranks 8, --no-graphs
-    (puts across nodes) and the JSON path, then the script's own arguments."""
+    """Inside a (fake) allocation: launch/slurm.sbatch's srun line gets the bench with --scaleup-ranks 8 and the JSON
+    path, then the script's own arguments."""
     (tmp_path / "launch").symlink_to(LAUNCH)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -367,4 +367,4 @@ def test_slurm_two_nodes_runs_the_bench_through_slurm_sbatch_with_nodes_of_eight
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == (
         "srun --mpi=pmix --cpu-bind=none launch/bind_gpu.sh python3 -m ep_comm.bench --config deepseek_v3_prefill "
-        "--scaleup-ranks 8 --no-graphs --json results/prefill_2x8.json --routing zipf")
+        "--scaleup-ranks 8 --json results/prefill_2x8.json --routing zipf")

@@ -54,11 +54,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
     p.add_argument("--transport", choices=TRANSPORTS,
-                   help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores; 'auto' "
-                        "with --scaleup-ranks of several nodes, where stores are refused)")
+                   help="nvshmem backend: peer stores, nvshmem puts, or auto (stores in a node, puts between nodes), "
+                        "Buffer(transport=...) (default: stores; 'auto' with --scaleup-ranks of several nodes, where "
+                        "stores are refused)")
     p.add_argument("--scaleup-ranks", type=int_at_least(1), metavar="N",
                    help="ranks per (virtual) node, Buffer(scaleup_ranks=N); N must divide the rank count (default: "
-                        "one node of every rank). Several nodes send through puts (give --no-graphs on GPU). Each "
+                        "one node of every rank). With several nodes, stores in a node and puts between them. Each "
                         "point's JSON gets 'link_model' and the report a table: per operation, rows and bytes per "
                         "token each rank sends over scale-up and scale-out, flat and forwarded, and the time at "
                         "NVLink 356 GB/s and RDMA 400 Gb/s per GPU next to the measured one (meta: scaleup_ranks, "
@@ -78,8 +79,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true",
                    help="GPU: skip the NCCL baselines (skipped anyway when ranks share a GPU)")
     p.add_argument("--no-graphs", action="store_true",
-                   help="GPU: skip the CUDA graph replays of the cached cpu_sync=False dispatch and its combine "
-                        "(needed with --transport puts, which cannot be captured)")
+                   help="GPU: skip the CUDA graph replays of the cached cpu_sync=False dispatch and its combine")
     p.add_argument("--busy-check", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU: per point, queue a 1 ms spin kernel, then a cached cpu_sync=False dispatch and its "
                         "combine; report the host time until both returned (hidden_sync: above 0.5 ms) and the GPU "
