@@ -79,7 +79,8 @@ GRACE_S=${WITH_MPS_GRACE_S:-10}  # after a signal, how long CMD's process group 
 # shellcheck disable=SC2329
 pass_on() {  # INT/TERM/HUP trap: end CMD's whole process group; the main line then waits for it and exits
     interrupted=1
-    [ -z "$child" ] || kill -s TERM -- "-$child" 2> /dev/null || true
+    # the group, or CMD alone while setsid has not made the group yet (a signal right after the start)
+    [ -z "$child" ] || kill -s TERM -- "-$child" 2> /dev/null || kill -s TERM "$child" 2> /dev/null || true
 }
 
 nvidia-cuda-mps-control -f < /dev/null > "$CUDA_MPS_LOG_DIRECTORY/control.out" 2>&1 &
