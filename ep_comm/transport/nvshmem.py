@@ -96,13 +96,12 @@ class NvshmemTransport:
         if not self.puts_to:
             return
         sym, me = self.sym, self.rank
-        psum = numba_view(psum)  # not through Numba's argument conversion, which would synchronise (refused in a capture)
-        nvshmem_puts.put_blocks(stream, self._stage_rows, sym.max_tokens * sym.row_bytes, self._sym, sym.row_at(0, me),
+        nvshmem_puts.put_blocks(stream, self.device, self._stage_rows, sym.max_tokens * sym.row_bytes, self._sym, sym.row_at(0, me),
                                 sym.row_at(1, me) - sym.row_at(0, me), self._step, sym.row_bytes, psum, self._remote,
                                 me)
         if with_meta:
             meta_bytes = 4 * sym.meta_words
-            nvshmem_puts.put_blocks(stream, self._stage_meta, sym.max_tokens * meta_bytes, self._sym,
+            nvshmem_puts.put_blocks(stream, self.device, self._stage_meta, sym.max_tokens * meta_bytes, self._sym,
                                     sym.meta_at(0, me), sym.meta_at(1, me) - sym.meta_at(0, me), self._step,
                                     meta_bytes, psum, self._remote, me)
 
@@ -126,8 +125,8 @@ class NvshmemTransport:
         every put of the step landed. Both read the step from the device counter."""
         self._signals.send_signal(_current_stream(), kind, counts)
         if self.puts_to:
-            nvshmem_puts.signal_peers(stream, self._signal_words, self._count_words, self._remote, self.rank,
-                                      self._step, kind, None if counts is None else numba_view(counts))
+            nvshmem_puts.signal_peers(stream, self.device, self._signal_words, self._count_words, self._remote,
+                                      self.rank, self._step, kind, counts)
 
     def wait(self, kind: int, timeout_s: float, with_counts: bool) -> None:
         """Enqueue on CuPy's current stream the bounded wait for every rank's signal of the step the device counter
