@@ -107,6 +107,10 @@ echo "with_mps.sh: MPS daemon at $CUDA_MPS_PIPE_DIRECTORY, $per_gpu rank(s) per 
 setsid "$@" <&0 &
 child=$!
 deadline=''
+if [ "$interrupted" -eq 1 ]; then  # a signal came before $child was known (nothing was passed on): now
+    pass_on
+    deadline=$(( $(date +%s) + GRACE_S ))
+fi
 while :; do
     interrupted=0 rc=0
     if [ -z "$deadline" ]; then

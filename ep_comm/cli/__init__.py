@@ -109,8 +109,9 @@ def exit_collectively(main: Callable[[], int]) -> NoReturn:
     except SystemExit:
         raise
     except BaseException:
-        traceback.print_exc()
-        print(f"rank {MPI.COMM_WORLD.rank}: unhandled error, aborting the MPI job", file=sys.stderr, flush=True)
+        # one write: mpirun forwards it whole before the abort tears the job down (two could lose the second)
+        sys.stderr.write(f"{traceback.format_exc()}rank {MPI.COMM_WORLD.rank}: unhandled error, aborting the MPI job\n")
+        sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
         code = 1  # Abort can return on a rank whose job is already being torn down
     sys.exit(code)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from ep_comm.kernels.puts import CHUNK_BYTES, put_kernels
-from ep_comm.launching.launch_shapes import bound_launch
 
 PUT_THREADS = 256
 MAX_PUT_CTAS = 1024
@@ -30,6 +29,8 @@ def put_blocks(stream, device: int, stage, block_bytes: int, sym, dst_offset: in
     the puts run before the step's signal). ``psum``: int32 ``[R]`` inclusive prefix sum on the device; ``remote``:
     uint8 ``[R]``, 1 for the ranks reached through puts. Launched on Numba stream ``stream`` of CUDA device ``device``
     (arrays: CuPy or Numba)."""
+    from ep_comm.launching.launch_shapes import bound_launch  # imports Numba: importing this module does not
+
     put_blocks_kernel, _ = put_kernels()
     chunks = max(1, -(-block_bytes // CHUNK_BYTES))
     grid = max(1, min(psum.shape[0] * chunks, MAX_PUT_CTAS))
@@ -45,6 +46,8 @@ def signal_peers(stream, device: int, signals, count_words, remote, me: int, ste
     its rows, its entries per local expert, the routing verdict), first ``count_words[parity, me] = counts[r]`` on PE
     ``r`` (``count_words``: int64 ``[2, R, 1 + L + 2]`` symmetric words; not written without ``counts``, whose place a
     ``[R, 1 + L + 2]`` block of them takes then, never read). Launched as :func:`put_blocks`."""
+    from ep_comm.launching.launch_shapes import bound_launch  # as in put_blocks
+
     _, signal_kernel = put_kernels()
     num_ranks = remote.shape[0]
     has_counts = counts is not None
