@@ -13,26 +13,31 @@ peers are out of step is dropped without them and leaked (:meth:`MpiWindow.free`
 from __future__ import annotations
 
 import time
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout
 
 _LEAKED: List[MPI.Win] = []  # windows dropped after a failure: never freed (Unlock_all / Free wait for the peers)
 
 
 class MpiWindow:
-    """A rank's symmetric buffer and one-sided access to its peers' buffers."""
+    """A rank's symmetric buffer (and with ``inbox`` the forwarding inbox after it) and one-sided access to its
+    peers' buffers."""
 
-    def __init__(self, comm: MPI.Comm, layout: SymmetricLayout):
+    def __init__(self, comm: MPI.Comm, layout: SymmetricLayout, inbox: Optional[ForwardInbox] = None):
         self.comm = comm
         self.layout = layout
-        self.win = MPI.Win.Allocate(layout.total_bytes, disp_unit=1, comm=comm)
+        self.win = MPI.Win.Allocate(layout.total_bytes if inbox is None else inbox.total_bytes, disp_unit=1,
+                                    comm=comm)
         self.mem = np.frombuffer(self.win.tomemory(), dtype=np.uint8)
         self.mem[: layout.rows_offset] = 0  # signals and counts start at zero
         self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes] = 0  # and no abort record
+        if inbox is not None:  # and so do the inbox's signals
+            self.mem[inbox.signal_offset : inbox.signal_offset + 8 * comm.size] = 0
         self._signals = self.mem[layout.signal_offset : layout.signal_offset + 8 * comm.size].view(np.int64)
         self._aborts = self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes].view(
             np.int64).reshape(comm.size, ABORT_WORDS)
@@ -49,13 +54,15 @@ class MpiWindow:
         for target in targets:
             self.win.Flush(target)
 
-    def signal(self, targets: Iterable[int], word: int) -> None:
-        """Complete every put so far to ``targets``, then set their ``signal[me]`` to ``word``."""
+    def signal(self, targets: Iterable[int], word: int, signals: Optional[int] = None) -> None:
+        """Complete every put so far to ``targets``, then set their ``signal[me]`` to ``word``: of the symmetric
+        buffer, or of the int64 ``[R]`` signal array at byte offset ``signals`` (the forwarding inbox's)."""
         targets = list(targets)
         self.flush(targets)
         word = np.array([word], dtype=np.int64)
+        at = (self.layout.signal_offset if signals is None else signals) + 8 * self.comm.rank
         for target in targets:
-            self.put(word, target, self.layout.signal_at(self.comm.rank))
+            self.put(word, target, at)
         self.flush(targets)
 
     def local(self, offset: int, nbytes: int) -> np.ndarray:
@@ -83,8 +90,9 @@ class MpiWindow:
         self.win.Sync()
         return self._aborts
 
-    def wait(self, sources: Iterable[int], word: int, deadline: float) -> List[int]:
-        """Poll until every source's signal shows it reached step ``word``, or a source still missing
+    def wait(self, sources: Iterable[int], word: int, deadline: float, signals: Optional[int] = None) -> List[int]:
+        """Poll until every source's signal (of the symmetric buffer, or of the int64 ``[R]`` signal array at byte
+        offset ``signals``) shows it reached step ``word``, or a source still missing
         posted an abort record (it will not come); return the sources still missing then, or at
         ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived (the caller reads the
         abort records: ``abort_table``).
@@ -94,10 +102,11 @@ class MpiWindow:
         another kind of step with the same number (closing while we dispatch) has not arrived.
         """
         pending = np.array(sorted(set(sources)), dtype=np.int64)
+        board = self._signals if signals is None else self.mem[signals : signals + 8 * self.comm.size].view(np.int64)
         pause = 1e-6
         while True:
             self.win.Sync()
-            seen = self._signals[pending]
+            seen = board[pending]
             pending = pending[(seen != word) & ((seen >> 2) <= (word >> 2))]
             if pending.size == 0 or self._aborts[pending, 0].any() or time.monotonic() >= deadline:
                 return [int(r) for r in pending]
