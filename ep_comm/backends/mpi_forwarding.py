@@ -99,11 +99,13 @@ class MpiForwarding(MpiProtocol):
         step) relay, signal every rank and wait; a split step does that in its receive part (:meth:`_wait`)."""
         if self.inbox is None:
             super()._signal(what, seq, hooked)
-            return
-        with self.profile.phase(what, "signal"):
-            self.window.signal(self._forwarders(), step_word(seq, what), self.inbox.signal_offset)
-        if not hooked:
-            self._relay_signal_and_wait(what, seq)
+        elif hooked:
+            with self.profile.phase(what, "signal"):
+                self._signal_inboxes(what, seq)
+        else:
+            with self.profile.phase(what, "signal+wait"):
+                self._signal_inboxes(what, seq)
+                self._relay_signal_and_wait(what, seq)
 
     def _wait(self, what: str, seq: int, hooked: bool) -> None:
         """The start of a receive part (``MpiSteps._wait``); forwarded and split: relay, signal and wait."""
@@ -112,6 +114,11 @@ class MpiForwarding(MpiProtocol):
         elif hooked:
             with self.profile.phase(what, "wait"):
                 self._relay_signal_and_wait(what, seq)
+
+    def _signal_inboxes(self, what: str, seq: int) -> None:
+        """Signal step ``seq`` to the inbox signals of every rank, after this rank's puts (its forwarders wait for
+        it there; the others learn that this rank began the step)."""
+        self.window.signal(range(self.geo.num_ranks), step_word(seq, what), self.inbox.signal_offset)
 
     def _relay_signal_and_wait(self, what: str, seq: int) -> None:
         """Wait (bounded) for the inboxes of step ``seq``, relay them (:meth:`_relay`), then signal every rank and
@@ -123,7 +130,12 @@ class MpiForwarding(MpiProtocol):
         with self.profile.phase(what, "relay"):
             for node, sender in zip(self._remote_nodes(), senders):
                 self._relay(what, seq % 2, node, sender)
-        self._signal_and_wait(what, seq)
+        everyone = range(self.geo.num_ranks)
+        self.window.signal(everyone, word)
+        # a rank that began the step (its inbox signal is here) and is missing waits for another one: that one
+        # is named, as on the flat path, and the first one's abort record does not end this wait
+        missing = self.window.wait(everyone, word, time.monotonic() + self.timeout_s, entered=self.inbox.signal_offset)
+        self.steps.after_wait(what, missing, seen=True)
 
     def _relay(self, what: str, parity: int, node: int, sender: int) -> None:
         """Write the inbox blocks of ``sender`` (of ``node``) into the ranks of this node, where the flat path

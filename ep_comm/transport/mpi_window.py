@@ -38,7 +38,6 @@ class MpiWindow:
         self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes] = 0  # and no abort record
         if inbox is not None:  # and so do the inbox's signals
             self.mem[inbox.signal_offset : inbox.signal_offset + 8 * comm.size] = 0
-        self._signals = self.mem[layout.signal_offset : layout.signal_offset + 8 * comm.size].view(np.int64)
         self._aborts = self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes].view(
             np.int64).reshape(comm.size, ABORT_WORDS)
         self.win.Lock_all()
@@ -90,7 +89,8 @@ class MpiWindow:
         self.win.Sync()
         return self._aborts
 
-    def wait(self, sources: Iterable[int], word: int, deadline: float, signals: Optional[int] = None) -> List[int]:
+    def wait(self, sources: Iterable[int], word: int, deadline: float, signals: Optional[int] = None,
+             entered: Optional[int] = None) -> List[int]:
         """Poll until every source's signal (of the symmetric buffer, or of the int64 ``[R]`` signal array at byte
         offset ``signals``) shows it reached step ``word``, or a source still missing
         posted an abort record (it will not come); return the sources still missing then, or at
@@ -100,18 +100,28 @@ class MpiWindow:
         Signal words are ``seq << 2 | kind`` (see ``ep_comm.backends.collective_steps.step_word``): a
         source has arrived when its word equals ``word`` or it has moved past ``seq``. A peer in
         another kind of step with the same number (closing while we dispatch) has not arrived.
+
+        ``entered``: the byte offset of a second int64 ``[R]`` signal array whose word shows that a source began
+        the step (the forwarding inbox's, which every rank signals at the end of its send part): a missing
+        source that began it waits for another one, so its abort record does not end the wait, and the sources
+        returned are those that did not begin the step where there are any (the ones the others wait for).
         """
         pending = np.array(sorted(set(sources)), dtype=np.int64)
-        board = self._signals if signals is None else self.mem[signals : signals + 8 * self.comm.size].view(np.int64)
+        board = self._int64s(self.layout.signal_offset if signals is None else signals)
+        began = None if entered is None else self._int64s(entered)
         pause = 1e-6
         while True:
             self.win.Sync()
-            seen = board[pending]
-            pending = pending[(seen != word) & ((seen >> 2) <= (word >> 2))]
-            if pending.size == 0 or self._aborts[pending, 0].any() or time.monotonic() >= deadline:
-                return [int(r) for r in pending]
+            pending = pending[_not_at(board[pending], word)]
+            absent = pending if began is None else pending[_not_at(began[pending], word)]
+            if pending.size == 0 or self._aborts[absent, 0].any() or time.monotonic() >= deadline:
+                return [int(r) for r in (absent if absent.size else pending)]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _int64s(self, offset: int) -> np.ndarray:
+        """The int64 ``[R]`` signal array at byte ``offset`` of this rank's window."""
+        return self.mem[offset : offset + 8 * self.comm.size].view(np.int64)
 
     def free(self, collective: bool) -> None:
         """Release the window: collectively (``Unlock_all``, ``Free``) when every peer frees it too; else
@@ -121,4 +131,9 @@ class MpiWindow:
             self.win.Free()
         else:
             _LEAKED.append(self.win)
-        self.win = self.mem = self._signals = self._aborts = None
+        self.win = self.mem = self._aborts = None
+
+
+def _not_at(seen: np.ndarray, word: int) -> np.ndarray:
+    """Which signal words ``seen`` show their rank not (yet) at step ``word`` (nor past it)."""
+    return (seen != word) & ((seen >> 2) <= (word >> 2))

@@ -11,7 +11,7 @@ import numpy as np
 
 import ep_comm
 from helpers.options import current
-from helpers.oracle import RANK, World
+from helpers.oracle import COMM, RANK, World
 
 TIMEOUT_S = 30.0
 
@@ -23,6 +23,13 @@ def to_device(a: Optional[np.ndarray]) -> Any:
     import cupy  # only the nvshmem backend's runs have (and need) the GPU stack
 
     return cupy.asarray(a)
+
+
+def forwarded() -> bool:
+    """Whether the session's Buffers send to other nodes through their forwarders (``--forwarding`` with
+    ``--scaleup-ranks`` below the rank count)."""
+    options = current()
+    return options.forwarding and options.scaleup_ranks is not None and options.scaleup_ranks < COMM.size
 
 
 def make_buffer(world: World, deterministic: bool = True, **kw: Any) -> ep_comm.Buffer:

@@ -1,5 +1,6 @@
-"""The test session's choices from its command line: ``--backend``, ``--transport``, ``--ranks`` and the
-Hypothesis profile, and how to hand them on to the pytest sessions inside an ``mpirun`` job.
+"""The test session's choices from its command line: ``--backend``, ``--transport``, ``--ranks``, the virtual nodes
+(``--scaleup-ranks``, ``--forwarding``) and the Hypothesis profile, and how to hand them on to the pytest sessions
+inside an ``mpirun`` job.
 
 ``tests/conftest.py`` records them once per session (``record``); code that is not a fixture, such as the
 collective suites' module-level setup, reads them with ``current()``.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 BACKENDS = ("mpi", "nvshmem")
 # job sizes of the multi-rank tests without --ranks; nvshmem: the GPU machines have 1 or 2 GPUs
@@ -37,23 +38,31 @@ class SessionOptions:
 
     ``ranks`` is ``--ranks`` as given (None without it): each test that starts jobs has its own default.
     ``hypothesis_profile`` is ``--hypothesis-profile`` as given (None: the default profile, ``ci``).
+    ``scaleup_ranks`` and ``forwarding``: the Buffers of the collective suites in (virtual) nodes of that many
+    ranks (None: one node), sending to the other nodes flat or through their forwarders.
     """
 
     backend: str = "mpi"
     transport: str = "stores"
     ranks: Optional[Tuple[int, ...]] = None
     hypothesis_profile: Optional[str] = None
+    scaleup_ranks: Optional[int] = None
+    forwarding: bool = False
 
     @property
     def job_sizes(self) -> Tuple[int, ...]:
         """Rank counts of the multi-rank contract jobs: ``--ranks``, else the backend's default."""
         return self.ranks or DEFAULT_JOB_SIZES[self.backend]
 
-    def buffer_kwargs(self) -> Dict[str, str]:
-        """Keyword arguments selecting the backend (and on nvshmem its transport) for ``ep_comm.Buffer``."""
+    def buffer_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments selecting the backend (and on nvshmem its transport), and the virtual nodes where
+        given, for ``ep_comm.Buffer``."""
+        kwargs: Dict[str, Any] = {"backend": self.backend}
         if self.backend == "nvshmem":
-            return {"backend": self.backend, "transport": self.transport}
-        return {"backend": self.backend}
+            kwargs["transport"] = self.transport
+        if self.scaleup_ranks is not None:
+            kwargs.update(scaleup_ranks=self.scaleup_ranks, forwarding=self.forwarding)
+        return kwargs
 
     def pytest_args(self) -> List[str]:
         """These options on the command line of the pytest session each rank of a job runs."""
@@ -62,6 +71,10 @@ class SessionOptions:
             args += ["--ranks", ",".join(str(n) for n in self.ranks)]
         if self.hypothesis_profile:
             args += ["--hypothesis-profile", self.hypothesis_profile]
+        if self.scaleup_ranks is not None:
+            args += ["--scaleup-ranks", str(self.scaleup_ranks)]
+        if self.forwarding:
+            args.append("--forwarding")
         return args
 
 
