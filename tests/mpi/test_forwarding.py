@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 import pytest
@@ -127,27 +127,21 @@ def test_forwarding_saves_scale_out_rows_on_a_hot_routing():
     assert rows == {False: tokens * (WORLD // 2), True: tokens}
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("scaleup_ranks", NODE_SIZES)
-def test_a_rank_that_never_arrives_is_named_by_every_forwarded_peer(scaleup_ranks):
-    """The last rank skips a forwarded dispatch: its forwarders time out waiting for their inboxes, the other
-    ranks waiting for every rank; every one raises ep_comm.TimeoutError naming only the missing rank, within
-    timeout_s; the missing rank's close raises the peers' abort records."""
-    timeout_s = 1.5
-    missing = WORLD - 1
-    world = make_world("uniform")
-    buf = nodes_buffer(world, scaleup_ranks, True, timeout_s=timeout_s)
-    dispatch(buf, world)
-    if RANK != missing:
+def named_by_every_peer(buf: ep_comm.Buffer, absent: int, call: Callable[[], Any], timeout_s: float,
+                        step: str) -> None:
+    """Collective: on every rank but ``absent``, ``call()`` raises ep_comm.TimeoutError naming only ``absent``
+    within ``timeout_s`` (+ a margin), then ``buf`` closes; on ``absent``, after its peers gave up, ``buf``'s close
+    raises their abort records of ``step``."""
+    if RANK != absent:
         start = time.monotonic()
         with pytest.raises(ep_comm.TimeoutError) as info:
-            dispatch(buf, world)
-        assert info.value.missing_ranks == (missing,)
+            call()
+        assert info.value.missing_ranks == (absent,)
         assert timeout_s <= time.monotonic() - start < timeout_s + 10
         buf.close()
     else:
         time.sleep(timeout_s + HEAD_START_S)
-        with pytest.raises(ep_comm.PeerAbortedError, match="gave up at dispatch #2") as info:
+        with pytest.raises(ep_comm.PeerAbortedError, match=f"gave up at {step}") as info:
             buf.close()
         assert info.value.aborted_ranks == tuple(range(WORLD - 1))
     COMM.Barrier()
@@ -155,22 +149,21 @@ def test_a_rank_that_never_arrives_is_named_by_every_forwarded_peer(scaleup_rank
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("scaleup_ranks", NODE_SIZES)
+def test_a_rank_that_never_arrives_is_named_by_every_forwarded_peer(scaleup_ranks):
+    """The last rank skips a forwarded dispatch: its forwarders time out waiting for their inboxes, the other
+    ranks waiting for every rank; every one names only the missing rank."""
+    world = make_world("uniform")
+    buf = nodes_buffer(world, scaleup_ranks, True, timeout_s=1.5)
+    dispatch(buf, world)
+    named_by_every_peer(buf, WORLD - 1, lambda: dispatch(buf, world), 1.5, "dispatch #2")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("scaleup_ranks", NODE_SIZES)
 def test_a_forwarder_that_never_calls_its_hook_is_named_by_every_hook(scaleup_ranks):
     """Forwarded, a rank relays its node's rows in its receive hook: the last rank sends and never calls its hook,
-    so every peer's hook times out naming it (not the ranks whose rows it holds); its close raises their
-    records."""
-    timeout_s = 1.5
-    stuck = WORLD - 1
+    so every peer's hook names it (not the ranks whose rows it holds)."""
     world = make_world("uniform")
-    buf = nodes_buffer(world, scaleup_ranks, True, timeout_s=timeout_s)
+    buf = nodes_buffer(world, scaleup_ranks, True, timeout_s=1.5)
     hook = dispatch(buf, world, return_recv_hook=True)
-    if RANK != stuck:
-        with pytest.raises(ep_comm.TimeoutError) as info:
-            hook()
-        assert info.value.missing_ranks == (stuck,)
-        buf.close()
-    else:
-        time.sleep(timeout_s + HEAD_START_S)
-        with pytest.raises(ep_comm.PeerAbortedError, match="gave up at dispatch #1"):
-            buf.close()
-    COMM.Barrier()
+    named_by_every_peer(buf, WORLD - 1, hook, 1.5, "dispatch #1")
