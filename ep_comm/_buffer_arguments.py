@@ -21,7 +21,7 @@ from ep_comm.handle import DispatchOutput, EPHandle
 
 def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any,
                                 num_max_tokens_per_rank: Any, timeout_s: Any, num_sms: Any, transport: Any,
-                                scaleup_ranks: Any, profile: Any) -> None:
+                                scaleup_ranks: Any, forwarding: Any, profile: Any) -> None:
     """This rank's own checks of the constructor's arguments (TypeError / ValueError), no communication."""
     chk.check_geometry(num_ranks, num_experts, hidden, num_topk, num_max_tokens_per_rank)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
@@ -33,6 +33,7 @@ def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, n
         raise ValueError(f"transport='stores' with scaleup_ranks={scaleup_ranks}: stores reach only the peers of a "
                          f"rank's node of {scaleup_ranks}, and {num_ranks} ranks make {num_ranks // scaleup_ranks} "
                          "nodes: use transport='auto' or 'puts'")
+    chk.check_flag(forwarding, "forwarding")
     chk.check_profile(profile)
 
 

@@ -49,14 +49,15 @@ class Buffer:
 
     Attributes: ``backend`` (``"mpi"``/``"nvshmem"``), ``num_sms`` (the SM count in effect: an int
     on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"``/``"stores+puts"`` on ``nvshmem``,
-    None on ``mpi``), ``scaleup_ranks`` (ranks per node), ``geometry``, ``rank``, ``num_ranks``, ``deterministic``,
-    ``timeout_s``.
+    None on ``mpi``), ``scaleup_ranks`` (ranks per node), ``forwarding``, ``geometry``, ``rank``, ``num_ranks``,
+    ``deterministic``, ``timeout_s``.
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, num_experts: int, hidden: int, num_topk: int,
                  num_max_tokens_per_rank: int, dtype: Any = "bfloat16", backend: str = "auto",
                  deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None,
-                 transport: str = "auto", scaleup_ranks: Optional[int] = None, profile: bool = False):
+                 transport: str = "auto", scaleup_ranks: Optional[int] = None, forwarding: bool = False,
+                 profile: bool = False):
         """Collective over ``comm``: every rank passes the same arguments.
 
         The first collective call is the construction check (``ep_comm.contract.agreement``), before anything is
@@ -96,6 +97,13 @@ class Buffer:
                 rank's node out of scale-up reach (``ep_comm.contract.topology``; how a job pins its topology,
                 and how several nodes are tested on one host). None (default) = every rank in one node; else
                 an int >= 1 that divides the rank count (TypeError / ValueError otherwise).
+            forwarding: node-aware forwarding (a bool, TypeError otherwise; default False). With several nodes
+                a dispatch sends each token over the scale-out path once per destination node, to that node's
+                forwarder (the rank with the source's local index), which writes it into every destination rank
+                of its node at the slots the flat path uses; a combine relays every rank's partial, unreduced,
+                back through the forwarder (the contract's rank-order float32 sum stays at the source). Outputs,
+                handles and order are the flat path's, bit for bit (docs/design.md, "Transports and nodes").
+                Built on ``mpi`` only: ``nvshmem`` refuses True (ValueError). With one node it changes nothing.
             profile: True records per-phase timings on every rank, read by :meth:`profile_table`
                 (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
         """
@@ -104,13 +112,13 @@ class Buffer:
         try:
             backend_name = resolve_backend(backend)
             check_constructor_arguments(comm.size, num_experts, hidden, num_topk, num_max_tokens_per_rank,
-                                        timeout_s, num_sms, transport, scaleup_ranks, profile)
+                                        timeout_s, num_sms, transport, scaleup_ranks, forwarding, profile)
             self.geometry = Geometry(comm.size, int(num_experts), int(hidden), int(num_topk),
                                          int(num_max_tokens_per_rank), payload_dtype(dtype))
             fields = construction_fields(num_experts=num_experts, hidden=hidden, num_topk=num_topk,
                                          num_max_tokens_per_rank=num_max_tokens_per_rank,
                                          dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
-                                         scaleup_ranks=scaleup_ranks,
+                                         scaleup_ranks=scaleup_ranks, forwarding=forwarding,
                                          deterministic=deterministic, num_sms=num_sms)
         except (TypeError, ValueError) as exc:  # still collective: the peers learn of it and raise too
             error = exc
@@ -118,7 +126,7 @@ class Buffer:
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
         settings = BackendSettings(self.deterministic, self.timeout_s, None if num_sms is None else int(num_sms),
-                                   transport, scaleup_ranks, bool(profile))
+                                   transport, scaleup_ranks, bool(forwarding), bool(profile))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
         # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (check_handle_once)
@@ -129,6 +137,7 @@ class Buffer:
         self.num_sms: Optional[int] = self._backend.num_sms
         self.transport: Optional[str] = self._backend.transport_name
         self.scaleup_ranks: int = comm.size if scaleup_ranks is None else int(scaleup_ranks)
+        self.forwarding = bool(forwarding)
         self.rank = comm.rank
         self.num_ranks = comm.size
 

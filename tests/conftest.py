@@ -3,7 +3,8 @@ per-rank result files of the pytest sessions inside ``mpirun`` jobs.
 
 Options (also session fixtures): ``--backend mpi|nvshmem`` (the backend of the collective suites),
 ``--transport stores|puts`` (the nvshmem backend's transport), ``--ranks 1,2,4`` (job sizes of the
-multi-rank tests). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer examples), chosen with
+multi-rank tests), ``--scaleup-ranks N`` and ``--forwarding`` (the collective suites' Buffers in virtual nodes of
+``N`` ranks, flat or forwarded). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer examples), chosen with
 ``--hypothesis-profile``.
 
 ``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: ``tests/test_multirank.py`` runs them with
@@ -38,12 +39,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--transport", choices=TRANSPORTS, default="stores",
                     help="the nvshmem backend's transport: stores (peer stores, default), puts (nvshmem puts) or auto "
                          "(stores in a node, puts between nodes)")
-    group.addoption("--scaleup-ranks", type=int, default=None,
-                    help="Buffer(scaleup_ranks=N) of the collective suites: virtual nodes of N ranks (default: one "
-                         "node)")
     group.addoption("--ranks", type=parse_ranks, default=None,
                     help="job sizes of the multi-rank tests, e.g. 1,2,4 (default: 1,2,3,4 on mpi, 1,2 on nvshmem; "
                          "2 for tests/gpu)")
+    group.addoption("--scaleup-ranks", type=int, default=None,
+                    help="the collective suites' Buffers in virtual nodes of this many ranks (default: one node)")
+    group.addoption("--forwarding", action="store_true",
+                    help="with --scaleup-ranks: Buffer(forwarding=True), to other nodes through their forwarders")
 
 
 MPI_SUITES = Path(__file__).parent / "mpi"
@@ -59,7 +61,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 @pytest.hookimpl(tryfirst=True)  # before the junitxml plugin opens --junitxml's path
 def pytest_configure(config: pytest.Config) -> None:
     record(SessionOptions(config.getoption("backend"), config.getoption("transport"), config.getoption("ranks"),
-                          config.getoption("--hypothesis-profile"), config.getoption("--scaleup-ranks")))
+                          config.getoption("--hypothesis-profile"), config.getoption("scaleup_ranks"),
+                          config.getoption("forwarding")))
     xmlpath = getattr(config.option, "xmlpath", None)
     if xmlpath:
         config.option.xmlpath = rank_results.rank_path(xmlpath, rank_results.rank_from_environment())

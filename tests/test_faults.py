@@ -1,7 +1,8 @@
 """Fault tests: jobs of ``tests/faults/fault_job.py`` where the last rank skips a call, is late, is stopped
 with SIGSTOP, or rank 0 is killed with SIGKILL (under a launcher that keeps the survivors running: MPICH hydra's
 ``-disable-auto-cleanup``; each rank a child of ``faults/shielded.py``, which takes the kill hydra still sends
-the survivors now and then under load) or reaches ``close`` 8 s late, each under a hard outer timeout.
+the survivors now and then under load) or reaches ``close`` 8 s late, each under a hard outer timeout; one node, and
+(the forwarded cases) virtual nodes with ``Buffer(forwarding=True)``, where a forwarder waits for its inbox first.
 
 Checked on every rank that survives: the ``ep_comm.TimeoutError`` comes within ``timeout_s`` (+ 2 s) of its
 own call and names the faulty rank; a rank that comes after its peers gave up raises ``PeerAbortedError``
@@ -29,6 +30,9 @@ SLACK_S = 2.0  # the issue's bound: survivors out of close within timeout_s + 2 
 JOB_LIMIT_S = 90  # the hard outer timeout of one job
 SURVIVOR_WAIT_S = 20  # how long the survivors of a kill may outlive the launcher
 CASES = [("skip", 2), ("late", 2), ("late", 3), ("stop", 2), ("kill", 2), ("late_close", 2)]
+# (scenario, ranks, ranks per node): forwarded, 4 ranks as 2 nodes, 6 as 2 and 8 as 4
+FORWARDED = [(scenario, 4, 2) for scenario in ("skip", "late", "stop", "kill", "late_close")] + [
+    ("late", 6, 3), ("skip", 8, 2)]
 
 
 def keep_survivors_flags() -> List[str]:
@@ -42,14 +46,15 @@ def keep_survivors_flags() -> List[str]:
     pytest.skip(f"the kill case needs a launcher that keeps the survivors running (hydra, Open MPI): {version[:80]!r}")
 
 
-def run_scenario(scenario: str, num_ranks: int, out: Path, expected: Set[int]) -> tuple:
-    """``(records by rank, the job, its wall seconds)`` of one scenario's job; waits up to ``SURVIVOR_WAIT_S``
-    after the launcher ended for the result files of ranks ``expected`` (after a kill it may end first)."""
+def run_scenario(scenario: str, num_ranks: int, out: Path, expected: Set[int], nodes: List[str]) -> tuple:
+    """``(records by rank, the job, its wall seconds)`` of one scenario's job (``nodes``: fault_job's virtual node
+    options); waits up to ``SURVIVOR_WAIT_S`` after the launcher ended for the result files of ranks ``expected``
+    (after a kill it may end first)."""
     env = dict(os.environ, UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1")
     flags = keep_survivors_flags() if scenario == "kill" else []
     script = SHIELDED_JOB if scenario == "kill" else JOB
     cmd = launcher(num_ranks, env) + flags + [sys.executable, str(script), scenario, "--backend", current().backend,
-                                              "--timeout", str(TIMEOUT_S), "--out", str(out)]
+                                              "--timeout", str(TIMEOUT_S), "--out", str(out), *nodes]
     start = time.monotonic()
     job = run_job(cmd, env, JOB_LIMIT_S)
     wall = time.monotonic() - start
@@ -72,9 +77,19 @@ def calls_of(record: dict) -> Dict[str, dict]:
 
 @pytest.mark.parametrize("scenario, num_ranks", CASES)
 def test_fault(scenario, num_ranks, capsys, tmp_path):
+    check_scenario(scenario, num_ranks, [], capsys, tmp_path)
+
+
+@pytest.mark.parametrize("scenario, num_ranks, scaleup_ranks", FORWARDED)
+def test_fault_forwarded(scenario, num_ranks, scaleup_ranks, capsys, tmp_path):
+    check_scenario(scenario, num_ranks, ["--scaleup-ranks", str(scaleup_ranks), "--forwarding"], capsys, tmp_path)
+
+
+def check_scenario(scenario: str, num_ranks: int, nodes: List[str], capsys, tmp_path: Path) -> None:
+    """Run one scenario's job (``nodes``: fault_job's virtual node options) and check every surviving rank."""
     faulty = 0 if scenario == "kill" else num_ranks - 1  # fault_job.faulty_rank
     expected = set(range(num_ranks)) - ({faulty} if scenario == "kill" else set())
-    records, job, wall = run_scenario(scenario, num_ranks, tmp_path, expected)
+    records, job, wall = run_scenario(scenario, num_ranks, tmp_path, expected, nodes)
     output = f"{' '.join(job.args)} exited {job.returncode} after {wall:.1f} s:\n{job.stdout[-8000:]}\n{job.stderr[-4000:]}"
     assert set(records) == expected, output
     first_fault = "close#1" if scenario == "late_close" else "dispatch#2"
@@ -108,4 +123,4 @@ def test_fault(scenario, num_ranks, capsys, tmp_path):
     if scenario != "kill":
         assert job.returncode == 0, output
     with capsys.disabled():
-        print(f"\n[fault {scenario}, {num_ranks} ranks, timeout_s={TIMEOUT_S:g}] job {wall:.1f} s; " + "; ".join(lines))
+        print(f"\n[fault {scenario}, {num_ranks} ranks {' '.join(nodes)}, timeout_s={TIMEOUT_S:g}] job {wall:.1f} s; " + "; ".join(lines))

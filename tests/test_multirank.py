@@ -1,5 +1,7 @@
 """Runs the collective suites of ``tests/mpi`` on every rank of ``mpirun -n N`` jobs (N: ``--ranks``; default
-1..4 on mpi, 1..2 on nvshmem), with this session's ``--backend``, ``--transport`` and Hypothesis profile.
+1..4 on mpi, 1..2 on nvshmem), with this session's ``--backend``, ``--transport`` and Hypothesis profile; on mpi
+also the contract, randomized, error, hook and FP8 suites in virtual nodes (4 ranks as 2 nodes, 6 as 2, 8 as 4 and 2),
+flat and forwarded, and ``test_forwarding`` at 6 and 8 ranks.
 
 Each rank runs the same pytest session and writes its own JUnit XML result; this test passes when every
 rank's file shows tests passed and none failed. A hung job is killed after a bounded time, so a protocol
@@ -7,18 +9,23 @@ bug shows as a failure, not a stall.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 from helpers import rank_results
 from helpers.mpirun import launcher, run_job
-from helpers.options import current
+from helpers.options import SessionOptions, current
 
 SUITE = Path(__file__).parent / "mpi"
 JOB_TIMEOUT_S = 600
+# (ranks, ranks per node) of the jobs that run NODE_SUITES in virtual nodes, flat and forwarded (issue 31)
+VIRTUAL_NODES = [(4, 2), (6, 3), (8, 2), (8, 4)]
+NODE_SUITES = ["test_contract.py", "test_randomized.py", "test_errors.py", "test_recv_hook.py", "test_fp8_dispatch.py"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -31,10 +38,33 @@ def job_output(job: subprocess.CompletedProcess) -> str:
 
 
 def test_contract_suite_under_mpirun(num_ranks, session_options, tmp_path):
+    run_suites(num_ranks, session_options, [SUITE], tmp_path)
+
+
+@pytest.mark.parametrize("forwarding", [False, True], ids=["flat", "forwarded"])
+@pytest.mark.parametrize("ranks, scaleup_ranks", VIRTUAL_NODES)
+def test_suites_in_virtual_nodes(ranks, scaleup_ranks, forwarding, session_options, tmp_path):
+    if session_options.backend != "mpi":
+        pytest.skip("virtual nodes and forwarding are checked on the mpi backend")
+    options = dataclasses.replace(session_options, scaleup_ranks=scaleup_ranks, forwarding=forwarding)
+    run_suites(ranks, options, [SUITE / name for name in NODE_SUITES], tmp_path)
+
+
+@pytest.mark.parametrize("ranks", [6, 8])
+def test_forwarding_suite_at_more_ranks(ranks, session_options, tmp_path):
+    """``test_forwarding`` at the job sizes of more nodes (the contract suite's jobs run it up to 4 ranks)."""
+    if session_options.backend != "mpi":
+        pytest.skip("forwarding is built on the mpi backend only")
+    run_suites(ranks, session_options, [SUITE / "test_forwarding.py"], tmp_path)
+
+
+def run_suites(num_ranks: int, options: SessionOptions, paths: List[Path], tmp_path: Path) -> None:
+    """Run the collective suites ``paths`` with ``options`` on every rank of an ``mpirun -n num_ranks`` job; every
+    rank's result must show tests passed and none failed."""
     env = dict(os.environ, UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1")
     cmd = launcher(num_ranks, env) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi",
-                                      *session_options.pytest_args(), f"--junitxml={rank_results.pattern(tmp_path)}",
-                                      str(SUITE)]
+                                      *options.pytest_args(), f"--junitxml={rank_results.pattern(tmp_path)}",
+                                      *map(str, paths)]
     job = run_job(cmd, env, JOB_TIMEOUT_S)
     for rank in range(num_ranks):
         try:

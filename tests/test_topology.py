@@ -39,9 +39,9 @@ def test_scaleup_ranks_must_divide_the_rank_count(bad, exc, message):
 def test_stores_cannot_reach_a_second_node():
     with pytest.raises(ValueError, match=r"^transport='stores' with scaleup_ranks=2: .* 4 ranks make 2 nodes: use "
                                          r"transport='auto' or 'puts'$"):
-        check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "stores", 2, False)
-    check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "stores", 4, False)  # one node: stores reach everyone
-    check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "auto", 2, False)
+        check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "stores", 2, False, False)
+    check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "stores", 4, False, False)  # one node: stores reach everyone
+    check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "auto", 2, False, False)
 
 
 @pytest.mark.parametrize("transport, scaleup_ranks, me, puts, mode", [

@@ -5,7 +5,8 @@ scatter, combine) with ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce
 the default where there is no GPU and the executable reference the GPU backend is checked against.
 
 This module holds the class (its construction, inputs, close) over its parts: ``mpi_steps`` (how a step runs:
-whole or split, signal and bounded wait, the pending routing error) and ``mpi_protocol`` (dispatch and combine).
+whole or split, signal and bounded wait, the pending routing error), ``mpi_protocol`` (dispatch and combine) and
+``mpi_forwarding`` (``Buffer(forwarding=True)``: the sends to other nodes through their forwarders, and the relay).
 """
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ from mpi4py import MPI
 
 from ep_comm.backends.collective_steps import Steps
 from ep_comm.backends.interface import BackendSettings
-from ep_comm.backends.mpi_protocol import MpiProtocol
+from ep_comm.backends.mpi_forwarding import MpiForwarding
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.contract import layout as lay
 from ep_comm.contract.checks import topk_values
+from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout
+from ep_comm.contract.topology import Topology
 from ep_comm.transport.mpi_window import MpiWindow
 
 _LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
 
 
-class MpiBackend(MpiProtocol):
+class MpiBackend(MpiForwarding):
     """CPU backend. Arrays in and out are NumPy arrays.
 
     ``Buffer(profile=True)`` records host times (there are no GPU events) of every collective
@@ -41,6 +44,11 @@ class MpiBackend(MpiProtocol):
     (``validate.routing_error``) no rank takes a row and every rank raises the same error, outside the guarded step
     (the ranks stayed in step: the Buffer stays usable): at once where the call returns on the host (``cpu_sync``;
     a hook's call), else from the next dispatch or combine, before it does anything (``close`` drops it).
+
+    ``settings.scaleup_ranks`` groups the ranks in (virtual) nodes; ``settings.forwarding`` with more than one node
+    sends to the other nodes through their forwarders (``mpi_forwarding``; ``inbox`` is then the window's
+    forwarding inbox, else None). ``scaleout_rows``: the payload rows this rank has put so far into ranks of other
+    nodes (their inboxes included), per operation, ``{"dispatch": n, "combine": n}``.
     """
 
     name = "mpi"
@@ -56,7 +64,11 @@ class MpiBackend(MpiProtocol):
         self.timeout_s = settings.timeout_s
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                                    geo.experts_per_rank)
-        self.window = MpiWindow(self.comm, self.sym)
+        self.topology = Topology.of(geo.num_ranks, settings.scaleup_ranks)
+        forwarded = settings.forwarding and self.topology.num_nodes > 1
+        self.inbox = ForwardInbox(self.sym, self.topology.scaleup_ranks) if forwarded else None
+        self.scaleout_rows = {"dispatch": 0, "combine": 0}
+        self.window = MpiWindow(self.comm, self.sym, self.inbox)
         self.steps = Steps(self.rank, settings.timeout_s, self.window)
         self.profile = Profile(settings.profile)
         self._refused: Optional[ValueError] = None  # the routing error of the latest dispatch, until raised

@@ -6,7 +6,7 @@ math; the rows and meta rows a step puts into and reads from the windows.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -15,9 +15,11 @@ from ep_comm.backends.mpi_steps import MpiSteps
 from ep_comm.contract import fp8
 from ep_comm.contract import layout as lay
 from ep_comm.contract.checks import routing_error, topk_values, verdict_of, verdict_words
+from ep_comm.contract.forward_inbox import slot_order
 from ep_comm.contract.protocol import VERDICT_WORDS
 from ep_comm.contract.reduce import combine_rows, expand_partials
 from ep_comm.contract.symmetric import SymmetricLayout
+from ep_comm.contract.topology import Topology
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 
 
@@ -32,6 +34,13 @@ class MpiProtocol(MpiSteps):
 
     deterministic: bool
     sym: SymmetricLayout
+    topology: Topology
+    scaleout_rows: Dict[str, int]  # rows this rank put over the scale-out path, per operation ("dispatch", "combine")
+
+    def _count_scaleout(self, what: str, dst: int, rows: int) -> None:
+        """Count ``rows`` put by operation ``what`` into ``dst``'s window when ``dst`` is in another node."""
+        if not self.topology.in_reach(self.rank, dst):
+            self.scaleout_rows[what] += rows
 
     def _pack_rows(self, rows: np.ndarray) -> np.ndarray:
         """``[n, H]`` payload -> ``[n, row_bytes]`` uint8 (padded to the symmetric row pitch)."""
@@ -146,15 +155,20 @@ class MpiProtocol(MpiSteps):
         """Rank scatter: each destination's rows in slot order, one put per destination, and with ``words``
         (a new routing: ``layout.send_count_words`` and this rank's verdict, int64 ``[R, 1 + L + VERDICT_WORDS]``)
         the count exchange, row ``dst`` to ``dst``: its rows, its entries per local expert, the verdict."""
+        for dst in range(self.geo.num_ranks):
+            self._scatter_to(dst, parity, request, routing, slots, words)
+
+    def _scatter_to(self, dst: int, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray,
+                    words: Optional[np.ndarray]) -> None:
+        """The rank scatter's puts into ``dst`` (:meth:`_scatter`)."""
         geo, weights = self.geo, request.topk_weights
-        for dst in range(geo.num_ranks):
-            tokens = np.nonzero(routing.is_token_in_rank[:, dst])[0]
-            tokens = tokens[np.argsort(slots[tokens, dst], kind="stable")]
-            local_ids = lay.local_topk(routing.topk_idx[tokens], dst, geo.experts_per_rank)
-            self._put_block(dst, parity, request.x[tokens],
-                            self._pack_meta(tokens, local_ids, None if weights is None else weights[tokens]))
-            if words is not None:  # count exchange
-                self.window.put(words[dst], dst, self.sym.count_at(parity, self.rank))
+        tokens = slot_order(slots[:, dst])
+        local_ids = lay.local_topk(routing.topk_idx[tokens], dst, geo.experts_per_rank)
+        self._put_block(dst, parity, request.x[tokens],
+                        self._pack_meta(tokens, local_ids, None if weights is None else weights[tokens]))
+        self._count_scaleout("dispatch", dst, len(tokens))
+        if words is not None:  # count exchange
+            self.window.put(words[dst], dst, self.sym.count_at(parity, self.rank))
 
     def _slots_from_handle(self, handle: EPHandle) -> np.ndarray:
         """``[T, R]`` slots recorded in a handle's ``dst_buffer_slot_idx``."""
@@ -265,9 +279,15 @@ class MpiProtocol(MpiSteps):
             for src in range(geo.num_ranks):
                 block = slice(starts[src], starts[src + 1])
                 w = None if back_w is None else back_w[block]
-                self._put_block(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
+                self._return_rows(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
         self._signal("combine", seq, hooked)
         return functools.partial(self._combine_receive, step, request, hooked)
+
+    def _return_rows(self, src: int, parity: int, rows: np.ndarray, meta: np.ndarray) -> None:
+        """A combine's partials ``rows [n, H]`` for source rank ``src`` (the rows it sent here, in slot order) and
+        their meta rows ``[n, 1 + 2K]`` int32, into ``src``'s window."""
+        self._put_block(src, parity, rows, meta)
+        self._count_scaleout("combine", src, len(rows))
 
     def _combine_receive(self, step: Tuple[int, int], request: CombineRequest, hooked: bool) -> CombineOutput:
         """The receive part of a combine: every token's rows from the ranks it reached, reduced."""

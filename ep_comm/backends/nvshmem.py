@@ -143,8 +143,12 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
 
         Returns:
             The backend; its kernels sized for ``settings.num_sms`` (ValueError on every rank, with
-            everything released, when that exceeds any rank's SM count).
+            everything released, when that exceeds any rank's SM count). ``settings.forwarding`` raises
+            ValueError before anything is allocated: forwarding is not built here yet.
         """
+        if settings.forwarding:  # every rank agreed on it (contract.agreement): every rank raises, nothing allocated
+            raise ValueError("forwarding=True is built on the mpi backend only: the nvshmem backend sends flat "
+                             "(every row to its destination rank); use forwarding=False, or backend='mpi'")
         check_index_range(geo.num_ranks, geo.max_tokens, geo.num_topk)  # before anything collective is allocated
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,

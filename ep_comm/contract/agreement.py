@@ -18,18 +18,18 @@ from ep_comm._version import __version__
 
 # what must agree: the geometry, the payload dtype, the backend resolved, and the choices as given
 FIELDS = ("num_experts", "hidden", "num_topk", "num_max_tokens_per_rank", "dtype", "backend", "transport",
-          "scaleup_ranks", "deterministic", "num_sms", "version")
+          "scaleup_ranks", "forwarding", "deterministic", "num_sms", "version")
 
 
 def construction_fields(*, num_experts: int, hidden: int, num_topk: int, num_max_tokens_per_rank: int, dtype: str,
-                        backend: str, transport: str, scaleup_ranks: Optional[int], deterministic: bool,
-                        num_sms: Optional[int]) -> Dict[str, Any]:
+                        backend: str, transport: str, scaleup_ranks: Optional[int], forwarding: bool,
+                        deterministic: bool, num_sms: Optional[int]) -> Dict[str, Any]:
     """The :data:`FIELDS` of one rank's (validated) arguments, with this rank's ep_comm version.
 
     Args:
         num_experts, hidden, num_topk, num_max_tokens_per_rank: the geometry (ints).
         dtype: the payload dtype's name; backend: the backend resolved (``"mpi"``/``"nvshmem"``).
-        transport, scaleup_ranks, deterministic, num_sms: as given to ``Buffer``.
+        transport, scaleup_ranks, forwarding, deterministic, num_sms: as given to ``Buffer``.
 
     Returns:
         ``{field: value}`` in :data:`FIELDS` order, plain Python values.
@@ -37,7 +37,8 @@ def construction_fields(*, num_experts: int, hidden: int, num_topk: int, num_max
     return dict(num_experts=int(num_experts), hidden=int(hidden), num_topk=int(num_topk),
                 num_max_tokens_per_rank=int(num_max_tokens_per_rank), dtype=str(dtype), backend=str(backend),
                 transport=str(transport),
-                scaleup_ranks=None if scaleup_ranks is None else int(scaleup_ranks), deterministic=bool(deterministic),
+                scaleup_ranks=None if scaleup_ranks is None else int(scaleup_ranks), forwarding=bool(forwarding),
+                deterministic=bool(deterministic),
                 num_sms=None if num_sms is None else int(num_sms), version=__version__)
 
 

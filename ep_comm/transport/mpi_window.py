@@ -13,27 +13,31 @@ peers are out of step is dropped without them and leaked (:meth:`MpiWindow.free`
 from __future__ import annotations
 
 import time
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout
 
 _LEAKED: List[MPI.Win] = []  # windows dropped after a failure: never freed (Unlock_all / Free wait for the peers)
 
 
 class MpiWindow:
-    """A rank's symmetric buffer and one-sided access to its peers' buffers."""
+    """A rank's symmetric buffer (and with ``inbox`` the forwarding inbox after it) and one-sided access to its
+    peers' buffers."""
 
-    def __init__(self, comm: MPI.Comm, layout: SymmetricLayout):
+    def __init__(self, comm: MPI.Comm, layout: SymmetricLayout, inbox: Optional[ForwardInbox] = None):
         self.comm = comm
         self.layout = layout
-        self.win = MPI.Win.Allocate(layout.total_bytes, disp_unit=1, comm=comm)
+        self.win = MPI.Win.Allocate(layout.total_bytes if inbox is None else inbox.total_bytes, disp_unit=1,
+                                    comm=comm)
         self.mem = np.frombuffer(self.win.tomemory(), dtype=np.uint8)
         self.mem[: layout.rows_offset] = 0  # signals and counts start at zero
         self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes] = 0  # and no abort record
-        self._signals = self.mem[layout.signal_offset : layout.signal_offset + 8 * comm.size].view(np.int64)
+        if inbox is not None:  # and so do the inbox's signals
+            self.mem[inbox.signal_offset : inbox.signal_offset + 8 * comm.size] = 0
         self._aborts = self.mem[layout.abort_offset : layout.abort_offset + layout.abort_bytes].view(
             np.int64).reshape(comm.size, ABORT_WORDS)
         self.win.Lock_all()
@@ -49,13 +53,15 @@ class MpiWindow:
         for target in targets:
             self.win.Flush(target)
 
-    def signal(self, targets: Iterable[int], word: int) -> None:
-        """Complete every put so far to ``targets``, then set their ``signal[me]`` to ``word``."""
+    def signal(self, targets: Iterable[int], word: int, signals: Optional[int] = None) -> None:
+        """Complete every put so far to ``targets``, then set their ``signal[me]`` to ``word``: of the symmetric
+        buffer, or of the int64 ``[R]`` signal array at byte offset ``signals`` (the forwarding inbox's)."""
         targets = list(targets)
         self.flush(targets)
         word = np.array([word], dtype=np.int64)
+        at = (self.layout.signal_offset if signals is None else signals) + 8 * self.comm.rank
         for target in targets:
-            self.put(word, target, self.layout.signal_at(self.comm.rank))
+            self.put(word, target, at)
         self.flush(targets)
 
     def local(self, offset: int, nbytes: int) -> np.ndarray:
@@ -83,8 +89,10 @@ class MpiWindow:
         self.win.Sync()
         return self._aborts
 
-    def wait(self, sources: Iterable[int], word: int, deadline: float) -> List[int]:
-        """Poll until every source's signal shows it reached step ``word``, or a source still missing
+    def wait(self, sources: Iterable[int], word: int, deadline: float, signals: Optional[int] = None,
+             entered: Optional[int] = None) -> List[int]:
+        """Poll until every source's signal (of the symmetric buffer, or of the int64 ``[R]`` signal array at byte
+        offset ``signals``) shows it reached step ``word``, or a source still missing
         posted an abort record (it will not come); return the sources still missing then, or at
         ``deadline`` (``time.monotonic()`` clock), an empty list when all arrived (the caller reads the
         abort records: ``abort_table``).
@@ -92,17 +100,28 @@ class MpiWindow:
         Signal words are ``seq << 2 | kind`` (see ``ep_comm.backends.collective_steps.step_word``): a
         source has arrived when its word equals ``word`` or it has moved past ``seq``. A peer in
         another kind of step with the same number (closing while we dispatch) has not arrived.
+
+        ``entered``: the byte offset of a second int64 ``[R]`` signal array whose word shows that a source began
+        the step (the forwarding inbox's, which every rank signals at the end of its send part): a missing
+        source that began it waits for another one, so its abort record does not end the wait, and the sources
+        returned are those that did not begin the step where there are any (the ones the others wait for).
         """
         pending = np.array(sorted(set(sources)), dtype=np.int64)
+        board = self._int64s(self.layout.signal_offset if signals is None else signals)
+        began = None if entered is None else self._int64s(entered)
         pause = 1e-6
         while True:
             self.win.Sync()
-            seen = self._signals[pending]
-            pending = pending[(seen != word) & ((seen >> 2) <= (word >> 2))]
-            if pending.size == 0 or self._aborts[pending, 0].any() or time.monotonic() >= deadline:
-                return [int(r) for r in pending]
+            pending = pending[_not_at(board[pending], word)]
+            absent = pending if began is None else pending[_not_at(began[pending], word)]
+            if pending.size == 0 or self._aborts[absent, 0].any() or time.monotonic() >= deadline:
+                return [int(r) for r in (absent if absent.size else pending)]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _int64s(self, offset: int) -> np.ndarray:
+        """The int64 ``[R]`` signal array at byte ``offset`` of this rank's window."""
+        return self.mem[offset : offset + 8 * self.comm.size].view(np.int64)
 
     def free(self, collective: bool) -> None:
         """Release the window: collectively (``Unlock_all``, ``Free``) when every peer frees it too; else
@@ -112,4 +131,9 @@ class MpiWindow:
             self.win.Free()
         else:
             _LEAKED.append(self.win)
-        self.win = self.mem = self._signals = self._aborts = None
+        self.win = self.mem = self._aborts = None
+
+
+def _not_at(seen: np.ndarray, word: int) -> np.ndarray:
+    """Which signal words ``seen`` show their rank not (yet) at step ``word`` (nor past it)."""
+    return (seen != word) & ((seen >> 2) <= (word >> 2))

@@ -1,6 +1,7 @@
 """One fault scenario on every rank of an ``mpiexec`` job (started by ``tests/test_faults.py``).
 
-``python fault_job.py SCENARIO --out DIR --backend mpi|nvshmem --timeout S``: every rank makes a Buffer, runs
+``python fault_job.py SCENARIO --out DIR --backend mpi|nvshmem --timeout S [--scaleup-ranks N [--forwarding]]``:
+every rank makes a Buffer (in virtual nodes of ``N`` ranks, forwarded: ``Buffer(forwarding=True)``), runs
 one clean dispatch/combine, then the scenario's faulty rank (the last; rank 0 for ``kill``) misbehaves while the
 others go on:
 
@@ -45,6 +46,8 @@ def main() -> int:
     parser.add_argument("--backend", default="mpi")
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--out", required=True, help="folder for the per-rank result files")
+    parser.add_argument("--scaleup-ranks", type=int, default=None, help="ranks per virtual node (default: one node)")
+    parser.add_argument("--forwarding", action="store_true", help="send to other nodes through their forwarders")
     args = parser.parse_args()
     # hydra's -disable-auto-cleanup tells the survivors of a killed rank with SIGUSR1, whose default action ends
     # them: the survivors of the kill case must keep running to be checked
@@ -56,7 +59,7 @@ def main() -> int:
     def make_buffer(timeout_s: float) -> ep_comm.Buffer:
         return ep_comm.Buffer(comm, num_experts=experts, hidden=hidden, num_topk=topk,
                               num_max_tokens_per_rank=tokens, dtype="float32", backend=args.backend,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, scaleup_ranks=args.scaleup_ranks, forwarding=args.forwarding)
 
     # a first call compiles and loads the kernels of its shapes (seconds on a GPU): done on a Buffer with a
     # generous timeout, so that the short timeout of the scenario measures the fault, not the compiler

@@ -11,7 +11,7 @@ import numpy as np
 
 import ep_comm
 from helpers.options import current
-from helpers.oracle import RANK, World
+from helpers.oracle import COMM, RANK, World
 
 TIMEOUT_S = 30.0
 
@@ -25,13 +25,26 @@ def to_device(a: Optional[np.ndarray]) -> Any:
     return cupy.asarray(a)
 
 
+def forwarded() -> bool:
+    """Whether the session's Buffers send to other nodes through their forwarders (``--forwarding`` with
+    ``--scaleup-ranks`` below the rank count)."""
+    options = current()
+    return options.forwarding and options.scaleup_ranks is not None and options.scaleup_ranks < COMM.size
+
+
+def scaleout_rows(buf: ep_comm.Buffer) -> Dict[str, int]:
+    """The payload rows ``buf``'s rank has put into ranks of other nodes so far, per operation (the mpi backend's
+    ``MpiBackend.scaleout_rows``)."""
+    return dict(buf._backend.scaleout_rows)
+
+
 def make_buffer(world: World, deterministic: bool = True, **kw: Any) -> ep_comm.Buffer:
-    """A Buffer for ``world``'s geometry and dtype on the session's backend; ``kw`` goes to ``ep_comm.Buffer``
-    (``timeout_s`` defaults to ``TIMEOUT_S``)."""
+    """A Buffer for ``world``'s geometry and dtype on the session's backend (and virtual nodes); ``kw`` goes to
+    ``ep_comm.Buffer``, over the session's choices (``timeout_s`` defaults to ``TIMEOUT_S``)."""
+    kwargs = dict(current().buffer_kwargs(), deterministic=deterministic, timeout_s=TIMEOUT_S)
+    kwargs.update(kw)
     return ep_comm.Buffer(num_experts=world.num_experts, hidden=world.hidden, num_topk=world.num_topk,
-                          num_max_tokens_per_rank=world.max_tokens, dtype=world.dtype.name,
-                          **current().buffer_kwargs(), deterministic=deterministic,
-                          timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+                          num_max_tokens_per_rank=world.max_tokens, dtype=world.dtype.name, **kwargs)
 
 
 def dispatch(buf: ep_comm.Buffer, world: World, **kw: Any) -> ep_comm.DispatchOutput:

@@ -1,5 +1,6 @@
-"""The test session's choices from its command line: ``--backend``, ``--transport``, ``--ranks`` and the
-Hypothesis profile, and how to hand them on to the pytest sessions inside an ``mpirun`` job.
+"""The test session's choices from its command line: ``--backend``, ``--transport``, ``--ranks``, the virtual nodes
+(``--scaleup-ranks``, ``--forwarding``) and the Hypothesis profile, and how to hand them on to the pytest sessions
+inside an ``mpirun`` job.
 
 ``tests/conftest.py`` records them once per session (``record``); code that is not a fixture, such as the
 collective suites' module-level setup, reads them with ``current()``.
@@ -37,6 +38,8 @@ class SessionOptions:
 
     ``ranks`` is ``--ranks`` as given (None without it): each test that starts jobs has its own default.
     ``hypothesis_profile`` is ``--hypothesis-profile`` as given (None: the default profile, ``ci``).
+    ``scaleup_ranks`` and ``forwarding``: the Buffers of the collective suites in (virtual) nodes of that many
+    ranks (None: one node), sending to the other nodes flat or through their forwarders.
     """
 
     backend: str = "mpi"
@@ -44,6 +47,7 @@ class SessionOptions:
     ranks: Optional[Tuple[int, ...]] = None
     hypothesis_profile: Optional[str] = None
     scaleup_ranks: Optional[int] = None
+    forwarding: bool = False
 
     @property
     def job_sizes(self) -> Tuple[int, ...]:
@@ -51,13 +55,13 @@ class SessionOptions:
         return self.ranks or DEFAULT_JOB_SIZES[self.backend]
 
     def buffer_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments selecting the backend (and on nvshmem its transport) and the virtual nodes
-        (``--scaleup-ranks``, where given) for ``ep_comm.Buffer``."""
+        """Keyword arguments selecting the backend (and on nvshmem its transport), and the virtual nodes where
+        given, for ``ep_comm.Buffer``."""
         kwargs: Dict[str, Any] = {"backend": self.backend}
         if self.backend == "nvshmem":
             kwargs["transport"] = self.transport
         if self.scaleup_ranks is not None:
-            kwargs["scaleup_ranks"] = self.scaleup_ranks
+            kwargs.update(scaleup_ranks=self.scaleup_ranks, forwarding=self.forwarding)
         return kwargs
 
     def pytest_args(self) -> List[str]:
@@ -69,6 +73,8 @@ class SessionOptions:
             args += ["--hypothesis-profile", self.hypothesis_profile]
         if self.scaleup_ranks is not None:
             args += ["--scaleup-ranks", str(self.scaleup_ranks)]
+        if self.forwarding:
+            args.append("--forwarding")
         return args
 
 

@@ -14,7 +14,7 @@ from ep_comm.contract.arrays import to_host
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
 ODD = WORLD - 1  # the rank that passes something else
 BASE = dict(num_experts=4 * WORLD, hidden=8, num_topk=2, num_max_tokens_per_rank=4, dtype="float32",
-            deterministic=False, scaleup_ranks=None)
+            deterministic=False, scaleup_ranks=None, forwarding=False)
 
 
 def ranks_text(value_of_others, value_of_odd) -> str:
@@ -45,7 +45,8 @@ def assert_world_still_works() -> None:
 
 @pytest.mark.parametrize("field, other", [("hidden", 16), ("dtype", "bfloat16"), ("deterministic", True),
                                           ("num_max_tokens_per_rank", 8), ("num_topk", 3),
-                                          ("num_experts", 8 * WORLD), ("scaleup_ranks", WORLD)])
+                                          ("num_experts", 8 * WORLD), ("scaleup_ranks", WORLD),
+                                          ("forwarding", not dict(BASE, **current().buffer_kwargs())["forwarding"])])
 def test_a_rank_with_another_argument_makes_every_rank_raise_naming_it(field, other):
     with pytest.raises(ValueError) as info:
         build(**{field: other})
@@ -69,6 +70,7 @@ def test_every_field_that_differs_is_named():
     (dict(timeout_s=-1), ValueError, "timeout_s=-1: must be a positive number of seconds"),
     (dict(scaleup_ranks=0), ValueError, f"scaleup_ranks=0: must be >= 1 and divide the rank count {WORLD} (nodes of "
                                         "equal size, consecutive ranks)"),
+    (dict(forwarding=1), TypeError, "forwarding=1: must be True or False, got int"),
 ])
 def test_a_rank_with_invalid_arguments_does_not_leave_its_peers_waiting(bad, exc, own):
     """The invalid rank raises its own error; its peers, which reached the check, raise a ValueError naming it."""

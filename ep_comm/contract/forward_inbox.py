@@ -1,0 +1,110 @@
+"""Byte layout of the forwarding inbox (``Buffer(forwarding=True)`` with several nodes), and the order a forwarder
+writes in.
+
+The inbox follows the symmetric buffer in the same allocation (it starts at ``SymmetricLayout.total_bytes``). A
+forwarder receives from one rank of every other node, the rank with its own local index (``Topology.forwarder`` is
+symmetric). Its regions have ``R`` blocks per parity, block ``b = sender node * S + j`` (``S = scaleup_ranks``,
+``j`` a local index in the forwarder's node):
+
+* ``signal[R]`` int64: the step word (``collective_steps.step_word``) of the last step sender ``s`` finished
+  writing into this inbox (monotone, as the symmetric buffer's signals);
+* ``header[2][R][2]`` int64: rows in the block, and 1 when the block's count words were written (a new routing);
+* ``counts[2][R][count_words]`` int64: dispatch, block ``node * S + j``: the sender's count words for rank ``j`` of
+  the forwarder's node (``layout.send_count_words`` and its routing verdict), as the flat path puts them;
+* ``rows[2][R][max_tokens]`` payload rows of ``row_bytes``;
+* ``meta[2][R][max_tokens][relay_words]`` int32: a symmetric meta row (source token, K ids, K weights as bits),
+  then ``S`` slots.
+
+Dispatch (block ``node * S``): every token of the sender bound for any rank of the forwarder's node, once, in token
+order; its meta carries the token's *global* expert ids and its slot in each rank ``j`` of the node (-1: not sent
+there), the slots the flat path computed. Combine (block ``node * S + j``): the sender's partials for rank ``j`` of
+the forwarder's node, unreduced, in slot order, their meta rows as the flat path sends them (slots unused).
+
+The forwarder's writes depend on the slots alone, never on arrival order (:func:`slot_order`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ep_comm.contract.layout import align_up
+from ep_comm.contract.symmetric import SymmetricLayout
+
+HEADER_WORDS = 2  # int64 words of one block's header: rows, count words written
+_ALIGN = 128  # region alignment, as the symmetric buffer's
+
+
+def _padded(nbytes: int) -> int:
+    return int(align_up(nbytes, _ALIGN))
+
+
+@dataclass(frozen=True)
+class ForwardInbox:
+    """The inbox of ``sym.num_ranks`` ranks in nodes of ``scaleup_ranks``, after ``sym``'s regions."""
+
+    sym: SymmetricLayout
+    scaleup_ranks: int
+
+    @property
+    def relay_words(self) -> int:
+        """int32 words of one inbox meta row: the symmetric meta row, then one slot per rank of the node."""
+        return self.sym.meta_words + self.scaleup_ranks
+
+    def block(self, sender_node: int, local: int) -> int:
+        """The block of sender node ``sender_node`` for local index ``local`` of the forwarder's node."""
+        return sender_node * self.scaleup_ranks + local
+
+    @property
+    def signal_offset(self) -> int:
+        return self.sym.total_bytes
+
+    @property
+    def header_offset(self) -> int:
+        return self.signal_offset + _padded(8 * self.sym.num_ranks)
+
+    @property
+    def counts_offset(self) -> int:
+        return self.header_offset + _padded(2 * 8 * self.sym.num_ranks * HEADER_WORDS)
+
+    @property
+    def rows_offset(self) -> int:
+        return self.counts_offset + _padded(2 * 8 * self.sym.num_ranks * self.sym.count_words)
+
+    @property
+    def meta_offset(self) -> int:
+        sym = self.sym
+        return self.rows_offset + _padded(2 * sym.num_ranks * sym.max_tokens * sym.row_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the symmetric buffer and the inbox together."""
+        sym = self.sym
+        return self.meta_offset + _padded(2 * sym.num_ranks * sym.max_tokens * self.relay_words * 4)
+
+    def header_at(self, parity: int, block: int) -> int:
+        return self.header_offset + 8 * HEADER_WORDS * (parity * self.sym.num_ranks + block)
+
+    def count_at(self, parity: int, block: int) -> int:
+        """Byte offset of block ``block``'s count words; the blocks of one sender node are consecutive."""
+        return self.counts_offset + 8 * self.sym.count_words * (parity * self.sym.num_ranks + block)
+
+    def row_at(self, parity: int, block: int) -> int:
+        return self.rows_offset + (parity * self.sym.num_ranks + block) * self.sym.max_tokens * self.sym.row_bytes
+
+    def meta_at(self, parity: int, block: int) -> int:
+        return self.meta_offset + (parity * self.sym.num_ranks + block) * self.sym.max_tokens * self.relay_words * 4
+
+
+def relay_meta(meta: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Inbox meta rows: symmetric meta rows ``meta [n, 1 + 2K]`` int32 with the slots ``slots [n, S]`` (-1: not
+    sent to that rank) appended; ``[n, 1 + 2K + S]`` int32."""
+    return np.concatenate([meta, np.asarray(slots, dtype=np.int32)], axis=1)
+
+
+def slot_order(slots: np.ndarray) -> np.ndarray:
+    """The inbox rows a forwarder writes to one rank of its node, in the order of their slots there (``slots [n]``,
+    that rank's column of the inbox meta; -1 rows are not sent there): the flat path's block order, whatever the
+    order the rows arrived in. Returns int64 row indices."""
+    sent = np.nonzero(slots >= 0)[0]
+    return sent[np.argsort(slots[sent], kind="stable")]

@@ -1,0 +1,74 @@
+"""``Buffer(forwarding=...)`` in one process: the forwarding inbox's byte layout (``ep_comm.contract.forward_inbox``),
+the order a forwarder writes in, the argument's check, and the nvshmem backend's refusal (without a GPU). The
+protocol itself runs under ``mpirun`` in ``tests/mpi/test_forwarding.py``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ep_comm
+from ep_comm._buffer_arguments import check_constructor_arguments
+from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.nvshmem import NvshmemBackend
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.forward_inbox import HEADER_WORDS, ForwardInbox, relay_meta, slot_order
+from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.symmetric import SymmetricLayout
+
+SYM = SymmetricLayout(num_ranks=8, max_tokens=5, hidden=24, num_topk=3, itemsize=2, num_local_experts=2)
+
+
+def test_the_inbox_follows_the_symmetric_buffer_in_disjoint_regions():
+    inbox = ForwardInbox(SYM, scaleup_ranks=4)
+    assert inbox.relay_words == SYM.meta_words + 4
+    regions = [  # (first byte, end) of every block of every region, both parities
+        (at(p, b), at(p, b) + size)
+        for at, size in ((inbox.header_at, 8 * HEADER_WORDS), (inbox.count_at, 8 * SYM.count_words),
+                         (inbox.row_at, SYM.max_tokens * SYM.row_bytes),
+                         (inbox.meta_at, SYM.max_tokens * inbox.relay_words * 4))
+        for p in (0, 1) for b in range(SYM.num_ranks)]
+    regions.append((inbox.signal_offset, inbox.signal_offset + 8 * SYM.num_ranks))
+    regions.sort()
+    assert regions[0][0] == SYM.total_bytes and regions[-1][1] <= inbox.total_bytes
+    assert all(end <= start for (_, end), (start, _) in zip(regions, regions[1:]))
+    # a sender node's blocks are consecutive: its count words for the node's ranks go in one put
+    assert inbox.count_at(1, inbox.block(1, 2)) == inbox.count_at(1, inbox.block(1, 0)) + 2 * 8 * SYM.count_words
+
+
+def test_a_forwarder_writes_in_slot_order_whatever_the_arrival_order():
+    meta = np.arange(5 * SYM.meta_words, dtype=np.int32).reshape(5, SYM.meta_words)
+    slots = np.array([[2, -1], [0, 0], [-1, -1], [1, 1], [3, -1]])
+    relay = relay_meta(meta, slots)
+    assert relay.dtype == np.int32 and relay.shape == (5, SYM.meta_words + 2)
+    np.testing.assert_array_equal(relay[:, : SYM.meta_words], meta)
+    np.testing.assert_array_equal(slot_order(relay[:, SYM.meta_words]), [1, 3, 0, 4])
+    np.testing.assert_array_equal(slot_order(relay[:, SYM.meta_words + 1]), [1, 3])
+    shuffled = [4, 2, 0, 3, 1]  # the same rows arrived in another order: the same rows land in the same slots
+    np.testing.assert_array_equal(np.array(shuffled)[slot_order(relay[shuffled, SYM.meta_words])], [1, 3, 0, 4])
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_forwarding_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=f"^forwarding={bad!r}: must be True or False"):
+        check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "auto", 2, bad, False)
+    check_constructor_arguments(4, 8, 16, 2, 4, 1.0, None, "auto", 2, np.bool_(True), False)
+
+
+def test_one_node_forwards_nothing():
+    shape = dict(num_experts=4, hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend="mpi")
+    with ep_comm.Buffer(MPI.COMM_SELF, **shape, forwarding=True) as buf:
+        assert buf.forwarding and buf._backend.inbox is None
+        idx = np.array([[0, 3], [1, -1]])
+        out = buf.dispatch(np.ones((2, 8), np.float32).astype(buf.geometry.dtype), idx)
+        buf.combine(out.recv_x, out.handle)
+        assert buf._backend.scaleout_rows == {"dispatch": 0, "combine": 0}
+
+
+def test_the_nvshmem_backend_refuses_forwarding_before_allocating_anything():
+    def allocate(*args, **kwargs):
+        raise AssertionError("the transport was built before forwarding was refused")
+
+    geo = Geometry(1, 2, 8, 1, 4, payload_dtype("float32"))
+    with pytest.raises(ValueError, match="^forwarding=True is built on the mpi backend only"):
+        NvshmemBackend.open(MPI.COMM_SELF, geo, BackendSettings(True, 1.0, forwarding=True), allocate, allocate)
