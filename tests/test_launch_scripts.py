@@ -176,9 +176,12 @@ def test_with_mps_stops_its_daemon_when_the_command_fails(tmp_path):
 def test_with_mps_stops_its_daemon_and_the_command_when_interrupted(tmp_path):
     env = mps_env(tmp_path)
     marker, ready = tmp_path / "command_ended", tmp_path / "trap_set"
+    # SIGINT at its default in the script: a shell cannot trap a signal ignored at its start, and a test run
+    # started in the background (`.ci/run &`) passes SIGINT on ignored
     proc = subprocess.Popen([str(LAUNCH / "with_mps.sh"), "--", "bash", "-c",
                              f"trap 'kill $!; echo TERM > {marker}; exit 143' TERM; sleep 60 & touch {ready}; wait"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 90
     while not ready.exists() and time.monotonic() < deadline:  # the command runs with its trap set (a fixed
         time.sleep(0.1)  # sleep here raced the shell's start on a loaded 2-core CI machine)
