@@ -46,7 +46,7 @@ def assert_world_still_works() -> None:
 @pytest.mark.parametrize("field, other", [("hidden", 16), ("dtype", "bfloat16"), ("deterministic", True),
                                           ("num_max_tokens_per_rank", 8), ("num_topk", 3),
                                           ("num_experts", 8 * WORLD), ("scaleup_ranks", WORLD),
-                                          ("forwarding", not dict(BASE, **current().buffer_kwargs())["forwarding"])])
+                                          ("forwarding", not session_base()["forwarding"])])
 def test_a_rank_with_another_argument_makes_every_rank_raise_naming_it(field, other):
     with pytest.raises(ValueError) as info:
         build(**{field: other})
