@@ -85,9 +85,11 @@ class MpiWindow:
                 continue
 
     def abort_table(self) -> np.ndarray:
-        """The int64 ``[R, ABORT_WORDS]`` abort records peers put here (``aborts.AbortBoard``)."""
+        """A copy of the int64 ``[R, ABORT_WORDS]`` abort records peers put here (``aborts.AbortBoard``), taken after
+        a window sync: peers may post into the window while the caller reads (``np.nonzero`` over the live words
+        raised "number of non-zero array elements changed" when two ranks gave up at once)."""
         self.win.Sync()
-        return self._aborts
+        return self._aborts.copy()
 
     def wait(self, sources: Iterable[int], word: int, deadline: float, signals: Optional[int] = None,
              entered: Optional[int] = None) -> List[int]:
