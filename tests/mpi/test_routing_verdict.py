@@ -179,3 +179,93 @@ def test_get_dispatch_layout_refuses_bad_values_at_once_locally(world):
                 buf.get_dispatch_layout(idx)
             assert str(info.value) == want
         exact_round_trip(buf, world)
+
+
+# ------------------------------------------------ a host refusal after a routing error leaves nothing behind
+def twice_in_every_row(num_tokens: int, num_topk: int) -> np.ndarray:
+    """int64 ``[num_tokens, num_topk]`` naming expert 0 twice in every row: a count that read any of it would say
+    "row 0 names the same expert twice"."""
+    idx = np.tile(np.arange(num_topk, dtype=np.int64), (num_tokens, 1))
+    idx[:, 1] = 0
+    return idx
+
+
+def host_refusals(world) -> Dict[str, Callable[[object], object]]:
+    """Dispatches that ``Buffer.dispatch`` refuses on this rank's host, before anything is sent, by kind; each one's
+    ids name an expert twice in every row."""
+    x, n, k = world.x[RANK], len(world.x[RANK]), world.num_topk
+    ids = twice_in_every_row(n, k)
+    weights = np.ones((n, k + 1), np.float32)
+    return {
+        "too many tokens": lambda buf: buf.dispatch(to_device(np.zeros((world.max_tokens + 1, world.hidden),
+                                                                        x.dtype)),
+                                                    to_device(twice_in_every_row(world.max_tokens + 1, k))),
+        "topk columns": lambda buf: buf.dispatch(to_device(x), to_device(twice_in_every_row(n, k + 1))),
+        "x rows": lambda buf: buf.dispatch(to_device(np.concatenate([x, x[:1]])), to_device(ids)),
+        "weights shape": lambda buf: buf.dispatch(to_device(x), to_device(ids), to_device(weights)),
+        "float ids": lambda buf: buf.dispatch(to_device(x), to_device(ids.astype(np.float32))),
+        "expert_alignment": lambda buf: buf.dispatch(to_device(x), to_device(ids), expert_alignment=0),
+    }
+
+
+def unweighted_round_trip(buf, world, handle=None, cpu_sync: bool = True):
+    """A dispatch of this rank's tokens without weights (a new routing, or a replay of ``handle``) and its combine,
+    which must be the contract's sum bit for bit; returns the dispatch's output."""
+    x = to_device(world.x[RANK])
+    if handle is None:
+        out = buf.dispatch(x, to_device(world.topk_idx[RANK]), cpu_sync=cpu_sync)
+    else:
+        out = buf.dispatch(x, handle=handle, cpu_sync=cpu_sync)
+    res = buf.combine(out.recv_x, out.handle)
+    assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+    return out
+
+
+def captured_round_trip(buf, world) -> None:
+    """nvshmem: a new-routing dispatch (``cpu_sync=False``) and its combine captured into CUDA graphs and replayed:
+    the contract's sum bit for bit (the mpi backend has no graphs: nothing to do there)."""
+    if buf.backend != "nvshmem":
+        return
+    import cupy
+
+    from ep_comm.bench.measure import captured
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x, idx = to_device(world.x[RANK]), to_device(world.topk_idx[RANK])
+    with stream:
+        unweighted_round_trip(buf, world, cpu_sync=False)  # compiled and planned outside the capture
+        stream.synchronize()
+        out, d_graph = captured(stream, lambda: buf.dispatch(x, idx, cpu_sync=False))
+        res, c_graph = captured(stream, lambda: buf.combine(out.recv_x, out.handle))
+        for _ in range(2):
+            d_graph.launch(stream)
+            c_graph.launch(stream)
+        stream.synchronize()
+    assert bits(to_host(res.x)).tobytes() == bits(expected_compact_combine(world)).tobytes()
+
+
+@pytest.mark.parametrize("refusal", ["too many tokens", "topk columns", "x rows", "weights shape", "float ids",
+                                     "expert_alignment"])
+@pytest.mark.parametrize("kind", ["out of range", "repeated"])
+def test_a_call_refused_on_the_host_after_a_routing_error_leaves_no_trace(world, kind, refusal):
+    """A routing error, then a dispatch refused on the host (whose ids name an expert twice in every row), then
+    valid calls with the routing error's call shape: the refused call took no step and left nothing on the
+    device (its ids are never read: the valid dispatch, its replay and a captured one are exact, and the next
+    routing error names the next step)."""
+    bad = {WORLD - 1: kind}
+    with make_buffer(world) as buf:
+        x = to_device(world.x[RANK])
+        idx = to_device(routing(world, bad))
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(x, idx)
+        assert str(info.value) == message(world, bad, "dispatch #1")
+        del idx  # its memory may hold the refused call's ids next
+        with pytest.raises((TypeError, ValueError)) as refused_call:
+            host_refusals(world)[refusal](buf)
+        assert "dispatch #" not in str(refused_call.value)
+        out = unweighted_round_trip(buf, world)
+        unweighted_round_trip(buf, world, handle=out.handle)
+        with pytest.raises(ValueError) as again:
+            buf.dispatch(x, to_device(routing(world, bad)))
+        assert str(again.value) == message(world, bad, "dispatch #4")
+        captured_round_trip(buf, world)
