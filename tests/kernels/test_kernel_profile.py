@@ -98,3 +98,10 @@ def test_ncu_from_environment_and_command(tmp_path, monkeypatch):
 def test_bench_arguments_after_double_dash():
     a = kp.parse_args(["--config", "deepseek_v3_decode", "--", "--tokens", "128"])
     assert a.bench_args == ["--tokens", "128"]
+
+
+def test_help_runs_nothing(capsys):
+    with pytest.raises(SystemExit) as info:
+        kp.main(["--help"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m ep_comm.bench.kernel_profile [-h]")
