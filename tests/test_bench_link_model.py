@@ -57,7 +57,9 @@ def test_without_scaleup_ranks_there_is_no_link_model(tmp_path):
                      "--json", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert result["meta"]["transport"] == "stores" and "scaleup_ranks" not in result["meta"]
+    assert result["meta"]["transport"] == "auto", "the Buffer's default"
+    assert result["meta"]["transport_in_effect"] is None, "the mpi backend has no transport to choose"
+    assert "scaleup_ranks" not in result["meta"]
     assert "link_model" not in result["points"][0]
 
 
