@@ -193,7 +193,7 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[Poi
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
         "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
         "prime_tokens": primed_spec(specs).num_tokens, "busy_check": args.busy_check,
-        "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
+        "shared_gpu": shared, **provenance.git_commit(), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
     }
     if args.scaleup_ranks:
