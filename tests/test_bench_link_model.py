@@ -43,11 +43,14 @@ def test_link_model_counts_the_rows_of_the_bench_routing_on_two_nodes(tmp_path):
                 assert got["bytes_per_token_mean"] == pytest.approx(rows[i, j, k].sum() * ROW_BYTES / (RANKS * TOKENS))
             nbytes = rows[i, j] * ROW_BYTES
             assert model[op][route]["model_us"] == pytest.approx(traffic.model_time_s(nbytes[0], nbytes[1]) * 1e6)
+        counted = model[op]["counted_scaleout"]  # Buffer.traffic() on mpi: the flat Buffer sends the flat rows
+        assert np.array(counted["rows_per_token"]) * TOKENS == pytest.approx(rows[i, 0, 1])
         ratio = rows[i, 1, 1].sum() / rows[i, 0, 1].sum()
         assert model[op]["forwarded_over_flat"]["scaleout_bytes"] == pytest.approx(ratio)
     assert model["dispatch"]["forwarded_over_flat"]["scaleout_bytes"] < 1
     assert model["combine"]["forwarded_over_flat"]["scaleout_bytes"] == 1.0
     assert "link model (rows/token sent per rank" in done.stdout
+    assert "dispatch scale-out rows the Buffer counted (Buffer.traffic): " in done.stdout
     assert "dispatch forwarded/flat scale-out bytes: " in done.stdout
 
 

@@ -67,7 +67,7 @@ from mpi4py import MPI
 
 from ep_comm.backends.capture import CapturePolicy
 from ep_comm.backends.collective_steps import Steps
-from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.interface import BackendSettings, Traffic
 from ep_comm.backends.nvshmem_combine import NvshmemCombine
 from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
 from ep_comm.backends.profile import Profile, ProfileRow
@@ -224,6 +224,10 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
     def profile_table(self) -> List[ProfileRow]:
         """Median host and GPU microseconds per (operation, phase) so far."""
         return self.profile.table()
+
+    def traffic(self) -> Traffic:
+        """Nothing counted: the kernels write the rows into the peers (``Traffic.scaleout_rows`` None)."""
+        return Traffic(None)
 
     # ------------------------------------------------------------------- close
     def _close_step(self, seq: int) -> None:

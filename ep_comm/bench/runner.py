@@ -294,13 +294,14 @@ class _Session:
             if buf.backend == "nvshmem":
                 sample.times.update(_device_copies(self.comm, spec, sample.recv_rows, per_row, self.timer))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
-            links = (link_model.reduced_rows(self.comm, routing.topk_idx, spec.num_experts, self.topology)
-                     if self.topology else None)
+            links, counted = ((link_model.reduced_rows(self.comm, routing.topk_idx, spec.num_experts, self.topology),
+                               link_model.counted_rows(self.comm, buf, spec, self.device))
+                              if self.topology else (None, None))
             if self.comm.rank == 0:
                 self.points.append(report.summarize(samples, per_row, num_sms, buf.num_sms, self.shared_gpu))
                 if links is not None:
                     self.points[-1]["link_model"] = link_model.section(links, spec.num_tokens, per_row,
-                                                                       self.points[-1]["latency_us"])
+                                                                       self.points[-1]["latency_us"], counted)
                 self.progress.finish(_summary_line(self.points[-1]))
                 if self.shown:
                     print(report.format_point(self.points[-1], self.meta.get("nvlink_ceiling_gbps")), flush=True)
