@@ -96,6 +96,26 @@ def section(rows: np.ndarray, num_tokens: int, row_bytes: Mapping[str, int], lat
     return out
 
 
+def csv_columns(model: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The CSV columns of a point's ``link_model`` (none without one), per operation: per route the mean rows per
+    token over each link, the mean scale-out bytes per token and the model time; the forwarded/flat scale-out bytes
+    and the scale-out rows per token the Buffer counted (mean; ``""`` where either is None)."""
+    if not model:
+        return {}
+    row: Dict[str, Any] = {}
+    for op in traffic.OPS:
+        entry = model[op]
+        for route in traffic.ROUTES:
+            for link in traffic.LINKS:
+                row[f"link_{op}_{route}_{link}_rows_per_token"] = entry[route][link]["rows_per_token_mean"]
+            row[f"link_{op}_{route}_scaleout_bytes_per_token"] = entry[route]["scaleout"]["bytes_per_token_mean"]
+            row[f"link_{op}_{route}_model_us"] = entry[route]["model_us"]
+        ratio, counted = entry["forwarded_over_flat"]["scaleout_bytes"], entry["counted_scaleout"]
+        row[f"link_{op}_forwarded_over_flat_scaleout_bytes"] = "" if ratio is None else ratio
+        row[f"link_{op}_counted_scaleout_rows_per_token"] = "" if counted is None else counted["rows_per_token_mean"]
+    return row
+
+
 def _ratio(a: float, b: float) -> Optional[float]:
     return a / b if b else None
 
