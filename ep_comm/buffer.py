@@ -187,7 +187,7 @@ class Buffer:
                 is collective here; ``dispatch`` raises it on every rank, ``validate.routing_error``).
         """
         be = self._live()
-        idx = topk_idx_array(be, self.geometry, topk_idx)
+        idx = topk_idx_array(be, self.geometry, topk_idx, "get_dispatch_layout")
         if idx.shape[0]:
             chk.check_topk_values(*be.routing_summary(idx), self.geometry)
         return be.dispatch_layout(idx)
@@ -271,7 +271,7 @@ class Buffer:
             num_tokens, idx = handle.num_tokens, handle.topk_idx
             expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
         else:
-            idx = topk_idx_array(be, geo, topk_idx)
+            idx = topk_idx_array(be, geo, topk_idx, "dispatch")
             num_tokens = idx.shape[0]
             chk.check_alignment(expert_alignment)
         x, is_fp8 = dispatch_payload(be, geo, x, num_tokens, use_fp8)
@@ -282,9 +282,7 @@ class Buffer:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
         # the handle owns its routing: the backend copies the ids (the GPU's count kernel as it reads them), the weights
-        # are copied here (none on a replay); unsigned ids go as int64 (they fit): no id wraps round to "no expert"
-        if handle is None and idx.dtype.kind == "u":
-            idx = idx.astype(be.xp.int64)
+        # are copied here (none on a replay)
         if topk_weights is not None:
             topk_weights = as_float32(be.xp, topk_weights, copy=True)
         elif handle is not None:

@@ -123,9 +123,13 @@ class Backend(Protocol):
     def as_array(self, obj: Any, name: str) -> Array:
         """``obj`` as an array of ``xp`` (zero copy); TypeError naming ``name`` for arrays it cannot take."""
 
+    def capturing(self) -> bool:
+        """Whether the caller's stream is being captured into a CUDA graph now (never on a backend without graphs)."""
+
     def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
-        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing: the local check
-        of ``Buffer.get_dispatch_layout`` (a dispatch checks its routing in its count step, see :meth:`dispatch`)."""
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing of signed ids:
+        the local check of ``Buffer.get_dispatch_layout`` (a dispatch checks its routing in its count step, see
+        :meth:`dispatch`)."""
 
     def dispatch_layout(self, topk_idx: Array) -> DispatchLayout:
         """The local counts of a routing ``[T, K]`` (no communication)."""

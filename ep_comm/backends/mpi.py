@@ -84,6 +84,10 @@ class MpiBackend(MpiForwarding):
             raise TypeError(f"{name} is a GPU array: the mpi backend takes host (NumPy) arrays")
         raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
 
+    def capturing(self) -> bool:
+        """Never: there are no CUDA graphs on CPU."""
+        return False
+
     def routing_summary(self, topk_idx: np.ndarray) -> Tuple[int, int]:
         """``(largest id, first row naming an expert twice or -1)``: ``validate.topk_values`` in NumPy."""
         return topk_values(np, topk_idx)
