@@ -51,12 +51,24 @@ def fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
     return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, hidden))
 
 
-def topk_idx_array(be: Backend, geo: Geometry, topk_idx: Any) -> Any:
-    """``topk_idx`` as the backend's array, its type, shape, token count and (unsigned) int64 range checked
-    (``validate.check_topk_idx``); its values are the dispatch's count step's to check."""
+def topk_idx_array(be: Backend, geo: Geometry, topk_idx: Any, doing: str) -> Any:
+    """``topk_idx`` ``[T, K]`` as the backend's array of signed ids, for Buffer call ``doing``: its type, shape, token
+    count and (unsigned) int64 range checked (``validate.check_topk_idx``); unsigned ids as a new int64 array, so that
+    no id wraps round to "no expert". Its values are the dispatch's count step's to check.
+
+    Raises:
+        RuntimeError: unsigned ids while the caller's stream is being captured into a CUDA graph (their range check
+            reads uint64 ids back to the host, which a capture cannot hold), before anything is enqueued.
+    """
     topk_idx = be.as_array(topk_idx, "topk_idx")
+    unsigned = topk_idx.dtype.kind == "u"
+    if unsigned and be.capturing():
+        raise RuntimeError(f"topk_idx has dtype {topk_idx.dtype}: a {doing} captured into a CUDA graph needs signed "
+                           "expert ids (int32 or int64), which its kernels check on the device; unsigned ids are "
+                           "checked and converted on the host path first, which a capture cannot hold. Pass topk_idx "
+                           "as int32 or int64 (nothing was enqueued: the Buffer stays usable)")
     chk.check_topk_idx(topk_idx, geo)
-    return topk_idx
+    return topk_idx.astype(be.xp.int64) if unsigned else topk_idx
 
 
 def dispatch_payload(be: Backend, geo: Geometry, x: Any, num_tokens: int, use_fp8: Any) -> tuple:

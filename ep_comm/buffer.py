@@ -18,7 +18,8 @@ from ep_comm._buffer_arguments import (
     topk_idx_array,
 )
 from ep_comm.backends import make_backend, resolve_backend
-from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest
+from ep_comm.backends.capture import holds_captured_memory
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest, Traffic
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract import checks as chk
 from ep_comm.contract.agreement import agree, construction_fields
@@ -27,15 +28,6 @@ from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.layout import DispatchLayout
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle
 from ep_comm.recv_hook import RecvHook
-
-
-def _holds_captured_memory(method: Callable) -> Callable:
-    """Run a Buffer method inside the backend's ``captured_memory()`` (what a CUDA graph capture allocates)."""
-    @functools.wraps(method)
-    def call(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
-        with self._live().captured_memory():
-            return method(self, *args, **kwargs)
-    return call
 
 
 class Buffer:
@@ -129,6 +121,7 @@ class Buffer:
                                    transport, scaleup_ranks, bool(forwarding), bool(profile))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
+        self._closed_traffic = Traffic(None)
         # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (check_handle_once)
         self._checked_handles: Dict[int, weakref.ref] = {}
         self._profiling = bool(profile)
@@ -178,7 +171,7 @@ class Buffer:
         """``hook`` (this Buffer's pending one) is being called: collective calls may follow."""
         self._pending = None
 
-    @_holds_captured_memory
+    @holds_captured_memory
     def get_dispatch_layout(self, topk_idx: Any) -> DispatchLayout:
         """Counts of a routing (local, no communication).
 
@@ -194,12 +187,12 @@ class Buffer:
                 is collective here; ``dispatch`` raises it on every rank, ``validate.routing_error``).
         """
         be = self._live()
-        idx = topk_idx_array(be, self.geometry, topk_idx)
+        idx = topk_idx_array(be, self.geometry, topk_idx, "get_dispatch_layout")
         if idx.shape[0]:
             chk.check_topk_values(*be.routing_summary(idx), self.geometry)
         return be.dispatch_layout(idx)
 
-    @_holds_captured_memory
+    @holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
                  stats: Any = None, use_fp8: bool = False,
@@ -278,7 +271,7 @@ class Buffer:
             num_tokens, idx = handle.num_tokens, handle.topk_idx
             expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
         else:
-            idx = topk_idx_array(be, geo, topk_idx)
+            idx = topk_idx_array(be, geo, topk_idx, "dispatch")
             num_tokens = idx.shape[0]
             chk.check_alignment(expert_alignment)
         x, is_fp8 = dispatch_payload(be, geo, x, num_tokens, use_fp8)
@@ -288,11 +281,8 @@ class Buffer:
         if stats is not None:
             stats = be.as_array(stats, "stats")
             chk.check_stats(stats, geo)
-        # the handle owns its routing: the backend copies the ids (the GPU's count kernel writes the copy as it reads
-        # them), the weights are copied here (none of the handle's own on a replay); unsigned ids go as int64
-        # (check_topk_idx saw that they fit), so that no id wraps round to "no expert"
-        if handle is None and idx.dtype.kind == "u":
-            idx = idx.astype(be.xp.int64)
+        # the handle owns its routing: the backend copies the ids (the GPU's count kernel as it reads them), the weights
+        # are copied here (none on a replay)
         if topk_weights is not None:
             topk_weights = as_float32(be.xp, topk_weights, copy=True)
         elif handle is not None:
@@ -302,7 +292,7 @@ class Buffer:
                            DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
                                            bool(zero_padding), bool(cpu_sync), stats), finish)
 
-    @_holds_captured_memory
+    @holds_captured_memory
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
                 return_recv_hook: bool = False) -> Union[CombineOutput, RecvHook]:
         """Bring expert outputs back and reduce them (collective).
@@ -367,6 +357,15 @@ class Buffer:
                                "pass Buffer(..., profile=True) to record timings")
         return self._closed_profile if self._backend is None else self._backend.profile_table()
 
+    def traffic(self) -> Traffic:
+        """What this rank has sent over its links so far (after ``close``: up to the close); local.
+
+        Returns:
+            ``Traffic`` (a NamedTuple): ``scaleout_rows``, the payload rows put into ranks of other nodes (forwarders'
+            inboxes included) as ``OperationRows(dispatch, combine)`` ints; None on ``nvshmem`` (not counted).
+        """
+        return self._closed_traffic if self._backend is None else self._backend.traffic()
+
     def close(self) -> None:
         """Release the buffer: collective (bounded wait) after a clean run; after any failure (this rank's
         timeout or error, a peer's abort record) a local release without collective calls, whose window or
@@ -388,6 +387,7 @@ class Buffer:
             try:
                 backend.close()
             finally:
+                self._closed_traffic = backend.traffic()
                 if self._profiling:
                     self._closed_profile = backend.profile_table()
 

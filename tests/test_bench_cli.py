@@ -2,6 +2,7 @@
 
 Timings are printed and written, never asserted on.
 """
+import inspect
 import io
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from helpers.bench import run_bench
 
+from ep_comm import Buffer
 from ep_comm.bench.__main__ import parser
 from ep_comm.bench.measure import RankSample, fp8_failures
 from ep_comm.bench.report import Progress, csv_row, format_point, summarize
@@ -166,6 +168,10 @@ def test_cli_rejects_bad_options(argv, capsys):
         main(argv)
     assert info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_the_bench_takes_the_buffers_default_transport():
+    assert parser().get_default("transport") == inspect.signature(Buffer).parameters["transport"].default == "auto"
 
 
 def test_cli_parses_sweep_lists():

@@ -2,6 +2,7 @@
 ``ep_comm.contract.traffic`` on the bench's own routing, the report's table, and the refused combinations."""
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
@@ -16,9 +17,9 @@ RANKS, TOKENS, EXPERTS, TOPK, ROW_BYTES = 4, 64, 16, 4, 256 * 2  # cpu_demo: hid
 
 
 def test_link_model_counts_the_rows_of_the_bench_routing_on_two_nodes(tmp_path):
-    out = tmp_path / "bench.json"
+    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
     done = run_bench(RANKS, "--config", "cpu_demo", "--tokens", str(TOKENS), "--scaleup-ranks", "2", "--iters", "1",
-                     "--warmup", "0", "--json", str(out))
+                     "--warmup", "0", "--json", str(out), "--csv", str(table))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     meta, point = result["meta"], result["points"][0]
@@ -43,22 +44,46 @@ def test_link_model_counts_the_rows_of_the_bench_routing_on_two_nodes(tmp_path):
                 assert got["bytes_per_token_mean"] == pytest.approx(rows[i, j, k].sum() * ROW_BYTES / (RANKS * TOKENS))
             nbytes = rows[i, j] * ROW_BYTES
             assert model[op][route]["model_us"] == pytest.approx(traffic.model_time_s(nbytes[0], nbytes[1]) * 1e6)
+        counted = model[op]["counted_scaleout"]  # Buffer.traffic() on mpi: the flat Buffer sends the flat rows
+        assert np.array(counted["rows_per_token"]) * TOKENS == pytest.approx(rows[i, 0, 1])
         ratio = rows[i, 1, 1].sum() / rows[i, 0, 1].sum()
         assert model[op]["forwarded_over_flat"]["scaleout_bytes"] == pytest.approx(ratio)
     assert model["dispatch"]["forwarded_over_flat"]["scaleout_bytes"] < 1
     assert model["combine"]["forwarded_over_flat"]["scaleout_bytes"] == 1.0
     assert "link model (rows/token sent per rank" in done.stdout
+    assert "dispatch scale-out rows the Buffer counted (Buffer.traffic): " in done.stdout
     assert "dispatch forwarded/flat scale-out bytes: " in done.stdout
+    assert_csv_has_the_link_model(table, model)
+
+
+def assert_csv_has_the_link_model(table, model) -> None:
+    """The CSV row carries the link model's means, model times, ratio and counted rows per operation and route."""
+    (row,) = list(csv.DictReader(table.open()))
+    for op in traffic.OPS:
+        for route in traffic.ROUTES:
+            for link in traffic.LINKS:
+                got = float(row[f"link_{op}_{route}_{link}_rows_per_token"])
+                assert got == pytest.approx(model[op][route][link]["rows_per_token_mean"])
+            assert float(row[f"link_{op}_{route}_scaleout_bytes_per_token"]) == pytest.approx(
+                model[op][route]["scaleout"]["bytes_per_token_mean"])
+            assert float(row[f"link_{op}_{route}_model_us"]) == pytest.approx(model[op][route]["model_us"])
+        assert float(row[f"link_{op}_forwarded_over_flat_scaleout_bytes"]) == pytest.approx(
+            model[op]["forwarded_over_flat"]["scaleout_bytes"])
+        assert float(row[f"link_{op}_counted_scaleout_rows_per_token"]) == pytest.approx(
+            model[op]["counted_scaleout"]["rows_per_token_mean"])
 
 
 def test_without_scaleup_ranks_there_is_no_link_model(tmp_path):
-    out = tmp_path / "bench.json"
+    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
     done = run_bench(2, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0", "--quiet",
-                     "--json", str(out))
+                     "--json", str(out), "--csv", str(table))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert result["meta"]["transport"] == "stores" and "scaleup_ranks" not in result["meta"]
+    assert result["meta"]["transport"] == "auto", "the Buffer's default"
+    assert result["meta"]["transport_in_effect"] is None, "the mpi backend has no transport to choose"
+    assert "scaleup_ranks" not in result["meta"]
     assert "link_model" not in result["points"][0]
+    assert not [name for name in next(csv.reader(table.open())) if name.startswith("link_")]
 
 
 @pytest.mark.parametrize("args, message", [

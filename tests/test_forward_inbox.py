@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm._buffer_arguments import check_constructor_arguments
-from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.forward_inbox import HEADER_WORDS, ForwardInbox, relay_meta, slot_order
@@ -62,7 +62,7 @@ def test_one_node_forwards_nothing():
         idx = np.array([[0, 3], [1, -1]])
         out = buf.dispatch(np.ones((2, 8), np.float32).astype(buf.geometry.dtype), idx)
         buf.combine(out.recv_x, out.handle)
-        assert buf._backend.scaleout_rows == {"dispatch": 0, "combine": 0}
+        assert buf.traffic() == Traffic(OperationRows(dispatch=0, combine=0))
 
 
 def test_the_nvshmem_backend_refuses_forwarding_before_allocating_anything():

@@ -31,6 +31,19 @@ esac
 """
 
 
+def test_every_launch_script_is_executable_in_the_repository():
+    """A script with a shebang runs as ``launch/NAME`` from a fresh clone: git records it executable."""
+    listing = subprocess.run(["git", "ls-files", "-s", "launch"], cwd=LAUNCH.parent, capture_output=True, text=True,
+                             timeout=30)
+    if listing.returncode or not listing.stdout:
+        pytest.skip("not a git checkout: the modes git records cannot be read")
+    modes = {Path(path).name: mode for mode, _, _, path in (line.split(None, 3) for line in listing.stdout.splitlines())}
+    scripts = [p.name for p in LAUNCH.iterdir() if p.is_file() and p.read_bytes().startswith(b"#!")]
+    assert "slurm.sbatch" in scripts
+    assert {name: modes.get(name) for name in scripts} == {name: "100755" for name in scripts}
+    assert all(os.access(LAUNCH / name, os.X_OK) for name in scripts)
+
+
 def run_script(name: str, args: List[str], env: Dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess:
     """``launch/NAME ARGS`` with exactly ``env`` (plus a system PATH unless ``env`` has one)."""
     return subprocess.run([str(LAUNCH / name), *args], env={"PATH": SYSTEM_PATH, **env}, capture_output=True,

@@ -2,11 +2,16 @@
 captured, a captured bad routing reported by the next call, and a captured cached dispatch and combine giving the
 eager results."""
 
+import re
+
 import numpy as np
 import pytest
-from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, combine, dispatch, eager_replay, simulated_backend
+from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, combine, dispatch, eager_replay, launch_log, simulated_backend
 from helpers.same_outputs import assert_same_as_eager
+from mpi4py import MPI
 
+import ep_comm.buffer as buffer_module
+from ep_comm import Buffer
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -15,9 +20,6 @@ def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_us
     x = np.ones((3, SMALL_GEO.hidden), np.float32)
     out = dispatch(be, x, SMALL_IDX, None, None, False, 1, False, True, None)
     be.device.capturing_now = True
-    with pytest.raises(RuntimeError, match="topk_idx has dtype uint8: a dispatch captured into a CUDA graph needs "
-                                           "signed expert ids"):
-        be.routing_summary(SMALL_IDX.astype(np.uint8))
     with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
         dispatch(be, x, SMALL_IDX, None, None, False, 1, False, True, None)
     with pytest.raises(RuntimeError, match=r"captured into a CUDA graph, and it waits on the host \(cpu_sync=True"):
@@ -28,6 +30,40 @@ def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_us
     be.device.capturing_now = False
     again = dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
     np.testing.assert_array_equal(again.recv_x, out.recv_x)
+
+
+def simulated_buffer(monkeypatch, be) -> Buffer:
+    """A Buffer of ``SMALL_GEO`` over the simulated nvshmem backend ``be``."""
+    monkeypatch.setattr(buffer_module, "make_backend", lambda *args: be)
+    geo = SMALL_GEO
+    return Buffer(MPI.COMM_SELF, num_experts=geo.num_experts, hidden=geo.hidden, num_topk=geo.num_topk,
+                  num_max_tokens_per_rank=geo.max_tokens, dtype="float32", backend="mpi")
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.uint64])
+def test_unsigned_ids_under_capture_are_refused_by_name_before_anything_is_enqueued(monkeypatch, dtype):
+    """uint64 ids would have their largest id read back to the host (illegal under capture): every unsigned dtype is
+    refused alike, by a dispatch and by get_dispatch_layout, and the Buffer takes them again outside the capture."""
+    be = simulated_backend(SMALL_GEO, True, False)
+    buf = simulated_buffer(monkeypatch, be)
+    x = np.arange(3 * SMALL_GEO.hidden, dtype=np.float32).reshape(3, SMALL_GEO.hidden)
+    signed = np.array([[0, 1, 2], [2, 3, 5], [4, 5, 3]], np.int64)  # unsigned ids have no "no expert"
+    idx = signed.astype(dtype)
+    launches = launch_log(monkeypatch)
+    be.device.capturing_now = True
+    for doing, call in (("dispatch", lambda: buf.dispatch(x, idx, cpu_sync=False)),
+                        ("get_dispatch_layout", lambda: buf.get_dispatch_layout(idx))):
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"topk_idx has dtype {np.dtype(dtype)}: a {doing} captured into a CUDA graph needs signed expert ids "
+                "(int32 or int64)") + ".* Pass topk_idx as int32 or int64 "):
+            call()
+    assert launches == [] and be.steps.seq == 0 and int(be.transport.step[0]) == 0, "nothing was enqueued"
+    be.device.capturing_now = False
+    got, want = buf.dispatch(x, idx), buf.dispatch(x, signed)
+    np.testing.assert_array_equal(got.recv_x, want.recv_x)
+    np.testing.assert_array_equal(got.recv_topk_idx, want.recv_topk_idx)
+    buf.close()
 
 
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")

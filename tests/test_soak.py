@@ -2,6 +2,7 @@
 in-process: the plans cover the modes, the checks catch wrong outputs, memory growth is flagged."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -11,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.mpirun import launcher, run_job
+from mpi4py import MPI
 
 from ep_comm import Buffer
 from ep_comm.contract.choices import PAYLOAD_DTYPES
-from ep_comm.soak.__main__ import main
+from ep_comm.soak.__main__ import main, parser
 from ep_comm.soak.memory import MemoryTrack
 from ep_comm.soak.plan import FORCED_STEPS, Shape, base_payload, plan_step, rank_inputs
 from ep_comm.soak.round_trip import ArrayIO, check_step, negated, round_trip
@@ -44,6 +46,27 @@ def test_short_soak_under_mpiexec(tmp_path):
     assert summary["create_close"]["buffers"] == 10
     assert "[ep_comm.soak] OK" in run.stdout
     assert "[ep_comm.soak] soak 200/200" in run.stderr, "rank 0 shows its progress on stderr"
+
+
+def test_a_forwarding_soak_in_two_virtual_nodes_passes(tmp_path):
+    """``--scaleup-ranks`` and ``--forwarding`` reach the soak's Buffers: two nodes of one rank, every round checked
+    against the flat reference."""
+    out = tmp_path / "soak.json"
+    env = dict(os.environ, UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cmd = launcher(2, env) + [sys.executable, "-m", "ep_comm.soak", "--backend", "mpi", "--iters", "30",
+                              "--check-every", "3", "--create-close", "2", "--scaleup-ranks", "1", "--forwarding",
+                              "--quiet", "--json", str(out)]
+    run = run_job(cmd, env, JOB_TIMEOUT_S, cwd=REPO)
+    assert run.returncode == 0, f"{' '.join(cmd)} exited {run.returncode}:\n{run.stdout[-10000:]}\n{run.stderr[-5000:]}"
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and summary["soak"]["modes"]["checked"] >= 10
+    assert (summary["transport"], summary["scaleup_ranks"], summary["forwarding"]) == ("auto", 1, True)
+
+
+def test_the_soak_takes_the_buffers_default_transport():
+    assert parser().parse_args([]).transport == "auto"
+    assert parser().get_default("transport") == inspect.signature(Buffer).parameters["transport"].default
 
 
 def test_plans_are_shared_and_cover_the_modes():
@@ -131,3 +154,6 @@ def test_bad_options_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--alignments", "0"])
     assert info.value.code == 2
+    assert main(["--backend", "mpi", "--scaleup-ranks", "2", "--iters", "1"], comm=MPI.COMM_SELF) == 2
+    assert ("ep_comm.soak: cannot build the Buffer: scaleup_ranks=2: must be >= 1 and divide the rank count 1"
+            in capsys.readouterr().err)

@@ -9,8 +9,7 @@ import ep_comm
 from ep_comm._buffer_arguments import check_constructor_arguments
 from ep_comm.backends.interface import BackendSettings
 from ep_comm.backends.nvshmem import puts_peers
-from ep_comm.contract.topology import Topology, check_scaleup_ranks
-from ep_comm.transport.staging import transport_mode
+from ep_comm.contract.topology import Topology, check_scaleup_ranks, transport_mode
 
 
 def test_nodes_of_consecutive_ranks_and_their_forwarders():

@@ -6,7 +6,19 @@ Shapes: ``T`` tokens of this rank, ``H`` hidden, ``K`` top-k width, ``R`` ranks,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Generic, List, Optional, Protocol, Tuple, TypeVar, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Generic,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Tuple,
+    TypeVar,
+    runtime_checkable,
+)
 
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract.arrays import Array
@@ -81,6 +93,24 @@ class ReceiveHalf(Generic[Output]):
     receive: Callable[[], Output]
 
 
+class OperationRows(NamedTuple):
+    """Rows per collective operation."""
+
+    dispatch: int
+    combine: int
+
+
+class Traffic(NamedTuple):
+    """What one rank of a Buffer has sent over its links so far (``Buffer.traffic()``).
+
+    ``scaleout_rows``: the payload rows this rank put into ranks of other nodes (``Buffer(scaleup_ranks=...)``),
+    forwarders' inboxes included, per operation; None where the backend does not count them (``nvshmem``: the
+    kernels write the rows, nothing on the host sees them; ``ep_comm.contract.traffic`` models them).
+    """
+
+    scaleout_rows: Optional[OperationRows]
+
+
 @runtime_checkable
 class Backend(Protocol):
     """The protocol on one rank: ``mpi`` (``MpiBackend``) and ``nvshmem`` (``NvshmemBackend``)."""
@@ -93,9 +123,13 @@ class Backend(Protocol):
     def as_array(self, obj: Any, name: str) -> Array:
         """``obj`` as an array of ``xp`` (zero copy); TypeError naming ``name`` for arrays it cannot take."""
 
+    def capturing(self) -> bool:
+        """Whether the caller's stream is being captured into a CUDA graph now (never on a backend without graphs)."""
+
     def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
-        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing: the local check
-        of ``Buffer.get_dispatch_layout`` (a dispatch checks its routing in its count step, see :meth:`dispatch`)."""
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty ``[T, K]`` routing of signed ids:
+        the local check of ``Buffer.get_dispatch_layout`` (a dispatch checks its routing in its count step, see
+        :meth:`dispatch`)."""
 
     def dispatch_layout(self, topk_idx: Array) -> DispatchLayout:
         """The local counts of a routing ``[T, K]`` (no communication)."""
@@ -127,6 +161,9 @@ class Backend(Protocol):
 
     def profile_table(self) -> List[ProfileRow]:
         """The per-phase timings so far (empty when profiling is off)."""
+
+    def traffic(self) -> Traffic:
+        """What this rank has sent over its links so far (:class:`Traffic`); still readable after ``close``."""
 
     def close(self) -> None:
         """Collective release with a bounded wait; a second call does nothing."""

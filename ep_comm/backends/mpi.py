@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ep_comm.backends.collective_steps import Steps
-from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
 from ep_comm.backends.mpi_forwarding import MpiForwarding
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.contract import layout as lay
@@ -84,6 +84,10 @@ class MpiBackend(MpiForwarding):
             raise TypeError(f"{name} is a GPU array: the mpi backend takes host (NumPy) arrays")
         raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
 
+    def capturing(self) -> bool:
+        """Never: there are no CUDA graphs on CPU."""
+        return False
+
     def routing_summary(self, topk_idx: np.ndarray) -> Tuple[int, int]:
         """``(largest id, first row naming an expert twice or -1)``: ``validate.topk_values`` in NumPy."""
         return topk_values(np, topk_idx)
@@ -99,6 +103,10 @@ class MpiBackend(MpiForwarding):
     def profile_table(self) -> List[ProfileRow]:
         """Median host microseconds per (operation, phase) so far (``gpu_us_p50`` is None)."""
         return self.profile.table()
+
+    def traffic(self) -> Traffic:
+        """``scaleout_rows``: the rows counted in :attr:`scaleout_rows` so far."""
+        return Traffic(OperationRows(**self.scaleout_rows))
 
     # ------------------------------------------------------------------- close
     def _close_step(self, step: Tuple[int, int]) -> None:

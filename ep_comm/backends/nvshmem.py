@@ -67,14 +67,13 @@ from mpi4py import MPI
 
 from ep_comm.backends.capture import CapturePolicy
 from ep_comm.backends.collective_steps import Steps
-from ep_comm.backends.interface import BackendSettings
+from ep_comm.backends.interface import BackendSettings, Traffic
 from ep_comm.backends.nvshmem_combine import NvshmemCombine
 from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract import layout as lay
 from ep_comm.contract.arrays import Array, to_host
-from ep_comm.contract.checks import topk_values
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout, record_words, word_dtype
 from ep_comm.contract.topology import Topology
@@ -188,25 +187,23 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
                              "(each rank's arrays must live on its own GPU)")
         return a
 
+    def capturing(self) -> bool:
+        """Whether the caller's stream is being captured into a CUDA graph now."""
+        return self.capture.capturing()
+
     def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
-        """``(largest id, first row naming an expert twice or -1)`` of a non-empty integer routing
-        (``validate.check_topk_idx``): one kernel and one read for signed ids, CuPy code for unsigned.
+        """``(largest id, first row naming an expert twice or -1)`` of a non-empty routing of signed ids
+        (``Buffer`` passes unsigned ones as int64): one kernel and one read.
 
         Under CUDA graph capture nothing can be read back: the check kernel folds its result into the
         capture policy's record, which the first call after the replays reads, and ``(-1, -1)``
         ("nothing wrong yet") is returned. The kernels read ids past the experts as "no expert"
         meanwhile (``ep_comm.kernels.expert_ids``)."""
-        signed = np.issubdtype(np.dtype(topk_idx.dtype), np.signedinteger)
         if self.capture.capturing():
-            if not signed:
-                raise RuntimeError(f"topk_idx has dtype {topk_idx.dtype}: a dispatch captured into a CUDA graph "
-                                   "needs signed expert ids (int32 or int64), whose check runs on the device")
             with self._launching():
                 self.kernels.check_routing(topk_idx, into=self.capture.checks)
             return -1, -1
         self.capture.raise_for_checks()
-        if not signed:
-            return topk_values(self.xp, topk_idx)
         with self._launching():
             top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
         return int(top), int(twice)
@@ -224,6 +221,10 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
     def profile_table(self) -> List[ProfileRow]:
         """Median host and GPU microseconds per (operation, phase) so far."""
         return self.profile.table()
+
+    def traffic(self) -> Traffic:
+        """Nothing counted: the kernels write the rows into the peers (``Traffic.scaleout_rows`` None)."""
+        return Traffic(None)
 
     # ------------------------------------------------------------------- close
     def _close_step(self, seq: int) -> None:

@@ -35,7 +35,7 @@ class NvshmemCombine(NvshmemSteps):
         roots = (y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank) + ((weights,) if weights is not None else ())
         with self.profile.phase("combine", "send"):
             self._planned(key, roots, lambda: self._combine_send(h, y, weights))
-            self.transport.flush(self.kernels.stream, h.psum_num_recv_tokens_per_rank,
+            self.transport.flush(self.kernels.stream, lambda: h.psum_num_recv_tokens_per_rank,
                                  with_meta=weights is not None)
         self._signal("combine", seq, hooked)
         return functools.partial(self._combine_receive, request, y, weights, hooked)

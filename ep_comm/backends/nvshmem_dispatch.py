@@ -60,11 +60,10 @@ class NvshmemDispatch(NvshmemSteps):
                                  t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1, mode=mode,
                                  recv_x=recv_x, recv_psum=recv_psum)
 
-    def _flush(self, psum: Array) -> None:
-        """With puts: send the staged rows and meta rows, ``psum`` (int32 ``[R]``) the inclusive prefix sum of the
-        rows per destination."""
-        with self.profile.phase("dispatch", "puts"):
-            self.transport.flush(self.kernels.stream, psum, with_meta=True)
+    def _flush(self, psum: Callable[[], Array]) -> None:
+        """Send the staged rows and meta rows where there are puts (the transport's test; timed as phase ``puts``),
+        ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per destination."""
+        self.transport.flush(self.kernels.stream, psum, with_meta=True, timed=self.profile.phase("dispatch", "puts"))
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` (an ``Fp8Rows``' arrays are already) and ``topk_weights`` C-contiguous (itself when
@@ -100,8 +99,7 @@ class NvshmemDispatch(NvshmemSteps):
         key = ("send", num_tokens, idx.dtype.char, payload_key(x), weights is not None, stable)
         roots = (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
         self._planned(key, roots, count_and_scatter)
-        if self.transport.puts_to:
-            self._flush(k.send_layout(send_block, num_tokens).rank_psum)
+        self._flush(lambda: k.send_layout(send_block, num_tokens).rank_psum)
         self._signal("dispatch", seq, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
@@ -159,8 +157,7 @@ class NvshmemDispatch(NvshmemSteps):
         key = ("cached send", payload_key(x), h.topk_idx.dtype.char, weights is not None,
                None if local is None else outputs[0].shape)
         self._planned(key, roots, lambda: self._scatter(request, h.routing, kernel_launches.SLOT_CACHED, local))
-        if self.transport.puts_to:
-            self._flush(self._derived(h, "send_psum", _send_psum))
+        self._flush(functools.partial(self._derived, h, "send_psum", _send_psum))
         self._signal("dispatch", seq, hooked)
         return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
 

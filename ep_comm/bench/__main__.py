@@ -53,10 +53,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per point (default: 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per point (default: 3)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
-    p.add_argument("--transport", choices=TRANSPORTS,
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="nvshmem backend: peer stores, nvshmem puts, or auto (stores in a node, puts between nodes), "
-                        "Buffer(transport=...) (default: stores; 'auto' with --scaleup-ranks of several nodes, where "
-                        "stores are refused)")
+                        "Buffer(transport=...) (default: auto, the Buffer's default; stores are refused with "
+                        "--scaleup-ranks of several nodes)")
     p.add_argument("--scaleup-ranks", type=int_at_least(1), metavar="N",
                    help="ranks per (virtual) node, Buffer(scaleup_ranks=N); N must divide the rank count (default: "
                         "one node of every rank). With several nodes, stores in a node and puts between them. Each "

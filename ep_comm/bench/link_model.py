@@ -3,16 +3,18 @@ next to the measured times: per operation, rows and bytes per token each rank se
 flat and forwarded, forwarded over flat, and the model time at the link rates of ``meta["link_rates_gbps"]``.
 
 The model counts what the routing implies; the run itself sends as the Buffer does (today: flat, every row
-through puts once there are several nodes). Per token = a rank's rows over its own tokens (every rank of a point
+through puts once there are several nodes), and where the backend counts them (``Buffer.traffic()``: ``mpi``) the
+rows it put over scale-out in one round trip of the point go next to the model (``counted_scaleout``). Per token = a rank's rows over its own tokens (every rank of a point
 has the same count); ``mean`` over ranks is then all rows over all tokens.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm.bench.measure import make_inputs
 from ep_comm.contract import traffic
 from ep_comm.contract.topology import Topology
 
@@ -38,6 +40,21 @@ def reduced_rows(comm: MPI.Comm, topk_idx: np.ndarray, num_experts: int, topolog
     return total
 
 
+def counted_rows(comm: MPI.Comm, buf: Any, spec: Any, device: Callable[[np.ndarray], Any]) -> Optional[List[List[int]]]:
+    """The rows each rank put over the scale-out path (``Buffer.traffic()``) in one untimed plain round trip of the
+    point's inputs (``spec``, a ``PointSpec``: no FP8, no weights), ``[R][OPS]`` on rank 0 (None elsewhere); None on
+    every rank where the backend does not count them (``nvshmem``: nothing runs then). Collective."""
+    if buf.traffic().scaleout_rows is None:
+        return None
+    x, routing = make_inputs(spec, comm.rank)
+    before = buf.traffic().scaleout_rows
+    out = buf.dispatch(device(x), device(routing.topk_idx), expand=spec.expand,
+                       expert_alignment=spec.expert_alignment)
+    buf.combine(out.recv_x, out.handle)
+    after = buf.traffic().scaleout_rows
+    return comm.gather([after[i] - before[i] for i in range(len(traffic.OPS))], root=0)
+
+
 def _per_token(rows: np.ndarray, num_tokens: int, row_bytes: int) -> Dict[str, Any]:
     per_token = rows / num_tokens if num_tokens else np.zeros(len(rows))
     return {"rows_per_token": per_token.tolist(), "rows_per_token_max": float(per_token.max()),
@@ -46,22 +63,26 @@ def _per_token(rows: np.ndarray, num_tokens: int, row_bytes: int) -> Dict[str, A
             "bytes_per_token_mean": float(per_token.mean() * row_bytes)}
 
 
-def section(rows: np.ndarray, num_tokens: int, row_bytes: Mapping[str, int],
-            latency: Mapping[str, Any]) -> Dict[str, Any]:
+def section(rows: np.ndarray, num_tokens: int, row_bytes: Mapping[str, int], latency: Mapping[str, Any],
+            counted: Optional[Sequence[Sequence[int]]] = None) -> Dict[str, Any]:
     """The point's ``link_model``: per operation of ``traffic.OPS``, per route ``{"scaleup": ..., "scaleout": ...,
     "model_us": ...}`` with each link's rows and bytes per token per rank (lists) and their max and mean,
-    ``forwarded_over_flat`` (mean scale-out and scale-up bytes per token, model time), ``row_bytes`` and
-    ``measured_p50_us`` (the point's slowest-rank p50).
+    ``forwarded_over_flat`` (mean scale-out and scale-up bytes per token, model time), ``row_bytes``,
+    ``measured_p50_us`` (the point's slowest-rank p50) and ``counted_scaleout`` (the rows and bytes per token the
+    Buffer counted, as a link's, or None).
 
     Args:
         rows: int64 ``[OPS, ROUTES, LINKS, R]`` of :func:`reduced_rows`.
         num_tokens: tokens per rank.
         row_bytes: bytes per row of each operation (``ep_comm.bench.runner.row_bytes``).
         latency: the point's ``latency_us``.
+        counted: :func:`counted_rows`, ``[R][OPS]``, or None.
     """
     out: Dict[str, Any] = {}
     for i, op in enumerate(traffic.OPS):
-        entry: Dict[str, Any] = {"row_bytes": int(row_bytes[op]), "measured_p50_us": latency[op]["p50"]}
+        entry: Dict[str, Any] = {"row_bytes": int(row_bytes[op]), "measured_p50_us": latency[op]["p50"],
+                                 "counted_scaleout": None if counted is None else _per_token(
+                                     np.array([rank[i] for rank in counted]), num_tokens, row_bytes[op])}
         for j, route in enumerate(traffic.ROUTES):
             links = {link: _per_token(rows[i, j, k], num_tokens, row_bytes[op]) for k, link in enumerate(traffic.LINKS)}
             nbytes = rows[i, j] * row_bytes[op]
@@ -73,6 +94,26 @@ def section(rows: np.ndarray, num_tokens: int, row_bytes: Mapping[str, int],
         entry["forwarded_over_flat"]["model_us"] = _ratio(forwarded["model_us"], flat["model_us"])
         out[op] = entry
     return out
+
+
+def csv_columns(model: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The CSV columns of a point's ``link_model`` (none without one), per operation: per route the mean rows per
+    token over each link, the mean scale-out bytes per token and the model time; the forwarded/flat scale-out bytes
+    and the scale-out rows per token the Buffer counted (mean; ``""`` where either is None)."""
+    if not model:
+        return {}
+    row: Dict[str, Any] = {}
+    for op in traffic.OPS:
+        entry = model[op]
+        for route in traffic.ROUTES:
+            for link in traffic.LINKS:
+                row[f"link_{op}_{route}_{link}_rows_per_token"] = entry[route][link]["rows_per_token_mean"]
+            row[f"link_{op}_{route}_scaleout_bytes_per_token"] = entry[route]["scaleout"]["bytes_per_token_mean"]
+            row[f"link_{op}_{route}_model_us"] = entry[route]["model_us"]
+        ratio, counted = entry["forwarded_over_flat"]["scaleout_bytes"], entry["counted_scaleout"]
+        row[f"link_{op}_forwarded_over_flat_scaleout_bytes"] = "" if ratio is None else ratio
+        row[f"link_{op}_counted_scaleout_rows_per_token"] = "" if counted is None else counted["rows_per_token_mean"]
+    return row
 
 
 def _ratio(a: float, b: float) -> Optional[float]:
@@ -96,6 +137,9 @@ def format_lines(model: Optional[Dict[str, Any]]) -> List[str]:
                          f"{entry['measured_p50_us']:>15.1f}")
         ratio = entry["forwarded_over_flat"]["scaleout_bytes"]
         lines.append(f"    {op:<8} forwarded/flat scale-out bytes: " + ("-" if ratio is None else f"{ratio:.3f}"))
+        if entry["counted_scaleout"] is not None:
+            lines.append(f"    {op:<8} scale-out rows the Buffer counted (Buffer.traffic): "
+                         f"{_mean_max(entry['counted_scaleout'])}")
     return lines
 
 

@@ -1,12 +1,13 @@
 """Where a benchmark's figures come from: the command line, the git commit of the checkout ep_comm runs
-from (with a dirty flag), and on GPU the rank's GPU model and driver. The package versions are
-:func:`ep_comm.cli.versions.versions`."""
+from (only when its files are that commit's: else None, and why), and on GPU the rank's GPU model and driver. The
+package versions are :func:`ep_comm.cli.versions.versions`."""
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Any, Dict, List, Optional
 
 from ep_comm.cli.external_commands import command_output
 
@@ -18,18 +19,49 @@ def command_line(num_ranks: int) -> str:
     return f"mpirun -np {num_ranks} python -m ep_comm.bench {shlex.join(sys.argv[1:])}".rstrip()
 
 
-def git_commit(root: Path = PACKAGE_ROOT) -> Optional[Dict[str, Union[str, bool]]]:
-    """``{"git_commit": sha, "git_dirty": bool}`` when ``root`` is the top of a git checkout (an
-    editable install); dirty = tracked files differ from the commit (untracked files do not count).
-    None otherwise: an installed wheel, no git, or ``root`` inside another repository."""
+RUN_FROM = ("ep_comm/", "configs/")  # what a run reads from the checkout: an untracked file there changes the run
+
+
+def git_commit(root: Path = PACKAGE_ROOT) -> Dict[str, Any]:
+    """The commit the files under ``root`` are, for the bench's ``meta``: ``{"git_commit": sha, "git_dirty": False}``
+    when ``root`` is the top of a git checkout (an editable install) whose tracked files are the commit's and that has
+    no untracked file where a run reads (:data:`RUN_FROM`: a stale ``.git`` under newer files shows them untracked).
+    Otherwise never a commit: ``{"git_commit": None, "git_dirty": True or None (unknown), "git_commit_note": why}``
+    (changed or untracked files, no git, not a checkout: an installed wheel, or ``root`` inside another
+    repository)."""
+    if shutil.which("git") is None:
+        return _no_commit("git is not installed: the files cannot be matched to a commit")
     top = command_output(["git", "-C", str(root), "rev-parse", "--show-toplevel"])
     if top is None or Path(top).resolve() != root.resolve():
-        return None
+        return _no_commit(f"{root} is not the top of a git checkout (an installed package?)")
     sha = command_output(["git", "-C", str(root), "rev-parse", "HEAD"])
-    changes = command_output(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
-    if sha is None or changes is None:
-        return None
-    return {"git_commit": sha, "git_dirty": bool(changes)}
+    status = command_output(["git", "-C", str(root), "status", "--porcelain=v2", "--untracked-files=all"])
+    if sha is None or status is None:
+        return _no_commit(f"git rev-parse HEAD or git status failed in {root}")
+    changed = _changed_paths(status)
+    if changed:
+        return {"git_commit": None, "git_dirty": True,
+                "git_commit_note": f"{len(changed)} file(s) differ from HEAD {sha[:12]} ({', '.join(changed[:3])}"
+                                   f"{', ...' if len(changed) > 3 else ''}): the run is of no commit"}
+    return {"git_commit": sha, "git_dirty": False}
+
+
+_PATH_FIELD = {"1": 8, "2": 9, "u": 10, "?": 1}  # git status --porcelain=v2: the path's field on each kind of line
+
+
+def _changed_paths(status: str) -> List[str]:
+    """The paths of ``git status --porcelain=v2`` output that make the files not HEAD's: every tracked change, and
+    the untracked files under :data:`RUN_FROM` (a renamed file by its new path)."""
+    paths = []
+    for line in status.splitlines():
+        path = line.split(" ", _PATH_FIELD[line[0]])[-1].split("\t")[0]
+        if line[0] != "?" or path.startswith(RUN_FROM):
+            paths.append(path)
+    return paths
+
+
+def _no_commit(why: str) -> Dict[str, Any]:
+    return {"git_commit": None, "git_dirty": None, "git_commit_note": why}
 
 
 def gpu_model(pci_bus_id: str) -> Optional[str]:

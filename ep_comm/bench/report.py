@@ -279,7 +279,7 @@ def write_json(path: str, meta: Dict[str, Any], points: Sequence[Dict[str, Any]]
 
 
 def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
-    """One flat CSV row of a point."""
+    """One flat CSV row of a point (with ``--scaleup-ranks`` its link model's columns, ``link_model.csv_columns``)."""
     row = {
         "tokens_per_rank": point["tokens_per_rank"],
         "num_sms": point["num_sms"],
@@ -310,6 +310,7 @@ def csv_row(point: Dict[str, Any]) -> Dict[str, Any]:
         row[f"graph_{op}_fp8_over_bf16"] = ratio
     for op, ratio in point.get("eager_over_graph", {}).items():
         row[f"{op}_eager_over_graph"] = ratio
+    row.update(link_model.csv_columns(point.get("link_model")))
     row["first_call_us"] = point.get("first_call_us", "")
     row["shared_gpu"], row["note"] = point["shared_gpu"], point.get("note", "")
     return row

@@ -70,8 +70,7 @@ def _tokens_problem(cfg: Config, args: argparse.Namespace) -> Optional[str]:
 
 def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
     """The config, once the environment, the config's fit to ``comm`` (and ``--scaleup-ranks``'s) and the output
-    paths are checked (a UsageError, the same on every rank, otherwise); sets ``--transport``'s default: ``"stores"``,
-    or ``"auto"`` with several nodes."""
+    paths are checked (a UsageError, the same on every rank, otherwise)."""
     problem = environment_problem(comm, args.backend)
     if problem:
         raise UsageError(problem)
@@ -89,11 +88,9 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
         raise UsageError(f"config {cfg.name}: num_experts = {cfg.num_experts} is not divisible by the "
                          f"{comm.size} ranks of this run (experts are split evenly over ranks)")
     try:
-        nodes = Topology.of(comm.size, args.scaleup_ranks).num_nodes
+        Topology.of(comm.size, args.scaleup_ranks)
     except ValueError as exc:
         raise UsageError(f"--scaleup-ranks: {exc}") from exc
-    if args.transport is None:  # stores cannot reach a peer of another node
-        args.transport = "auto" if nodes > 1 else "stores"
     if args.plot:
         missing = comm.bcast(report.matplotlib_missing() if comm.rank == 0 else None, root=0)
         if missing:
@@ -183,18 +180,20 @@ def _fp8_meta(cfg: Config, use_fp8: bool) -> Dict[str, Any]:
 
 def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[PointSpec], buf: Buffer,
           path: DevicePath, shared: bool) -> Dict[str, Any]:
-    """The run's parameters and provenance: the git commit when ep_comm runs from a checkout, the
-    package versions, on GPU rank 0's GPU model and driver; ``prime_tokens``, the token count of each Buffer's
-    priming round trip."""
+    """The run's parameters and provenance: the git commit when ep_comm runs from a clean checkout (else why not),
+    the package versions, on GPU rank 0's GPU model and driver; ``transport`` as asked and ``transport_in_effect``
+    (``Buffer.transport``: the mix, None on mpi); ``prime_tokens``, the token count of each Buffer's priming round
+    trip."""
     spec = specs[0]
     meta = {
-        "config": cfg.name, "backend": buf.backend, "transport": args.transport, "ranks": comm.size,
+        "config": cfg.name, "backend": buf.backend, "transport": args.transport,
+        "transport_in_effect": buf.transport, "ranks": comm.size,
         "routing": spec.routing, "seed": spec.seed, "dtype": cfg.dtype, "hidden": cfg.hidden,
         "num_experts": cfg.num_experts, "num_topk": cfg.num_topk, "mode": "expand" if args.expand else "compact",
         "expert_alignment": args.alignment, "deterministic": args.deterministic, "iters": args.iters,
         "warmup": args.warmup, "timer": path.timer_name, "num_sms": ",".join(report.sms_label(n) for n in args.num_sms),
         "prime_tokens": primed_spec(specs).num_tokens, "busy_check": args.busy_check,
-        "shared_gpu": shared, **(provenance.git_commit() or {}), "versions": versions(),
+        "shared_gpu": shared, **provenance.git_commit(), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
     }
     if args.scaleup_ranks:
@@ -295,13 +294,14 @@ class _Session:
             if buf.backend == "nvshmem":
                 sample.times.update(_device_copies(self.comm, spec, sample.recv_rows, per_row, self.timer))
             samples: Optional[List[RankSample]] = report.gather_samples(self.comm, sample)
-            links = (link_model.reduced_rows(self.comm, routing.topk_idx, spec.num_experts, self.topology)
-                     if self.topology else None)
+            links, counted = ((link_model.reduced_rows(self.comm, routing.topk_idx, spec.num_experts, self.topology),
+                               link_model.counted_rows(self.comm, buf, spec, self.device))
+                              if self.topology else (None, None))
             if self.comm.rank == 0:
                 self.points.append(report.summarize(samples, per_row, num_sms, buf.num_sms, self.shared_gpu))
                 if links is not None:
                     self.points[-1]["link_model"] = link_model.section(links, spec.num_tokens, per_row,
-                                                                       self.points[-1]["latency_us"])
+                                                                       self.points[-1]["latency_us"], counted)
                 self.progress.finish(_summary_line(self.points[-1]))
                 if self.shown:
                     print(report.format_point(self.points[-1], self.meta.get("nvlink_ceiling_gbps")), flush=True)

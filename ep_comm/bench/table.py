@@ -55,8 +55,9 @@ def load_results(paths: Sequence[str]) -> List[Dict[str, Any]]:
             raise ResultError(f"{path}: not a `python -m ep_comm.bench --json` result (no meta and points)")
         meta = data["meta"]
         if not meta.get("git_commit") or meta.get("git_dirty", True):
+            note = f" ({meta['git_commit_note']})" if meta.get("git_commit_note") else ""
             raise ResultError(f"{path}: git_commit={meta.get('git_commit')!r} git_dirty={meta.get('git_dirty')!r}: "
-                             "the table comes from a run of a clean, committed checkout")
+                             f"the table comes from a run of a clean, committed checkout{note}")
         results.append(data)
     first = results[0]["meta"]
     for path, data in zip(paths[1:], results[1:]):

@@ -2,11 +2,12 @@
 ranks. Peers inside a rank's node are in scale-up reach (NVLink stores); the rest are reached over the scale-out path
 (NVSHMEM puts, RDMA). A node's *forwarder* for a source rank is the rank with the source's local index in that node:
 node-aware forwarding sends a token over scale-out at most once per destination node, to that forwarder.
+:func:`transport_mode` names a rank's mix of the two ways (``Buffer.transport``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 def check_scaleup_ranks(scaleup_ranks: Any, num_ranks: int) -> None:
@@ -55,3 +56,11 @@ class Topology:
     def forwarder(self, src: int, node: int) -> int:
         """The rank of ``node`` that forwards ``src``'s tokens inside it: the one with ``src``'s local index."""
         return node * self.scaleup_ranks + self.local_index(src)
+
+
+def transport_mode(puts_to: Sequence[int], num_ranks: int, me: int) -> str:
+    """The name of a transport that reaches the ranks ``puts_to`` through puts and the others through stores:
+    ``"stores"`` (none through puts), ``"puts"`` (every peer but ``me``, or more) or ``"stores+puts"``."""
+    if not puts_to:
+        return "stores"
+    return "puts" if set(puts_to) >= set(range(num_ranks)) - {me} else "stores+puts"

@@ -30,10 +30,11 @@ Three phases, each on its own Buffer(s):
 
 Shapes default by backend: CPU (mpi) 8 experts per rank, hidden 128, top-4, 48 tokens, bfloat16;
 GPU (nvshmem) DeepSeek-V3's layer: 256 experts, hidden 7168 bfloat16, top-8, 512 tokens.
+``--transport`` (default ``auto``, the Buffer's), ``--scaleup-ranks N`` and ``--forwarding`` go to every Buffer.
 Rank 0 shows a one-line progress display on stderr (live on a TTY or with ``--progress``, else a
 line per 10 %) and writes the JSON summary (``--json``). Exit status: 0 all checks passed, 1 a
-check failed or an error was raised on some rank, 2 bad options, a ``--json`` path that cannot
-be written, or an environment that cannot run ``--backend`` (checked before any work).
+check failed or an error was raised on some rank, 2 bad options (a Buffer they cannot build included), a ``--json``
+path that cannot be written, or an environment that cannot run ``--backend`` (checked before any work).
 """
 from __future__ import annotations
 
@@ -75,8 +76,15 @@ def parser() -> argparse.ArgumentParser:
                "2 bad options, an unwritable --json path or no GPU stack for --backend nvshmem. "
                "Shapes default by backend (see the module docstring).")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="ep_comm backend (default: auto)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="stores",
-                   help="nvshmem backend: peer stores or nvshmem puts, Buffer(transport=...) (default: stores)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="nvshmem backend: peer stores, nvshmem puts, or auto (stores in a node, puts between nodes), "
+                        "Buffer(transport=...) (default: auto, the Buffer's default)")
+    p.add_argument("--scaleup-ranks", type=int_at_least(1), metavar="N",
+                   help="ranks per (virtual) node, Buffer(scaleup_ranks=N); N must divide the rank count (default: "
+                        "one node of every rank)")
+    p.add_argument("--forwarding", action="store_true",
+                   help="Buffer(forwarding=True): one scale-out row per token and destination node, through that "
+                        "node's forwarder (the mpi backend; nvshmem refuses it)")
     p.add_argument("--iters", type=int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
     p.add_argument("--check-every", type=int_at_least(1), default=100,
                    help="full check and memory sample every k-th iteration (default: 100)")
@@ -122,6 +130,17 @@ def usage_problem(shape: Shape, num_ranks: int) -> Optional[str]:
     return None
 
 
+def buffer_problem(run: Run) -> Optional[str]:
+    """Why the run's Buffer cannot be built (``--scaleup-ranks``, ``--transport`` or ``--forwarding`` against the
+    ranks and the backend: its constructor's ValueError, raised on every rank alike), or None. Collective: one
+    Buffer is made and closed to find out."""
+    try:
+        run.buffer(run.args.deterministic).close()
+    except ValueError as exc:
+        return f"cannot build the Buffer: {exc}"
+    return None
+
+
 def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     """Run the phases the options ask for on every rank of ``comm``; every rank returns the same exit status."""
     args = parser().parse_args(argv)
@@ -131,23 +150,23 @@ def main(argv: Optional[List[str]] = None, comm: MPI.Comm = MPI.COMM_WORLD) -> i
         return code
     backend = resolve_backend(args.backend)
     shape = shape_of(args, backend, comm.size)
-    problem = usage_problem(shape, comm.size)
+    show = comm.rank == 0 and not args.quiet
+    run = Run(comm, args, shape, backend, base_payload(shape, args.seed), MemoryProbe(gpu=backend == "nvshmem"),
+              Progress("ep_comm.soak", "{label} {done}/{total} {rate:.1f}/s {detail}",
+                       live=show and (args.progress or sys.stderr.isatty()), periodic=show, redraw_s=0.5))
+    problem = usage_problem(shape, comm.size) or buffer_problem(run)  # the same on every rank
     if problem:
         if comm.rank == 0:
             print(f"ep_comm.soak: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    base = base_payload(shape, args.seed)
-    show = comm.rank == 0 and not args.quiet
-    run = Run(comm, args, shape, backend, base, MemoryProbe(gpu=backend == "nvshmem"),
-              Progress("ep_comm.soak", "{label} {done}/{total} {rate:.1f}/s {detail}",
-                       live=show and (args.progress or sys.stderr.isatty()), periodic=show, redraw_s=0.5))
     phases = {}
     for name, count, phase in (("soak", args.iters, soak_phase), ("determinism", args.repeat_deterministic,
                                                                    determinism_phase),
                                ("create_close", args.create_close, create_close_phase)):
         if count:
             phases[name] = phase(run)
-    meta = {"backend": backend, "transport": args.transport, "ranks": comm.size, "shape": asdict(shape),
+    meta = {"backend": backend, "transport": args.transport, "scaleup_ranks": args.scaleup_ranks,
+            "forwarding": args.forwarding, "ranks": comm.size, "shape": asdict(shape),
             "seed": args.seed, "deterministic": args.deterministic, "check_every": args.check_every,
             "alignments": args.alignments, "mem_tolerance_mib": args.mem_tolerance_mib}
     summary = summarize(comm, meta, phases)

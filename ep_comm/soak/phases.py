@@ -43,7 +43,8 @@ class Run:
         s = self.shape
         buf = Buffer(self.comm, num_experts=s.num_experts, hidden=s.hidden, num_topk=s.num_topk,
                      num_max_tokens_per_rank=s.max_tokens, dtype=s.dtype, backend=self.backend,
-                     deterministic=deterministic, timeout_s=self.args.timeout, transport=self.args.transport)
+                     deterministic=deterministic, timeout_s=self.args.timeout, transport=self.args.transport,
+                     scaleup_ranks=self.args.scaleup_ranks, forwarding=self.args.forwarding)
         if self.io is None:
             self.io = ArrayIO(buf.backend, self.base)
         return buf

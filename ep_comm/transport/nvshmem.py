@@ -9,7 +9,8 @@ graph captures any mix. GPU only: imports CuPy and Numba-CUDA.
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, List, Sequence, Tuple
 
 import cupy
 import numpy as np
@@ -17,9 +18,12 @@ from mpi4py import MPI
 from numba import cuda
 
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views
+from ep_comm.contract.topology import transport_mode
 from ep_comm.transport import nvshmem_puts, signals
 from ep_comm.transport.nvshmem_heap import NvshmemHeap
-from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes, transport_mode
+from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
+
+_UNTIMED = nullcontext()  # flush's default phase: none
 
 
 def _current_stream() -> int:
@@ -72,8 +76,8 @@ class NvshmemTransport:
 
     def _views(self, word: np.dtype) -> tuple:
         """Every rank's rows and meta views: its own (stores) or a staging view (puts, see ``staging``); with puts,
-        also keeps the Numba views the puts read (staging, this buffer, the step counter, the ranks they reach, the
-        signal and count words)."""
+        also keeps the Numba views the puts and their signal read (the step counter, the ranks they reach, the signal
+        and count words) and :attr:`_put_blocks`."""
         sym, r, t = self.sym, self.sym.num_ranks, self.sym.max_tokens
         peers = [None if q in self.puts_to else symmetric_views(p, sym, word) for q, p in enumerate(self.heap.peers)]
         if not self.puts_to:
@@ -82,28 +86,35 @@ class NvshmemTransport:
         stage = self.heap.local[sym.total_bytes: sym.total_bytes + staging_bytes(sym)]
         stage_rows = stage[:rows_bytes].view(word).reshape(staging_blocks(r), t, -1)
         stage_meta = stage[rows_bytes:].view(cupy.int32).reshape(staging_blocks(r), t, -1)
-        self._stage_rows, self._stage_meta = numba_view(stage[:rows_bytes]), numba_view(stage[rows_bytes:])
-        self._sym, self._step = numba_view(self.heap.local), numba_view(self.step)
+        self._step = numba_view(self.step)
         self._signal_words, self._count_words = numba_view(self.own.signal), numba_view(self.own.counts)
-        self._remote_mask = cupy.asarray([q in self.puts_to for q in range(r)], dtype=cupy.uint8)
-        self._remote = numba_view(self._remote_mask)
+        self._remote = numba_view(cupy.asarray([q in self.puts_to for q in range(r)], dtype=cupy.uint8))
+        self._put_blocks = self._put_arguments(stage[:rows_bytes], stage[rows_bytes:])
         return (tuple(staged_destination(stage_rows, q, r) if v is None else v.rows for q, v in enumerate(peers)),
                 tuple(staged_destination(stage_meta, q, r) if v is None else v.meta for q, v in enumerate(peers)))
 
-    def flush(self, stream: Any, psum: Any, with_meta: bool) -> None:
-        """Send each destination ``r`` reached through puts its staged ``psum[r] - psum[r-1]`` rows (and meta rows)
-        (``psum``: int32 ``[R]`` on the device); nothing without puts. Before the step's signal."""
+    def _put_arguments(self, stage_rows: Any, stage_meta: Any) -> Tuple[tuple, ...]:
+        """The constant arguments of ``nvshmem_puts.put_blocks`` (``stage`` to ``row_bytes``), once for the rows and
+        once for the meta rows: the staging area (uint8 CuPy ``stage_rows`` / ``stage_meta``) as Numba views, its
+        blocks' bytes, this rank's buffer, its region's offset in the destination and the parities' distance, the
+        step counter and the bytes per row."""
+        sym, me, heap = self.sym, self.rank, numba_view(self.heap.local)
+        return tuple((numba_view(stage), sym.max_tokens * row_bytes, heap, at(0, me), at(1, me) - at(0, me),
+                      self._step, row_bytes)
+                     for stage, row_bytes, at in ((stage_rows, sym.row_bytes, sym.row_at),
+                                                  (stage_meta, 4 * sym.meta_words, sym.meta_at)))
+
+    def flush(self, stream: Any, psum: Callable[[], Any], with_meta: bool,
+              timed: ContextManager[None] = _UNTIMED) -> None:
+        """Send each destination ``r`` reached through puts its staged ``psum()[r] - psum()[r-1]`` rows (and meta rows)
+        (``psum()``: int32 ``[R]`` on the device, called only where there are puts), inside ``timed`` (a profile
+        phase); nothing at all without puts. Before the step's signal."""
         if not self.puts_to:
             return
-        sym, me = self.sym, self.rank
-        nvshmem_puts.put_blocks(stream, self.device, self._stage_rows, sym.max_tokens * sym.row_bytes, self._sym, sym.row_at(0, me),
-                                sym.row_at(1, me) - sym.row_at(0, me), self._step, sym.row_bytes, psum, self._remote,
-                                me)
-        if with_meta:
-            meta_bytes = 4 * sym.meta_words
-            nvshmem_puts.put_blocks(stream, self.device, self._stage_meta, sym.max_tokens * meta_bytes, self._sym,
-                                    sym.meta_at(0, me), sym.meta_at(1, me) - sym.meta_at(0, me), self._step,
-                                    meta_bytes, psum, self._remote, me)
+        prefix = psum()
+        with timed:
+            for arguments in self._put_blocks[: 2 if with_meta else 1]:
+                nvshmem_puts.put_blocks(stream, self.device, *arguments, prefix, self._remote, self.rank)
 
     def exchange(self, stream: Any, kind: int, timeout_s: float, counts: Any = None) -> None:
         """Enqueue the step's signal to every rank, then the bounded wait for every rank's signal: :meth:`signal`

@@ -1,12 +1,11 @@
-"""The staging layout of the puts: where the kernels write the rows of each destination reached through puts, and the
-name of a transport's mix of stores and puts.
+"""The staging layout of the puts: where the kernels write the rows of each destination reached through puts.
 
 Plain array arithmetic (any array module), shared by ``NvshmemTransport`` and the simulator's
 loopback transport in the tests.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from ep_comm.contract.symmetric import SymmetricLayout
 
@@ -30,11 +29,3 @@ def staged_destination(stage: Any, r: int, num_ranks: int) -> Any:
     ``put_blocks`` sends whole to the region ``[parity, me]`` of rank ``r``.
     """
     return stage[r: r + 2 * num_ranks].reshape((2, num_ranks) + tuple(stage.shape[1:]))
-
-
-def transport_mode(puts_to: Sequence[int], num_ranks: int, me: int) -> str:
-    """The name of a transport that reaches the ranks ``puts_to`` through puts and the others through stores:
-    ``"stores"`` (none through puts), ``"puts"`` (every peer but ``me``, or more) or ``"stores+puts"``."""
-    if not puts_to:
-        return "stores"
-    return "puts" if set(puts_to) >= set(range(num_ranks)) - {me} else "stores+puts"

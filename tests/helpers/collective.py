@@ -32,12 +32,6 @@ def forwarded() -> bool:
     return options.forwarding and options.scaleup_ranks is not None and options.scaleup_ranks < COMM.size
 
 
-def scaleout_rows(buf: ep_comm.Buffer) -> Dict[str, int]:
-    """The payload rows ``buf``'s rank has put into ranks of other nodes so far, per operation (the mpi backend's
-    ``MpiBackend.scaleout_rows``)."""
-    return dict(buf._backend.scaleout_rows)
-
-
 def make_buffer(world: World, deterministic: bool = True, **kw: Any) -> ep_comm.Buffer:
     """A Buffer for ``world``'s geometry and dtype on the session's backend (and virtual nodes); ``kw`` goes to
     ``ep_comm.Buffer``, over the session's choices (``timeout_s`` defaults to ``TIMEOUT_S``)."""

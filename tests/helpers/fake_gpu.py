@@ -14,8 +14,9 @@ from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
+from ep_comm.contract.topology import transport_mode
 from ep_comm.launching import bound
-from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes, transport_mode
+from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
 SMALL_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)  # 3 tokens of SMALL_GEO: [T, K] int64
@@ -49,14 +50,15 @@ class LoopbackTransport:
             1, ABORT_WORDS)
         self.closed_collectively = None
 
-    def flush(self, stream, psum, with_meta: bool) -> None:
+    def flush(self, stream, psum, with_meta: bool, timed=nullcontext()) -> None:
         """What ``put_blocks`` does for one rank: staged block ``parity`` -> region [parity][0], the parity that of
-        the step the next signal starts."""
+        the step the next signal starts; ``psum()`` called, and ``timed`` entered, only with puts."""
         if self.puts_to:
-            n, parity = int(psum[0]), int(self.step[0] + 1) & 1
-            self.own.rows[parity, 0, :n] = self.stage_rows[parity, :n]
-            if with_meta:
-                self.own.meta[parity, 0, :n] = self.stage_meta[parity, :n]
+            n, parity = int(psum()[0]), int(self.step[0] + 1) & 1
+            with timed:
+                self.own.rows[parity, 0, :n] = self.stage_rows[parity, :n]
+                if with_meta:
+                    self.own.meta[parity, 0, :n] = self.stage_meta[parity, :n]
 
     def exchange(self, stream, kind: int, timeout_s: float, counts=None) -> None:
         """Signal, then wait (one launch on peer stores): the rank's own signal is the only one."""

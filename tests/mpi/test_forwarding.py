@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 import pytest
-from helpers.collective import dispatch, make_buffer, scaleout_rows, to_device
+from helpers.collective import dispatch, make_buffer, to_device
 from helpers.options import current
 from helpers.oracle import COMM, RANK, WORLD, World, bits, make_world
 from helpers.same_outputs import assert_same, assert_same_dispatch
@@ -89,9 +89,11 @@ def test_virtual_nodes_give_the_one_node_bytes(scaleup_ranks, forwarding, routin
         want = calls(one_node, world, expand)
     with nodes_buffer(world, scaleup_ranks, forwarding, deterministic=deterministic) as buf:
         first = dispatch(buf, world, **(EXPAND if expand else {}))
-        assert scaleout_rows(buf)["dispatch"] == remote_rows(world, scaleup_ranks, per_node=forwarding)
+        assert buf.traffic().scaleout_rows.dispatch == remote_rows(world, scaleup_ranks, per_node=forwarding)
         buf.combine(first.recv_x, first.handle)
-        assert scaleout_rows(buf)["combine"] == returned_rows(world, scaleup_ranks)  # relayed unreduced
+    # read after the close (the counts up to it); the combine relays every partial unreduced
+    assert buf.traffic().scaleout_rows == (remote_rows(world, scaleup_ranks, per_node=forwarding),
+                                           returned_rows(world, scaleup_ranks))
     with nodes_buffer(world, scaleup_ranks, forwarding, deterministic=deterministic) as buf:
         assert_same_calls(want, calls(buf, world, expand))
 
@@ -122,7 +124,7 @@ def test_forwarding_saves_scale_out_rows_on_a_hot_routing():
     for forwarding in (False, True):
         with nodes_buffer(world, WORLD // 2, forwarding) as buf:
             dispatch(buf, world)
-            rows[forwarding] = scaleout_rows(buf)["dispatch"]
+            rows[forwarding] = buf.traffic().scaleout_rows.dispatch
     tokens = len(world.topk_idx[RANK])
     assert rows == {False: tokens * (WORLD // 2), True: tokens}
 
