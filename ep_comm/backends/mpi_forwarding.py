@@ -204,9 +204,10 @@ class MpiForwarding(MpiProtocol):
                                                                                       self.geo.num_topk)))
         self._count_scaleout("combine", src, len(tokens))
 
-    def _read_term(self, parity: int, q: int, reached: np.ndarray, slots: np.ndarray) -> tuple:
+    def _read_term(self, parity: int, q: int, reached: np.ndarray, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Term ``q`` of the source's reduce (``MpiProtocol._read_term``); forwarded, for the first rank of another
-        node: its forwarder's sums (in token order, one per token reaching the node), placed at their tokens."""
+        node: its forwarder's sums (in token order, one per token reaching the node), placed at their tokens (the
+        node's other ranks carry no term: ``reached`` is all False there, and their rows are zeros)."""
         if self.inbox is None or self.topology.in_reach(self.rank, q):
             return super()._read_term(parity, q, reached, slots)
         geo = self.geo

@@ -325,7 +325,7 @@ class MpiProtocol(MpiSteps):
         """int64 ``[R]``: the rank whose term of the source's reduce carries each rank's partial; flat, itself."""
         return np.arange(self.geo.num_ranks)
 
-    def _read_term(self, parity: int, q: int, reached: np.ndarray, slots: np.ndarray) -> tuple:
+    def _read_term(self, parity: int, q: int, reached: np.ndarray, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """``(rows [T, H] payload, weights [T, K] float32)`` of term ``q`` for each token of this rank, meaningful
         where ``reached [T]``: the rows rank ``q`` sent back, picked by their slots ``slots[:, q]``."""
         geo = self.geo
