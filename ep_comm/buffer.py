@@ -92,10 +92,11 @@ class Buffer:
             forwarding: node-aware forwarding (a bool, TypeError otherwise; default False). With several nodes
                 a dispatch sends each token over the scale-out path once per destination node, to that node's
                 forwarder (the rank with the source's local index), which writes it into every destination rank
-                of its node at the slots the flat path uses; a combine relays every rank's partial, unreduced,
-                back through the forwarder (the contract's rank-order float32 sum stays at the source). Outputs,
-                handles and order are the flat path's, bit for bit (docs/design.md, "Transports and nodes").
-                Built on ``mpi`` only: ``nvshmem`` refuses True (ValueError). With one node it changes nothing.
+                of its node at the flat path's slots (dispatch outputs are the flat path's, bit for bit). A combine
+                reduces in the node: that forwarder sums its node's partials of each token (float32, ascending rank)
+                and sends one row per token, rounded to the payload dtype, which the source adds in place of that
+                node's ranks (a fixed order differing from the flat one only by that rounding; docs/design.md,
+                "Combine"). ``mpi`` only: ``nvshmem`` refuses True (ValueError). One node: no effect.
             profile: True records per-phase timings on every rank, read by :meth:`profile_table`
                 (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
         """

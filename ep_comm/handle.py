@@ -43,8 +43,9 @@ class EPHandle:
     cpu_sync: bool
     num_out_rows: int  # rows of recv_x (M when expand, else N)
     geometry: Geometry  # of the Buffer that made it: only a Buffer of the same geometry takes the handle
-    # device arrays a backend derived from the fields above for replays (the handle is never changed
-    # after the dispatch that made it, so they are computed once), by name; not part of the contract
+    # arrays a backend keeps with the handle, by name (device arrays derived from the fields above for replays: the
+    # handle is never changed after the dispatch that made it, so they are computed once; on mpi, the received rows'
+    # local expert ids its combine sends back); not part of the contract
     derived: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -49,8 +49,8 @@ def test_a_token_to_several_ranks_of_one_remote_node_crosses_once_forwarded():
     assert got[("dispatch", "forwarded", "scaleout")] == _at(r1=1)
     assert got[("dispatch", "forwarded", "scaleup")] == _at(r5=2)  # the forwarder stores to ranks 4 and 7
     assert got[("combine", "flat", "scaleout")] == _at(r4=1, r5=1, r7=1)
-    assert got[("combine", "forwarded", "scaleup")] == _at(r4=1, r7=1)  # partials to the forwarder, unreduced
-    assert got[("combine", "forwarded", "scaleout")] == _at(r5=3)  # the three partials cross, each once
+    assert got[("combine", "forwarded", "scaleup")] == _at(r4=1, r7=1)  # partials to the forwarder
+    assert got[("combine", "forwarded", "scaleout")] == _at(r5=1)  # their sum, one row, crosses back
 
 
 def test_masked_entries_self_and_a_forwarder_that_is_no_destination():
@@ -62,7 +62,7 @@ def test_masked_entries_self_and_a_forwarder_that_is_no_destination():
     assert got[("combine", "flat", "scaleup")] == _at(r0=1)
     assert got[("combine", "flat", "scaleout")] == _at(r6=1)
     assert got[("combine", "forwarded", "scaleup")] == _at(r0=1, r6=1)
-    assert got[("combine", "forwarded", "scaleout")] == _at(r5=1)
+    assert got[("combine", "forwarded", "scaleout")] == _at(r5=1)  # the one partial of node 1, through rank 5
 
 
 def test_world_rows_sum_the_sources():
@@ -72,13 +72,14 @@ def test_world_rows_sum_the_sources():
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
-def test_forwarded_never_sends_more_over_scale_out_and_the_combine_the_same(size):
+def test_forwarded_never_sends_more_over_scale_out_and_the_combine_as_much_as_the_dispatch(size):
     topology = Topology.of(8, size)
     routings = [uniform_routing(64, E, 4, seed=(size, r)).topk_idx for r in range(8)]
     rows = world_rows(routings, E, topology)
     flat_out, fwd_out = rows[0, 0, 1].sum(), rows[0, 1, 1].sum()
     assert fwd_out <= flat_out
-    assert rows[1, 1, 1].sum() == rows[1, 0, 1].sum()  # the combine relays partials unreduced
+    assert rows[1, 0, 1].sum() == flat_out  # flat, a partial crosses back for every row that crossed out
+    assert rows[1, 1, 1].sum() == fwd_out  # forwarded, one summed row per token and remote node
     if size == 1:  # one rank per node: every forwarder is the destination itself
         np.testing.assert_array_equal(rows[:, 1], rows[:, 0])
     if size == 8:  # one node: nothing crosses scale-out
@@ -121,9 +122,17 @@ def test_uniform_expectation_matches_sampled_routing():
     rows = sent_rows(uniform_routing(n, 256, 8, seed=7).topk_idx, 0, 256, top)
     want = uniform_expectation(256, 8, 8, 4)
     cases = ((rows[0, 0, 0, 0], want.in_node_ranks, 3), (rows[0, 0, 1, 0], want.remote_node_ranks, 4),
-             (rows[0, 1, 1, 0], want.remote_nodes, 1))
+             (rows[0, 1, 1, 0], want.remote_nodes, 1), (rows[1, 1, 1].sum(), want.remote_nodes, 1))
     for got, expected, most in cases:
         assert got / n == pytest.approx(expected, abs=5 * most / 2 / math.sqrt(n))
+
+
+@pytest.mark.parametrize("op", [0, 1])
+def test_forwarding_deepseek_v3_prefill_on_two_nodes_of_four_sends_under_0_4_of_the_flat_scale_out_bytes(op):
+    """Issue 39's bound, dispatch (op 0) and combine (op 1): 256 experts, top-8, uniform, 4096 tokens per rank."""
+    routings = [uniform_routing(4096, 256, 8, seed=(0, r)).topk_idx for r in range(8)]
+    rows = world_rows(routings, 256, Topology.of(8, 4))
+    assert rows[op, 1, 1].sum() / rows[op, 0, 1].sum() <= 0.40
 
 
 def test_model_time_is_the_slowest_link_of_the_slowest_rank():

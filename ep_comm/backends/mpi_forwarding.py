@@ -8,14 +8,16 @@ into the ranks of its node at the flat path's offsets and slots, and only then s
 every rank's signal: a destination that sees a forwarder's signal sees the rows it relayed. So every destination
 window holds the bytes the flat path writes, and the receive parts (``MpiProtocol``) read them unchanged.
 
-Dispatch sends a token over the scale-out path once per remote destination node; combine relays each rank's
-partials unreduced (the contract sums them at the source in rank order in float32, docs/design.md), so it moves
-as many scale-out rows as the flat path, through the forwarder.
+Dispatch sends a token over the scale-out path once per remote destination node. Combine reduces in the node
+(docs/design.md, "Combine"): a rank puts its partials for a source of another node into the inbox of that source's
+forwarder in its own node; the forwarder's receive part sums them per token (``reduce.node_sum``) and puts one row
+per token into the source, which adds it as that node's term (``_term_of``, ``_read_term``). So a combine, too,
+sends a token over the scale-out path once per remote node.
 """
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -24,7 +26,19 @@ from ep_comm.backends.interface import DispatchRequest
 from ep_comm.backends.mpi_protocol import MpiProtocol
 from ep_comm.contract import layout as lay
 from ep_comm.contract.forward_inbox import HEADER_WORDS, ForwardInbox, relay_meta, slot_order
+from ep_comm.contract.reduce import node_sum
 from ep_comm.handle import Routing
+
+
+def owned_weights(tokens: np.ndarray, metas: List[np.ndarray], num_topk: int) -> np.ndarray:
+    """float32 ``[n, K]``: for each of ``tokens`` (int64 ``[n]`` ascending), entry k's weight from the rank of the
+    node owning its expert, 0 where none does. ``metas``: per rank, its combine meta rows ``[n_i, >= 1 + 2K]`` int32
+    (source token, its local expert ids, -1 for entries it does not own, weights as bits)."""
+    out = np.zeros((len(tokens), num_topk), dtype=np.float32)
+    for meta in metas:
+        row, k = np.nonzero(meta[:, 1 : 1 + num_topk] >= 0)
+        out[np.searchsorted(tokens, meta[row, 0]), k] = meta[:, 1 + num_topk : 1 + 2 * num_topk].view(np.float32)[row, k]
+    return out
 
 
 class MpiForwarding(MpiProtocol):
@@ -40,6 +54,15 @@ class MpiForwarding(MpiProtocol):
     def _forwarders(self) -> List[int]:
         """This rank's forwarders in the other nodes, which are also the ranks it forwards for."""
         return [self.topology.forwarder(self.rank, node) for node in self._remote_nodes()]
+
+    def _term_of(self) -> np.ndarray:
+        """int64 ``[R]`` (``MpiProtocol._term_of``); forwarded: a rank of another node is carried by the term of its
+        node's first rank (the forwarder's sum), a rank of this node by its own."""
+        ranks = super()._term_of()
+        if self.inbox is None:
+            return ranks
+        first = ranks - ranks % self.topology.scaleup_ranks
+        return np.where(first == self.topology.node_ranks(self.topology.node_of(self.rank)).start, ranks, first)
 
     # ------------------------------------------------------------------ sends
     def _scatter(self, parity: int, request: DispatchRequest, routing: Routing, slots: np.ndarray,
@@ -72,16 +95,16 @@ class MpiForwarding(MpiProtocol):
 
     def _return_rows(self, src: int, parity: int, rows: np.ndarray, meta: np.ndarray) -> None:
         """A combine's partials for ``src`` (``MpiProtocol._return_rows``); forwarded, for a rank of another
-        node: unreduced into the inbox block of its forwarder for ``src``."""
-        if self.inbox is None or self.topology.in_reach(self.rank, src):
+        node: into the inbox of ``src``'s forwarder in this node (over scale-up), block ``src``'s node and this
+        rank's local index, for the forwarder to sum (:meth:`_reduce_for`)."""
+        topology = self.topology
+        if self.inbox is None or topology.in_reach(self.rank, src):
             super()._return_rows(src, parity, rows, meta)
             return
-        node = self.topology.node_of(src)
-        block = self.inbox.block(self.topology.node_of(self.rank), self.topology.local_index(src))
-        no_slots = np.full((len(meta), self.topology.scaleup_ranks), -1)
-        self._to_inbox(self.topology.forwarder(self.rank, node), parity, block, self._pack_rows(rows),
+        block = self.inbox.block(topology.node_of(src), topology.local_index(self.rank))
+        no_slots = np.full((len(meta), topology.scaleup_ranks), -1)
+        self._to_inbox(topology.forwarder(src, topology.node_of(self.rank)), parity, block, self._pack_rows(rows),
                        relay_meta(meta, no_slots), False)
-        self.scaleout_rows["combine"] += len(rows)
 
     def _to_inbox(self, forwarder: int, parity: int, block: int, rows: np.ndarray, meta: np.ndarray,
                   with_counts: bool) -> None:
@@ -121,15 +144,20 @@ class MpiForwarding(MpiProtocol):
         self.window.signal(range(self.geo.num_ranks), step_word(seq, what), self.inbox.signal_offset)
 
     def _relay_signal_and_wait(self, what: str, seq: int) -> None:
-        """Wait (bounded) for the inboxes of step ``seq``, relay them (:meth:`_relay`), then signal every rank and
-        wait for every rank's signal."""
-        senders = self._forwarders()
+        """Wait (bounded) for the inboxes of step ``seq`` (a dispatch's from this rank's forwarders, a combine's
+        from the ranks of its node), relay them (:meth:`_relay`) or sum them (:meth:`_reduce_for`), then signal
+        every rank and wait for every rank's signal."""
+        dispatch = what == "dispatch"
+        senders = self._forwarders() if dispatch else list(self.topology.node_ranks(self.topology.node_of(self.rank)))
         word = step_word(seq, what)
         missing = self.window.wait(senders, word, time.monotonic() + self.timeout_s, self.inbox.signal_offset)
         self.steps.after_wait(what, missing, seen=True)
-        with self.profile.phase(what, "relay"):
-            for node, sender in zip(self._remote_nodes(), senders):
-                self._relay(what, seq % 2, node, sender)
+        with self.profile.phase(what, "relay" if dispatch else "node reduce"):
+            for node, forwarder in zip(self._remote_nodes(), self._forwarders()):
+                if dispatch:
+                    self._relay(seq % 2, node, forwarder)
+                else:
+                    self._reduce_for(seq % 2, forwarder)
         everyone = range(self.geo.num_ranks)
         self.window.signal(everyone, word)
         # a rank that began the step (its inbox signal is here) and is missing waits for another one: that one
@@ -137,22 +165,56 @@ class MpiForwarding(MpiProtocol):
         missing = self.window.wait(everyone, word, time.monotonic() + self.timeout_s, entered=self.inbox.signal_offset)
         self.steps.after_wait(what, missing, seen=True)
 
-    def _relay(self, what: str, parity: int, node: int, sender: int) -> None:
-        """Write the inbox blocks of ``sender`` (of ``node``) into the ranks of this node, where the flat path
-        would have put them: region ``[parity][sender]`` of each, rows in slot order (:func:`slot_order`)."""
+    def _inbox_block(self, parity: int, block: int) -> Tuple[int, bool, np.ndarray, np.ndarray]:
+        """``(rows, count words written, rows [n, row_bytes] uint8, meta [n, relay_words] int32)`` of inbox block
+        ``block`` of this rank (views of its window)."""
+        inbox, sym = self.inbox, self.sym
+        n, with_counts = self.window.local(inbox.header_at(parity, block), 8 * HEADER_WORDS).view(np.int64)
+        rows = self.window.local(inbox.row_at(parity, block), int(n) * sym.row_bytes).reshape(-1, sym.row_bytes)
+        meta = self.window.local(inbox.meta_at(parity, block), int(n) * inbox.relay_words * 4).view(
+            np.int32).reshape(-1, inbox.relay_words)
+        return int(n), bool(with_counts), rows, meta
+
+    def _relay(self, parity: int, node: int, sender: int) -> None:
+        """Write the dispatch inbox block of ``sender`` (of ``node``) into the ranks of this node, where the flat
+        path would have put them: region ``[parity][sender]`` of each, rows in slot order (:func:`slot_order`)."""
         inbox, sym, k = self.inbox, self.sym, self.geo.num_topk
+        _, with_counts, rows, meta = self._inbox_block(parity, inbox.block(node, 0))
         for j, dst in enumerate(self.topology.node_ranks(self.topology.node_of(self.rank))):
-            block = inbox.block(node, 0 if what == "dispatch" else j)
-            n, with_counts = self.window.local(inbox.header_at(parity, block), 8 * HEADER_WORDS).view(np.int64)
-            rows = self.window.local(inbox.row_at(parity, block), int(n) * sym.row_bytes).reshape(-1, sym.row_bytes)
-            meta = self.window.local(inbox.meta_at(parity, block), int(n) * inbox.relay_words * 4).view(
-                np.int32).reshape(-1, inbox.relay_words)
-            if what == "dispatch":
-                order = slot_order(meta[:, sym.meta_words + j])
-                rows, meta = rows[order], meta[order, : sym.meta_words].copy()
-                meta[:, 1 : 1 + k] = lay.local_topk(meta[:, 1 : 1 + k], dst, self.geo.experts_per_rank)
-                if with_counts:
-                    words = self.window.local(inbox.count_at(parity, inbox.block(node, j)), 8 * sym.count_words)
-                    self.window.put(words.copy(), dst, sym.count_at(parity, sender))
-            self.window.put(rows.copy(), dst, sym.row_at(parity, sender))
-            self.window.put(np.ascontiguousarray(meta[:, : sym.meta_words]), dst, sym.meta_at(parity, sender))
+            order = slot_order(meta[:, sym.meta_words + j])
+            dst_meta = meta[order, : sym.meta_words].copy()
+            dst_meta[:, 1 : 1 + k] = lay.local_topk(dst_meta[:, 1 : 1 + k], dst, self.geo.experts_per_rank)
+            if with_counts:
+                words = self.window.local(inbox.count_at(parity, inbox.block(node, j)), 8 * sym.count_words)
+                self.window.put(words.copy(), dst, sym.count_at(parity, sender))
+            self.window.put(rows[order], dst, sym.row_at(parity, sender))
+            self.window.put(dst_meta, dst, sym.meta_at(parity, sender))
+
+    def _reduce_for(self, parity: int, src: int) -> None:
+        """Sum the partials for ``src`` (a rank of another node, which this rank forwards for) that the ranks of this
+        node put into its inbox, one row per token (``reduce.node_sum``), and put them into ``src`` at region
+        ``[parity][this rank]``, in token order, with meta rows carrying each entry's weight from the rank owning
+        its expert (:func:`owned_weights`)."""
+        node = self.topology.node_of(src)
+        blocks = [self._inbox_block(parity, self.inbox.block(node, j)) for j in range(self.topology.scaleup_ranks)]
+        metas = [meta for _, _, _, meta in blocks]
+        tokens, rows = node_sum([meta[:, 0] for meta in metas],
+                                [self._unpack_rows(raw, self.geo.hidden) for _, _, raw, _ in blocks], self.geo.dtype)
+        self._put_block(src, parity, rows, self._pack_meta(tokens, -1, owned_weights(tokens, metas,
+                                                                                      self.geo.num_topk)))
+        self._count_scaleout("combine", src, len(tokens))
+
+    def _read_term(self, parity: int, q: int, reached: np.ndarray, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Term ``q`` of the source's reduce (``MpiProtocol._read_term``); forwarded, for the first rank of another
+        node: its forwarder's sums (in token order, one per token reaching the node), placed at their tokens (the
+        node's other ranks carry no term: ``reached`` is all False there, and their rows are zeros)."""
+        if self.inbox is None or self.topology.in_reach(self.rank, q):
+            return super()._read_term(parity, q, reached, slots)
+        geo = self.geo
+        tokens = np.nonzero(reached)[0]
+        sums, meta = self._read_block(parity, self.topology.forwarder(self.rank, self.topology.node_of(q)),
+                                      len(tokens), geo.hidden)
+        rows = np.zeros((len(reached), geo.hidden), geo.dtype)
+        weights = np.zeros((len(reached), geo.num_topk), np.float32)
+        rows[tokens], weights[tokens] = sums, meta[:, 1 + geo.num_topk :].view(np.float32)
+        return rows, weights

@@ -22,6 +22,10 @@ from ep_comm.contract.symmetric import SymmetricLayout
 from ep_comm.contract.topology import Topology
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, Received, Routing, make_handle
 
+# handle.derived key: int64 [N, K] local expert ids of the rows a dispatch received here (-1: the expert is elsewhere),
+# the entries this rank owns; its combine sends them back in the meta rows (a forwarder merges its node's weights)
+RECV_LOCAL_IDS = "mpi.recv_local_ids"
+
 
 def _routes_nothing(routing: Routing) -> Routing:
     """``routing`` (its ids kept) as a dispatch refused for a bad verdict leaves it: no token in any rank, no slot."""
@@ -65,14 +69,18 @@ class MpiProtocol(MpiSteps):
         self.window.put(self._pack_rows(rows), dst, self.sym.row_at(parity, self.rank))
         self.window.put(meta, dst, self.sym.meta_at(parity, self.rank))
 
+    def _unpack_rows(self, raw: np.ndarray, width: int) -> np.ndarray:
+        """``[n, row_bytes]`` uint8 (or its flat bytes) -> ``[n, width]`` payload (a copy; ``width`` is H, or
+        narrower for packed FP8 rows): :meth:`_pack_rows` undone."""
+        rows = raw.reshape(-1, self.sym.row_bytes)[:, : width * self.geo.dtype.itemsize]
+        return np.ascontiguousarray(rows).view(self.geo.dtype).reshape(-1, width)
+
     def _read_block(self, parity: int, src: int, count: int, width: int) -> tuple:
         """Rows ``[count, width]`` (payload dtype; ``width`` is H, or narrower for packed FP8 rows) and meta
         ``[count, 1+2K]`` int32 that ``src`` wrote here."""
-        nbytes = width * self.geo.dtype.itemsize
-        raw = self.window.local(self.sym.row_at(parity, src), count * self.sym.row_bytes)
-        rows = np.ascontiguousarray(raw.reshape(count, self.sym.row_bytes)[:, :nbytes]).view(self.geo.dtype)
+        rows = self._unpack_rows(self.window.local(self.sym.row_at(parity, src), count * self.sym.row_bytes), width)
         meta = self.window.local(self.sym.meta_at(parity, src), count * self.sym.meta_words * 4)
-        return rows.reshape(count, width), meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
+        return rows, meta.view(np.int32).reshape(count, self.sym.meta_words).copy()
 
     # ---------------------------------------------------------------- dispatch
     def pack_fp8(self, x: Any) -> np.ndarray:
@@ -223,6 +231,7 @@ class MpiProtocol(MpiSteps):
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
                              expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
                              deterministic=self.deterministic, cpu_sync=cpu_sync)
+        handle.derived[RECV_LOCAL_IDS] = local_ids
         return DispatchOutput(recv_x, recv_idx, recv_w, handle)
 
     def _compact(self, rows, local_ids, weights, out_rows) -> tuple:
@@ -275,17 +284,19 @@ class MpiProtocol(MpiSteps):
                                                                     topk_weights[np.maximum(meta[:, 2:], 0)], 0)
             else:
                 partial, back_w = request.y[:n], None if topk_weights is None else topk_weights[:n]
-            starts = lay.exclusive_psum(counts)
+            starts, owned = lay.exclusive_psum(counts), handle.derived[RECV_LOCAL_IDS]
             for src in range(geo.num_ranks):
                 block = slice(starts[src], starts[src + 1])
                 w = None if back_w is None else back_w[block]
-                self._return_rows(src, parity, partial[block], self._pack_meta(meta[block, 0] % geo.max_tokens, -1, w))
+                self._return_rows(src, parity, partial[block],
+                                  self._pack_meta(meta[block, 0] % geo.max_tokens, owned[block], w))
         self._signal("combine", seq, hooked)
         return functools.partial(self._combine_receive, step, request, hooked)
 
     def _return_rows(self, src: int, parity: int, rows: np.ndarray, meta: np.ndarray) -> None:
         """A combine's partials ``rows [n, H]`` for source rank ``src`` (the rows it sent here, in slot order) and
-        their meta rows ``[n, 1 + 2K]`` int32, into ``src``'s window."""
+        their meta rows ``[n, 1 + 2K]`` int32 (source token, this rank's local expert ids, weights), into ``src``'s
+        window."""
         self._put_block(src, parity, rows, meta)
         self._count_scaleout("combine", src, len(rows))
 
@@ -298,26 +309,39 @@ class MpiProtocol(MpiSteps):
                                           request.bias_terms)
 
     def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
-        """Source side: gather each token's row from every rank it reached, sum in rank order."""
+        """Source side: each token's terms (:meth:`_term_of`) gathered from the rows sent back, summed in rank
+        order (``reduce.combine_rows``)."""
         geo = self.geo
         slots = self._slots_from_handle(handle)
-        counts = handle.is_token_in_rank.sum(axis=0)
-        rows_from_rank, weights_from_rank = [], []
-        for r in range(geo.num_ranks):
-            rows, meta = self._read_block(parity, r, int(counts[r]), geo.hidden)
-            pick = np.maximum(slots[:, r], 0)
-            rows_from_rank.append(rows[pick] if len(rows) else np.zeros((handle.num_tokens, geo.hidden), geo.dtype))
-            weights_from_rank.append(meta[pick, 1 + geo.num_topk :].view(np.float32) if len(rows) else None)
-        x = combine_rows(rows_from_rank, handle.is_token_in_rank, bias_terms, geo.dtype)
-        topk_w = self._gather_weights(handle, weights_from_rank) if with_weights else None
+        term_of = self._term_of()
+        reached = np.stack([handle.is_token_in_rank[:, term_of == q].any(axis=1) for q in range(geo.num_ranks)],
+                           axis=1)
+        terms = [self._read_term(parity, q, reached[:, q], slots) for q in range(geo.num_ranks)]
+        x = combine_rows([rows for rows, _ in terms], reached, bias_terms, geo.dtype)
+        topk_w = self._gather_weights(handle, term_of, [w for _, w in terms]) if with_weights else None
         return CombineOutput(x, topk_w)
 
-    def _gather_weights(self, handle: EPHandle, weights_from_rank) -> np.ndarray:
-        """``[T, K]``: entry k's weight as sent back by the rank owning its expert; 0 if masked."""
+    def _term_of(self) -> np.ndarray:
+        """int64 ``[R]``: the rank whose term of the source's reduce carries each rank's partial; flat, itself."""
+        return np.arange(self.geo.num_ranks)
+
+    def _read_term(self, parity: int, q: int, reached: np.ndarray, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """``(rows [T, H] payload, weights [T, K] float32)`` of term ``q`` for each token of this rank, meaningful
+        where ``reached [T]``: the rows rank ``q`` sent back, picked by their slots ``slots[:, q]``."""
+        geo = self.geo
+        rows, meta = self._read_block(parity, q, int(reached.sum()), geo.hidden)
+        if not len(rows):
+            return np.zeros((len(reached), geo.hidden), geo.dtype), np.zeros((len(reached), geo.num_topk), np.float32)
+        pick = np.maximum(slots[:, q], 0)
+        return rows[pick], meta[pick, 1 + geo.num_topk :].view(np.float32)
+
+    def _gather_weights(self, handle: EPHandle, term_of: np.ndarray, weights_of_term) -> np.ndarray:
+        """``[T, K]``: entry k's weight as sent back by the rank owning its expert, read from the term carrying
+        that rank (``term_of [R]``, ``weights_of_term[q] [T, K]`` float32); 0 if masked."""
         ranks = lay.entry_ranks(handle.topk_idx, self.geo.experts_per_rank)
+        terms = np.where(ranks >= 0, term_of[np.maximum(ranks, 0)], -1)
         out = np.zeros(ranks.shape, dtype=np.float32)
-        for r, w in enumerate(weights_from_rank):
-            if w is not None:
-                mask = ranks == r
-                out[mask] = w[mask]
+        for q, w in enumerate(weights_of_term):
+            mask = terms == q
+            out[mask] = w[mask]
         return out

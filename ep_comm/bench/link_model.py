@@ -1,6 +1,7 @@
 """``--scaleup-ranks N``: the byte model of each point's routing on nodes of N ranks (``ep_comm.contract.traffic``)
 next to the measured times: per operation, rows and bytes per token each rank sends over scale-up and scale-out,
-flat and forwarded, forwarded over flat, and the model time at the link rates of ``meta["link_rates_gbps"]``.
+flat and forwarded (the forwarded combine reduced in the node: one scale-out row per token and remote node, as the
+forwarded dispatch), forwarded over flat, and the model time at the link rates of ``meta["link_rates_gbps"]``.
 
 The model counts what the routing implies; the run itself sends as the Buffer does (today: flat, every row
 through puts once there are several nodes), and where the backend counts them (``Buffer.traffic()``: ``mpi``) the

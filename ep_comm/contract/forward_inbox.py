@@ -2,9 +2,10 @@
 writes in.
 
 The inbox follows the symmetric buffer in the same allocation (it starts at ``SymmetricLayout.total_bytes``). A
-forwarder receives from one rank of every other node, the rank with its own local index (``Topology.forwarder`` is
-symmetric). Its regions have ``R`` blocks per parity, block ``b = sender node * S + j`` (``S = scaleup_ranks``,
-``j`` a local index in the forwarder's node):
+forwarder forwards for one rank of every other node, the rank with its own local index (``Topology.forwarder`` is
+symmetric): in a dispatch it receives from that rank, in a combine from the ranks of its own node, their partials
+for that rank. Its regions have ``R`` blocks per parity, block ``b = node * S + j`` (``S = scaleup_ranks``, ``node``
+the node of the rank forwarded for, ``j`` a local index in the forwarder's node):
 
 * ``signal[R]`` int64: the step word (``collective_steps.step_word``) of the last step sender ``s`` finished
   writing into this inbox (monotone, as the symmetric buffer's signals);
@@ -17,10 +18,13 @@ symmetric). Its regions have ``R`` blocks per parity, block ``b = sender node * 
 
 Dispatch (block ``node * S``): every token of the sender bound for any rank of the forwarder's node, once, in token
 order; its meta carries the token's *global* expert ids and its slot in each rank ``j`` of the node (-1: not sent
-there), the slots the flat path computed. Combine (block ``node * S + j``): the sender's partials for rank ``j`` of
-the forwarder's node, unreduced, in slot order, their meta rows as the flat path sends them (slots unused).
+there), the slots the flat path computed. Combine (block ``node * S + j``): the partials of rank ``j`` of the
+forwarder's node for the rank forwarded for in ``node``, in slot order, their meta rows as the flat path sends them
+(source token, rank ``j``'s local expert ids, weights; slots unused); the forwarder sums them per token
+(``reduce.node_sum``).
 
-The forwarder's writes depend on the slots alone, never on arrival order (:func:`slot_order`).
+The forwarder's writes depend on the slots (dispatch) or the token ids (combine) alone, never on arrival order
+(:func:`slot_order`).
 """
 from __future__ import annotations
 

@@ -8,10 +8,14 @@ Two stages (see ``docs/design.md``, "Combine"):
    and rounds ``acc`` to the payload dtype before sending it back;
 2. on the source side, ``acc = 0.0f``, plus each bias term, plus the partial of every rank the
    token reached in ascending rank order, rounded once to the payload dtype.
+
+Forwarded (``Buffer(forwarding=True)`` with several nodes), a remote node's partials of a token are first summed at
+its forwarder (:func:`node_sum`: from 0.0f, ascending rank, rounded to the payload dtype), and that one row is the
+node's term in stage 2, at the place of the node's first rank (:func:`combine_rows` over those terms).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -55,3 +59,25 @@ def combine_rows(
         mask = reached[:, r]
         acc[mask] = acc[mask] + rows[mask].astype(np.float32)
     return acc.astype(out_dtype)
+
+
+def node_sum(tokens_by_rank: Sequence[np.ndarray], rows_by_rank: Sequence[np.ndarray],
+             out_dtype: np.dtype) -> Tuple[np.ndarray, np.ndarray]:
+    """Stage 1 of the forwarded combine, at the forwarder of (source, node): one row per token of the source.
+
+    Args:
+        tokens_by_rank: per rank of the node, ascending: int ``[n_i]`` the source tokens it holds (each once).
+        rows_by_rank: per rank of the node: ``[n_i, H]`` its partials of those tokens (payload dtype).
+        out_dtype: the payload dtype.
+
+    Returns:
+        ``(tokens, rows)``: int64 ``[n]`` the tokens any rank holds, ascending, and ``[n, H]`` in ``out_dtype``:
+        ``acc = 0.0f``, plus the partial of every rank holding the token in ascending rank order, rounded once.
+    """
+    tokens = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens_by_rank]))
+    hidden = rows_by_rank[0].shape[1]
+    acc = np.zeros((len(tokens), hidden), dtype=np.float32)
+    for held, rows in zip(tokens_by_rank, rows_by_rank):
+        at = np.searchsorted(tokens, held)
+        acc[at] = acc[at] + rows.astype(np.float32)
+    return tokens, acc.astype(out_dtype)

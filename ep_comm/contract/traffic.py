@@ -12,13 +12,11 @@ says. Per source rank ``s`` and token, ``D`` = the distinct destination ranks of
   (``Topology.forwarder(s, node)``, whether or not the forwarder is in ``D``), and the forwarder sends it over
   scale-up to the ranks of ``D`` in its node other than itself. Those scale-up rows are counted as the
   forwarder's: they leave the forwarder's GPU, so they load its NVLink, not ``s``'s.
-* **forwarded** combine, the reverse route: ep_comm's combine sums a token's partials in rank order in float32
-  (``ep_comm.contract.reduce``), so a forwarder cannot pre-sum its node's partials without changing the result's
-  bytes. It relays them unreduced: every rank of ``D`` in a remote node other than the forwarder sends its partial
-  over scale-up to the forwarder (counted as that rank's), and the forwarder sends all of its node's partials,
-  its own included, over scale-out to ``s`` (counted as the forwarder's). Scale-out rows are the flat ones
-  (distinct destination ranks in remote nodes), each crossing once, via the forwarder; the forwarded combine
-  only adds scale-up rows and moves the scale-out rows onto the forwarders.
+* **forwarded** combine, the reverse route reduced in the node (docs/design.md, "Combine"): every rank of ``D`` in
+  a remote node other than the forwarder sends its partial over scale-up to the forwarder (counted as that rank's),
+  and the forwarder sums its node's partials and sends one row per token over scale-out to ``s`` (counted as the
+  forwarder's). Its scale-out rows are the forwarded dispatch's (one per token and distinct remote node), sent by
+  the forwarders instead of ``s``.
 
 Bytes are rows times the bytes of one row of the operation (the caller's: ``hidden * itemsize``, or FP8 and its
 scales for an FP8 dispatch). The model time of an operation is the slowest link: the largest, over ranks and their
@@ -77,7 +75,7 @@ def sent_rows(topk_idx: np.ndarray, src_rank: int, num_experts: int, topology: T
         rows[0, 1, up, forwarder] += node_rows - per_rank[forwarder]
         rows[1, 1, up, ranks.start:ranks.stop] += per_rank[ranks.start:ranks.stop]
         rows[1, 1, up, forwarder] -= per_rank[forwarder]
-        rows[1, 1, out, forwarder] += node_rows
+        rows[1, 1, out, forwarder] += nodes_hit[node]
     return rows
 
 
@@ -106,8 +104,8 @@ class UniformExpectation(NamedTuple):
     over the experts (floats)."""
 
     in_node_ranks: float  # ranks of the own node: scale-up rows per token of a flat dispatch
-    remote_node_ranks: float  # ranks of other nodes: scale-out rows per token flat (and of the forwarded combine)
-    remote_nodes: float  # other nodes: scale-out rows per token of a forwarded dispatch
+    remote_node_ranks: float  # ranks of other nodes: scale-out rows per token flat
+    remote_nodes: float  # other nodes: scale-out rows per token forwarded (dispatch, and its combine)
 
 
 def uniform_expectation(num_experts: int, topk: int, num_ranks: int, scaleup_ranks: int) -> UniformExpectation:

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from ep_comm.contract import layout as lay
 from ep_comm.contract.arrays import to_host
+from ep_comm.testing.forwarded import Forwarded
 from ep_comm.testing.round_trip import SentBack, expected_round_trip, first_mismatch
 
 
@@ -56,6 +57,7 @@ class DispatchOptions:
     cpu_sync: bool = True
     weighted: bool = False  # topk_weights were dispatched (and given to the combine)
     deterministic: bool = False
+    forwarded_scaleup_ranks: Optional[int] = None  # scaleup_ranks of a Buffer that forwards (several nodes)
 
 
 @dataclass
@@ -265,12 +267,14 @@ def check_combine(sources: Sources, me: int, opts: DispatchOptions, combined_x: 
                   bias_terms: Sequence[np.ndarray] = (), sent_back: Optional[SentBack] = None) -> List[str]:
     """The combine on rank ``me`` of its dispatch's rows (compact: ``sent_back(rank, rows)`` of them; expand:
     ``recv_x`` weighted when ``opts.weighted``) plus ``bias_terms``, bit for bit against
-    :func:`expected_round_trip`; ``combined_w`` (the combine's ``topk_weights``) must be the dispatched
+    :func:`expected_round_trip` (in the forwarded order with ``opts.forwarded_scaleup_ranks``); ``combined_w`` (the combine's ``topk_weights``) must be the dispatched
     weights where an entry has an expert, else 0, when weights were given, else None."""
     idx = np.asarray(sources.topk_idx[me])
     weights = sources.weights_of(me) if opts.weighted else None
+    nodes = opts.forwarded_scaleup_ranks
     want = expected_round_trip(sources.x[me], idx, sources.num_experts, sources.num_ranks, opts.expand,
-                               weights=weights, bias_terms=bias_terms, sent_back=sent_back)
+                               weights=weights, bias_terms=bias_terms, sent_back=sent_back,
+                               forwarded=None if nodes is None else Forwarded(me, nodes))
     problem = first_mismatch(to_host(combined_x), want)
     problems = [] if problem is None else [f"combine differs: {problem}"]
     got_w = to_host(combined_w)

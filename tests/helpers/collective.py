@@ -28,8 +28,7 @@ def to_device(a: Optional[np.ndarray]) -> Any:
 def forwarded() -> bool:
     """Whether the session's Buffers send to other nodes through their forwarders (``--forwarding`` with
     ``--scaleup-ranks`` below the rank count)."""
-    options = current()
-    return options.forwarding and options.scaleup_ranks is not None and options.scaleup_ranks < COMM.size
+    return current().forwarded_nodes(COMM.size) is not None
 
 
 def make_buffer(world: World, deterministic: bool = True, **kw: Any) -> ep_comm.Buffer:

@@ -54,6 +54,13 @@ class SessionOptions:
         """Rank counts of the multi-rank contract jobs: ``--ranks``, else the backend's default."""
         return self.ranks or DEFAULT_JOB_SIZES[self.backend]
 
+    def forwarded_nodes(self, num_ranks: int) -> Optional[int]:
+        """``scaleup_ranks`` of this session's Buffers on ``num_ranks`` ranks when they forward (``--forwarding``
+        with more than one node: the forwarded combine's order), else None."""
+        if self.forwarding and self.scaleup_ranks is not None and self.scaleup_ranks < num_ranks:
+            return self.scaleup_ranks
+        return None
+
     def buffer_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments selecting the backend (and on nvshmem its transport), and the virtual nodes where
         given, for ``ep_comm.Buffer``."""

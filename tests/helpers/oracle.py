@@ -2,7 +2,8 @@
 
 Written from docs/design.md with plain loops, independent of ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce``,
 so that the suite checks the backends (and the reference) against the contract itself.
-Every rank computes the same expectations from the allgathered inputs.
+Every rank computes the same expectations from the allgathered inputs. A combine of Buffers that forward (several
+nodes) is expected in the forwarded order, from ``ep_comm.testing.forwarded`` (itself independent of the reduce).
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import List, Optional
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
+
+from ep_comm.testing.forwarded import Forwarded, forwarded_combine
+from helpers.options import current
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -94,9 +98,17 @@ def align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def expected_compact_combine(world: World, y_of: Optional[dict] = None, bias=()) -> np.ndarray:
+def expected_compact_combine(world: World, y_of: Optional[dict] = None, bias=(),
+                             scaleup_ranks: Optional[int] = None) -> np.ndarray:
     """``[T, H]``: 0.0f + bias terms + for each rank reached (ascending) the row sent back,
-    rounded once. ``y_of[(rank, token)]`` is the row rank sends back (default: x[token])."""
+    rounded once. ``y_of[(rank, token)]`` is the row rank sends back (default: x[token]).
+
+    ``scaleup_ranks``: the nodes of a Buffer that forwards (``WORLD``: one node, the flat order); None: the
+    session's Buffers' (``helpers.options``). With several nodes, in the forwarded order (:func:`forwarded_sum`).
+    """
+    nodes = current().forwarded_nodes(WORLD) if scaleup_ranks is None else scaleup_ranks
+    if nodes is not None and nodes < WORLD:
+        return forwarded_sum(world, y_of, bias, nodes)
     x = world.x[RANK]
     acc = np.zeros(x.shape, dtype=np.float32)
     for term in bias:
@@ -108,9 +120,23 @@ def expected_compact_combine(world: World, y_of: Optional[dict] = None, bias=())
     return acc.astype(world.dtype)
 
 
-def expected_expand_combine(world: World, weighted: bool) -> np.ndarray:
+def forwarded_sum(world: World, y_of: Optional[dict], bias, scaleup_ranks: int) -> np.ndarray:
+    """:func:`expected_compact_combine` of a Buffer forwarding in nodes of ``scaleup_ranks``: the rows sent back
+    summed in the forwarded order (``ep_comm.testing.forwarded_combine``)."""
+    x = world.x[RANK]
+    reached = np.zeros((len(x), WORLD), dtype=bool)
+    partials = [np.zeros_like(x) for _ in range(WORLD)]
+    for t in range(len(x)):
+        for r in world.ranks_of(t):
+            reached[t, r] = True
+            partials[r][t] = x[t] if y_of is None else y_of[(r, t)]
+    return forwarded_combine(partials, reached, Forwarded(RANK, scaleup_ranks), bias)
+
+
+def expected_expand_combine(world: World, weighted: bool, scaleup_ranks: Optional[int] = None) -> np.ndarray:
     """Expand combine of ``y = recv_x``: per rank, ``acc = 0; acc += w_k * x`` over its entries
-    in top-k order, rounded to the payload dtype; then the rank partials summed as in compact."""
+    in top-k order, rounded to the payload dtype; then the rank partials summed as in compact (``scaleup_ranks``
+    as there)."""
     x, w = world.x[RANK], world.weights[RANK]
     partial = {}
     for t in range(len(x)):
@@ -120,4 +146,4 @@ def expected_expand_combine(world: World, weighted: bool) -> np.ndarray:
                 term = x[t].astype(np.float32)
                 acc = acc + (w[t, k] * term if weighted else term)
             partial[(r, t)] = acc.astype(world.dtype)
-    return expected_compact_combine(world, partial)
+    return expected_compact_combine(world, partial, scaleup_ranks=scaleup_ranks)

@@ -3,23 +3,35 @@ every rank of an ``mpirun`` job.
 
 The contract's cases (the routings of ``test_contract``, compact and expand, deterministic or not, new routings,
 handle replays, ``cpu_sync=False``, receive hooks, FP8) on Buffers in virtual nodes of every size ``S < R`` that
-divides the rank count, flat and forwarded, give byte for byte what a one-node Buffer gives on the same routing;
-the rows each rank puts over the scale-out path are the flat path's (one per token and remote destination rank) or
-the forwarded one's (one per token and remote destination node; a combine relays every partial). A rank that
-never arrives, or never calls its hook, is named by its peers' timeouts. Collective: every test runs on every
-rank; each Buffer is made fresh, so that its step numbers (the non-deterministic slots) match the reference's.
+divides the rank count, flat and forwarded: dispatches give byte for byte what a one-node Buffer gives on the same
+routing; combines too when flat, and when forwarded the bytes of the forwarded order (docs/design.md, "Combine"),
+from the independent sum of ``ep_comm.testing.forwarded``. The rows each rank puts over the scale-out path are
+the flat path's (one per token and remote destination rank; a combine's, one per row received from a remote rank)
+or the forwarded one's (one per token and remote destination node, both ways: a forwarder sends one summed row per
+token of each source it forwards for). A rank that never arrives, or never calls its hook, is named by its peers'
+timeouts. Collective: every test runs on every rank; each Buffer is made fresh, so that its step numbers (the
+non-deterministic slots) match the reference's.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import pytest
 from helpers.collective import dispatch, make_buffer, to_device
 from helpers.options import current
-from helpers.oracle import COMM, RANK, WORLD, World, bits, make_world
+from helpers.oracle import (
+    COMM,
+    RANK,
+    WORLD,
+    World,
+    bits,
+    expected_compact_combine,
+    expected_expand_combine,
+    make_world,
+)
 from helpers.same_outputs import assert_same, assert_same_dispatch
 
 import ep_comm
@@ -54,11 +66,21 @@ def calls(buf: ep_comm.Buffer, world: World, expand: bool) -> Dict[str, Any]:
     return out
 
 
-def assert_same_calls(want: Dict[str, Any], got: Dict[str, Any]) -> None:
+def assert_same_calls(want: Dict[str, Any], got: Dict[str, Any], world: World, expand: bool,
+                      forwarded_nodes: Optional[int]) -> None:
+    """``got`` (of :func:`calls`) against the one-node Buffer's ``want``: the dispatches and the combines'
+    ``topk_weights`` byte for byte; the combines' ``x`` too, or with ``forwarded_nodes`` (a forwarding Buffer's
+    ``scaleup_ranks``) the oracle's sum in the forwarded order."""
     for name in ("first", "replay", "lazy", "hooked"):
         assert_same_dispatch(name, want[name], got[name])
-    for name in ("combine", "hooked combine"):
-        assert bits(want[name].x).tobytes() == bits(got[name].x).tobytes(), name
+    for name, weighted in (("combine", expand), ("hooked combine", False)):
+        if forwarded_nodes is None:
+            expected = want[name].x
+        elif expand:
+            expected = expected_expand_combine(world, weighted, scaleup_ranks=forwarded_nodes)
+        else:
+            expected = expected_compact_combine(world, scaleup_ranks=forwarded_nodes)
+        assert bits(expected).tobytes() == bits(got[name].x).tobytes(), name
         assert_same(f"{name} topk_weights", want[name].topk_weights, got[name].topk_weights)
 
 
@@ -73,9 +95,17 @@ def remote_rows(world: World, scaleup_ranks: int, per_node: bool) -> int:
     return total
 
 
-def returned_rows(world: World, scaleup_ranks: int) -> int:
-    """Scale-out rows of this rank's combine: one partial per row it received from a rank of another node."""
-    return sum(1 for src, _ in world.received(RANK) if src // scaleup_ranks != RANK // scaleup_ranks)
+def returned_rows(world: World, scaleup_ranks: int, forwarded: bool) -> int:
+    """Scale-out rows of this rank's combine: one partial per row it received from a rank of another node; or
+    (``forwarded``) one summed row per token of each source it forwards for (the rank with its local index in
+    every other node) that reached a rank of its node."""
+    mine = RANK // scaleup_ranks
+    if not forwarded:
+        return sum(1 for src, _ in world.received(RANK) if src // scaleup_ranks != mine)
+    sources = [node * scaleup_ranks + RANK % scaleup_ranks for node in range(WORLD // scaleup_ranks) if node != mine]
+    node = range(mine * scaleup_ranks, (mine + 1) * scaleup_ranks)
+    return sum(1 for src in sources for t in range(len(world.topk_idx[src]))
+               if any(world.entries_on(src, t, r) for r in node))
 
 
 @pytest.mark.parametrize("expand", [False, True])
@@ -83,7 +113,8 @@ def returned_rows(world: World, scaleup_ranks: int) -> int:
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("forwarding", [False, True])
 @pytest.mark.parametrize("scaleup_ranks", NODE_SIZES)
-def test_virtual_nodes_give_the_one_node_bytes(scaleup_ranks, forwarding, routing, deterministic, expand):
+def test_virtual_nodes_dispatch_as_one_node_and_combine_in_their_order(scaleup_ranks, forwarding, routing,
+                                                                       deterministic, expand):
     world = make_world(routing, dtype="bfloat16" if expand else "float32")
     with nodes_buffer(world, None, False, deterministic=deterministic) as one_node:
         want = calls(one_node, world, expand)
@@ -91,11 +122,11 @@ def test_virtual_nodes_give_the_one_node_bytes(scaleup_ranks, forwarding, routin
         first = dispatch(buf, world, **(EXPAND if expand else {}))
         assert buf.traffic().scaleout_rows.dispatch == remote_rows(world, scaleup_ranks, per_node=forwarding)
         buf.combine(first.recv_x, first.handle)
-    # read after the close (the counts up to it); the combine relays every partial unreduced
+    # read after the close (the counts up to it)
     assert buf.traffic().scaleout_rows == (remote_rows(world, scaleup_ranks, per_node=forwarding),
-                                           returned_rows(world, scaleup_ranks))
+                                           returned_rows(world, scaleup_ranks, forwarded=forwarding))
     with nodes_buffer(world, scaleup_ranks, forwarding, deterministic=deterministic) as buf:
-        assert_same_calls(want, calls(buf, world, expand))
+        assert_same_calls(want, calls(buf, world, expand), world, expand, scaleup_ranks if forwarding else None)
 
 
 @pytest.mark.parametrize("forwarding", [False, True])
@@ -116,17 +147,19 @@ def test_fp8_dispatch_gives_the_one_node_bytes(scaleup_ranks, forwarding):
 
 
 def test_forwarding_saves_scale_out_rows_on_a_hot_routing():
-    """Every token to an expert of every rank: flat sends it to each remote rank, forwarded to each remote node."""
+    """Every token to an expert of every rank, two nodes: flat, a dispatch sends it to each remote rank and each
+    remote rank sends a partial back; forwarded, it crosses once each way (one summed row per token)."""
     if WORLD < 4:
         pytest.skip("needs two nodes of two ranks")
     world = make_world("full", num_topk=WORLD, num_experts=WORLD)  # one expert per rank, every rank in every top-k
     rows = {}
     for forwarding in (False, True):
         with nodes_buffer(world, WORLD // 2, forwarding) as buf:
-            dispatch(buf, world)
-            rows[forwarding] = buf.traffic().scaleout_rows.dispatch
+            out = dispatch(buf, world)
+            buf.combine(out.recv_x, out.handle)
+            rows[forwarding] = buf.traffic().scaleout_rows
     tokens = len(world.topk_idx[RANK])
-    assert rows == {False: tokens * (WORLD // 2), True: tokens}
+    assert rows == {False: (tokens * (WORLD // 2), tokens * (WORLD // 2)), True: (tokens, tokens)}
 
 
 def named_by_every_peer(buf: ep_comm.Buffer, absent: int, call: Callable[[], Any], timeout_s: float,

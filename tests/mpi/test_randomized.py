@@ -81,7 +81,7 @@ class Case:
 
     def options(self) -> DispatchOptions:
         return DispatchOptions(self.expand, self.alignment, self.zero_padding, self.cpu_sync, self.with_weights,
-                               self.deterministic)
+                               self.deterministic, current().forwarded_nodes(WORLD))
 
 
 @st.composite
