@@ -53,7 +53,7 @@ def fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
 
 def topk_idx_array(be: Backend, geo: Geometry, topk_idx: Any) -> Any:
     """``topk_idx`` as the backend's array, its type, shape, token count and (unsigned) int64 range checked
-    (``validate.check_topk_idx``); its values are the dispatch's count step's to check."""
+    (``checks.check_topk_idx``); its values are the dispatch's count step's to check."""
     topk_idx = be.as_array(topk_idx, "topk_idx")
     chk.check_topk_idx(topk_idx, geo)
     return topk_idx
@@ -81,7 +81,7 @@ def dispatch_payload(be: Backend, geo: Geometry, x: Any, num_tokens: int, use_fp
 
 
 def check_handle_once(checked: Dict[int, weakref.ref], handle: Any, geo: Geometry, doing: str) -> None:
-    """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry ``geo``
+    """``handle`` must be an ``EPHandle`` that ``checks.check_handle`` passes for this Buffer's geometry ``geo``
     (TypeError / ValueError otherwise). The check runs once per handle: a handle is never changed after the
     dispatch that made it, and the geometry is the Buffer's for good. The handles that passed are kept in
     ``checked`` (``id(handle)`` -> weak reference: a handle's lifetime stays its user's), and forgotten when they

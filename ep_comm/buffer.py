@@ -191,7 +191,7 @@ class Buffer:
 
         Raises:
             ValueError: an id ``>= num_experts`` or a row naming an expert twice, at once on this rank (nothing
-                is collective here; ``dispatch`` raises it on every rank, ``validate.routing_error``).
+                is collective here; ``dispatch`` raises it on every rank, ``checks.routing_error``).
         """
         be = self._live()
         idx = topk_idx_array(be, self.geometry, topk_idx)
@@ -263,7 +263,7 @@ class Buffer:
             ValueError: some rank's ``topk_idx`` holds an id ``>= num_experts`` or names an expert twice in a row:
                 checked by each rank in its count step, the verdict travels with the count exchange, no rank
                 receives a row, and every rank raises the same error naming the lowest bad rank
-                (``validate.routing_error``), the Buffer usable after. ``cpu_sync=True``: raised by this call (or by
+                (``checks.routing_error``), the Buffer usable after. ``cpu_sync=True``: raised by this call (or by
                 its receive hook); ``cpu_sync=False``: this call returns outputs that hold no row, and the next
                 ``dispatch`` or ``combine`` raises it instead of running. Also any argument that breaks its rule,
                 on this rank before anything is sent.

@@ -190,7 +190,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
 
     def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
         """``(largest id, first row naming an expert twice or -1)`` of a non-empty integer routing
-        (``validate.check_topk_idx``): one kernel and one read for signed ids, CuPy code for unsigned.
+        (``checks.check_topk_idx``): one kernel and one read for signed ids, CuPy code for unsigned.
 
         Under CUDA graph capture nothing can be read back: the check kernel folds its result into the
         capture policy's record, which the first call after the replays reads, and ``(-1, -1)``
