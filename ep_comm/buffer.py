@@ -79,7 +79,7 @@ class Buffer:
             backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (nvshmem where a GPU stack is present).
             deterministic: rows inside each block in ascending (source rank, source token) order.
             timeout_s: seconds to wait for a peer before ``ep_comm.TimeoutError`` (> 0).
-            num_sms: (keyword-only, an extension of the contract, like DeepEP's ``Buffer.set_num_sms``)
+            num_sms: (keyword-only, an extension of the contract, like DeepEP's ``deep_ep.Buffer.set_num_sms``)
                 how many SMs the GPU kernels' grids are sized for; None = all SMs of the device. An
                 integer >= 1 (TypeError for another type, bool included; ValueError below 1). On
                 ``nvshmem`` the kernels run ``2 * num_sms`` blocks (``8 * num_sms`` for the
