@@ -76,7 +76,7 @@ class Buffer:
             num_max_tokens_per_rank: the most tokens ``T`` a rank dispatches at once.
             dtype: the payload dtype, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the NumPy /
                 ml_dtypes type).
-            backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (nvshmem where a GPU stack is present).
+            backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (``ep_comm.backends.choose_backend``).
             deterministic: rows inside each block in ascending (source rank, source token) order.
             timeout_s: seconds to wait for a peer before ``ep_comm.TimeoutError`` (> 0).
             num_sms: (keyword-only, an extension of the contract, like DeepEP's ``deep_ep.Buffer.set_num_sms``)
@@ -120,7 +120,7 @@ class Buffer:
                                          dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
                                          scaleup_ranks=scaleup_ranks, forwarding=forwarding,
                                          deterministic=deterministic, num_sms=num_sms)
-        except (TypeError, ValueError) as exc:  # still collective: the peers learn of it and raise too
+        except (TypeError, ValueError, RuntimeError) as exc:  # still collective: the peers learn of it and raise too
             error = exc
         agree(comm, fields, error)
         self.deterministic = bool(deterministic)
