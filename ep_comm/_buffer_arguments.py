@@ -53,7 +53,7 @@ def fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
 
 def topk_idx_array(be: Backend, geo: Geometry, topk_idx: Any, doing: str) -> Any:
     """``topk_idx`` ``[T, K]`` as the backend's array of signed ids, for Buffer call ``doing``: its type, shape, token
-    count and (unsigned) int64 range checked (``validate.check_topk_idx``); unsigned ids as a new int64 array, so that
+    count and (unsigned) int64 range checked (``checks.check_topk_idx``); unsigned ids as a new int64 array, so that
     no id wraps round to "no expert". Its values are the dispatch's count step's to check.
 
     Raises:
@@ -93,7 +93,7 @@ def dispatch_payload(be: Backend, geo: Geometry, x: Any, num_tokens: int, use_fp
 
 
 def check_handle_once(checked: Dict[int, weakref.ref], handle: Any, geo: Geometry, doing: str) -> None:
-    """``handle`` must be an ``EPHandle`` that ``validate.check_handle`` passes for this Buffer's geometry ``geo``
+    """``handle`` must be an ``EPHandle`` that ``checks.check_handle`` passes for this Buffer's geometry ``geo``
     (TypeError / ValueError otherwise). The check runs once per handle: a handle is never changed after the
     dispatch that made it, and the geometry is the Buffer's for good. The handles that passed are kept in
     ``checked`` (``id(handle)`` -> weak reference: a handle's lifetime stays its user's), and forgotten when they

@@ -68,10 +68,10 @@ class Buffer:
             num_max_tokens_per_rank: the most tokens ``T`` a rank dispatches at once.
             dtype: the payload dtype, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the NumPy /
                 ml_dtypes type).
-            backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (nvshmem where a GPU stack is present).
+            backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (``ep_comm.backends.choose_backend``).
             deterministic: rows inside each block in ascending (source rank, source token) order.
             timeout_s: seconds to wait for a peer before ``ep_comm.TimeoutError`` (> 0).
-            num_sms: (keyword-only, an extension of the contract, like DeepEP's ``Buffer.set_num_sms``)
+            num_sms: (keyword-only, an extension of the contract, like DeepEP's ``deep_ep.Buffer.set_num_sms``)
                 how many SMs the GPU kernels' grids are sized for; None = all SMs of the device. An
                 integer >= 1 (TypeError for another type, bool included; ValueError below 1). On
                 ``nvshmem`` the kernels run ``2 * num_sms`` blocks (``8 * num_sms`` for the
@@ -113,7 +113,7 @@ class Buffer:
                                          dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
                                          scaleup_ranks=scaleup_ranks, forwarding=forwarding,
                                          deterministic=deterministic, num_sms=num_sms)
-        except (TypeError, ValueError) as exc:  # still collective: the peers learn of it and raise too
+        except (TypeError, ValueError, RuntimeError) as exc:  # still collective: the peers learn of it and raise too
             error = exc
         agree(comm, fields, error)
         self.deterministic = bool(deterministic)
@@ -185,7 +185,7 @@ class Buffer:
 
         Raises:
             ValueError: an id ``>= num_experts`` or a row naming an expert twice, at once on this rank (nothing
-                is collective here; ``dispatch`` raises it on every rank, ``validate.routing_error``).
+                is collective here; ``dispatch`` raises it on every rank, ``checks.routing_error``).
         """
         be = self._live()
         idx = topk_idx_array(be, self.geometry, topk_idx, "get_dispatch_layout")
@@ -257,7 +257,7 @@ class Buffer:
             ValueError: some rank's ``topk_idx`` holds an id ``>= num_experts`` or names an expert twice in a row:
                 checked by each rank in its count step, the verdict travels with the count exchange, no rank
                 receives a row, and every rank raises the same error naming the lowest bad rank
-                (``validate.routing_error``), the Buffer usable after. ``cpu_sync=True``: raised by this call (or by
+                (``checks.routing_error``), the Buffer usable after. ``cpu_sync=True``: raised by this call (or by
                 its receive hook); ``cpu_sync=False``: this call returns outputs that hold no row, and the next
                 ``dispatch`` or ``combine`` raises it instead of running. Also any argument that breaks its rule,
                 on this rank before anything is sent.

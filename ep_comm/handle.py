@@ -85,7 +85,7 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
             ``dst_buffer_slot_idx [T, K]``).
         received: the receiver side (``Received``: the ``EPHandle`` fields of the same names).
         topk_weights: ``[T, K]`` float32 the dispatch carried, or None.
-        geometry: the geometry of the Buffer dispatching (``validate.Geometry``).
+        geometry: the geometry of the Buffer dispatching (``geometry.Geometry``).
         expand, expert_alignment, zero_padding, deterministic, cpu_sync: the dispatch's options.
 
     Returns:

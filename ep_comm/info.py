@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
-from ep_comm.backends import resolve_backend
+from ep_comm.backends import choose_backend
 from ep_comm.cli import ArgumentParser
 from ep_comm.cli.configs import available_configs
 from ep_comm.cli.external_commands import command_output
@@ -26,6 +26,15 @@ def gpus() -> str:
     return f"{listing}\n\nNVLink topology (nvidia-smi topo -m):\n{topo}"
 
 
+def auto_backend() -> str:
+    """What ``backend="auto"`` resolves to here and why, or the error a broken GPU stack raises."""
+    try:
+        choice = choose_backend("auto")
+    except RuntimeError as exc:  # a broken GPU stack is what this command should show
+        return f"backend='auto' fails: {exc}"
+    return f"backend='auto' resolves to: {choice.name} ({choice.reason})"
+
+
 def environment() -> Dict[str, str]:
     """The environment variables that steer NVSHMEM, NCCL, Numba and rank-to-GPU binding."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
@@ -35,7 +44,7 @@ def report() -> str:
     """The whole text printed by ``python -m ep_comm.info``."""
     lines = ["ep_comm info", "", "versions:"]
     lines += [f"  {k:<12} {v}" for k, v in versions().items()]
-    lines += ["", f"backend='auto' resolves to: {resolve_backend('auto')}", "", "GPUs:", gpus(), "",
+    lines += ["", auto_backend(), "", "GPUs:", gpus(), "",
               "environment (NVSHMEM_*, NCCL_*, NUMBA_*, binding):"]
     env = environment()
     lines += [f"  {k}={v}" for k, v in env.items()] or ["  (none set)"]

@@ -2,7 +2,7 @@
 
 The caller's current stream (every launch is enqueued there), Numba's launch settings, a progress marker the
 host polls without synchronising, device-mapped pinned memory, the allocator hold of a captured call, and
-CUDA-graph capture detection. ``tests/test_nvshmem_host.py`` has a host twin for the simulator.
+CUDA-graph capture detection. ``tests/helpers/fake_gpu.py`` has a host twin (``HostDevice``) for the simulator.
 """
 from __future__ import annotations
 

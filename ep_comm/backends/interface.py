@@ -143,7 +143,7 @@ class Backend(Protocol):
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch. A new routing's ids are checked in its count step and the verdict travels with
         the count exchange: when any rank's is bad no rank receives a row and every rank raises the same
-        ``validate.routing_error``, with ``cpu_sync`` from this call (from the receive part of
+        ``checks.routing_error``, with ``cpu_sync`` from this call (from the receive part of
         :meth:`dispatch_send`), else from its next ``dispatch``/``combine`` (before anything collective), the
         backend usable after; ``close`` drops one not raised yet."""
 

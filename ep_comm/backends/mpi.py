@@ -40,8 +40,8 @@ class MpiBackend(MpiForwarding):
     ``hook`` and ``wait`` instead of ``total`` and ``signal+wait``.
 
     A dispatch of a new routing checks this rank's ``topk_idx`` values in its count step and sends the verdict with
-    its counts (``validate.verdict_words``); after the wait every rank reads every verdict, and when one is bad
-    (``validate.routing_error``) no rank takes a row and every rank raises the same error, outside the guarded step
+    its counts (``checks.verdict_words``); after the wait every rank reads every verdict, and when one is bad
+    (``checks.routing_error``) no rank takes a row and every rank raises the same error, outside the guarded step
     (the ranks stayed in step: the Buffer stays usable): at once where the call returns on the host (``cpu_sync``;
     a hook's call), else from the next dispatch or combine, before it does anything (``close`` drops it).
 
@@ -89,7 +89,7 @@ class MpiBackend(MpiForwarding):
         return False
 
     def routing_summary(self, topk_idx: np.ndarray) -> Tuple[int, int]:
-        """``(largest id, first row naming an expert twice or -1)``: ``validate.topk_values`` in NumPy."""
+        """``(largest id, first row naming an expert twice or -1)``: ``checks.topk_values`` in NumPy."""
         return topk_values(np, topk_idx)
 
     def dispatch_layout(self, topk_idx: np.ndarray) -> lay.DispatchLayout:

@@ -122,7 +122,7 @@ class MpiProtocol(MpiSteps):
 
     def _checked(self, topk_idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """``(ids, verdict)`` of this rank's new routing ``topk_idx [T, K]``: ``verdict``, the ``VERDICT_WORDS``
-        int64 words of ``validate.verdict_words`` its count block carries; ``ids``, the handle's own copy of
+        int64 words of ``checks.verdict_words`` its count block carries; ``ids``, the handle's own copy of
         ``topk_idx`` with the ids past the experts read as "no expert" (-1), as the GPU count kernel reads them:
         nothing is sent past a bound."""
         top, twice = topk_values(np, topk_idx) if len(topk_idx) else (-1, -1)
@@ -131,7 +131,7 @@ class MpiProtocol(MpiSteps):
 
     def _received_counts(self, parity: int) -> List[int]:
         """The rows each source rank sent here in the new routing's dispatch of ``parity``, read from its count
-        block; all 0 when any rank's verdict is bad, whose ``validate.routing_error`` is kept for the call to
+        block; all 0 when any rank's verdict is bad, whose ``checks.routing_error`` is kept for the call to
         raise (:meth:`_settled`)."""
         blocks = [self.window.local(self.sym.count_at(parity, s), 8 * self.sym.count_words).view(np.int64)
                   for s in range(self.geo.num_ranks)]

@@ -104,7 +104,7 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
     ``count_words [R, 1 + L + 2]`` gets, per destination ``r``, ``tokens_per_rank[r]`` then
     ``tokens_per_expert[r*L:(r+1)*L]`` then the routing verdict's two words (``ep_comm.contract.checks.verdict_words``
     of the largest id and the first row naming an expert twice, over all tokens): the block the count exchange
-    sends to ``r``. ``check_acc``: int64 ``[2]`` holding ``check.ACC_INIT`` between launches.
+    sends to ``r``. ``check_acc``: int64 ``[2]`` holding ``routing_check.ACC_INIT`` between launches.
 
     Stable mode leaves ``unit_counts[u, r]``: rank-r tokens of ``u``'s group before ``u``, and
     ``group_counts[g, r]``: rank-r tokens before group ``g`` (exclusive scan over groups).

@@ -161,10 +161,13 @@ class NvshmemHeap:
         _RUNTIME.live += 1
 
     def _peer_view(self, nvs, rank: int):
-        """uint8 view of ``rank``'s copy, or None when it is not load/store reachable."""
+        """uint8 view of ``rank``'s copy, or None when it is not load/store reachable (``nvshmem_ptr`` returns
+        NULL, which nvshmem4py raises as ``NvshmemError``); any other error propagates."""
+        from nvshmem.core.nvshmem_types import NvshmemError
+
         try:
             return nvs.get_peer_array(self.local, rank)
-        except Exception:  # nvshmem_ptr returns NULL for peers without P2P
+        except NvshmemError:
             return None
 
     def close(self, collective: bool) -> None:

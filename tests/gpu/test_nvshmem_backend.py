@@ -14,23 +14,18 @@ import pytest
 from helpers.mpirun import launcher, run_job
 from helpers.options import current
 
+from ep_comm.backends import choose_backend
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("nvshmem_vs_mpi.py")
 JOB_TIMEOUT_S = 420
 DEFAULT_JOB_SIZES = (2,)
 
 
-def gpu_count() -> int:
-    try:
-        import cupy
-        import nvshmem.core  # noqa: F401
+GPU = choose_backend("auto")  # skips only where the GPU stack is not installed or has no device; a broken one raises
 
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no nvshmem4py or no driver: no usable GPU here
-        return 0
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU with CuPy and nvshmem4py")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(GPU.name != "nvshmem", reason=f"needs a GPU with CuPy and nvshmem4py ({GPU.reason})")]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -1,6 +1,6 @@
 """A bad ``topk_idx`` value (an id past the experts, an expert twice in a row) on some ranks: each rank checks its own
 in the dispatch's count step, the verdict travels with the count exchange, no rank receives a row, and every rank
-raises the same ValueError naming the lowest bad rank (``validate.routing_error``), in step: with ``cpu_sync=True``
+raises the same ValueError naming the lowest bad rank (``checks.routing_error``), in step: with ``cpu_sync=True``
 from the call (or its receive hook), with ``cpu_sync=False`` from the next dispatch or combine. The Buffer stays
 usable: the dispatch and combine after are exact.
 
