@@ -70,6 +70,7 @@ from ep_comm.backends.collective_steps import Steps
 from ep_comm.backends.interface import BackendSettings
 from ep_comm.backends.nvshmem_combine import NvshmemCombine
 from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
+from ep_comm.backends.nvshmem_prepared import PreparedCalls
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract import layout as lay
@@ -128,6 +129,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         # what the receive count of a new routing writes for the host: counts and every rank's routing verdict
         self._record_host, self._record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
         self._unchecked: Optional[Tuple[Any, str]] = None  # (progress marker, step) of a cpu_sync=False new routing
+        self.prepared = PreparedCalls(self)  # the prepared paths of the eager calls (Buffer offers each call there)
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,

@@ -99,6 +99,21 @@ class NvshmemDispatch(NvshmemSteps):
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
 
+    def count_carving(self, num_tokens: int, ids_dtype: Any) -> Any:
+        """The device's recarving of the count block of a new routing of ``num_tokens`` tokens (ids of
+        ``ids_dtype``): ``new()`` gives the block and its views ``(send block, receive block, count_words,
+        the ids' copy, is_token_in_rank, slot_idx, the send psum, then the receive count's rank psum, expert psum,
+        unaligned and aligned counts, received rows N and expanded rows M as 0-d arrays)``."""
+        k = self.kernels
+        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
+        send_block, recv_block = block[k.recv_words:], block[:k.recv_words]
+        send, recv = k.send_layout(send_block, num_tokens), k.receive_layout(recv_block)
+        return self.device.recarving(block, (
+            send_block, recv_block, send.count_words, k.ids_view(send_block, num_tokens, ids_dtype),
+            send.is_token_in_rank, send.slot_idx, send.rank_psum, recv.rank_psum, recv.expert_psum,
+            recv.num_unaligned_per_expert, recv.num_aligned_per_expert, recv.totals[:1].reshape(()),
+            recv.totals[1:].reshape(())))
+
     def send_key(self, idx: Array, x: Any, weighted: bool) -> tuple:
         """The launch plan key of a new routing's count and scatter (:meth:`_count_and_scatter`)."""
         return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
