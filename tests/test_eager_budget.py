@@ -143,7 +143,8 @@ def test_python_calls_of_the_prepared_pairs(counted):
     x, idx, handle = ops["pair inputs"]
 
     def cached():
-        buf.combine(x, buf.dispatch(x, handle=handle, cpu_sync=False).handle)
+        out = buf.dispatch(x, handle=handle, cpu_sync=False)
+        buf.combine(out.recv_x, out.handle)
 
     def new():
         out = buf.dispatch(x, idx, expand=handle.expand, cpu_sync=False)
