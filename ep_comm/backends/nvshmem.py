@@ -56,7 +56,8 @@ tensors, zero copy). Outputs: CuPy arrays.
 
 This module holds the class (its construction, inputs, close) over its parts: ``nvshmem_steps`` (how a step
 runs: stream, signal and wait, hooks, polls, launch plans), ``nvshmem_dispatch`` and ``nvshmem_combine`` (the
-two halves of the protocol); ``sm_grid`` sizes the kernels' grids.
+two halves of the protocol, the general path), ``nvshmem_prepared`` (the prepared path of a call shape seen
+before, ``backend.prepared``, which ``Buffer`` offers each eager call first); ``sm_grid`` sizes the kernels' grids.
 """
 from __future__ import annotations
 
