@@ -5,18 +5,16 @@ once per Buffer."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from typing import Any, Dict
+import functools
+from typing import Any, Callable, Optional, Tuple
 
-import numpy as np
-
-from ep_comm.backends.interface import Backend
+from ep_comm.backends.interface import Backend, DispatchRequest
 from ep_comm.contract import checks as chk
 from ep_comm.contract import fp8
-from ep_comm.contract.choices import PAYLOAD_DTYPES
+from ep_comm.contract.arrays import as_float32
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.topology import check_scaleup_ranks
-from ep_comm.handle import DispatchOutput, EPHandle
+from ep_comm.handle import DispatchOutput, HandleChecks
 
 
 def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, num_topk: Any,
@@ -35,14 +33,6 @@ def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, n
                          "nodes: use transport='auto' or 'puts'")
     chk.check_flag(forwarding, "forwarding")
     chk.check_profile(profile)
-
-
-def as_float32(xp: Any, a: Any, copy: bool) -> Any:
-    """Floating array ``a`` as float32 (a new array when ``copy``); bfloat16 exactly through its bits, so that
-    no bfloat16 arithmetic is needed from the array module (CuPy)."""
-    if np.dtype(a.dtype) == PAYLOAD_DTYPES["bfloat16"]:
-        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return a.astype(xp.float32, copy=copy)
 
 
 def fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
@@ -92,17 +82,35 @@ def dispatch_payload(be: Backend, geo: Geometry, x: Any, num_tokens: int, use_fp
     return (be.pack_fp8(x), True) if use_fp8 else (x, False)
 
 
-def check_handle_once(checked: Dict[int, weakref.ref], handle: Any, geo: Geometry, doing: str) -> None:
-    """``handle`` must be an ``EPHandle`` that ``checks.check_handle`` passes for this Buffer's geometry ``geo``
-    (TypeError / ValueError otherwise). The check runs once per handle: a handle is never changed after the
-    dispatch that made it, and the geometry is the Buffer's for good. The handles that passed are kept in
-    ``checked`` (``id(handle)`` -> weak reference: a handle's lifetime stays its user's), and forgotten when they
-    die."""
-    key = id(handle)
-    seen = checked.get(key)
-    if seen is not None and seen() is handle:
-        return
-    if not isinstance(handle, EPHandle):
-        raise TypeError(f"handle must be an EPHandle from {doing}, got {type(handle).__name__}")
-    chk.check_handle(handle, geo)
-    checked[key] = weakref.ref(handle, lambda _, key=key: checked.pop(key, None))
+def dispatch_request(be: Backend, geo: Geometry, handles: HandleChecks, x: Any, topk_idx: Any, topk_weights: Any,
+                     handle: Any, expand: Any, expert_alignment: Any, zero_padding: Any, cpu_sync: Any, stats: Any,
+                     use_fp8: Any) -> Tuple[DispatchRequest, Optional[Callable[[DispatchOutput], DispatchOutput]]]:
+    """``(request, finish)``: the arguments of ``Buffer.dispatch`` checked (its docstring says the rules) as the
+    backend's ``DispatchRequest``, and what turns the backend's output into the caller's (the FP8 pair of a packed
+    ``recv_x``) or None."""
+    if (topk_idx is None) == (handle is None):
+        raise ValueError("give exactly one of topk_idx (a new routing) and handle (a cached dispatch)")
+    if handle is not None:
+        handles.check(handle, "an earlier dispatch")
+        num_tokens, idx = handle.num_tokens, handle.topk_idx
+        expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
+    else:
+        idx = topk_idx_array(be, geo, topk_idx, "dispatch")
+        num_tokens = idx.shape[0]
+        chk.check_alignment(expert_alignment)
+    x, is_fp8 = dispatch_payload(be, geo, x, num_tokens, use_fp8)
+    if topk_weights is not None:
+        topk_weights = be.as_array(topk_weights, "topk_weights")
+        chk.check_weights(topk_weights, "topk_weights", (num_tokens, geo.num_topk))
+    if stats is not None:
+        stats = be.as_array(stats, "stats")
+        chk.check_stats(stats, geo)
+    # the handle owns its routing: the backend copies the ids (the GPU's count kernel as it reads them), the weights
+    # are copied here (none on a replay)
+    if topk_weights is not None:
+        topk_weights = as_float32(be.xp, topk_weights, copy=True)
+    elif handle is not None:
+        topk_weights = handle.topk_weights
+    finish = functools.partial(fp8_output, hidden=geo.hidden) if is_fp8 else None
+    return DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment), bool(zero_padding),
+                           bool(cpu_sync), stats), finish

@@ -3,30 +3,26 @@ a backend takes), then hands the work to a backend."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 from mpi4py import MPI
 
 from ep_comm._buffer_arguments import (
-    as_float32,
     check_constructor_arguments,
-    check_handle_once,
-    dispatch_payload,
-    fp8_output,
+    dispatch_request,
     topk_idx_array,
 )
 from ep_comm.backends import make_backend, resolve_backend
 from ep_comm.backends.capture import holds_captured_memory
-from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, DispatchRequest, Traffic
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, Traffic
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract import checks as chk
 from ep_comm.contract.agreement import agree, construction_fields
+from ep_comm.contract.arrays import as_float32
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.layout import DispatchLayout
-from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.recv_hook import RecvHook
 
 
@@ -123,8 +119,8 @@ class Buffer:
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
         self._closed_traffic = Traffic(None)
-        # id(handle) -> weak reference, of the handles check_handle passed on this Buffer (check_handle_once)
-        self._checked_handles: Dict[int, weakref.ref] = {}
+        self._checked_handles = HandleChecks(self.geometry)  # the handles check_handle passed on this Buffer
+        self._prepared = getattr(self._backend, "prepared", None)  # the backend's prepared paths, if it has them
         self._profiling = bool(profile)
         self._pending: Optional[RecvHook] = None  # the receive hook of a split call, until it is called
         self.backend: str = self._backend.name
@@ -193,7 +189,6 @@ class Buffer:
             chk.check_topk_values(*be.routing_summary(idx), self.geometry)
         return be.dispatch_layout(idx)
 
-    @holds_captured_memory
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, handle: Optional[EPHandle] = None,
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
                  stats: Any = None, use_fp8: bool = False,
@@ -262,38 +257,25 @@ class Buffer:
                 ``dispatch`` or ``combine`` raises it instead of running. Also any argument that breaks its rule,
                 on this rank before anything is sent.
         """
-        be = self._ready("dispatch")
-        chk.check_flag(return_recv_hook, "return_recv_hook")
-        geo = self.geometry
-        if (topk_idx is None) == (handle is None):
-            raise ValueError("give exactly one of topk_idx (a new routing) and handle (a cached dispatch)")
-        if handle is not None:
-            check_handle_once(self._checked_handles, handle, geo, "an earlier dispatch")
-            num_tokens, idx = handle.num_tokens, handle.topk_idx
-            expand, expert_alignment, zero_padding = handle.expand, handle.expert_alignment, handle.zero_padding
-        else:
-            idx = topk_idx_array(be, geo, topk_idx, "dispatch")
-            num_tokens = idx.shape[0]
-            chk.check_alignment(expert_alignment)
-        x, is_fp8 = dispatch_payload(be, geo, x, num_tokens, use_fp8)
-        if topk_weights is not None:
-            topk_weights = be.as_array(topk_weights, "topk_weights")
-            chk.check_weights(topk_weights, "topk_weights", (num_tokens, geo.num_topk))
-        if stats is not None:
-            stats = be.as_array(stats, "stats")
-            chk.check_stats(stats, geo)
-        # the handle owns its routing: the backend copies the ids (the GPU's count kernel as it reads them), the weights
-        # are copied here (none on a replay)
-        if topk_weights is not None:
-            topk_weights = as_float32(be.xp, topk_weights, copy=True)
-        elif handle is not None:
-            topk_weights = handle.topk_weights
-        finish = functools.partial(fp8_output, hidden=geo.hidden) if is_fp8 else None
-        return self._start(return_recv_hook, be.dispatch, be.dispatch_send,
-                           DispatchRequest(x, idx, topk_weights, handle, bool(expand), int(expert_alignment),
-                                           bool(zero_padding), bool(cpu_sync), stats), finish)
+        prepared = self._prepared
+        if (prepared is not None and self._pending is None and stats is None and use_fp8 is False
+                and return_recv_hook is False):
+            return prepared.dispatch(self._dispatch, self._checked_handles, x, topk_idx, topk_weights, handle, expand,
+                                     expert_alignment, zero_padding, cpu_sync)
+        return self._dispatch(x, topk_idx, topk_weights, handle, expand, expert_alignment, zero_padding, cpu_sync,
+                              stats, use_fp8, return_recv_hook)
 
     @holds_captured_memory
+    def _dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, expand: Any, expert_alignment: Any,
+                  zero_padding: Any, cpu_sync: Any, stats: Any, use_fp8: Any,
+                  return_recv_hook: Any) -> Union[DispatchOutput, RecvHook]:
+        """:meth:`dispatch` by the general path: every argument checked, then the backend's request."""
+        be = self._ready("dispatch")
+        chk.check_flag(return_recv_hook, "return_recv_hook")
+        request, finish = dispatch_request(be, self.geometry, self._checked_handles, x, topk_idx, topk_weights, handle,
+                                           expand, expert_alignment, zero_padding, cpu_sync, stats, use_fp8)
+        return self._start(return_recv_hook, be.dispatch, be.dispatch_send, request, finish)
+
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
                 return_recv_hook: bool = False) -> Union[CombineOutput, RecvHook]:
         """Bring expert outputs back and reduce them (collective).
@@ -325,10 +307,20 @@ class Buffer:
             ValueError: the routing error of the previous ``dispatch`` (``cpu_sync=False``), raised instead of running
                 (see ``dispatch``); also any argument that breaks its rule, before anything is sent.
         """
+        prepared = self._prepared
+        if prepared is not None and self._pending is None and topk_weights is None and bias is None and \
+                return_recv_hook is False:
+            return prepared.combine(self._combine, self._checked_handles, y, handle)
+        return self._combine(y, handle, topk_weights, bias, return_recv_hook)
+
+    @holds_captured_memory
+    def _combine(self, y: Any, handle: Any, topk_weights: Any, bias: Any,
+                 return_recv_hook: Any) -> Union[CombineOutput, RecvHook]:
+        """:meth:`combine` by the general path: every argument checked, then the backend's request."""
         be = self._ready("combine")
         chk.check_flag(return_recv_hook, "return_recv_hook")
         geo = self.geometry
-        check_handle_once(self._checked_handles, handle, geo, "dispatch")
+        self._checked_handles.check(handle, "dispatch")
         y = be.as_array(y, "y")
         chk.check_payload(y, "y", handle.num_out_rows, geo, "rows of the dispatch's recv_x")
         if topk_weights is not None:
@@ -384,7 +376,7 @@ class Buffer:
             self._pending.invalidate()
             self._pending = None
         if self._backend is not None:
-            backend, self._backend = self._backend, None
+            backend, self._backend, self._prepared = self._backend, None, None
             try:
                 backend.close()
             finally:

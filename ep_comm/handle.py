@@ -1,9 +1,12 @@
-"""Results of a dispatch and of a combine, and the handle that replays a routing."""
+"""Results of a dispatch and of a combine, the handle that replays a routing, and the record of the handles a Buffer
+has checked (``HandleChecks``, which the public API and the prepared path share)."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, NamedTuple, Optional, Union
 
+from ep_comm.contract import checks as chk
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.geometry import Geometry
 
@@ -115,3 +118,29 @@ class CombineOutput:
 
     x: Array
     topk_weights: Optional[Array]
+
+
+class HandleChecks:
+    """The handles that passed ``checks.check_handle`` on one Buffer (``seen``: ``id(handle)`` -> weak reference,
+    a handle's lifetime stays its user's; forgotten when they die). The check runs once per handle: a handle is
+    never changed after the dispatch that made it, and the geometry is the Buffer's for good."""
+
+    def __init__(self, geo: Geometry):
+        self.geo = geo
+        self.seen: Dict[int, weakref.ref] = {}
+
+    def check(self, handle: Any, doing: str) -> None:
+        """``handle`` must be an ``EPHandle`` that ``checks.check_handle`` passes for this Buffer's geometry
+        (TypeError / ValueError otherwise, naming ``doing``, where such a handle comes from)."""
+        seen = self.seen.get(id(handle))
+        if seen is not None and seen() is handle:
+            return
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle from {doing}, got {type(handle).__name__}")
+        chk.check_handle(handle, self.geo)
+        self.note(handle)
+
+    def note(self, handle: EPHandle) -> None:
+        """``handle`` passes: checked, or made by a dispatch of this Buffer."""
+        key = id(handle)
+        self.seen[key] = weakref.ref(handle, lambda _, key=key: self.seen.pop(key, None))

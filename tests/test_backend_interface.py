@@ -122,7 +122,7 @@ def test_a_buffer_remembers_the_handles_it_checked_without_keeping_them_alive():
         x, out = _dispatched(buf)
         buf.combine(out.recv_x, out.handle)
         handle = weakref.ref(out.handle)
-        assert list(buf._checked_handles) == [id(out.handle)]
+        assert list(buf._checked_handles.seen) == [id(out.handle)]
         del out
         gc.collect()
-        assert handle() is None and buf._checked_handles == {}
+        assert handle() is None and buf._checked_handles.seen == {}

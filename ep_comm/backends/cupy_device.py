@@ -7,6 +7,7 @@ CUDA-graph capture detection. ``tests/helpers/fake_gpu.py`` has a host twin (``H
 from __future__ import annotations
 
 import math
+import operator
 from contextlib import contextmanager
 from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
@@ -15,10 +16,32 @@ import numpy as np
 from numba import cuda
 
 from ep_comm.kernels.numba_internals import interface_sync_disabled
+from ep_comm.launching import raw
 from ep_comm.transport.nvshmem import numba_view
 from ep_comm.transport.signals import mapped_int64
 
 _CARVE_BYTES = 128  # where each array carved from one allocation starts (vector loads need 16)
+
+
+class Recarving:
+    """New arrays laid out as given views of one block: :meth:`new` allocates a block of the same size and
+    returns ``(block, views)`` at the same offsets, shapes, dtypes and strides (``cupy.ndarray(memptr=...)``: no
+    slicing)."""
+
+    __slots__ = ("_bytes", "_views")
+
+    def __init__(self, block: Any, views: Sequence[Any]):
+        base = block.data.ptr
+        self._bytes = block.nbytes
+        self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
+
+    def new(self) -> Tuple[Any, List[Any]]:
+        """``(block uint8 [nbytes], views)``: one allocation."""
+        block = cupy.empty(self._bytes, cupy.uint8)
+        memory = block.data
+        return block, [cupy.ndarray(shape, dtype, memptr=memory + at, strides=strides)
+                       for shape, dtype, at, strides in self._views]
+
 
 class CupyDevice:
     """CUDA device ``device`` (ordinal) of one rank."""
@@ -28,6 +51,7 @@ class CupyDevice:
     def __init__(self, device: int):
         self.device = device
         self._streams: Dict[int, Any] = {}
+        self._launch_streams: Dict[int, Tuple[Any, Any]] = {}
         self._sent: Any = None  # the event of mark(), made at the first split step
         self._progress = cupy.cuda.Event(block=False, disable_timing=True)
 
@@ -52,6 +76,15 @@ class CupyDevice:
         if ptr not in self._streams:
             self._streams[ptr] = cuda.external_stream(ptr)
         return self._streams[ptr]
+
+    def launch_streams(self) -> Tuple[Any, Any]:
+        """``(Numba stream, driver stream)`` of the current CuPy stream (:meth:`stream`, ``raw.stream``), made once
+        per stream."""
+        ptr = cupy.cuda.get_current_stream().ptr
+        held = self._launch_streams.get(ptr)
+        if held is None:
+            held = self._launch_streams[ptr] = (self.stream(), raw.stream(ptr))
+        return held
 
     def launching(self) -> ContextManager[None]:
         """Numba skips the CUDA-array-interface stream sync while we launch on the caller's stream."""
@@ -97,6 +130,11 @@ class CupyDevice:
         block = cupy.empty(max(total, 1), cupy.uint8)
         memory = block.data
         return [cupy.ndarray(shape, dtype, memptr=memory + at) for (shape, dtype), at in zip(shapes, offsets)], block
+
+    recarving = Recarving  # (block, views of it) -> Recarving
+
+    # ``(data pointer, device ordinal)`` of a CuPy array, attribute reads only (the prepared path's identity)
+    placement = staticmethod(operator.attrgetter("data.ptr", "data.device_id"))
 
     def handle(self) -> int:
         """The handle of the current CuPy stream (0: the legacy default stream), as raw launches take it."""

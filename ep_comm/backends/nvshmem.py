@@ -56,7 +56,8 @@ tensors, zero copy). Outputs: CuPy arrays.
 
 This module holds the class (its construction, inputs, close) over its parts: ``nvshmem_steps`` (how a step
 runs: stream, signal and wait, hooks, polls, launch plans), ``nvshmem_dispatch`` and ``nvshmem_combine`` (the
-two halves of the protocol); ``sm_grid`` sizes the kernels' grids.
+two halves of the protocol, the general path), ``nvshmem_prepared`` (the prepared path of a call shape seen
+before, ``backend.prepared``, which ``Buffer`` offers each eager call first); ``sm_grid`` sizes the kernels' grids.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ from ep_comm.backends.collective_steps import Steps
 from ep_comm.backends.interface import BackendSettings, Traffic
 from ep_comm.backends.nvshmem_combine import NvshmemCombine
 from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
+from ep_comm.backends.nvshmem_prepared import PreparedCalls
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract import layout as lay
@@ -127,6 +129,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         # what the receive count of a new routing writes for the host: counts and every rank's routing verdict
         self._record_host, self._record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
         self._unchecked: Optional[Tuple[Any, str]] = None  # (progress marker, step) of a cpu_sync=False new routing
+        self.prepared = PreparedCalls(self)  # the prepared paths of the eager calls (Buffer offers each call there)
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,

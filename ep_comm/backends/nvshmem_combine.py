@@ -31,10 +31,9 @@ class NvshmemCombine(NvshmemSteps):
     def _combine(self, seq: int, request: CombineRequest, hooked: bool) -> Callable[[], CombineOutput]:
         """The send half of a combine; returns its receive half."""
         h, weights, y = request.handle, self._contiguous(request.topk_weights), self._contiguous(request.y)
-        key = ("combine send", y.shape, y.dtype.char, h.expand, None if weights is None else weights.shape)
-        roots = (y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank) + ((weights,) if weights is not None else ())
         with self.profile.phase("combine", "send"):
-            self._planned(key, roots, lambda: self._combine_send(h, y, weights))
+            self._planned(combine_send_key(h, y, weights), combine_send_roots(h, y, weights),
+                          functools.partial(self._combine_send, h, y, weights))
             self.transport.flush(self.kernels.stream, lambda: h.psum_num_recv_tokens_per_rank,
                                  with_meta=weights is not None)
         self._signal("combine", seq, hooked)
@@ -68,27 +67,53 @@ class NvshmemCombine(NvshmemSteps):
     def _combine_reduce(self, h: EPHandle, y: Array, bias_terms: Sequence[Array], with_weights: bool) -> tuple:
         """``(x [T, H], gathered weights [T, K] float32 or None)`` from the rows every rank sent back and,
         in compact mode, this rank's own rows straight from ``y``: one allocation for both, one launch plan."""
-        xp, geo, t, k = self.xp, self.geo, self.transport, self.kernels
-        terms = tuple(_bias_term(xp, b) for b in bias_terms)
-        shapes = [((h.num_tokens, geo.hidden), geo.dtype)] + (
-            [((h.num_tokens, geo.num_topk), np.float32)] if with_weights else [])
-        arrays, block = self.device.carve(shapes)
+        terms = tuple(_bias_term(self.xp, b) for b in bias_terms)
+        arrays, block = self.device.carve(self.combine_shapes(h, with_weights))
         x, back = arrays[0], arrays[1] if with_weights else None
-        own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
-
-        def reduce() -> None:
-            k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
-                             bias=list(terms), **own)
-            if with_weights:
-                weight_return.gather_weights(k.launcher, self._own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
-                                             back.view(xp.int32), experts_per_rank=geo.experts_per_rank,
-                                             my_rank=self.rank, max_blocks=k.num_blocks)
-
-        key = ("combine reduce", h.num_tokens, h.topk_idx.dtype.char, h.expand, with_weights,
-               None if h.expand else y.shape, tuple(b.dtype.char for b in terms))
-        roots = (h.dst_buffer_slot_idx, h.topk_idx, block) + (() if h.expand else (y, own["recv_rank_psum"])) + terms
-        self._planned(key, roots, reduce)
+        self._planned(reduce_key(h, y, with_weights, terms), reduce_roots(h, y, block, terms),
+                      functools.partial(self._reduce, h, y, x, back, terms))
         return x, back
+
+    def combine_shapes(self, h: EPHandle, with_weights: bool) -> list:
+        """The ``(shape, dtype)`` of a combine's outputs: ``x [T, H]`` and, ``with_weights``, float32 ``[T, K]``."""
+        geo = self.geo
+        return [((h.num_tokens, geo.hidden), geo.dtype)] + (
+            [((h.num_tokens, geo.num_topk), np.float32)] if with_weights else [])
+
+    def _reduce(self, h: EPHandle, y: Array, x: Array, back: Optional[Array], terms: tuple) -> None:
+        """The reduce into ``x [T, H]`` (with this rank's own compact rows from ``y``, and the ``terms`` of the
+        bias), and with ``back`` (float32 ``[T, K]``) the gathered weights."""
+        k, t = self.kernels, self.transport
+        own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
+        k.combine_reduce(self._own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
+                         bias=list(terms), **own)
+        if back is not None:
+            weight_return.gather_weights(k.launcher, self._own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
+                                         back.view(self.xp.int32), experts_per_rank=self.geo.experts_per_rank,
+                                         my_rank=self.rank, max_blocks=k.num_blocks)
+
+
+def combine_send_key(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple:
+    """The launch plan key of a combine's send (``NvshmemCombine._combine_send``)."""
+    return ("combine send", y.shape, y.dtype.char, h.expand, None if weights is None else weights.shape)
+
+
+def combine_send_roots(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple:
+    """The per-call arrays of a combine's send plan, in order."""
+    return (y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank) + (() if weights is None else (weights,))
+
+
+def reduce_key(h: EPHandle, y: Array, with_weights: bool, terms: tuple) -> tuple:
+    """The launch plan key of a combine's reduce (``NvshmemCombine._reduce``)."""
+    return ("combine reduce", h.num_tokens, h.topk_idx.dtype.char, h.expand, with_weights,
+            None if h.expand else y.shape, tuple(b.dtype.char for b in terms))
+
+
+def reduce_roots(h: EPHandle, y: Array, block: Array, terms: tuple) -> tuple:
+    """The per-call arrays of a combine's reduce plan, in order: the handle's routing, the outputs' ``block``, in
+    compact mode ``y`` and the handle's psum, the bias terms."""
+    own = () if h.expand else (y, h.psum_num_recv_tokens_per_rank)
+    return (h.dst_buffer_slot_idx, h.topk_idx, block) + own + terms
 
 
 def _bias_term(xp: Any, b: Array) -> Array:

@@ -49,16 +49,17 @@ class NvshmemDispatch(NvshmemSteps):
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
         return self._split("dispatch", request.cpu_sync, body, request)
 
-    def _scatter(self, request: DispatchRequest, routing: Routing, mode: int, local: Optional[tuple] = None) -> None:
-        """Rank scatter of rows and meta rows into every destination (into the staging blocks with puts, which
-        :meth:`_flush` sends); ``request.x`` and its weights C-contiguous; ``local``: ``(recv_x, received psum [R])``
-        of a compact replay, where the rows for this rank itself go."""
+    def _scatter(self, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, mode: int,
+                 local: Optional[tuple] = None) -> None:
+        """Rank scatter of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids ``idx [T, K]``,
+        float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into the staging
+        blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a compact
+        replay, where the rows for this rank itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
-            self.kernels.scatter(request.x, routing.topk_idx, request.topk_weights, routing.dst_buffer_slot_idx,
-                                 t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1, mode=mode,
-                                 recv_x=recv_x, recv_psum=recv_psum)
+            self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
+                                 mode=mode, recv_x=recv_x, recv_psum=recv_psum)
 
     def _flush(self, psum: Callable[[], Array]) -> None:
         """Send the staged rows and meta rows where there are puts (the transport's test; timed as phase ``puts``),
@@ -80,7 +81,7 @@ class NvshmemDispatch(NvshmemSteps):
         One allocation before the first launch: the int32 block of the receive count (``Kernels.recv_words``) and
         of the count (``Kernels.send_words``); count and scatter run as one launch plan (ids out of range or named
         twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
-        k, stable, xp = self.kernels, self.deterministic, self.xp
+        k, xp = self.kernels, self.xp
         request = self._contiguous_request(request)
         idx, x, weights = request.topk_idx, request.x, request.topk_weights
         if self.capture.active:  # a replay's verdict is reported by this rank's next call (CapturePolicy)
@@ -89,53 +90,92 @@ class NvshmemDispatch(NvshmemSteps):
         num_tokens = idx.shape[0]
         block = xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
         send_block = block[k.recv_words:]
-        mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
-
-        def count_and_scatter() -> None:
-            with self.profile.phase("dispatch", "count"):
-                send = k.count(idx, stable=stable, block=send_block)
-            self._scatter(request, Routing(idx, send.is_token_in_rank, send.slot_idx), mode)
-
-        key = ("send", num_tokens, idx.dtype.char, payload_key(x), weights is not None, stable)
-        roots = (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
-        self._planned(key, roots, count_and_scatter)
+        self._planned(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
+                      functools.partial(self._count_and_scatter, idx, x, weights, send_block))
         self._flush(lambda: k.send_layout(send_block, num_tokens).rank_psum)
         self._signal("dispatch", seq, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
+
+    def count_carving(self, num_tokens: int, ids_dtype: Any) -> Any:
+        """The device's recarving of the count block of a new routing of ``num_tokens`` tokens (ids of
+        ``ids_dtype``): ``new()`` gives the block and its views ``(send block, receive block, count_words,
+        the ids' copy, is_token_in_rank, slot_idx, the send psum, then the receive count's rank psum, expert psum,
+        unaligned and aligned counts, received rows N and expanded rows M as 0-d arrays)``."""
+        k = self.kernels
+        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
+        send_block, recv_block = block[k.recv_words:], block[:k.recv_words]
+        send, recv = k.send_layout(send_block, num_tokens), k.receive_layout(recv_block)
+        return self.device.recarving(block, (
+            send_block, recv_block, send.count_words, k.ids_view(send_block, num_tokens, ids_dtype),
+            send.is_token_in_rank, send.slot_idx, send.rank_psum, recv.rank_psum, recv.expert_psum,
+            recv.num_unaligned_per_expert, recv.num_aligned_per_expert, recv.totals[:1].reshape(()),
+            recv.totals[1:].reshape(())))
+
+    def send_key(self, idx: Array, x: Any, weighted: bool) -> tuple:
+        """The launch plan key of a new routing's count and scatter (:meth:`_count_and_scatter`)."""
+        return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
+
+    def _count_and_scatter(self, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
+        """Count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then scatter ``x``
+        with its ``weights`` at the slots the count assigned."""
+        stable = self.deterministic
+        with self.profile.phase("dispatch", "count"):
+            send = self.kernels.count(idx, stable=stable, block=send_block)
+        mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
+        self._scatter(x, idx, weights, send.slot_idx, mode)
+
+    def receive_count_key(self, expand: bool, alignment: int) -> tuple:
+        """The launch plan key of a new routing's receive count (:meth:`_receive_count`)."""
+        return ("receive_count", expand, alignment, self.deterministic)
+
+    def _receive_count(self, block: Array, expand: bool, alignment: int) -> None:
+        """The receive count of a new routing into ``block`` (int32 ``[Kernels.recv_words]``) and the mapped
+        record."""
+        with self.profile.phase("dispatch", "receive_count"):
+            self.kernels.receive_count(self._own_counts, self._own_meta, self.transport.step, alignment=alignment,
+                                       expand=expand, stable=self.deterministic, block=block, record=self._record)
 
     def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool) -> DispatchOutput:
         """The receive half of a dispatch of a new routing: counts (into ``block``, int32 ``[recv_words]``, and the
         mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the routing error of any
         rank's bad verdict (every rank raises it here, in step), else the exact outputs; without it the next call
         checks the verdicts."""
-        k, stable = self.kernels, self.deterministic
+        expand, alignment = request.expand, request.expert_alignment
         self._wait("dispatch", hooked, with_counts=True)
-
-        def receive_count() -> None:
-            with self.profile.phase("dispatch", "receive_count"):
-                k.receive_count(self._own_counts, self._own_meta, self.transport.step, alignment=request.expert_alignment,
-                                expand=request.expand, stable=stable, block=block, record=self._record)
-
-        self._planned(("receive_count", request.expand, request.expert_alignment, stable), (block,), receive_count)
-        recv = k.receive_layout(block)
+        self._planned(self.receive_count_key(expand, alignment), (block,),
+                      functools.partial(self._receive_count, block, expand, alignment))
+        recv = self.kernels.receive_layout(block)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
-        step = self.steps.latest
         if request.cpu_sync:
-            self._check_arrival(self.device.progress(), "dispatch")
-            error = self._verdict(step)
-            if error is not None:
-                raise error
-            num_recv, num_expanded, aligned = record_counts(self._record_host, self.geo.num_ranks,
-                                                            self.geo.experts_per_rank)
-            counts = (num_recv, num_expanded, aligned)
+            counts = self.received_counts()
         else:
-            if not self.capture.active:  # a captured dispatch's verdict: CapturePolicy.raise_for_checks
-                self._unchecked = (self.device.progress(), step)
+            self._defer_verdict()
             counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
         return self._receive(request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                             counts, None, kernel_launches.PLACE_STABLE if stable else kernel_launches.PLACE_ATOMIC)
+                             counts, None, self.place_mode)
+
+    def received_counts(self) -> tuple:
+        """``(received rows, expanded rows, aligned counts [L])`` as host ints, from the mapped record of this
+        step's receive count, after one poll; the routing error of any rank's bad verdict instead."""
+        step = self.steps.latest
+        self._check_arrival(self.device.progress(), "dispatch")
+        error = self._verdict(step)
+        if error is not None:
+            raise error
+        return record_counts(self._record_host, self.geo.num_ranks, self.geo.experts_per_rank)
+
+    def _defer_verdict(self) -> None:
+        """A ``cpu_sync=False`` new routing: its verdicts are checked by the next call (after a poll of the progress
+        marker taken now); a captured one's by ``CapturePolicy.raise_for_checks``."""
+        if not self.capture.active:
+            self._unchecked = (self.device.progress(), self.steps.latest)
+
+    @property
+    def place_mode(self) -> int:
+        """The receive placement of a new routing: stable (deterministic) or atomic."""
+        return kernel_launches.PLACE_STABLE if self.deterministic else kernel_launches.PLACE_ATOMIC
 
     def _dispatch_cached(self, seq: int, request: DispatchRequest, hooked: bool) -> Callable[[], DispatchOutput]:
         """The send half of a replay of the handle's routing (recorded slots and layout, no counting, no count
@@ -143,33 +183,35 @@ class NvshmemDispatch(NvshmemSteps):
         scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
         them."""
         h, request = request.handle, self._contiguous_request(request)
-        psum = h.psum_num_recv_tokens_per_rank
         if request.cpu_sync:
             counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
                       [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
             counts = self._derived(h, "device_counts", _device_counts)
         outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
-        local = None if request.expand else (outputs[0], psum)
+        local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
         x, weights = request.x, request.topk_weights
-        roots = (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + ((block, psum) if local else ()) + (
-            (weights,) if weights is not None else ())
-        key = ("cached send", payload_key(x), h.topk_idx.dtype.char, weights is not None,
-               None if local is None else outputs[0].shape)
-        self._planned(key, roots, lambda: self._scatter(request, h.routing, kernel_launches.SLOT_CACHED, local))
+        self._planned(self.cached_send_key(h, x, weights is not None, local), cached_send_roots(h, x, weights, local, block),
+                      functools.partial(self._scatter, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                        kernel_launches.SLOT_CACHED, local))
         self._flush(functools.partial(self._derived, h, "send_psum", _send_psum))
         self._signal("dispatch", seq, hooked)
         return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
 
+    @staticmethod
+    def cached_send_key(h: EPHandle, x: Any, weighted: bool, local: Optional[tuple]) -> tuple:
+        """The launch plan key of a replay's scatter; ``local``: ``(recv_x, psum)`` of a compact replay, or None."""
+        return ("cached send", payload_key(x), h.topk_idx.dtype.char, weighted, None if local is None else local[0].shape)
+
     def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool) -> DispatchOutput:
         """The receive half of a replay: the rows into the ``outputs`` allocated before the send."""
         h = request.handle
-        psum = h.psum_num_recv_tokens_per_rank
         self._wait("dispatch", hooked, with_counts=False)
         arrived = self.device.progress() if request.cpu_sync else None
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
-        layout = (psum, h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert)
+        layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
+                  h.num_unaligned_recv_tokens_per_expert)
         out = self._receive(request, h.routing, layout, counts, h.recv_src_metadata, kernel_launches.PLACE_CACHED,
                             outputs=outputs, skip_source=-1 if request.expand else self.rank)
         if arrived is not None:
@@ -199,50 +241,63 @@ class NvshmemDispatch(NvshmemSteps):
         ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
         (compact only), or -1. With ``cpu_sync=False`` (worst-case shapes) the copy is a launch plan."""
         rank_psum, expert_psum, unaligned = layout
-        (recv_x, recv_idx, recv_w, metadata), block = (
-            outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded))
-
-        def receive_copy() -> None:
-            with self.profile.phase("dispatch", "receive_copy"):
-                self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, recv_x,
-                                          recv_idx, recv_w, metadata, expand=request.expand, mode=mode,
-                                          expert_psum=expert_psum, alignment=request.expert_alignment,
-                                          zero_padding=request.zero_padding, skip_source=skip_source)
-
+        arrays, block = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
+        options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
+        receive_copy = functools.partial(self._receive_copy, rank_psum, expert_psum, arrays, options)
         if request.cpu_sync:  # exact output shapes change from call to call: no plan
             receive_copy()
         else:
-            key = ("receive copy", request.expand, request.expert_alignment, request.zero_padding, mode, skip_source,
-                   recv_x.shape, recv_x.dtype.char, request.topk_weights is not None)
-            self._planned(key, (rank_psum, expert_psum, block), receive_copy)
-        received = Received(rank_psum, expert_psum, counts[2], unaligned, metadata, counts[0], counts[1],
-                            int(recv_x.shape[0]))
+            self._planned(receive_copy_key(options, arrays[0], request.topk_weights is not None),
+                          (rank_psum, expert_psum, block), receive_copy)
+        received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
+                            int(arrays[0].shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
                              expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
                              deterministic=self.deterministic, cpu_sync=request.cpu_sync)
         with_weights = request.topk_weights is not None
-        return DispatchOutput(recv_x, recv_idx, recv_w if with_weights else None, handle)
+        return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
+
+    def _receive_copy(self, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple) -> None:
+        """The received rows into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``);
+        ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``."""
+        expand, alignment, zero_padding, mode, skip_source = options
+        with self.profile.phase("dispatch", "receive_copy"):
+            self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, *arrays,
+                                      expand=expand, mode=mode, expert_psum=expert_psum, alignment=alignment,
+                                      zero_padding=zero_padding, skip_source=skip_source)
 
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
-        """``((recv_x [rows, W], recv_topk_idx, recv_topk_weights, recv_src_metadata [N_out, 2+K]), block)``, not yet
-        filled, carved from ``block``, one allocation; ``W`` is the payload's width (``request.x.shape[1]``: H, or
-        fewer elements for packed FP8 rows, which the scatter writes and the receive kernels copy as any row's);
-        ids/weights are ``[N_out, K]`` compact or ``[M_out]`` expand (the weights a scratch array when none
-        were given)."""
-        geo, expand = self.geo, request.expand
+        """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``request``
+        (:meth:`carve_outputs`; ``exact``: ``(received rows, expanded rows)``, used with ``cpu_sync``)."""
         with self.profile.phase("dispatch", "alloc outputs"):
-            n_out, rows = geo.output_rows(exact if request.cpu_sync else None, expand, request.expert_alignment)
-            ids_shape = (rows,) if expand else (rows, geo.num_topk)
-            weighted = request.topk_weights is not None
-            shapes = [((rows, request.x.shape[1]), geo.dtype), (ids_shape, np.int64),
-                      ((n_out, 2 + geo.num_topk), np.int32)] + ([(ids_shape, np.float32)] if weighted else [])
-            arrays, block = self.device.carve(shapes)
-            recv_x, recv_idx, metadata = arrays[:3]
-            recv_w = arrays[3] if weighted else self._scratch_weights(ids_shape)
-            if recorded is not None and expand:
-                m = min(n_out, recorded.shape[0])
-                metadata[:m] = recorded[:m]
+            shapes = self.output_shapes(request.x.shape[1], request.expand, request.expert_alignment,
+                                        request.topk_weights is not None, exact if request.cpu_sync else None)
+            return self.carve_outputs(shapes, recorded if request.expand else None)
+
+    def carve_outputs(self, shapes: list, recorded: Optional[Array]) -> tuple:
+        """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``shapes``
+        (:meth:`output_shapes`), not yet filled, carved from ``block``, one allocation; the weights a scratch array
+        when none were given; with ``recorded`` (the metadata of an expand replay's handle) its expanded rows copied
+        in."""
+        arrays, block = self.device.carve(shapes)
+        recv_x, recv_idx, metadata = arrays[:3]
+        recv_w = arrays[3] if len(arrays) > 3 else self._scratch_weights(shapes[1][0])
+        if recorded is not None:
+            m = min(metadata.shape[0], recorded.shape[0])
+            metadata[:m] = recorded[:m]
         return (recv_x, recv_idx, recv_w, metadata), block
+
+    def output_shapes(self, width: int, expand: bool, alignment: int, weighted: bool,
+                      exact: Optional[tuple]) -> list:
+        """The ``(shape, dtype)`` of ``recv_x [rows, width]`` (the payload's width: H, or fewer elements for packed
+        FP8 rows), ``recv_topk_idx`` int64, ``recv_src_metadata [N_out, 2+K]`` int32 and, ``weighted``,
+        ``recv_topk_weights`` float32; ids/weights ``[N_out, K]`` compact or ``[M_out]`` expand. ``exact``:
+        ``(received rows, expanded rows)`` of a ``cpu_sync=True`` call, or None (the worst case)."""
+        geo = self.geo
+        n_out, rows = geo.output_rows(exact, expand, alignment)
+        ids_shape = (rows,) if expand else (rows, geo.num_topk)
+        return [((rows, width), geo.dtype), (ids_shape, np.int64), ((n_out, 2 + geo.num_topk), np.int32)] + (
+            [(ids_shape, np.float32)] if weighted else [])
 
     def _scratch_weights(self, shape: tuple) -> Array:
         """A float32 array of ``shape`` for the weights the kernels write when nobody asked for them: one
@@ -292,3 +347,21 @@ def _add_counts(xp: Any, stats: Array, counts: Array) -> None:
     """``stats += counts`` in ``stats``'s dtype, without a temporary (a captured call must not free one)."""
     xp.add(stats, counts, out=stats, casting="unsafe")
 
+
+
+def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tuple:
+    """The per-call arrays of a new routing's count and scatter plan (``Plans.run``), in order."""
+    return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
+
+
+def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: Optional[tuple], block: Array) -> tuple:
+    """The per-call arrays of a replay's scatter plan, in order: the payload, the handle's routing, the outputs'
+    ``block`` and the handle's psum (compact: the scatter writes this rank's own rows into ``recv_x``), the weights."""
+    return (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + (
+        (block, h.psum_num_recv_tokens_per_rank) if local else ()) + (() if weights is None else (weights,))
+
+
+def receive_copy_key(options: tuple, recv_x: Array, weighted: bool) -> tuple:
+    """The launch plan key of a receive copy into worst-case outputs (``NvshmemDispatch._receive_copy``'s
+    ``options``)."""
+    return ("receive copy", *options, recv_x.shape, recv_x.dtype.char, weighted)

@@ -19,6 +19,7 @@ from ep_comm.backends import nvshmem as nvshmem_backend
 from ep_comm.contract import arrays as host
 from ep_comm.launching import bound
 
+_CTYPES = np._core._internal.__file__  # NumPy's ndarray.ctypes (a data pointer, an attribute on CuPy arrays)
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",
               "ascontiguousarray", "concatenate", "cumsum", "arange", "copy")  # array-module calls that allocate
 
@@ -167,12 +168,14 @@ class LaunchCounter:
 
     def python_calls(self, call: Callable[[], Any]) -> int:
         """Python function calls made inside ``call()`` (``sys.setprofile``; C functions not counted), minus those
-        of this counter's own wrappers (which do not exist on a GPU)."""
+        of this counter's own wrappers and of NumPy's ``ndarray.ctypes`` (a NumPy array's data pointer, which a
+        CuPy array has as an attribute, ``.data.ptr``): neither exists on a GPU."""
         calls = [0]
-        own = {self._counted.__code__, self._outermost.__code__, self.launch.__code__}
+        own = {self._counted.__code__, self._outermost.__code__, self.launch.__code__, Counts.launch.__code__}
 
         def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code.co_name != "wrapper" and frame.f_code not in own:
+            code = frame.f_code
+            if event == "call" and code.co_name != "wrapper" and code not in own and code.co_filename != _CTYPES:
                 calls[0] += 1
 
         sys.setprofile(profile)

@@ -15,7 +15,7 @@ from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.contract.topology import transport_mode
-from ep_comm.launching import bound
+from ep_comm.launching import bound, raw
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
@@ -81,7 +81,7 @@ class LoopbackTransport:
             self.missing = [0]
 
     def wait_state(self):
-        return self.missing, bool(self.aborts[:, 0].any())
+        return self.missing, any(self.aborts[:, 0].tolist())
 
     def post_abort(self, record) -> None:
         """The rank is its own only peer: nobody to tell."""
@@ -107,6 +107,11 @@ class HostDevice:
     def launching(self):
         return nullcontext()
 
+    _streams = (0, raw.stream(0))  # (Numba stream, driver stream): the legacy default stream
+
+    def launch_streams(self):
+        return self._streams
+
     capturing_now = False
 
     def synchronize(self) -> None:
@@ -126,8 +131,32 @@ class HostDevice:
 
     @staticmethod
     def carve(shapes):
-        arrays = [np.empty(shape, dtype) for shape, dtype in shapes]
-        return arrays, np.empty(0, np.uint8)
+        """``CupyDevice.carve``: every array a view of one block, each on 128 bytes."""
+        offsets, total = [], 0
+        for shape, dtype in shapes:
+            offsets.append(total)
+            total += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 128) * 128
+        block = np.empty(max(total, 1), np.uint8)
+        return [np.ndarray(shape, dtype, buffer=block, offset=at) for (shape, dtype), at in zip(shapes, offsets)], block
+
+    class recarving:
+        """``cupy_device.Recarving`` on the host."""
+
+        def __init__(self, block, views):
+            base = block.__array_interface__["data"][0]
+            self._bytes = block.nbytes
+            self._views = tuple((v.shape, v.dtype, v.__array_interface__["data"][0] - base, v.strides) for v in views)
+
+        def new(self):
+            block = np.empty(self._bytes, np.uint8)
+            return block, [np.ndarray(shape, dtype, buffer=block, offset=at, strides=strides)
+                           for shape, dtype, at, strides in self._views]
+
+    @staticmethod
+    def placement(a):
+        """``(data pointer, device)`` of a host array (no device): ``ctypes.data``, as ``__array_interface__`` formats
+        a bfloat16 dtype slowly."""
+        return a.ctypes.data, None
 
     def handle(self) -> int:
         return 0

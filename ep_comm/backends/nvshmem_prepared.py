@@ -1,0 +1,312 @@
+"""The prepared path of the nvshmem backend: an eager call of a shape seen before, with a few attribute reads
+in front of its launches.
+
+The first call of a shape (per Buffer, operation and call shape: token count, payload shape, options) takes the
+general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its launch plans); when
+it returns, a :class:`_Entry` is kept for the shape: the plan keys of its pieces, the layout of its one output
+allocation and of its count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no
+slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
+GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
+(the argument checks, the request objects, the contiguity copies, the views) and runs the same pieces: the same
+launch plans, replayed with its pointers (``Plans.run``; in the CUDA simulator the same ``Kernels`` calls), the
+same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
+path", names the conditions).
+
+Never skipped: the capture check (``CapturePolicy.begin``), the routing verdict of a captured dispatch
+(``raise_for_checks``), the step numbering and its abort record on failure (``Steps.run``), the routing verdicts
+on the device (checked by the count kernel, raised after the poll or by the next call). A call that finds a
+deferred verdict to check, a rank missing or an abort record seen takes the general path, which raises them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ep_comm.backends.collective_steps import STEP_KINDS
+from ep_comm.backends.nvshmem_combine import combine_send_key, combine_send_roots, reduce_key, reduce_roots
+from ep_comm.backends.nvshmem_dispatch import (
+    _device_counts,
+    _send_psum,
+    cached_send_roots,
+    receive_copy_key,
+    send_roots,
+)
+from ep_comm.contract.arrays import Array, as_float32
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
+from ep_comm.launching import kernel_launches
+
+_MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
+_DISPATCH, _COMBINE = STEP_KINDS["dispatch"], STEP_KINDS["combine"]
+
+Identity = Tuple[Any, ...]
+
+
+def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
+    """What the argument checks of an input array depend on: ``(type, shape, dtype, strides, data pointer modulo 16,
+    GPU)`` (``placement``: the device's ``(pointer, GPU)`` of an array)."""
+    ptr, gpu = placement(a)
+    return type(a), a.shape, a.dtype, a.strides, ptr % 16, gpu
+
+
+class _Entry:
+    """The prepared path of one call shape: the identities its inputs must have, the plan keys of its pieces,
+    its carvings and options (set by the builders of :class:`PreparedCalls`)."""
+
+    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted")
+
+    def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
+                 scratch: Optional[Array], options: tuple, weighted: bool):
+        self.inputs = inputs
+        self.keys = keys
+        self.count = count  # the count block's recarving (a new routing), or None
+        self.outputs = outputs  # the outputs' recarving (worst-case shapes), or None (exact outputs)
+        self.scratch = scratch  # the weights the kernels write when none were given, or None
+        self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
+        self.weighted = weighted
+
+
+class PreparedCalls:
+    """The prepared paths of one ``NvshmemBackend``, by call shape; ``Buffer`` offers each eager call here first.
+
+    :meth:`dispatch` and :meth:`combine` take the caller's arguments as they are (unchecked) and ``general``, the
+    Buffer's general path: they call it for anything they do not prepare, and build an entry after its first call
+    of a shape they do."""
+
+    def __init__(self, backend: Any):
+        self.be = backend
+        self._ndarray = backend.xp.ndarray
+        self._placement = backend.device.placement
+        self._entries: Dict[tuple, _Entry] = {}
+        self.replayed = 0  # calls that took the prepared path (tests count them)
+
+    # ----------------------------------------------------------------- dispatch
+    def dispatch(self, general: Callable[..., DispatchOutput], checked: HandleChecks, x: Any, topk_idx: Any,
+                 topk_weights: Any, handle: Any, expand: Any, alignment: Any, zero_padding: Any,
+                 cpu_sync: Any) -> DispatchOutput:
+        """``Buffer.dispatch`` without ``stats``, FP8 or a hook: prepared when its shape was seen with inputs of the
+        same identity, else ``general(...)``."""
+        args = (x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, None, False, False)
+        key = self._dispatch_key(x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync)
+        entry = None if key is None else self._entries.get(key)
+        if entry is None:
+            out = general(*args)
+            if key is not None and self._may_learn((x, topk_idx, topk_weights), topk_idx):
+                self._learn_dispatch(key, x, topk_idx, topk_weights, out)
+            return out
+        if handle is not None:
+            checked.check(handle, "an earlier dispatch")
+        place = self._placement
+        if (identity(x, place) != entry.inputs[0]
+                or (handle is None and identity(topk_idx, place) != entry.inputs[1])
+                or (topk_weights is not None and identity(topk_weights, place) != entry.inputs[2])
+                or not self._enter("dispatch", cpu_sync)):
+            return general(*args)
+        if topk_weights is not None:
+            topk_weights = as_float32(self.be.xp, topk_weights, copy=True)
+        body = self._new if handle is None else self._cached
+        out = self.be.steps.run("dispatch", False, body, entry, x, topk_idx, topk_weights, handle, cpu_sync)
+        checked.note(out.handle)
+        self.replayed += 1
+        return out
+
+    def _dispatch_key(self, x: Any, idx: Any, weights: Any, handle: Any, expand: Any, alignment: Any,
+                      zero_padding: Any, cpu_sync: Any) -> Optional[tuple]:
+        """The shape key of a dispatch the prepared path may take (read from attributes only after the types were
+        seen), or None."""
+        nd = self._ndarray
+        if type(x) is not nd or type(cpu_sync) is not bool or (weights is not None and type(weights) is not nd):
+            return None
+        weights_shape = None if weights is None else weights.shape
+        if handle is None:
+            if (type(idx) is not nd or type(expand) is not bool or type(zero_padding) is not bool
+                    or type(alignment) is not int):
+                return None
+            return "new", idx.shape, x.shape, weights_shape, expand, alignment, zero_padding, cpu_sync
+        if idx is not None or cpu_sync or type(handle) is not EPHandle:
+            return None
+        return ("cached", x.shape, weights_shape, handle.topk_weights is None, handle.num_tokens, handle.expand,
+                handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype)
+
+    def _may_learn(self, inputs: Tuple[Any, ...], ids: Any) -> bool:
+        """Whether the call just made may be prepared: no profiling, no capture, C-contiguous ``inputs`` (None: not
+        given), signed ``ids`` (None: a replay or a combine). A full table is cleared first."""
+        be = self.be
+        if be.profile.enabled or be.capture.active:
+            return False
+        if len(self._entries) >= _MAX_ENTRIES:
+            self._entries.clear()
+        return all(a is None or a.flags.c_contiguous for a in inputs) and (ids is None or ids.dtype.kind == "i")
+
+    def _learn_dispatch(self, key: tuple, x: Array, idx: Optional[Array], weights: Optional[Array],
+                        out: DispatchOutput) -> None:
+        """Keep the entry of a dispatch's shape after its general call gave ``out``."""
+        be, h = self.be, out.handle
+        place = self._placement
+        inputs = (identity(x, place), None if idx is None else identity(idx, place),
+                  None if weights is None else identity(weights, place))
+        weighted = h.topk_weights is not None
+        new = idx is not None
+        skip_source = -1 if new or h.expand else be.rank
+        mode = be.place_mode if new else kernel_launches.PLACE_CACHED
+        options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
+        count = be.count_carving(h.num_tokens, idx.dtype) if new else None
+        outputs, scratch, copy_key = None, None, None
+        if not h.cpu_sync:
+            shapes = be.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
+            arrays, block = be.carve_outputs(shapes, None)
+            outputs = be.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
+            scratch = None if weighted else arrays[2]
+            copy_key = receive_copy_key(options, arrays[0], weighted)
+        if new:
+            keys = (be.send_key(idx, x, weighted), be.receive_count_key(h.expand, h.expert_alignment), copy_key)
+        else:
+            local = None if h.expand else (out.recv_x, None)
+            keys = (be.cached_send_key(h, x, weighted, local), None, copy_key)
+        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted)
+
+    def _enter(self, what: str, host_wait: bool) -> bool:
+        """Start step ``what`` as the general path does (``_collective``): the capture check, then the routing
+        verdict of a captured dispatch, then the deferred verdict of a ``cpu_sync=False`` new routing (each raised as
+        there). False (nothing enqueued yet) where the general path must take the call: a capture, an unusable
+        buffer, a rank missing or an abort record seen."""
+        be = self.be
+        be.capture.begin(what, host_wait)
+        if be.capture.active or be.steps.unusable:
+            return False
+        be.capture.raise_for_checks()
+        if be._unchecked is not None:
+            be._raise_unchecked()
+        missing, seen = be.transport.wait_state()
+        return not (missing or seen)
+
+    def _stream(self) -> Any:
+        """The caller's stream: set for the kernels, returned for the plans."""
+        be = self.be
+        be.kernels.stream, on = be.device.launch_streams()
+        return on
+
+    def _outputs(self, entry: _Entry) -> Tuple[Array, Tuple[Array, ...]]:
+        """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))`` of worst-case shapes."""
+        block, views = entry.outputs.new()
+        weights = views[3] if entry.weighted else entry.scratch
+        return block, (views[0], views[1], weights, views[2])
+
+    def _new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
+             cpu_sync: bool) -> DispatchOutput:
+        """A dispatch of a new routing: count and scatter, signal and wait, receive count; then ``cpu_sync``: one
+        poll, the verdicts, exact outputs and their receive copy; else the planned copy into worst-case outputs."""
+        be = self.be
+        on = self._stream()
+        block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
+                aligned, num_recv, num_expanded) = entry.count.new()
+        be.plans.run(entry.keys[0], on, send_roots(idx, x, block, weights),
+                     functools.partial(be._count_and_scatter, idx, x, weights, send_block))
+        # the transport's flush holds the puts test and calls the psum only with puts; untimed, as the general path's
+        # _flush is without profiling (a profiling Buffer never prepares a shape)
+        be.transport.flush(be.kernels.stream, lambda: send_psum, with_meta=True)
+        be.transport.exchange(be.kernels.stream, _DISPATCH, be.timeout_s, words)
+        expand, alignment = entry.options[:2]
+        be.plans.run(entry.keys[1], on, (recv_block,),
+                     functools.partial(be._receive_count, recv_block, expand, alignment))
+        if cpu_sync:
+            num_recv, num_expanded, aligned = be.received_counts()
+            shapes = be.output_shapes(x.shape[1], expand, alignment, weights is not None, (num_recv, num_expanded))
+            arrays, out_block = be.carve_outputs(shapes, None)
+            be._receive_copy(rank_psum, expert_psum, arrays, entry.options)
+        else:
+            be._defer_verdict()
+            out_block, arrays = self._outputs(entry)
+            be.plans.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
+                         functools.partial(be._receive_copy, rank_psum, expert_psum, arrays, entry.options))
+        received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
+        return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
+
+    def _cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
+                cpu_sync: bool) -> DispatchOutput:
+        """A ``cpu_sync=False`` replay of handle ``h``: worst-case outputs first, the recorded slots' scatter (in
+        compact mode this rank's own rows straight into ``recv_x``), signal and wait, the receive copy."""
+        be = self.be
+        on = self._stream()
+        weights = h.topk_weights if weights is None else weights
+        num_recv, num_expanded, aligned = be._derived(h, "device_counts", _device_counts)
+        out_block, arrays = self._outputs(entry)
+        psum = h.psum_num_recv_tokens_per_rank
+        if entry.options[0]:
+            local = None
+            m = min(arrays[3].shape[0], h.recv_src_metadata.shape[0])
+            arrays[3][:m] = h.recv_src_metadata[:m]
+        else:
+            local = (arrays[0], psum)
+        be.plans.run(entry.keys[0], on, cached_send_roots(h, x, weights, local, out_block),
+                     functools.partial(be._scatter, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                       kernel_launches.SLOT_CACHED, local))
+        be.transport.flush(be.kernels.stream, functools.partial(be._derived, h, "send_psum", _send_psum),
+                           with_meta=True)
+        be.transport.exchange(be.kernels.stream, _DISPATCH, be.timeout_s, None)
+        expert_psum = h.psum_num_recv_tokens_per_expert
+        be.plans.run(entry.keys[2], on, (psum, expert_psum, out_block),
+                     functools.partial(be._receive_copy, psum, expert_psum, arrays, entry.options))
+        received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
+        return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
+                            weights, cpu_sync)
+
+    def _output(self, entry: _Entry, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
+                cpu_sync: bool) -> DispatchOutput:
+        """The ``DispatchOutput`` and its handle (as ``handle.make_handle`` makes it): ``received`` is ``(rank psum,
+        expert psum, aligned counts, unaligned counts, received rows, expanded rows)``, ``routing`` the handle's
+        ``(topk_idx, is_token_in_rank, dst_buffer_slot_idx)``."""
+        be = self.be
+        expand, alignment, zero_padding = entry.options[:3]
+        handle = EPHandle(psum_num_recv_tokens_per_rank=received[0], psum_num_recv_tokens_per_expert=received[1],
+                          num_recv_tokens_per_expert=received[2], num_unaligned_recv_tokens_per_expert=received[3],
+                          recv_src_metadata=arrays[3], dst_buffer_slot_idx=routing[2], num_recv_tokens=received[4],
+                          num_expanded_tokens=received[5], num_tokens=routing[0].shape[0], topk_idx=routing[0],
+                          topk_weights=weights, is_token_in_rank=routing[1], expand=expand,
+                          expert_alignment=alignment, zero_padding=zero_padding, deterministic=be.deterministic,
+                          cpu_sync=cpu_sync, num_out_rows=arrays[0].shape[0], geometry=be.geo)
+        return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any) -> CombineOutput:
+        """``Buffer.combine`` without weights, bias or a hook: prepared when its shape was seen with a ``y`` of the
+        same identity and ``handle`` passed the handle check, else ``general(...)``."""
+        if type(y) is not self._ndarray or type(handle) is not EPHandle:
+            return general(y, handle, None, None, False)
+        key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype)
+        entry = self._entries.get(key)
+        if entry is None:
+            out = general(y, handle, None, None, False)
+            if self._may_learn((y,), None):
+                self._learn_combine(key, y, handle)
+            return out
+        checked.check(handle, "dispatch")
+        if identity(y, self._placement) != entry.inputs[0] or not self._enter("combine", handle.cpu_sync):
+            return general(y, handle, None, None, False)
+        out = self.be.steps.run("combine", False, self._combine, entry, y, handle)
+        self.replayed += 1
+        return out
+
+    def _learn_combine(self, key: tuple, y: Array, h: EPHandle) -> None:
+        """Keep the entry of a combine's shape (no weights, no bias) after its general call."""
+        be = self.be
+        arrays, block = be.device.carve(be.combine_shapes(h, False))
+        keys = (combine_send_key(h, y, None), reduce_key(h, y, False, ()))
+        self._entries[key] = _Entry((identity(y, self._placement),), keys, None,
+                                    be.device.recarving(block, arrays), None, (), False)
+
+    def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle) -> CombineOutput:
+        """A combine: the rows back, signal and wait, the reduce into a new ``x``; one poll for a ``cpu_sync``
+        handle."""
+        be = self.be
+        on = self._stream()
+        be.plans.run(entry.keys[0], on, combine_send_roots(h, y, None),
+                     functools.partial(be._combine_send, h, y, None))
+        be.transport.flush(be.kernels.stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
+        be.transport.exchange(be.kernels.stream, _COMBINE, be.timeout_s, None)
+        arrived = be.device.progress() if h.cpu_sync else None
+        block, (x,) = entry.outputs.new()
+        be.plans.run(entry.keys[1], on, reduce_roots(h, y, block, ()),
+                     functools.partial(be._reduce, h, y, x, None, ()))
+        if arrived is not None:
+            be._check_arrival(arrived, "combine")
+        return CombineOutput(x, None)

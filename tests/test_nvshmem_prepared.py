@@ -1,0 +1,148 @@
+"""The prepared path (``ep_comm.backends.nvshmem_prepared``) against the general path, through ``Buffer`` over the
+fake GPU with the kernels in the CUDA simulator: the same calls give the same bytes, and the calls it must not take
+(a refusal, a deferred routing verdict, profiling, a new identity) behave as on the general path."""
+import numpy as np
+import pytest
+from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, launch_log, simulated_backend
+from helpers.same_outputs import assert_same, assert_same_dispatch
+from mpi4py import MPI
+
+import ep_comm.buffer as buffer_module
+from ep_comm.errors import RoutingError
+
+
+def _buffer(prepared: bool, use_puts: bool = False, profile: bool = False) -> buffer_module.Buffer:
+    """A Buffer of ``SMALL_GEO`` over the simulated nvshmem backend; ``prepared=False``: the general path only."""
+    backend = simulated_backend(SMALL_GEO, True, use_puts, profile=profile)
+    saved, buffer_module.make_backend = buffer_module.make_backend, lambda *args: backend
+    try:
+        buf = buffer_module.Buffer(MPI.COMM_SELF, num_experts=SMALL_GEO.num_experts, hidden=SMALL_GEO.hidden,
+                                   num_topk=SMALL_GEO.num_topk, num_max_tokens_per_rank=SMALL_GEO.max_tokens,
+                                   dtype="float32", deterministic=True, backend="mpi", profile=profile)
+    finally:
+        buffer_module.make_backend = saved
+    if not prepared:
+        buf._prepared = None
+    return buf
+
+
+def _calls(buf, expand: bool, weighted: bool) -> list:
+    """The outputs of a fixed sequence of eager calls: new routings (cpu_sync False, then True), replays and
+    combines, each shape twice (the second call of a shape is the prepared one)."""
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32) for _ in range(4)]
+    weights = rng.random((3, SMALL_GEO.num_topk)).astype(np.float32) if weighted else None
+    options = dict(expand=expand, expert_alignment=2, zero_padding=True)
+    outs = []
+    for sync in (False, True, False, True):
+        for x in xs[:2]:
+            out = buf.dispatch(x, SMALL_IDX, weights, cpu_sync=sync, **options)
+            outs += [out, buf.combine(out.recv_x, out.handle)]
+    first = outs[0]
+    for x in xs[2:]:
+        out = buf.dispatch(x, handle=first.handle, cpu_sync=False)
+        outs += [out, buf.combine(out.recv_x * 2, out.handle)]
+    return outs
+
+
+def _assert_same_outputs(general: list, prepared: list) -> None:
+    for i, (a, b) in enumerate(zip(general, prepared)):
+        if hasattr(a, "handle"):
+            assert_same_dispatch(f"call {i}", a, b)
+        else:
+            assert_same(f"call {i} x", a.x, b.x)
+            assert_same(f"call {i} topk_weights", a.topk_weights, b.topk_weights)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_the_prepared_path_gives_the_bytes_of_the_general_path(expand, weighted):
+    general, prepared = _buffer(False), _buffer(True)
+    want, got = _calls(general, expand, weighted), _calls(prepared, expand, weighted)
+    _assert_same_outputs(want, got)
+    assert prepared._backend.prepared.replayed >= 8 and general._backend.prepared.replayed == 0
+    assert prepared._backend.steps.seq == general._backend.steps.seq
+
+
+def test_the_prepared_path_over_puts_gives_the_bytes_of_the_general_path():
+    general, prepared = _buffer(False, use_puts=True), _buffer(True, use_puts=True)
+    _assert_same_outputs(_calls(general, False, True), _calls(prepared, False, True))
+    assert prepared._backend.prepared.replayed >= 8
+
+
+def _prepared_buffer():
+    """A Buffer whose shape of ``SMALL_IDX`` (cpu_sync=False) and its combine are prepared."""
+    buf = _buffer(True)
+    x = np.ones((3, SMALL_GEO.hidden), np.float32)
+    for _ in range(2):
+        out = buf.dispatch(x, SMALL_IDX, cpu_sync=False)
+        buf.combine(out.recv_x, out.handle)
+    assert buf._backend.prepared.replayed == 2
+    return buf, x, out
+
+
+@pytest.mark.parametrize("bad", ["dtype", "rows", "weights", "alignment"])
+def test_a_refused_call_of_a_prepared_shape_raises_as_the_general_path_and_takes_no_step(bad):
+    buf, x, _ = _prepared_buffer()
+    general = _buffer(False)
+    args = {"dtype": (x.astype(np.float64), SMALL_IDX, None, {}),
+            "rows": (np.ones((4, SMALL_GEO.hidden), np.float32), SMALL_IDX, None, {}),
+            "weights": (x, SMALL_IDX, np.ones((3, 2), np.float32), {}),
+            "alignment": (x, SMALL_IDX, None, dict(expert_alignment=True))}[bad]
+    errors = []
+    for b in (general, buf):
+        seq = b._backend.steps.seq
+        with pytest.raises((TypeError, ValueError)) as error:
+            b.dispatch(*args[:3], cpu_sync=False, **args[3])
+        errors.append((type(error.value), str(error.value)))
+        assert b._backend.steps.seq == seq
+    assert errors[0] == errors[1]
+
+
+def test_a_deferred_routing_verdict_is_raised_by_the_next_prepared_call():
+    buf, x, out = _prepared_buffer()
+    bad = SMALL_IDX.copy()
+    bad[1, 0] = SMALL_GEO.num_experts  # out of range: the count kernel's verdict, checked by the next call
+    buf.dispatch(x, bad, cpu_sync=False)
+    replayed = buf._backend.prepared.replayed
+    with pytest.raises(RoutingError, match="expert id 6"):
+        buf.combine(out.recv_x, out.handle)
+    assert buf._backend.prepared.replayed == replayed
+    buf.combine(out.recv_x, out.handle)  # usable after: the ranks stayed in step
+    assert buf._backend.prepared.replayed == replayed + 1
+
+
+def test_profiling_and_a_hook_take_the_general_path():
+    buf = _buffer(True, profile=True)
+    x = np.ones((3, SMALL_GEO.hidden), np.float32)
+    for _ in range(2):
+        out = buf.dispatch(x, SMALL_IDX, cpu_sync=False)
+        buf.combine(out.recv_x, out.handle)
+    assert buf._backend.prepared.replayed == 0
+    buf, x, out = _prepared_buffer()
+    hook = buf.dispatch(x, SMALL_IDX, cpu_sync=False, return_recv_hook=True)
+    hook()
+    assert buf._backend.prepared.replayed == 2
+
+
+def test_a_prepared_shape_never_takes_a_capture_and_refuses_unsigned_ids_there_as_the_general_path(monkeypatch):
+    """Under CUDA-graph capture a call of a prepared shape is the general path's: unsigned ids are refused by name
+    before anything is enqueued (``_buffer_arguments.topk_idx_array``), signed ones are captured there (the prepared
+    path replays nothing); outside the capture the unsigned ids of the shape take the general path too."""
+    buf, x, out = _prepared_buffer()
+    be, replayed = buf._backend, buf._backend.prepared.replayed
+    unsigned = np.array([[0, 1, 2], [2, 3, 5], [4, 5, 3]], np.uint32)  # SMALL_IDX's shape, no "no expert"
+    launches = launch_log(monkeypatch)
+    be.device.capturing_now = True
+    seq, step = be.steps.seq, int(be.transport.step[0])
+    with pytest.raises(RuntimeError, match="topk_idx has dtype uint32: a dispatch captured into a CUDA graph needs "
+                                           "signed expert ids"):
+        buf.dispatch(x, unsigned, cpu_sync=False)
+    assert launches == [] and be.steps.seq == seq and int(be.transport.step[0]) == step, "nothing was enqueued"
+    captured = buf.dispatch(x, SMALL_IDX, cpu_sync=False)
+    buf.combine(captured.recv_x, captured.handle)
+    assert be.prepared.replayed == replayed and be.steps.seq == seq + 2
+    be.device.capturing_now = False
+    got, want = buf.dispatch(x, unsigned), buf.dispatch(x, unsigned.astype(np.int64))
+    assert be.prepared.replayed == replayed
+    assert_same_dispatch("unsigned ids", want, got)
