@@ -16,6 +16,7 @@ from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.contract.topology import transport_mode
 from ep_comm.launching import bound, raw
+from ep_comm.launching.plans import Plans
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
@@ -184,6 +185,24 @@ class HostDevice:
             self.waited = getattr(self, "waited", []) + [mark[1]]
 
 
+class RootCheckingPlans(Plans):
+    """The simulator's launch plans (every call runs its launches, nothing is recorded) holding each key's roots to the
+    layout of its first call: on a GPU a later call of a key replays the recorded launches at its roots' pointers
+    plus the recorded byte offsets, so its roots must have the first call's byte sizes, in the same order, whichever
+    path (general or prepared) makes the call (a root's own dtype does not matter: a count block may come as int32
+    words or as the bytes it is carved from)."""
+
+    def __init__(self):
+        super().__init__(enabled=False)
+        self.layouts = {}
+
+    def run(self, key, on, roots, path):
+        layout = tuple(r.nbytes for r in roots)
+        first = self.layouts.setdefault(key, layout)
+        assert layout == first, f"launch plan {key!r}: roots of {layout} bytes, but its first call's were of {first}"
+        super().run(key, on, roots, path)
+
+
 def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False, launch=None):
     """An ``NvshmemBackend`` over NumPy arrays: the real call sequence, kernels in the simulator. ``launch``: the
     ``Kernels`` launch shape (default: 2 blocks of 2 warps, what the simulator runs in reasonable time; a test
@@ -192,8 +211,10 @@ def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = 
                           geo.experts_per_rank)
     transport = LoopbackTransport(sym, word_dtype(geo.hidden, geo.dtype.itemsize), use_puts)
     settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
-    return NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
-                          launch=launch or dict(num_blocks=2, warps_per_block=2))
+    be = NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
+                        launch=launch or dict(num_blocks=2, warps_per_block=2))
+    be.plans = RootCheckingPlans()
+    return be
 
 
 def dispatch(be, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, stats):
