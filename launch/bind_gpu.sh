@@ -15,7 +15,7 @@
 # SMs unless CUDA MPS runs (launch/with_mps.sh); their figures are not NVLink figures.
 #
 # This script is the one place that maps ranks to GPUs; its assignment is tested on CPU with a fake
-# environment (tests/test_launch_scripts.py).
+# environment (tests/cli/test_launch_scripts.py).
 set -euo pipefail
 
 gpu_list() {  # the GPUs to bind to, one per line

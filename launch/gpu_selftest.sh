@@ -122,7 +122,7 @@ suite() {  # suite NAME TIMEOUT_S PYTEST_ARGS...: a pytest run whose jobs start 
 }
 
 contract() {  # contract NAME TRANSPORT: the contract suites on the nvshmem backend
-    suite "$1" 360 tests/test_multirank.py --backend nvshmem --transport "$2" --ranks "$contract_ranks" \
+    suite "$1" 360 tests/jobs/test_multirank.py --backend nvshmem --transport "$2" --ranks "$contract_ranks" \
         --hypothesis-profile gpu
 }
 

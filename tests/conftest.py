@@ -7,7 +7,7 @@ multi-rank tests), ``--scaleup-ranks N`` and ``--forwarding`` (the collective su
 ``N`` ranks, flat or forwarded). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer examples), chosen with
 ``--hypothesis-profile``.
 
-``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: ``tests/test_multirank.py`` runs them with
+``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: ``tests/jobs/test_multirank.py`` runs them with
 ``--with-mpi`` (pytest-mpi) on every rank of ``mpirun`` jobs. A session without ``--with-mpi`` does not collect
 them unless they are named on the command line (then pytest-mpi skips them, saying why): they run, but not in
 this process, so they are no skips of its own.
@@ -52,7 +52,7 @@ MPI_SUITES = Path(__file__).parent / "mpi"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Leave ``tests/mpi`` to the ``mpirun`` jobs of ``tests/test_multirank.py`` unless ``--with-mpi`` is given."""
+    """Leave ``tests/mpi`` to the ``mpirun`` jobs of ``tests/jobs/test_multirank.py`` unless ``--with-mpi`` is given."""
     if collection_path == MPI_SUITES and not config.getoption("--with-mpi", default=False):
         return True
     return None

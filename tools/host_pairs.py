@@ -5,7 +5,7 @@ of a new routing with ``topk_idx``, then combine of its handle). The nvshmem bac
 ``helpers.fake_gpu`` at an H200's launch shape under ``helpers.eager_counts.LaunchCounter``: no kernel runs, launch
 plans are replayed as on the GPU. Prints, per pair, Python function calls, kernel launches, allocations and host
 microseconds (best of several repeats). A measurement, never a pass/fail test (the budgets are
-``tests/test_eager_budget.py``)::
+``tests/nvshmem_host/test_eager_budget.py``)::
 
     python tools/host_pairs.py [--pairs 2000] [--repeats 5]
 

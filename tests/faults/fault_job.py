@@ -1,4 +1,4 @@
-"""One fault scenario on every rank of an ``mpiexec`` job (started by ``tests/test_faults.py``).
+"""One fault scenario on every rank of an ``mpiexec`` job (started by ``tests/jobs/test_faults.py``).
 
 ``python fault_job.py SCENARIO --out DIR --backend mpi|nvshmem --timeout S [--scaleup-ranks N [--forwarding]]``:
 every rank makes a Buffer (in virtual nodes of ``N`` ranks, forwarded: ``Buffer(forwarding=True)``), runs

@@ -8,7 +8,7 @@ SIGKILL in the kill case).
 Why: under load, MPICH's hydra sometimes ends the job at once when a rank is killed, ``-disable-auto-cleanup``
 notwithstanding, by SIGKILL to every rank it started (seen in CI: the survivor gone 1.4 s into the job, no
 result file). That kill reaches this shim, not the rank; the rank runs on, gives up at its own deadline and
-writes its result file, which ``tests/test_faults.py`` waits for after the launcher ends. The child stays in
+writes its result file, which ``tests/jobs/test_faults.py`` waits for after the launcher ends. The child stays in
 the launcher's process group, so the test's hard outer timeout still kills it.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What one eager ``Buffer`` call costs the host, counted on the fake GPU (``helpers.fake_gpu``): kernel launches,
 allocations (and which of them come before the first launch), stream synchronisations, device-to-host reads,
 progress polls, and Python function calls. Counts, not timings: the budgets of the eager path are asserted on them
-(``tests/test_eager_budget.py``).
+(``tests/nvshmem_host/test_eager_budget.py``).
 
 No kernel runs under a :class:`LaunchCounter` (every launch is stubbed and noted), so the outputs are garbage:
 only the host's call sequence is real. Launch plans are replayed as the GPU replays them (:class:`ReplayedPlans`).

@@ -3,7 +3,7 @@
 Dispatch outputs go through the shared checker (``ep_comm.testing.check``, the NumPy reference), whose
 expected rows and counts are checked against the plain loops of ``helpers/oracle.py``; combines against the oracle.
 
-Run by ``tests/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and its
+Run by ``tests/jobs/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and its
 transport come from ``--backend`` and ``--transport`` (``mpi`` by default, ``nvshmem`` on GPUs).
 Every test is collective.
 """

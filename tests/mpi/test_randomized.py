@@ -14,7 +14,7 @@ Collective hypothesis needs every rank to draw the same examples and to fail the
 Each rank's outputs go through the shared checker (``ep_comm.testing.check``, the NumPy reference);
 the reference's rows, counts and combine are checked against the plain loops of ``helpers/oracle.py``
 (written from ``docs/design.md``).
-Run by ``tests/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and transport from
+Run by ``tests/jobs/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and transport from
 ``--backend`` and ``--transport``; the number of examples from the Hypothesis profile (``tests/conftest.py``:
 ``ci`` 150, ``gpu`` 20), the same on every rank.
 """

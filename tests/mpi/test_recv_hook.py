@@ -2,7 +2,7 @@
 split"). The hook's outputs are the plain call's bit for bit; the send waits for nobody; misuse raises RuntimeError
 naming the step; two Buffers' halves interleave; a rank that never sends is named by the hooks' timeout.
 
-Collective like the rest of ``tests/mpi`` (``tests/test_multirank.py`` runs it under ``mpirun -n 1..4``).
+Collective like the rest of ``tests/mpi`` (``tests/jobs/test_multirank.py`` runs it under ``mpirun -n 1..4``).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ raises the same ValueError naming the lowest bad rank (``checks.routing_error``)
 from the call (or its receive hook), with ``cpu_sync=False`` from the next dispatch or combine. The Buffer stays
 usable: the dispatch and combine after are exact.
 
-Collective like the rest of ``tests/mpi`` (``tests/test_multirank.py`` runs it under ``mpirun -n 1..4``).
+Collective like the rest of ``tests/mpi`` (``tests/jobs/test_multirank.py`` runs it under ``mpirun -n 1..4``).
 """
 from __future__ import annotations
 

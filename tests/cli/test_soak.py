@@ -22,7 +22,7 @@ from ep_comm.soak.plan import FORCED_STEPS, Shape, base_payload, plan_step, rank
 from ep_comm.soak.round_trip import ArrayIO, check_step, negated, round_trip
 from ep_comm.testing.routing import KINDS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 300
 
 

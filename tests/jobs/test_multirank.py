@@ -21,7 +21,7 @@ from helpers import rank_results
 from helpers.mpirun import launcher, run_job
 from helpers.options import SessionOptions, current
 
-SUITE = Path(__file__).parent / "mpi"
+SUITE = Path(__file__).parents[1] / "mpi"  # tests/mpi
 JOB_TIMEOUT_S = 600
 # (ranks, ranks per node) of the jobs that run NODE_SUITES in virtual nodes, flat and forwarded (issues 31 and 39)
 VIRTUAL_NODES = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]

@@ -1,5 +1,5 @@
 """The backend interface on CPU: both backends are ``Backend``s, ``Buffer(transport=..., profile=...)``'s
-rules, and the mpi backend's profile table. (The nvshmem backend's side runs in ``test_nvshmem_*.py``.)"""
+rules, and the mpi backend's profile table. (The nvshmem backend's side runs in ``tests/nvshmem_host/``.)"""
 from __future__ import annotations
 
 import gc

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 FAKE_MPS = """#!/usr/bin/env bash

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers.bench import run_bench
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -37,7 +37,7 @@ from ep_comm.testing import (
     token_count,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(num_experts=8, hidden=16, num_topk=3, num_max_tokens_per_rank=12)
 WHEEL_TIMEOUT_S = 300
 

@@ -23,7 +23,7 @@ import pytest
 from helpers.mpirun import launcher, run_job
 from helpers.options import current
 
-JOB = Path(__file__).parent / "faults" / "fault_job.py"
+JOB = Path(__file__).parents[1] / "faults" / "fault_job.py"  # tests/faults
 SHIELDED_JOB = JOB.with_name("shielded.py")  # the same job as the child of a shim that takes the launcher's kill
 TIMEOUT_S = 3.0
 SLACK_S = 2.0  # the bound: survivors out of close within timeout_s + 2 s

@@ -14,7 +14,7 @@ from helpers.mpirun import launcher, run_job
 from ep_comm.bench import provenance
 from ep_comm.cli.versions import versions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def git(*args: str, cwd: Path) -> str:

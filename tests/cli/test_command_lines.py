@@ -17,7 +17,7 @@ from ep_comm.backends import gpu_available
 from ep_comm.bench import runner
 from ep_comm.bench.__main__ import parser
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 NO_GPU_STACK = pytest.mark.skipif(gpu_available(), reason="the GPU stack is here: --backend nvshmem would run")
 NVSHMEM_MISSING = ("--backend nvshmem needs CuPy, numba-cuda and nvshmem4py (pip install -e '.[gpu]'): "

@@ -22,7 +22,7 @@ from ep_comm.testing.dtypes import RELATIVE_ERROR_BOUND
 from examples import moe_layer, moe_overlap
 from examples.moe_layer import ArrayOps, MoELayer, parse_args, run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 300
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 EXAMPLES = ["examples.moe_layer",

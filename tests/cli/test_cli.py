@@ -8,7 +8,7 @@ from pathlib import Path
 
 from helpers import mpirun
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 ONE_RANK_FAILS = """
 from mpi4py import MPI

@@ -13,7 +13,7 @@ from numba.cuda.core.errors import NumbaPerformanceWarning
 from ep_comm.launching.bound import BoundLaunch
 from ep_comm.launching.occupancy import quiet_low_occupancy
 
-ENV_FILE = Path(__file__).resolve().parents[1] / "launch" / "nvshmem.env"
+ENV_FILE = Path(__file__).resolve().parents[2] / "launch" / "nvshmem.env"
 LOW = "Grid size 4 will likely result in GPU under-utilization due to low occupancy."
 OTHER = "Host array used in CUDA kernel will incur copy overhead to/from device."
 
