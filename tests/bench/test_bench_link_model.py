@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers.bench import run_bench
+from helpers.bench import bench_results, run_bench
 
 from ep_comm.contract import traffic
 from ep_comm.contract.topology import Topology
@@ -76,11 +76,8 @@ def assert_csv_has_the_link_model(table, model) -> None:
 
 
 def test_without_scaleup_ranks_there_is_no_link_model(tmp_path):
-    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
-    done = run_bench(2, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0", "--quiet",
-                     "--json", str(out), "--csv", str(table))
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
+    result, table = bench_results(tmp_path, 2, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0",
+                                  "--quiet")
     assert result["meta"]["transport"] == "auto", "the Buffer's default"
     assert result["meta"]["transport_in_effect"] is None, "the mpi backend has no transport to choose"
     assert "scaleup_ranks" not in result["meta"]
