@@ -29,16 +29,9 @@ from ep_comm.recv_hook import RecvHook
 class Buffer:
     """Expert-parallel dispatch/combine among the ranks of an MPI communicator.
 
-    Rank ``r`` owns global experts ``[r*E/R, (r+1)*E/R)``. Buffers are allocated once, at the
-    worst case of ``R * num_max_tokens_per_rank`` rows. Every rank must call ``dispatch`` and
-    ``combine`` collectively; a rank that does not arrive within ``timeout_s`` makes the others
-    raise ``ep_comm.TimeoutError`` naming it, and they post abort records that make it raise
-    ``ep_comm.PeerAbortedError`` at its next call or wait.
-
-    Attributes: ``backend`` (``"mpi"``/``"nvshmem"``), ``num_sms`` (the SM count in effect: an int
-    on ``nvshmem``, None on ``mpi``), ``transport`` (``"stores"``/``"puts"``/``"stores+puts"`` on ``nvshmem``,
-    None on ``mpi``), ``scaleup_ranks`` (ranks per node), ``forwarding``, ``geometry``, ``rank``, ``num_ranks``,
-    ``deterministic``, ``timeout_s``.
+    Rank ``r`` owns global experts ``[r*E/R, (r+1)*E/R)``. Every rank calls ``dispatch``, ``combine`` and ``close``
+    collectively; a peer missing past ``timeout_s`` raises ``ep_comm.TimeoutError``, a peer's abort record
+    ``ep_comm.PeerAbortedError``. The full contract is docs/design.md, "The public API" (attributes: "Construction").
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, num_experts: int, hidden: int, num_topk: int,
@@ -46,55 +39,28 @@ class Buffer:
                  deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None,
                  transport: str = "auto", scaleup_ranks: Optional[int] = None, forwarding: bool = False,
                  profile: bool = False):
-        """Collective over ``comm``: every rank passes the same arguments.
-
-        The first collective call is the construction check (``ep_comm.contract.agreement``), before anything is
-        allocated: where a rank's own arguments are invalid it raises its error and every other rank a
-        ValueError naming it; where the ranks' geometry, dtype, backend, transport, ``deterministic``,
-        ``num_sms`` or ep_comm version differ, every rank raises a ValueError naming the field, the
-        ranks and their values. ``comm`` itself is checked locally first (no communication is possible
-        over an invalid one).
+        """Collective over ``comm``: every rank passes the same arguments (docs/design.md, "Construction").
 
         Args:
-            comm: an mpi4py intra-communicator; None = ``MPI.COMM_WORLD``. Its size is the rank count ``R``.
-                ``MPI.COMM_NULL`` raises ValueError, an inter-communicator TypeError.
+            comm: an mpi4py intra-communicator, or None for ``MPI.COMM_WORLD``; its size is ``R``.
             num_experts: ``E`` global experts, a multiple of ``R``.
             hidden: ``H``, elements per token row.
-            num_topk: ``K``, experts per token (``<= E``).
-            num_max_tokens_per_rank: the most tokens ``T`` a rank dispatches at once.
-            dtype: the payload dtype, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the NumPy /
-                ml_dtypes type).
+            num_topk: ``K <= E``, experts per token.
+            num_max_tokens_per_rank: ``T``, the most tokens a rank dispatches at once.
+            dtype: the payload dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or the NumPy / ml_dtypes type.
             backend: ``"nvshmem"`` (GPU), ``"mpi"`` (CPU) or ``"auto"`` (``ep_comm.backends.choose_backend``).
             deterministic: rows inside each block in ascending (source rank, source token) order.
-            timeout_s: seconds to wait for a peer before ``ep_comm.TimeoutError`` (> 0).
-            num_sms: (keyword-only, an extension of the contract, like DeepEP's ``deep_ep.Buffer.set_num_sms``)
-                how many SMs the GPU kernels' grids are sized for; None = all SMs of the device. An
-                integer >= 1 (TypeError for another type, bool included; ValueError below 1). On
-                ``nvshmem`` the kernels run ``2 * num_sms`` blocks (``8 * num_sms`` for the
-                row-streaming ones), and a value above the SM count of any rank's GPU raises
-                ValueError on every rank. On ``mpi`` it is accepted and has no effect.
-            transport: how the ``nvshmem`` backend reaches its peers: ``"stores"`` (stores through
-                NVSHMEM peer views to every rank; needs P2P between all GPUs), ``"puts"`` (NVSHMEM puts to
-                every rank, for peers without P2P) or ``"auto"`` (the default: stores to the ranks of this
-                rank's node, ``scaleup_ranks``, and puts to the rest, in the same launches). Every mix can be
-                captured into a CUDA graph. Anything else raises ValueError, and so does ``"stores"`` with
-                ``scaleup_ranks`` below the rank count. ``buf.transport`` is the one in effect: ``"stores"``,
-                ``"puts"`` (every peer through puts) or ``"stores+puts"``. On ``mpi`` it is accepted and has
-                no effect (``buf.transport`` is None there).
-            scaleup_ranks: ranks per (virtual) node: nodes of this many consecutive ranks, peers outside a
-                rank's node out of scale-up reach (``ep_comm.contract.topology``; how a job pins its topology,
-                and how several nodes are tested on one host). None (default) = every rank in one node; else
-                an int >= 1 that divides the rank count (TypeError / ValueError otherwise).
-            forwarding: node-aware forwarding (a bool, TypeError otherwise; default False). With several nodes
-                a dispatch sends each token over the scale-out path once per destination node, to that node's
-                forwarder (the rank with the source's local index), which writes it into every destination rank
-                of its node at the flat path's slots (dispatch outputs are the flat path's, bit for bit). A combine
-                reduces in the node: that forwarder sums its node's partials of each token (float32, ascending rank)
-                and sends one row per token, rounded to the payload dtype, which the source adds in place of that
-                node's ranks (a fixed order differing from the flat one only by that rounding; docs/design.md,
-                "Combine"). ``mpi`` only: ``nvshmem`` refuses True (ValueError). One node: no effect.
-            profile: True records per-phase timings on every rank, read by :meth:`profile_table`
-                (host time; GPU time on ``nvshmem``). A bool (TypeError otherwise).
+            timeout_s: seconds (> 0) to wait for a peer before ``ep_comm.TimeoutError``.
+            num_sms: an int >= 1, the SMs the GPU kernels' grids are sized for; None = all (no effect on ``mpi``).
+            transport: ``"auto"``, ``"stores"`` or ``"puts"``: how ``nvshmem`` reaches each peer (no effect on ``mpi``).
+            scaleup_ranks: ranks per (virtual) node, an int >= 1 dividing ``R``; None = one node.
+            forwarding: a bool: node-aware forwarding across nodes (``mpi`` only).
+            profile: a bool: record per-phase timings for :meth:`profile_table`.
+
+        Raises:
+            TypeError: an argument of the wrong type (``comm`` an inter-communicator, a non-bool flag, ...).
+            ValueError: an argument that breaks its rule, on this rank and named on every other; ranks that disagree.
+            RuntimeError: ``backend="auto"`` found a broken GPU stack.
         """
         comm = chk.check_comm(comm)
         fields, error = None, None
@@ -170,7 +136,7 @@ class Buffer:
 
     @holds_captured_memory
     def get_dispatch_layout(self, topk_idx: Any) -> DispatchLayout:
-        """Counts of a routing (local, no communication).
+        """Counts of a routing (local, no communication; docs/design.md, "Layout without communication").
 
         Args:
             topk_idx: ``[T, K]`` integer global expert ids, ``< 0`` = no expert.
@@ -193,69 +159,32 @@ class Buffer:
                  expand: bool = False, expert_alignment: int = 1, zero_padding: bool = False, cpu_sync: bool = True,
                  stats: Any = None, use_fp8: bool = False,
                  return_recv_hook: bool = False) -> Union[DispatchOutput, RecvHook]:
-        """Send each token to the ranks of its experts (collective).
+        """Send each token to the ranks of its experts (collective; docs/design.md, "Dispatch", "FP8 dispatch").
 
-        Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay the routing of an
-        earlier dispatch: no counting, no count exchange). The returned handle owns its routing: it
-        holds copies of ``topk_idx`` and ``topk_weights`` (one copy each, in the backend's array
-        module; a replay of the handle's own arrays copies nothing), so writing into the caller's
-        arrays afterwards changes neither replays nor combines.
-
-        FP8 (DeepSeek-V3 format, ``ep_comm.contract.fp8``; ``H % 128 == 0``, else ValueError): ``x`` given as the pair
-        ``(x_fp8, scales)``, or ``use_fp8=True`` with ``x`` in the buffer's dtype (quantized by the sender, as
-        ``ep_comm.contract.fp8.quantize``; on ``nvshmem`` inside the send, as each row is read). Only the
-        packed FP8 rows (FP8 bytes + scales, ``ep_comm.contract.fp8.packed_row_bytes(H)`` bytes) cross the link, and
-        ``recv_x`` is the pair ``(recv_x_fp8 [rows, H], recv_scales [rows, H // 128] float32)``, byte-exact per
-        row, zero where the non-FP8 ``recv_x`` is zero: two views into one allocation (the received packed
-        rows). ``recv_x_fp8`` is float8_e4m3fn where the array module has it (NumPy), else its uint8 bits
-        (``ep_comm.contract.fp8.fp8_array``). Combine is unchanged: it takes ``y [rows, H]`` in the buffer's dtype.
+        Give exactly one of ``topk_idx`` (a new routing) and ``handle`` (replay an earlier dispatch's routing).
 
         Args:
-            x: ``[T, H]`` tokens in the buffer's dtype; or the FP8 pair ``(x_fp8 [T, H], scales [T, H // 128])``, a
-                tuple or a list of two arrays (any other list is refused as ``x``, which must be an array):
-                ``x_fp8`` float8_e4m3fn or its bits in any 1-byte dtype (uint8/int8: GPU users pass
-                ``torch.float8_e4m3fn`` tensors viewed as uint8), ``scales`` float32, one per 128-element block.
-            topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert, no expert twice per
-                token), or None with ``handle``.
-            topk_weights: ``[T, K]`` floating-point weights (bfloat16 included) carried along as float32,
-                or None; with ``handle`` and None, the handle's weights.
-
-            handle: an ``EPHandle`` of an earlier dispatch of this Buffer's geometry, or None.
-            expand: False: one row per (source token, rank), grouped by source rank; True: one row
-                per (source token, local expert), expert-major. Taken from ``handle`` on a replay.
-            expert_alignment: (expand) each expert's rows start at a multiple of it; an integer
-                >= 1. Taken from ``handle`` on a replay.
-            zero_padding: (expand) padding rows are zero. Taken from ``handle`` on a replay.
-            cpu_sync: True: the host waits for the row counts, outputs have exactly the received
-                rows; False: nothing waits on the host, outputs have the contract's worst-case rows,
-                the counts stay on the device (the CUDA-graph path).
-            stats: ``[E/R]`` writeable integer array to which the received unaligned per-local-expert
-                counts are added, or None.
-            use_fp8: quantize ``x`` (buffer dtype) to FP8 on the sender (DeepEP's name); with ``x`` given as an
-                FP8 pair a ValueError. On ``mpi`` a non-finite ``x`` raises ValueError; on ``nvshmem`` it is not
-                checked (``ep_comm.kernels.fp8``).
-            return_recv_hook: True: enqueue only the send half (count, scatter, signal: nothing waits) and return at
-                once an ``ep_comm.RecvHook``; calling it enqueues the receive half and returns the
-                ``DispatchOutput`` (nothing is received, and no output exists, before). Until it is called this
-                Buffer takes no other dispatch or combine. See ``RecvHook`` (streams, CUDA graphs).
+            x: ``[T, H]`` buffer dtype, or the FP8 pair ``(x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)``.
+            topk_idx: ``[T, K]`` integer global expert ids (``< 0`` = no expert), or None with ``handle``.
+            topk_weights: ``[T, K]`` floating-point (carried as float32), or None (with ``handle``: its weights).
+            handle: an ``EPHandle`` of an earlier dispatch of this geometry, or None.
+            expand: False: rows per (token, rank), by source rank; True: per (token, local expert), expert-major.
+            expert_alignment: (expand) an int >= 1; each expert's rows start at a multiple of it.
+            zero_padding: (expand) padding rows are zero.
+            cpu_sync: True: exact-size outputs; False: worst-case outputs, counts on the device (CUDA graphs).
+            stats: ``[E/R]`` writeable integer array, the received unaligned per-local-expert counts added; or None.
+            use_fp8: quantize ``x`` (buffer dtype) to FP8 on the sender.
+            return_recv_hook: True: send only, and return an ``ep_comm.RecvHook`` that receives.
 
         Returns:
-            ``DispatchOutput``: ``recv_x [rows, H]`` (buffer dtype; the FP8 pair above for an FP8 dispatch);
-            ``recv_topk_idx`` int64 ``[N, K]``
-            compact (local expert ids or -1) or ``[M]`` expand (the row's local expert, -1 for
-            padding); ``recv_topk_weights`` float32 of the same shape, or None without weights;
-            ``handle``, the ``EPHandle`` that replays this routing and combines its outputs. With
-            ``return_recv_hook=True`` the ``RecvHook`` that returns it.
+            ``DispatchOutput``: ``recv_x [rows, H]`` buffer dtype (an FP8 pair for FP8); ``recv_topk_idx`` int64
+            ``[N, K]`` compact / ``[M]`` expand; ``recv_topk_weights`` float32, same shape, or None; ``handle``
+            (``EPHandle``). With ``return_recv_hook=True`` the ``RecvHook`` that returns it.
 
         Raises:
-            RuntimeError: a receive hook of this Buffer is pending (call it first).
-            ValueError: some rank's ``topk_idx`` holds an id ``>= num_experts`` or names an expert twice in a row:
-                checked by each rank in its count step, the verdict travels with the count exchange, no rank
-                receives a row, and every rank raises the same error naming the lowest bad rank
-                (``checks.routing_error``), the Buffer usable after. ``cpu_sync=True``: raised by this call (or by
-                its receive hook); ``cpu_sync=False``: this call returns outputs that hold no row, and the next
-                ``dispatch`` or ``combine`` raises it instead of running. Also any argument that breaks its rule,
-                on this rank before anything is sent.
+            RuntimeError: a receive hook of this Buffer is pending, or a call refused under CUDA graph capture.
+            ValueError: a bad ``topk_idx`` on any rank (on every rank, ``checks.routing_error``), or a bad argument.
+            TypeError: an argument of the wrong type, on this rank before anything is sent.
         """
         prepared = self._prepared
         if (prepared is not None and self._pending is None and stats is None and use_fp8 is False
@@ -278,34 +207,23 @@ class Buffer:
 
     def combine(self, y: Any, handle: EPHandle, *, topk_weights: Any = None, bias: Any = None,
                 return_recv_hook: bool = False) -> Union[CombineOutput, RecvHook]:
-        """Bring expert outputs back and reduce them (collective).
-
-        Compact: ``x[t] = bias + sum over ranks r ascending of y_r[row(t, r)]``. Expand: each rank
-        first reduces its rows of token t in top-k order, weighted by ``topk_weights`` when given.
-        float32 accumulation in a fixed order: bitwise reproducible.
+        """Bring expert outputs back and reduce them in a fixed float32 order (collective; docs/design.md, "Combine").
 
         Args:
-            y: ``[rows, H]`` in the buffer's dtype, laid out as the dispatch's ``recv_x`` (compact or expand).
+            y: ``[rows, H]`` in the buffer's dtype, laid out as the dispatch's ``recv_x``.
             handle: the ``EPHandle`` of that dispatch.
-            topk_weights: floating-point weights (bfloat16 included; as float32): ``[rows]`` expand (each row's
-                weight in the reduction), ``[rows, K]`` compact (gathered back into
-                ``res.topk_weights``); or None.
-            bias: None, one ``[T, H]`` floating-point array (bfloat16 included) or a pair of them, added
-                to every token (as float32).
-            return_recv_hook: True: enqueue only the send half (the rows and weights back, signal: nothing waits)
-                and return at once an ``ep_comm.RecvHook``; calling it enqueues the wait and the reduce and returns
-                the ``CombineOutput`` (which does not exist before). Until it is called this Buffer takes no other
-                dispatch or combine. See ``RecvHook``.
+            topk_weights: floating-point (as float32): ``[rows]`` expand, ``[rows, K]`` compact; or None.
+            bias: None, one ``[T, H]`` floating-point array or a pair of them (as float32).
+            return_recv_hook: True: send only, and return an ``ep_comm.RecvHook`` that reduces.
 
         Returns:
-            ``CombineOutput``: ``x [T, H]`` in the buffer's dtype; ``topk_weights [T, K]`` float32
-            gathered back (0 for masked entries), or None without weights. With ``return_recv_hook=True`` the
-            ``RecvHook`` that returns it.
+            ``CombineOutput``: ``x [T, H]`` buffer dtype; ``topk_weights [T, K]`` float32 or None. With
+            ``return_recv_hook=True`` the ``RecvHook`` that returns it.
 
         Raises:
-            RuntimeError: a receive hook of this Buffer is pending (call it first).
-            ValueError: the routing error of the previous ``dispatch`` (``cpu_sync=False``), raised instead of running
-                (see ``dispatch``); also any argument that breaks its rule, before anything is sent.
+            RuntimeError: a receive hook of this Buffer is pending, or a call refused under CUDA graph capture.
+            ValueError: the previous ``cpu_sync=False`` dispatch's routing error, or a bad argument.
+            TypeError: an argument of the wrong type, on this rank before anything is sent.
         """
         prepared = self._prepared
         if prepared is not None and self._pending is None and topk_weights is None and bias is None and \
