@@ -17,7 +17,6 @@ import numpy as np
 from mpi4py import MPI
 
 import ep_comm
-from ep_comm.launching.plans import _UNPLANNED
 from ep_comm.testing.routing import uniform_routing
 
 
@@ -60,8 +59,8 @@ def main() -> None:
               f"{stats.total_calls / args.calls:.0f} Python calls per call")
         stats.sort_stats("tottime").print_stats(args.top)
         print("\n".join(text.getvalue().splitlines()[:args.top + 12]))
-    plans = buf._backend.plans
-    print("plans:", {str(key)[:90]: ("UNPLANNED" if p is _UNPLANNED else len(p)) for key, p in plans._plans.items()})
+    counts = buf._backend.plans.launch_counts()
+    print("recorded calls (launches; None: not recordable):", {str(key)[:90]: n for key, n in counts.items()})
     buf.close()
 
 

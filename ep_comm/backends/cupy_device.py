@@ -15,8 +15,8 @@ import cupy
 import numpy as np
 from numba import cuda
 
+from ep_comm._launcher import raw
 from ep_comm.kernels.numba_internals import interface_sync_disabled
-from ep_comm.launching import raw
 from ep_comm.transport.nvshmem import numba_view
 from ep_comm.transport.signals import mapped_int64
 

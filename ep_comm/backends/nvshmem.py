@@ -66,6 +66,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.capture import CapturePolicy
 from ep_comm.backends.collective_steps import Steps
 from ep_comm.backends.interface import BackendSettings, Traffic
@@ -80,7 +81,6 @@ from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout, record_words, word_dtype
 from ep_comm.contract.topology import Topology
 from ep_comm.launching.kernel_launches import Kernels, check_index_range
-from ep_comm.launching.plans import Plans
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
 
@@ -125,7 +125,7 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         self.capture = CapturePolicy(device, geo.num_experts)
         self.profile = Profile(settings.profile, device)
         self.steps = Steps(self.rank, settings.timeout_s, transport)
-        self.plans = Plans(self.kernels.prebound, device.allocations_into)
+        self.plans = RecordedCalls(self.kernels.prebound, device.allocations_into)
         # what the receive count of a new routing writes for the host: counts and every rank's routing verdict
         self._record_host, self._record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
         self._unchecked: Optional[Tuple[Any, str]] = None  # (progress marker, step) of a cpu_sync=False new routing

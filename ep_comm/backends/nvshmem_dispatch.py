@@ -350,7 +350,7 @@ def _add_counts(xp: Any, stats: Array, counts: Array) -> None:
 
 
 def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tuple:
-    """The per-call arrays of a new routing's count and scatter plan (``Plans.run``), in order."""
+    """The per-call arrays of a new routing's count and scatter plan (``RecordedCalls.run``), in order."""
     return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
 
 

@@ -8,7 +8,7 @@ allocation and of its count block (``device.recarving``: every array carved with
 slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
 GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
 (the argument checks, the request objects, the contiguity copies, the views) and runs the same pieces: the same
-launch plans, replayed with its pointers (``Plans.run``; in the CUDA simulator the same ``Kernels`` calls), the
+launch plans, replayed with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the
 same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
 path", names the conditions).
 

@@ -11,6 +11,8 @@ import functools
 import time
 from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
+from ep_comm._launcher import raw
+from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.capture import CapturePolicy
 from ep_comm.backends.collective_steps import STEP_KINDS, Steps
 from ep_comm.backends.interface import ReceiveHalf
@@ -20,9 +22,7 @@ from ep_comm.contract.checks import routing_error, verdicts_clean
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import record_verdict_words, record_verdicts
 from ep_comm.errors import RoutingError
-from ep_comm.launching import raw
 from ep_comm.launching.kernel_launches import Kernels
-from ep_comm.launching.plans import Plans
 
 POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound) plus this for the work before them
 
@@ -40,7 +40,7 @@ class NvshmemSteps:
     capture: CapturePolicy
     profile: Profile
     steps: Steps
-    plans: Plans
+    plans: RecordedCalls
     _own_rows: Array  # this rank's symmetric rows and meta rows, as the kernels take them
     _own_meta: Array
     _record_host: Any
@@ -189,7 +189,7 @@ class NvshmemSteps:
         self.steps.after_wait(what, *self.transport.wait_state())
 
     def _planned(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
-        """``path()`` (launches through ``Kernels``) as a launch plan of ``key`` over ``roots`` (``Plans.run``); run
+        """``path()`` (launches through ``Kernels``) as a launch plan of ``key`` over ``roots`` (``RecordedCalls.run``); run
         as it is while profiling (its phases) or capturing (what a capture holds is its own)."""
         if self.profile.enabled or self.capture.active:
             path()

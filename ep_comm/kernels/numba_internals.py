@@ -10,8 +10,8 @@ rename any of these, and this module is the one place to adapt. Public APIs (``n
   ``__cuda_array_interface__`` argument naming a stream;
 - :func:`set_source_stamp` / :func:`source_stamp`: the key of a dispatcher's on-disk cache entries;
 - :func:`compiles`, :func:`launchable_overload`, :func:`kernel_handle`, :func:`stream_handle` and
-  :data:`numba_types`: what the pre-bound launches (``ep_comm.launching.bound`` and its parameter blocks,
-  ``ep_comm.launching.param_blocks``) take from Numba's dispatcher, its driver and its type system.
+  :data:`numba_types`: what the pre-bound launches (``ep_comm._launcher.prebound`` and its parameter blocks,
+  ``ep_comm._launcher.param_blocks``) take from Numba's dispatcher, its driver and its type system.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A Buffer's step counter is an int64 ``[1]`` device array holding the number of the last step that
 signalled: the signal kernel of every dispatch, combine and close advances it
-(``ep_comm.transport.signals.SignalLaunches.signal_and_wait``). Kernels read the buffer parity (which half of the
+(``ep_comm.transport.signals.SignalKernels.signal_and_wait``). Kernels read the buffer parity (which half of the
 double-buffered symmetric regions a step uses) from it instead of taking it as an argument: the
 same launches are then right at every step, which is what a CUDA graph replay needs. Kernels that
 run before their step's signal (the senders) look one step ahead (``ahead=1``); the ones after it

@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ep_comm._launcher.device_arrays import wide_rows
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.fp8 import packed_row_bytes
 from ep_comm.contract.symmetric import payload_rows, payload_words
@@ -50,7 +51,6 @@ from ep_comm.kernels.routing_check import routing_check_kernel
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
-from ep_comm.launching.device_arrays import wide_rows
 from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.launch_shapes import LaunchShapes, ReceiveCounts, SendLayout, check_index_range
 
@@ -76,12 +76,12 @@ class Kernels(LaunchShapes):
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
 
     Constructed as its base :class:`~ep_comm.launching.launch_shapes.LaunchShapes` (the geometry, how work is
-    cut, ``stream``; on a GPU every kernel is launched pre-bound, :mod:`ep_comm.launching.bound`), which also
+    cut, ``stream``; on a GPU every kernel is launched pre-bound, :mod:`ep_comm._launcher.prebound`), which also
     holds the workspace and the views of the count and receive count blocks.
     """
 
     def _wide(self, rows: Any) -> bool:
-        """:func:`~ep_comm.launching.device_arrays.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
+        """:func:`~ep_comm._launcher.device_arrays.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
         decided once per Buffer."""
         return self._fixed("wide", rows, lambda: wide_rows(*rows) if isinstance(rows, tuple) else wide_rows(rows))
 

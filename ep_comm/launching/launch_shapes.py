@@ -4,7 +4,7 @@
 how work is cut for it (units of tokens, pieces of rows, blocks: shapes only, as graph capture needs), allocates
 the small persistent workspace the kernels share (counters, tickets, cursors), lays out the int32 blocks that one
 count and one receive count write (:class:`SendLayout`, :class:`ReceiveCounts`: views of one allocation each) and
-launches a kernel pre-bound on its stream (:func:`bound_launch`). :func:`check_index_range` is the bound that keeps
+launches a kernel pre-bound on its stream (:func:`ep_comm._launcher.prebound.prebound_kernel`). :func:`check_index_range` is the bound that keeps
 every kernel index within 32 bits.
 """
 from __future__ import annotations
@@ -12,20 +12,19 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ep_comm._launcher.prebound import prebound_kernel
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.protocol import VERDICT_WORDS
 from ep_comm.contract.symmetric import record_words
 from ep_comm.kernels.routing_check import ACC_INIT
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
-from ep_comm.launching.bound import BoundLaunch
-from ep_comm.launching.device_arrays import DeviceViews
 
-__all__ = ["LaunchShapes", "SendLayout", "ReceiveCounts", "bound_launch", "check_index_range", "INDEX_LIMIT"]
+__all__ = ["LaunchShapes", "SendLayout", "ReceiveCounts", "check_index_range", "INDEX_LIMIT"]
 
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
@@ -53,21 +52,6 @@ class ReceiveCounts(NamedTuple):
     num_aligned_per_expert: Array  # [L] int32
     expert_psum: Array  # [L] int32, ep_comm.contract.layout.expert_psum(counts, alignment, expand)
     totals: Array  # [2] int32: received rows N, expanded rows M (padding included)
-
-
-_DEVICE_VIEWS = DeviceViews()
-_BOUND: dict = {}
-
-
-def bound_launch(kernel: Any, device: Optional[int]) -> BoundLaunch:
-    """The process's one :class:`BoundLaunch` of ``kernel`` on CUDA device ``device`` (None: launches
-    through Numba, as in the simulator). Its plans depend only on the kernel, the device (a compiled
-    function belongs to one device's context) and the argument kinds, so every ``Kernels`` (every
-    Buffer) shares them and binds each kind once."""
-    bound = _BOUND.get((kernel, device))
-    if bound is None:
-        bound = _BOUND[kernel, device] = BoundLaunch(kernel, _DEVICE_VIEWS, enabled=device is not None)
-    return bound
 
 
 _CARVE_WORDS = 4  # each array carved from a shared allocation starts on 16 bytes, as vector loads need
@@ -142,7 +126,7 @@ class LaunchShapes:
     ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
     NVLink busy; they cut rows into pieces when rows are few, about ``split_warps`` pieces in all
     (default: ``2 * num_blocks * warps_per_block``), one warp per piece. ``stream`` is a Numba
-    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm.launching.bound`);
+    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm._launcher.prebound`);
     ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
     """
 
@@ -211,14 +195,14 @@ class LaunchShapes:
 
     def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         threads = WARP * warps_per_block if warps_per_block else self.threads
-        bound = bound_launch(kernel, self._launch_device)
+        bound = prebound_kernel(kernel, self._launch_device)
         grid, stream = blocks or self.num_blocks, self.stream
         return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
 
     def launcher(self, kernel: Any, blocks: int, threads: int) -> Callable[..., None]:
         """``launcher(kernel, blocks, threads)(*args)``: launch another module's ``kernel`` as these kernels launch
         theirs (pre-bound on a GPU, on :attr:`stream`, no dynamic shared memory)."""
-        bound, stream = bound_launch(kernel, self._launch_device), self.stream
+        bound, stream = prebound_kernel(kernel, self._launch_device), self.stream
         return lambda *args: bound(blocks, threads, stream, 0, *args)
 
     def _blocks_for(self, warps: int, cap: int) -> int:

@@ -69,7 +69,7 @@ class NvshmemTransport:
         # held here: the signal launches keep only its address
         self._stores_ptrs = cupy.asarray([0 if q in self.puts_to else int(self.heap.peers[q].data.ptr)
                                           for q in range(r)], dtype=cupy.uint64)
-        self._signals = signals.SignalLaunches(self._stores_ptrs, r, self.rank, sym.signal_offset, sym.counts_offset,
+        self._signals = signals.SignalKernels(self._stores_ptrs, r, self.rank, sym.signal_offset, sym.counts_offset,
                                                self.step, self.own.signal, self.status.device, self.own.counts,
                                                self._abort_words, self.device)
         self._no_records = np.zeros((r, ABORT_WORDS), dtype=np.int64)

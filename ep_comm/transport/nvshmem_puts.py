@@ -7,7 +7,7 @@ kernel ends); after the stores' signal launch (which advances the device step co
 such peer's count block (optional) and ``signal[me]`` with ``nvshmem_p``. Both read the step from the device counter,
 so a CUDA graph replays them. The kernels (``ep_comm.kernels.puts``) call NVSHMEM device functions, so they cannot be
 cached on disk: the first call in a process compiles them (~10 s); later calls launch them pre-bound
-(``launch_shapes.bound_launch``), without Numba's dispatcher. The NVSHMEM world equals the communicator, so a rank
+(``ep_comm._launcher.prebound.prebound_kernel``), without Numba's dispatcher. The NVSHMEM world equals the communicator, so a rank
 is its PE. Staging blocks live in the symmetric heap, so every transport can read them.
 """
 from __future__ import annotations
@@ -29,12 +29,12 @@ def put_blocks(stream, device: int, stage, block_bytes: int, sym, dst_offset: in
     the puts run before the step's signal). ``psum``: int32 ``[R]`` inclusive prefix sum on the device; ``remote``:
     uint8 ``[R]``, 1 for the ranks reached through puts. Launched on Numba stream ``stream`` of CUDA device ``device``
     (arrays: CuPy or Numba)."""
-    from ep_comm.launching.launch_shapes import bound_launch  # imports Numba: importing this module does not
+    from ep_comm._launcher.prebound import prebound_kernel  # imports Numba: importing this module does not
 
     put_blocks_kernel, _ = put_kernels()
     chunks = max(1, -(-block_bytes // CHUNK_BYTES))
     grid = max(1, min(psum.shape[0] * chunks, MAX_PUT_CTAS))
-    bound_launch(put_blocks_kernel, device)(grid, PUT_THREADS, stream, 0, stage, np.int64(block_bytes), sym,
+    prebound_kernel(put_blocks_kernel, device)(grid, PUT_THREADS, stream, 0, stage, np.int64(block_bytes), sym,
                                             np.int64(dst_offset), np.int64(parity_bytes), step, np.int64(row_bytes),
                                             psum, remote, np.int64(me), np.int64(chunks))
 
@@ -46,11 +46,11 @@ def signal_peers(stream, device: int, signals, count_words, remote, me: int, ste
     its rows, its entries per local expert, the routing verdict), first ``count_words[parity, me] = counts[r]`` on PE
     ``r`` (``count_words``: int64 ``[2, R, 1 + L + 2]`` symmetric words; not written without ``counts``, whose place a
     ``[R, 1 + L + 2]`` block of them takes then, never read). Launched as :func:`put_blocks`."""
-    from ep_comm.launching.launch_shapes import bound_launch  # as in put_blocks
+    from ep_comm._launcher.prebound import prebound_kernel  # as in put_blocks
 
     _, signal_kernel = put_kernels()
     num_ranks = remote.shape[0]
     has_counts = counts is not None
-    bound_launch(signal_kernel, device)(
+    prebound_kernel(signal_kernel, device)(
         1, max(32, -(-num_ranks // 32) * 32), stream, 0, signals, count_words,
         counts if has_counts else count_words[0], has_counts, remote, np.int64(me), step, np.int64(kind))

@@ -3,7 +3,7 @@
 Rows travel in the Numba kernels of ``ep_comm.kernels`` (stores through peer views) or through
 ``nvshmem_puts``. Small CUDA C kernels (``ep_comm.kernels.signal_wait``) compiled once through CuPy
 (``RawModule``, disk-cached) and launched through ``cuLaunchKernel`` with a parameter block built once per transport
-(:class:`SignalLaunches`; a call writes its kind, count block and timeout), all reading the step
+(:class:`SignalKernels`; a call writes its kind, count block and timeout), all reading the step
 number from the Buffer's device step counter (int64 ``[1]``, see ``ep_comm.kernels.step_counter``)
 so that a CUDA graph can replay them:
 
@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from cuda.bindings.driver import CUfunction
 
+from ep_comm._launcher.slotted import SlottedKernel, address
 from ep_comm.kernels.signal_wait import CUDA_SOURCE, STATUS_FLAGS, STATUS_MISSING, STATUS_SEQ
-from ep_comm.launching import raw
 
 WAIT_THREADS = 128
 
@@ -73,60 +72,12 @@ PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
                      ("status", _PTR), ("counts_by_parity", _PTR), ("count_words", _I32), ("aborts", _PTR),
                      ("abort_words", _I32)),
 }
-_PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns")  # what a call of SignalLaunches writes
+_PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns")  # what a call of SignalKernels writes
 THREADS = {"signal_and_wait": WAIT_THREADS, "send_signal": WAIT_THREADS, "wait_signals": WAIT_THREADS}  # one CTA each
 
 
-def address(a: Any) -> int:
-    """The device address of CuPy array ``a`` (``a.data.ptr``), 0 (NULL) for None."""
-    return 0 if a is None else int(a.data.ptr)
-
-
-class PreparedLaunch:
-    """One kernel of ``CUDA_SOURCE`` on one CUDA device, launched on one CTA of ``THREADS[name]`` threads through
-    ``cuLaunchKernel`` with a parameter block built once: ctypes storage per parameter (:data:`PARAMS`) and the
-    ``void*[]`` of their addresses. The caller writes the per-call values into their slots (:meth:`slot`) and
-    launches on a stream; the driver copies the parameters at the launch (a CUDA graph capture records them),
-    so the block may be rewritten as soon as the call returns.
-
-    Args:
-        name: a key of :data:`PARAMS`.
-        values: a value for every parameter the calls do not give (addresses as ints, see :func:`address`).
-        function: ``(CUfunction handle, owner)`` of the compiled kernel (:func:`_function`); the owner is held.
-    """
-
-    __slots__ = ("name", "_slots", "_params", "_address", "_function", "_owner")
-
-    def __init__(self, name: str, values: Dict[str, int], function: Tuple[int, object]):
-        params = PARAMS[name]
-        self.name = name
-        self._slots = {param: ctype() for param, ctype in params}
-        for param, value in values.items():
-            if param not in self._slots:
-                raise ValueError(f"values names {param!r}: kernel {name} takes {[p for p, _ in params]}")
-            self._slots[param].value = value
-        self._params = (ctypes.c_void_p * len(params))(*(ctypes.addressof(self._slots[p]) for p, _ in params))
-        self._address = ctypes.addressof(self._params)
-        handle, self._owner = function
-        self._function = CUfunction(handle)
-
-    def takes(self, param: str) -> bool:
-        """Whether the kernel has a parameter ``param``."""
-        return param in self._slots
-
-    def slot(self, param: str) -> Any:
-        """The ctypes storage of parameter ``param``: what its ``value`` holds goes to the next launches."""
-        return self._slots[param]
-
-    def __call__(self, stream: int) -> None:
-        """Launch on the stream whose handle is ``stream`` (0: the legacy default stream) with the parameters
-        as their slots hold them now."""
-        raw.launch(self._function, 1, THREADS[self.name], 0, raw.stream(stream), self._address,
-                   f"signal kernel {self.name}")
-
-
-class SignalLaunches:
-    """The signal and wait launches of one transport (one Buffer on one rank), each a :class:`PreparedLaunch`
+class SignalKernels:
+    """The signal and wait launches of one transport (one Buffer on one rank), each a :class:`SlottedKernel`
     whose fixed arguments are written once here; a call writes only the step's kind, the count block and
     the timeout.
 
@@ -156,12 +107,12 @@ class SignalLaunches:
         fixed = dict(signals=address(signals), num_ranks=num_ranks, step=address(step), status=address(status),
                      aborts=address(aborts), abort_words=_abort_words(aborts), peers=address(peer_ptrs), me=me,
                      signal_offset=signal_offset, counts_offset=counts_offset)
-        self._launches = {name: _prepared(name, fixed, function(name, device)) for name in PARAMS}
+        self._kernels = {name: _signal_kernel(name, fixed, function(name, device)) for name in PARAMS}
         # per launch, the slots of the per-call values (_PER_CALL); a value the kernel does not take goes to a sink
         self._per_call_slots = {name: tuple(launch.slot(p) if launch.takes(p) else _I64() for p in _PER_CALL)
-                                for name, launch in self._launches.items()}
+                                for name, launch in self._kernels.items()}
 
-    def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float) -> PreparedLaunch:
+    def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float) -> SlottedKernel:
         """The launch of kernel ``name`` with a call's values in the slots it has: ``kind``, the send block
         ``counts`` (int32 ``[R, 1 + L + 2]`` or None), ``zeroed`` (the received count words a wait zeroes for a
         missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``) and the timeout."""
@@ -172,7 +123,7 @@ class SignalLaunches:
         words_slot.value = sent or zeroed
         received_slot.value = self._received if zeroed else 0
         timeout_slot.value = int(timeout_s * 1e9)  # the kernels' %globaltimer deadline, ns
-        return self._launches[name]
+        return self._kernels[name]
 
     def signal_and_wait(self, stream: int, kind: int, counts: Any, timeout_s: float) -> None:
         """One launch on stream handle ``stream``, after every earlier write on it: ``step[0] += 1`` (the device
@@ -199,10 +150,11 @@ class SignalLaunches:
         self._per_call("wait_signals", kind, None, self._words if with_counts else 0, timeout_s)(stream)
 
 
-def _prepared(name: str, fixed: Dict[str, int], function: Tuple[int, object]) -> PreparedLaunch:
-    """The :class:`PreparedLaunch` of kernel ``name`` with the values of ``fixed`` it takes."""
+def _signal_kernel(name: str, fixed: Dict[str, int], function: Tuple[int, object]) -> SlottedKernel:
+    """The :class:`~ep_comm._launcher.slotted.SlottedKernel` of signal kernel ``name`` with the values of ``fixed``
+    it takes."""
     takes = {param for param, _ in PARAMS[name]}
-    return PreparedLaunch(name, {param: value for param, value in fixed.items() if param in takes}, function)
+    return SlottedKernel(name, PARAMS[name], THREADS[name], {p: v for p, v in fixed.items() if p in takes}, function)
 
 
 def _count_words(counts, counts_by_parity) -> int:

@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
+from ep_comm._launcher import prebound
 from ep_comm.backends import nvshmem as nvshmem_backend
 from ep_comm.contract import arrays as host
-from ep_comm.launching import bound
 
 _CTYPES = np._core._internal.__file__  # NumPy's ndarray.ctypes (a data pointer, an attribute on CuPy arrays)
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",
@@ -51,7 +51,7 @@ class Counts:
 
 
 class ReplayedPlans:
-    """``launching.plans.Plans`` as the GPU runs it: the first call of a key runs its path (noting its launches),
+    """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: the first call of a key runs its path (noting its launches),
     every later call reads each root's data pointer and replays them, one ``LaunchCounter.launch`` per kernel."""
 
     enabled = True
@@ -90,11 +90,11 @@ class LaunchCounter:
         be, counter = self.backend, self
         be.plans = ReplayedPlans(self)
 
-        def stub(launch: bound.BoundLaunch, *args: Any) -> None:
+        def stub(launch: prebound.PreboundKernel, *args: Any) -> None:
             counter.launch(getattr(launch.dispatcher, "__name__", "kernel"))
 
         patch = self._patch
-        patch(bound.BoundLaunch, "__call__", stub)
+        patch(prebound.PreboundKernel, "__call__", stub)
         patch(be.device, "synchronize", self._counted("syncs", lambda: None))
         patch(be.device, "reached", self._counted("polls", lambda marker: True))
         read = self._counted("reads", np.array)

@@ -9,14 +9,14 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm._launcher import prebound, raw
+from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.contract.topology import transport_mode
-from ep_comm.launching import bound, raw
-from ep_comm.launching.plans import Plans
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
@@ -185,7 +185,7 @@ class HostDevice:
             self.waited = getattr(self, "waited", []) + [mark[1]]
 
 
-class RootCheckingPlans(Plans):
+class RootCheckingPlans(RecordedCalls):
     """The simulator's launch plans (every call runs its launches, nothing is recorded) holding each key's roots to the
     layout of its first call: on a GPU a later call of a key replays the recorded launches at its roots' pointers
     plus the recorded byte offsets, so its roots must have the first call's byte sizes, in the same order, whichever
@@ -241,7 +241,7 @@ def eager_replay(expand: bool, seed: int, use_puts: bool = False) -> tuple:
 
 def launch_log(monkeypatch) -> list:
     """Every kernel launch's grid and non-array arguments, in order."""
-    log, launch = [], bound.BoundLaunch.__call__
+    log, launch = [], prebound.PreboundKernel.__call__
 
     def recording(self, grid, block, stream, shared_bytes, *args):
         scalars = tuple(a if isinstance(a, (bool, int, float, np.integer, np.floating)) else type(a).__name__
@@ -249,5 +249,5 @@ def launch_log(monkeypatch) -> list:
         log.append((self.dispatcher.__name__, grid, block, shared_bytes, scalars))
         return launch(self, grid, block, stream, shared_bytes, *args)
 
-    monkeypatch.setattr(bound.BoundLaunch, "__call__", recording)
+    monkeypatch.setattr(prebound.PreboundKernel, "__call__", recording)
     return log

@@ -1,5 +1,5 @@
-"""Pre-bound launches (``ep_comm.launching.bound``): argument kinds, parameter blocks in Numba's ABI
-(``ep_comm.launching.param_blocks``), plan binding, driver launches.
+"""Pre-bound launches (``ep_comm._launcher.prebound``): argument kinds, parameter blocks in Numba's ABI
+(``ep_comm._launcher.param_blocks``), plan binding, driver launches.
 
 The first tests need no GPU: fake CUDA arrays, a fake dispatcher and a fake ``cuLaunchKernel`` stand in
 for CuPy, Numba's compiled kernel and the driver; the bytes a parameter block passes are compared with
@@ -19,13 +19,13 @@ from cuda.bindings.driver import CUresult
 from numba.core import types
 from numba.cuda.np.numpy_support import strides_from_shape
 
+from ep_comm._launcher import param_blocks
+from ep_comm._launcher import prebound as bound_module
+from ep_comm._launcher import raw as raw_module
+from ep_comm._launcher.param_blocks import ParamBlock, arg_kind, array_fields, c_strides, param_slot
+from ep_comm._launcher.prebound import PreboundKernel
+from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
-from ep_comm.launching import bound as bound_module
-from ep_comm.launching import param_blocks
-from ep_comm.launching import raw as raw_module
-from ep_comm.launching.bound import BoundLaunch
-from ep_comm.launching.param_blocks import ParamBlock, arg_kind, array_fields, c_strides, param_slot
-from ep_comm.launching.plans import Plans
 
 
 class FakeCudaArray:
@@ -83,7 +83,7 @@ class FakeCupyArray:
 
 def reference_params(ty, value):
     """The bytes of each kernel parameter Numba's ABI gives ``value`` of type ``ty`` (the module docstring of
-    ``ep_comm.launching.param_blocks``), computed independently from the array interface."""
+    ``ep_comm._launcher.param_blocks``), computed independently from the array interface."""
     if isinstance(ty, types.BaseTuple):
         return [p for t, v in zip(ty, value) for p in reference_params(t, v)]
     if isinstance(ty, types.Array):
@@ -206,7 +206,7 @@ def test_layout_mismatch_or_unknown_types_are_not_bound():
 
 
 class FakeDispatcher:
-    """Numba's dispatcher as BoundLaunch uses it: ``[config](*args)``, ``typeof_pyval``, ``overloads``."""
+    """Numba's dispatcher as PreboundKernel uses it: ``[config](*args)``, ``typeof_pyval``, ``overloads``."""
 
     __name__ = "fake_kernel"
     sig = (types.Array(types.int32, 1, "C"), types.int64, types.boolean)
@@ -258,7 +258,7 @@ def raw(args, grid=8, block=32, shared=0, stream=0x5):
 
 def test_first_launch_goes_through_numba_then_the_driver(driver):
     dispatcher = FakeDispatcher()
-    bound = BoundLaunch(dispatcher, to_numba=lambda a: a)
+    bound = PreboundKernel(dispatcher, to_numba=lambda a: a)
     x = FakeCudaArray(0x500, (6,), np.int32)
     bound(4, 64, "s", 128, x, 11, True)
     assert dispatcher.numba_launches == [((4, 64, "s", 128), (x, 11, True))] and driver.launches == []
@@ -278,8 +278,8 @@ def test_first_launch_goes_through_numba_then_the_driver(driver):
 
 def test_interleaved_launches_never_share_a_block(driver):
     """A launch that starts while another is inside the driver call (two Buffers on two threads share
-    one BoundLaunch) gets a block of its own; both pass their own parameters."""
-    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    one PreboundKernel) gets a block of its own; both pass their own parameters."""
+    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     x, y = FakeCupyArray(0x500, (6,), np.int32), FakeCupyArray(0x700, (2,), np.int32)
     bound(8, 32, "s", 0, x, 1, True)  # binds
     driver.during = lambda: bound(8, 32, "s", 0, y, 2, False)
@@ -289,7 +289,7 @@ def test_interleaved_launches_never_share_a_block(driver):
 
 
 def test_a_failed_launch_names_the_kernel_and_the_result(driver):
-    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     x = FakeCupyArray(0x500, (6,), np.int32)
     bound(8, 32, "s", 0, x, 1, True)
     driver.result = CUresult.CUDA_ERROR_INVALID_VALUE
@@ -303,7 +303,7 @@ def test_a_failed_launch_names_the_kernel_and_the_result(driver):
 @pytest.mark.parametrize("flags", [dict(debug=True), dict(cooperative=True), dict(extensions=[object()])])
 def test_kernels_numba_must_launch_itself_stay_on_numba(driver, flags):
     dispatcher = FakeDispatcher(flags)
-    bound = BoundLaunch(dispatcher, to_numba=lambda a: a)
+    bound = PreboundKernel(dispatcher, to_numba=lambda a: a)
     x = FakeCudaArray(0x500, (6,), np.int32)
     for _ in range(3):
         bound(1, 32, 0, 0, x, 1, True)
@@ -312,7 +312,7 @@ def test_kernels_numba_must_launch_itself_stay_on_numba(driver, flags):
 
 def test_disabled_binding_always_uses_numba(driver):
     dispatcher = FakeDispatcher()
-    bound = BoundLaunch(dispatcher, to_numba=lambda a: a, enabled=False)
+    bound = PreboundKernel(dispatcher, to_numba=lambda a: a, enabled=False)
     x = FakeCudaArray(0x500, (6,), np.int32)
     for _ in range(3):
         bound(1, 32, 0, 0, x, 1, True)
@@ -327,9 +327,9 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
     from combine_checks import run_combine
     from world import kernel_world
 
-    from ep_comm.launching.device_arrays import DeviceViews
+    from ep_comm._launcher.device_arrays import DeviceViews
 
-    views, checked, original = DeviceViews(), [], BoundLaunch._launch_packed
+    views, checked, original = DeviceViews(), [], PreboundKernel._launch_packed
 
     def checked_launch(self, plan, free, config, stream, args):
         launched = original(self, plan, free, config, stream, args)
@@ -344,7 +344,7 @@ def test_every_kernel_of_a_dispatch_gets_numbas_parameters(monkeypatch):
             checked.append(plan.overload)
         return launched
 
-    monkeypatch.setattr(BoundLaunch, "_launch_packed", checked_launch)
+    monkeypatch.setattr(PreboundKernel, "_launch_packed", checked_launch)
     world = kernel_world(cp, seed=21, hidden=40, masked=0.2)
     for expand in (False, True, False, True):  # each kind's first launch binds, the second runs pre-bound
         run_combine(world, expand=expand, weighted=expand, bias=1)
@@ -363,7 +363,7 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     launch = raw_module.cuLaunchKernel
     monkeypatch.setattr(raw_module, "cuLaunchKernel", lambda *a: raw_launches.append(a[0]) or launch(*a))
     with monkeypatch.context() as numba_only:
-        numba_only.setattr(BoundLaunch, "_launch_packed", lambda *a: False)
+        numba_only.setattr(PreboundKernel, "_launch_packed", lambda *a: False)
         for expand in (False, True):
             run_combine(kernel_world(cp, seed=23, hidden=40, masked=0.2), expand=expand, weighted=expand, bias=1)
     assert raw_launches == []
@@ -372,16 +372,16 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     assert len(set(map(int, raw_launches))) >= 6
 
 
-# ------------------------------------------------------------------ launch plans (ep_comm.launching.plans)
+# ------------------------------------------------------------------ launch plans (ep_comm._launcher.recorded_calls)
 def _two_launches(bound, first, second):
     """A call's launches: a view of the call's root, then a long-lived array."""
     return lambda: (bound(4, 64, "s", 0, first, 3, True), bound(2, 32, "s", 16, second, 5, False))
 
 
 def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driver):
-    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     fixed = FakeCupyArray(0x9000, (6,), np.int32)
-    plans, on = Plans(enabled=True), raw_module.stream(0x5)
+    plans, on = RecordedCalls(enabled=True), raw_module.stream(0x5)
     root = FakeCupyArray(0x1000, (64,), np.int32)
     plans.run("key", on, (root,), _two_launches(bound, FakeCupyArray(0x1010, (6,), np.int32), fixed))
     assert plans.built == 1 and len(driver.launches) == 1  # the first launch of a kind goes through Numba
@@ -393,12 +393,12 @@ def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driv
 
 
 def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_planned(driver):
-    allocating = Plans(enabled=True, allocations=lambda held: _appending(held))
-    cooperative = BoundLaunch(FakeDispatcher(dict(cooperative=True)), to_numba=lambda a: a)
-    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    allocating = RecordedCalls(enabled=True, allocations=lambda held: _appending(held))
+    cooperative = PreboundKernel(FakeDispatcher(dict(cooperative=True)), to_numba=lambda a: a)
+    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     arrays = (FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32))
     runs = []
-    for plans, launch in ((allocating, bound), (Plans(enabled=True), cooperative), (Plans(enabled=False), bound)):
+    for plans, launch in ((allocating, bound), (RecordedCalls(enabled=True), cooperative), (RecordedCalls(enabled=False), bound)):
         for _ in range(2):
             plans.run("key", raw_module.stream(0x5), arrays[:1], lambda: runs.append(_two_launches(launch, *arrays)()))
         assert plans.built == 0
@@ -422,9 +422,9 @@ def test_launches_are_recorded_per_thread(driver):
     """A recording sees its own thread's launches only, and another thread may record at the same time."""
     import threading
 
-    from ep_comm.launching.bound import recording
+    from ep_comm._launcher.prebound import recording
 
-    bound = BoundLaunch(FakeDispatcher(), to_numba=lambda a: a)
+    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     x = FakeCupyArray(0x500, (6,), np.int32)
     seen_there = []
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from ep_comm._launcher.device_arrays import wide_rows
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
 from ep_comm.kernels.convert import load_f32, store_f32
 from ep_comm.kernels.index32 import divmod32
 from ep_comm.kernels.units import lane_entry, lane_place
 from ep_comm.kernels.warp import WARP, ballot, copy_row, pop_lowest, stable_bucket_slots, warp_scan
-from ep_comm.launching.device_arrays import wide_rows
 
 
 @cuda.jit

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from numba.cuda.core.errors import NumbaPerformanceWarning
 
-from ep_comm.launching.bound import BoundLaunch
-from ep_comm.launching.occupancy import quiet_low_occupancy
+from ep_comm._launcher.occupancy import quiet_low_occupancy
+from ep_comm._launcher.prebound import PreboundKernel
 
 ENV_FILE = Path(__file__).resolve().parents[2] / "launch" / "nvshmem.env"
 LOW = "Grid size 4 will likely result in GPU under-utilization due to low occupancy."
@@ -65,7 +65,7 @@ class WarningDispatcher:
 
 def test_ep_comms_launch_through_numba_keeps_every_other_warning():
     dispatcher = WarningDispatcher()
-    bound = BoundLaunch(dispatcher, to_numba=lambda a: a, enabled=False)
+    bound = PreboundKernel(dispatcher, to_numba=lambda a: a, enabled=False)
     assert warnings_of(lambda: bound(4, 32, 0, 0, 7)) == [(NumbaPerformanceWarning, OTHER)]
     assert dispatcher.launches == [((4, 32, 0, 0), (7,))]
 

@@ -68,12 +68,12 @@ def test_a_new_routing_exchanges_counts_per_local_expert_and_compact_counts_from
 def test_a_cached_pair_decides_on_the_symmetric_rows_once_per_buffer(monkeypatch, expand):
     """The 16-byte verdict (``wide_rows``) and the payload views of the Buffer's symmetric rows are made by the
     first calls and reused by every later cached dispatch and combine (launches stubbed: host work only)."""
-    from ep_comm.launching import bound
+    from ep_comm._launcher import prebound
     from ep_comm.launching import kernel_launches as launching
 
     geo = Geometry(1, 6, 16, 3, 9, payload_dtype("bfloat16"))
     be = simulated_backend(geo, True, False)
-    monkeypatch.setattr(bound.BoundLaunch, "__call__", lambda self, *args: None)
+    monkeypatch.setattr(prebound.PreboundKernel, "__call__", lambda self, *args: None)
     seen = []
     for name in ("wide_rows", "payload_rows"):
         made = getattr(launching, name)

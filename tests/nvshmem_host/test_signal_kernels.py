@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ep_comm._launcher import raw
 from ep_comm.kernels.signal_wait import CUDA_SOURCE as _SOURCE
-from ep_comm.launching import raw
-from ep_comm.transport.signals import PARAMS, SignalLaunches, _count_words
+from ep_comm.transport.signals import PARAMS, SignalKernels, _count_words
 
 
 def test_count_blocks_are_one_per_destination_of_the_received_width():
@@ -115,9 +115,9 @@ RECEIVED, ABORTS = _DeviceArray(0x50000, (2, R, WORDS)), _DeviceArray(0x60008, (
 SEND = _DeviceArray(0x70000, (R, WORDS))
 
 
-def _transport(peers) -> SignalLaunches:
+def _transport(peers) -> SignalKernels:
     """The launches of a transport at rank 1 of 3, device 3: signal words at byte 64, count words at 4096."""
-    return SignalLaunches(peers, R, 1, 64, 4096, STEP, SIGNALS, STATUS, RECEIVED, ABORTS, 3, function=_compiled)
+    return SignalKernels(peers, R, 1, 64, 4096, STEP, SIGNALS, STATUS, RECEIVED, ABORTS, 3, function=_compiled)
 
 
 def test_signal_and_wait_passes_the_rawkernel_bytes_on_the_callers_stream(launches):
@@ -179,5 +179,5 @@ def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):
 
 def test_a_failed_launch_names_the_kernel_and_the_result(monkeypatch):
     monkeypatch.setattr(raw, "cuLaunchKernel", lambda *args: (raw.CUresult.CUDA_ERROR_INVALID_VALUE,))
-    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of signal kernel send_signal \(grid=1, block=128, shared_bytes=0\) returned .*INVALID_VALUE"):
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of kernel send_signal \(grid=1, block=128, shared_bytes=0\) returned .*INVALID_VALUE"):
         _transport(PEERS).send_signal(0, 1, None)

@@ -1,17 +1,17 @@
-"""Launch plans: the kernel launches of one call shape, recorded once, then replayed with new data pointers.
+"""Recorded calls: the kernel launches of one call shape, recorded once, then launched again with new data pointers.
 
 An eager call of a Buffer launches the same kernels with the same shapes, scalars and grids at every call of
 one shape (token count, mode, options); only the data pointers of its per-call arrays change (the caller's
-``x`` and ``topk_idx``, the call's outputs and scratch). A :class:`LaunchPlan` is built from one recorded call
-(:func:`ep_comm.launching.bound.recording`): per launch the compiled function, the launch configuration and a
+``x`` and ``topk_idx``, the call's outputs and scratch). A :class:`RecordedCall` is built from one recorded call
+(:func:`ep_comm._launcher.prebound.recording`): per launch the compiled function, the launch configuration and a
 parameter block with every slot filled; for each array parameter that lies inside one of the call's *roots*
 (the per-call arrays the caller names) the root's index and the byte offset. A replay writes
 ``root pointer + offset`` into those slots and launches, one driver call per kernel
-(:func:`ep_comm.launching.raw.launch`): no argument typing, no views, no allocation.
+(:func:`ep_comm._launcher.raw.launch`): no argument typing, no views, no allocation.
 
 Every array parameter outside the roots is taken as long-lived (workspaces, symmetric-heap views, stand-ins):
-the plan holds a reference to it. A caller must therefore name as roots every array a call makes or is
-given: :class:`Plans` refuses to plan a call that allocated anything through the array module's allocator
+the recorded call holds a reference to it. A caller must therefore name as roots every array a call makes or is
+given: :class:`RecordedCalls` refuses to record a call that allocated anything through the array module's allocator
 outside its roots (``allocations``).
 """
 from __future__ import annotations
@@ -20,18 +20,18 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 
 from cuda.bindings.driver import CUstream
 
-from ep_comm.launching import raw
-from ep_comm.launching.bound import Recorded, recording
-from ep_comm.launching.param_blocks import ParamBlock, _ArraySlot, _TupleSlot, array_fields
+from ep_comm._launcher import raw
+from ep_comm._launcher.param_blocks import ParamBlock, _ArraySlot, _TupleSlot, array_fields
+from ep_comm._launcher.prebound import Recorded, recording
 
-__all__ = ["LaunchPlan", "Plans", "build_plan"]
+__all__ = ["RecordedCall", "RecordedCalls", "record_call"]
 
 _DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
 PointerSlot = Tuple[Any, int, int]  # (ctypes words of one array parameter, root index, byte offset in the root)
 
 
-class _Launch:
+class _RecordedLaunch:
     """One recorded launch: function, configuration, its parameter block and the block's per-call pointers."""
 
     __slots__ = ("function", "grid", "block", "shared", "params", "pointers", "name")
@@ -45,15 +45,15 @@ class _Launch:
         self.name = name
 
 
-class LaunchPlan:
+class RecordedCall:
     """The launches of one recorded call; :meth:`__call__` replays them with new root pointers.
 
-    ``held``: the long-lived arrays the parameter blocks point into (kept alive with the plan).
+    ``held``: the long-lived arrays the parameter blocks point into (kept alive with the recorded call).
     """
 
     __slots__ = ("launches", "held")
 
-    def __init__(self, launches: Sequence[_Launch], held: Sequence[Any]):
+    def __init__(self, launches: Sequence[_RecordedLaunch], held: Sequence[Any]):
         self.launches = tuple(launches)
         self.held = tuple(held)
 
@@ -61,7 +61,7 @@ class LaunchPlan:
         return len(self.launches)
 
     def __call__(self, on: CUstream, roots: Sequence[int]) -> None:
-        """Launch every kernel of the plan on stream ``on``, in recorded order, each root ``i``'s arrays now at
+        """Launch every kernel of the call on stream ``on``, in recorded order, each root ``i``'s arrays now at
         ``roots[i]`` (device addresses)."""
         for launch in self.launches:
             for words, root, offset in launch.pointers:
@@ -99,20 +99,20 @@ def _root_of(ptr: int, spans: Sequence[Tuple[int, int]]) -> Optional[Tuple[int, 
     return None
 
 
-def build_plan(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[LaunchPlan]:
-    """The :class:`LaunchPlan` of a recorded call whose per-call arrays are ``roots``; None where a launch of
+def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[RecordedCall]:
+    """The :class:`RecordedCall` of a recorded call whose per-call arrays are ``roots``; None where a launch of
     it could not be bound (it went through Numba's dispatcher) or nothing was launched.
 
     Args:
-        records: the ``(plan, config, args)`` of every launch of the call (:func:`~ep_comm.launching.bound.recording`).
+        records: the ``(binding, config, args)`` of every launch of the call (:func:`~ep_comm._launcher.prebound.recording`).
         roots: the call's per-call arrays (CuPy or CUDA-array-interface), C-contiguous.
     """
     if not records:
         return None
     spans = _spans(roots)
     launches, held = [], []
-    for bound_plan, config, args in records:
-        params = None if bound_plan is None else bound_plan.block()
+    for binding, config, args in records:
+        params = None if binding is None else binding.block()
         if params is None or not params.patch(args):
             return None
         pointers = []
@@ -122,15 +122,15 @@ def build_plan(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[La
                 held.append(arg)
             else:
                 pointers.append((slot.store, *found))
-        launches.append(_Launch(bound_plan.function, config, params, tuple(pointers), f"kernel {bound_plan.name}"))
-    return LaunchPlan(launches, held)
+        launches.append(_RecordedLaunch(binding.function, config, params, tuple(pointers), f"kernel {binding.name}"))
+    return RecordedCall(launches, held)
 
 
-_UNPLANNED = object()  # a key whose calls cannot be planned: they always run their recorded path
+_UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
 
 
-class Plans:
-    """The launch plans of one owner (a backend's Kernels), by call key.
+class RecordedCalls:
+    """The recorded calls of one owner (a backend's Kernels), by call key.
 
     Args:
         enabled: False (the CUDA simulator, ``EP_COMM_NUMBA_LAUNCH=1``): every call runs its path, nothing is
@@ -143,12 +143,12 @@ class Plans:
     def __init__(self, enabled: bool, allocations: Optional[Callable[[List[Any]], Any]] = None):
         self.enabled = enabled
         self._allocations = allocations
-        self._plans: Dict[Hashable, Any] = {}
-        self.built = 0  # plans built so far (a first call at a new shape builds one)
+        self._calls: Dict[Hashable, Any] = {}
+        self.built = 0  # calls recorded so far (a first call at a new shape records one)
 
     def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[[], None]) -> None:
-        """One call of shape ``key``: replay its plan with ``roots``' pointers on stream ``on``; the first call
-        runs ``path()`` (the launches through ``Kernels``, on the same stream) and builds the plan from it.
+        """One call of shape ``key``: launch its recorded call again with ``roots``' pointers on stream ``on``; the first call
+        runs ``path()`` (the launches through ``Kernels``, on the same stream) and records it.
 
         Args:
             key: everything the launches' shapes, scalars and grids depend on.
@@ -156,17 +156,21 @@ class Plans:
             roots: the call's per-call arrays, in the same order at every call of ``key``; each C-contiguous.
             path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
         """
-        plan = self._plans.get(key)
-        if plan is not None and plan is not _UNPLANNED:
-            plan(on, [r.data.ptr for r in roots])
+        recorded = self._calls.get(key)
+        if recorded is not None and recorded is not _UNRECORDABLE:
+            recorded(on, [r.data.ptr for r in roots])
             return
-        if not self.enabled or plan is _UNPLANNED:
+        if not self.enabled or recorded is _UNRECORDABLE:
             path()
             return
-        self._plans[key] = self._record(roots, path)
+        self._calls[key] = self._record(roots, path)
+
+    def launch_counts(self) -> Dict[Hashable, Optional[int]]:
+        """Per call key seen, the launches of its recorded call (None: its calls cannot be recorded)."""
+        return {key: None if recorded is _UNRECORDABLE else len(recorded) for key, recorded in self._calls.items()}
 
     def _record(self, roots: Sequence[Any], path: Callable[[], None]) -> Any:
-        """Run ``path`` recording its launches; its plan, or ``_UNPLANNED``."""
+        """Run ``path`` recording its launches; its recorded call, or ``_UNRECORDABLE``."""
         allocated: List[Any] = []
         with recording() as seen:
             if self._allocations is None:
@@ -174,8 +178,8 @@ class Plans:
             else:
                 with self._allocations(allocated):
                     path()
-        plan = None if allocated else build_plan(seen, roots)
-        if plan is None:
-            return _UNPLANNED
+        recorded = None if allocated else record_call(seen, roots)
+        if recorded is None:
+            return _UNRECORDABLE
         self.built += 1
-        return plan
+        return recorded

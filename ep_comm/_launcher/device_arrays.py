@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from ep_comm._launcher.param_blocks import array_fields
 from ep_comm.contract.arrays import Array
-from ep_comm.launching.param_blocks import array_fields
 
 __all__ = ["DeviceViews", "wide_rows"]
 

@@ -2,7 +2,7 @@
 
 A :class:`ParamBlock` is ctypes storage for every kernel parameter in Numba's ABI (below) and the ``void*[]``
 array of their addresses that ``cuLaunchKernel`` reads, made once per kernel overload and launch configuration
-(``ep_comm.launching.bound``) from slots typed by :func:`param_slot`. A launch rewrites only the arguments that
+(``ep_comm._launcher.prebound``) from slots typed by :func:`param_slot`. A launch rewrites only the arguments that
 differ from the ones the block last took: an array argument that is the same object (a weak reference tells,
 so no user array is kept alive by it) is skipped, a scalar of the same type and value too; any other argument
 is checked against its *argument kind* (:func:`arg_kind`: array dtype, rank and contiguity; scalar type; tuples
