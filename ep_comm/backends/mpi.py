@@ -87,7 +87,7 @@ class MpiBackend:
         self.protocol = MpiProtocol(ctx, route, settings.deterministic)
 
     # ------------------------------------------------------------------ inputs
-    def as_array(self, obj, name: str) -> np.ndarray:
+    def as_array(self, obj: Any, name: str) -> np.ndarray:
         """Accept NumPy arrays and anything NumPy can view without copying semantics surprises."""
         if isinstance(obj, np.ndarray):
             return obj

@@ -8,7 +8,7 @@ reads the reduce terms; the receive parts read the same bytes over either.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, Received, Ro
 RECV_LOCAL_IDS = "mpi.recv_local_ids"
 
 Route = Union[FlatRoute, ForwardedRoute]  # how a step's rows travel: straight, or through the forwarders
+Outputs = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]  # recv_x, recv_idx, recv_w
 
 
 def _routes_nothing(routing: Routing) -> Routing:
@@ -172,8 +173,11 @@ class MpiProtocol:
         handle.derived[RECV_LOCAL_IDS] = local_ids
         return DispatchOutput(recv_x, recv_idx, recv_w, handle)
 
-    def _compact(self, rows, local_ids, weights, out_rows) -> tuple:
-        """Compact outputs: the received rows, then zero rows (ids -1) up to ``out_rows``."""
+    def _compact(self, rows: np.ndarray, local_ids: np.ndarray, weights: Optional[np.ndarray],
+                 out_rows: int) -> Outputs:
+        """Compact outputs ``(recv_x [out_rows, W], recv_idx [out_rows, K] int64, recv_w [out_rows, K] float32 or
+        None)``: the received rows ``[n, W]`` (ids ``local_ids [n, K]``, ``weights [n, K]``), then zero rows (ids -1)
+        up to ``out_rows``."""
         n, k = len(rows), self.ctx.geo.num_topk
         recv_x = np.zeros((out_rows, rows.shape[1]), dtype=self.ctx.geo.dtype)
         recv_x[:n] = rows
@@ -185,8 +189,10 @@ class MpiProtocol:
             recv_w[:n] = np.where(local_ids >= 0, weights, 0)
         return recv_x, recv_idx, recv_w
 
-    def _expand(self, rows, local_ids, weights, expanded_row, out_rows) -> tuple:
-        """Expert scatter: one output row per (row, local expert); padding rows stay zero."""
+    def _expand(self, rows: np.ndarray, local_ids: np.ndarray, weights: Optional[np.ndarray],
+                expanded_row: np.ndarray, out_rows: int) -> Outputs:
+        """Expert scatter ``(recv_x [out_rows, W], recv_idx [out_rows] int64, recv_w [out_rows] float32 or None)``:
+        one output row per (row, local expert), at ``expanded_row [n, K]``; padding rows stay zero."""
         recv_x = np.zeros((out_rows, rows.shape[1]), dtype=self.ctx.geo.dtype)
         recv_idx = np.full(out_rows, -1, dtype=np.int64)
         recv_w = np.zeros(out_rows, dtype=np.float32) if weights is not None else None
@@ -239,7 +245,8 @@ class MpiProtocol:
             return self._reduce_at_source(request.handle, parity, request.topk_weights is not None,
                                           request.bias_terms)
 
-    def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool, bias_terms) -> CombineOutput:
+    def _reduce_at_source(self, handle: EPHandle, parity: int, with_weights: bool,
+                          bias_terms: Tuple[np.ndarray, ...]) -> CombineOutput:
         """Source side: each token's terms (the route's, ``FlatRoute.term_of``) gathered from the rows sent back,
         summed in rank order (``reduce.combine_rows``)."""
         geo = self.ctx.geo
@@ -252,7 +259,8 @@ class MpiProtocol:
         topk_w = self._gather_weights(handle, term_of, [w for _, w in terms]) if with_weights else None
         return CombineOutput(x, topk_w)
 
-    def _gather_weights(self, handle: EPHandle, term_of: np.ndarray, weights_of_term) -> np.ndarray:
+    def _gather_weights(self, handle: EPHandle, term_of: np.ndarray,
+                        weights_of_term: List[np.ndarray]) -> np.ndarray:
         """``[T, K]``: entry k's weight as sent back by the rank owning its expert, read from the term carrying
         that rank (``term_of [R]``, ``weights_of_term[q] [T, K]`` float32); 0 if masked."""
         ranks = lay.entry_ranks(handle.topk_idx, self.ctx.geo.experts_per_rank)
