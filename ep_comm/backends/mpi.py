@@ -4,21 +4,34 @@ It runs the phases of the GPU path (count, prefix sums, count exchange, rank sca
 scatter, combine) with ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce`` doing the math, so it is both
 the default where there is no GPU and the executable reference the GPU backend is checked against.
 
-This module holds the class (its construction, inputs, close) over its parts: ``mpi_steps`` (how a step runs:
-whole or split, signal and bounded wait, the pending routing error), ``mpi_protocol`` (dispatch and combine) and
-``mpi_forwarding`` (``Buffer(forwarding=True)``: the sends to other nodes through their forwarders, and the relay).
+This module holds the class (its construction, inputs, close), which composes its parts and implements the
+``Backend`` protocol by delegating to them: ``mpi_steps.MpiStepRunner`` (how a step runs: unsplit or split, signal
+and bounded wait, the pending routing error), ``mpi_context.MpiContext`` (what the parts are given: geometry, layout,
+topology, window, runner; the blocks a step puts and reads), ``mpi_protocol.MpiProtocol`` (dispatch and combine)
+over a route: ``mpi_flat.FlatRoute``, or with ``Buffer(forwarding=True)`` and several nodes
+``mpi_forwarding.ForwardedRoute`` (the sends to other nodes through their forwarders, and the relay).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, List, Optional, Tuple
+from typing import Any, ContextManager, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm.backends.collective_steps import Steps
-from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
-from ep_comm.backends.mpi_forwarding import MpiForwarding
+from ep_comm.backends.interface import (
+    BackendSettings,
+    CombineRequest,
+    DispatchRequest,
+    OperationRows,
+    ReceiveHalf,
+    Traffic,
+)
+from ep_comm.backends.mpi_context import MpiContext
+from ep_comm.backends.mpi_flat import FlatRoute
+from ep_comm.backends.mpi_forwarding import ForwardedRoute
+from ep_comm.backends.mpi_protocol import MpiProtocol, Route
+from ep_comm.backends.mpi_steps import MpiStepRunner
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.contract import layout as lay
 from ep_comm.contract.checks import topk_values
@@ -26,12 +39,13 @@ from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout
 from ep_comm.contract.topology import Topology
+from ep_comm.handle import CombineOutput, DispatchOutput
 from ep_comm.transport.mpi_window import MpiWindow
 
 _LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
 
 
-class MpiBackend(MpiForwarding):
+class MpiBackend:
     """CPU backend. Arrays in and out are NumPy arrays.
 
     ``Buffer(profile=True)`` records host times (there are no GPU events) of every collective
@@ -46,9 +60,9 @@ class MpiBackend(MpiForwarding):
     a hook's call), else from the next dispatch or combine, before it does anything (``close`` drops it).
 
     ``settings.scaleup_ranks`` groups the ranks in (virtual) nodes; ``settings.forwarding`` with more than one node
-    sends to the other nodes through their forwarders (``mpi_forwarding``; ``inbox`` is then the window's
-    forwarding inbox, else None). ``scaleout_rows``: the payload rows this rank has put so far into ranks of other
-    nodes (their inboxes included), per operation, ``{"dispatch": n, "combine": n}``.
+    sends to the other nodes through their forwarders (``mpi_forwarding.ForwardedRoute``; ``inbox`` is then the
+    window's forwarding inbox, else None). ``scaleout_rows``: the payload rows this rank has put so far into ranks
+    of other nodes (their inboxes included), per operation, ``{"dispatch": n, "combine": n}``.
     """
 
     name = "mpi"
@@ -58,23 +72,22 @@ class MpiBackend(MpiForwarding):
 
     def __init__(self, comm: MPI.Comm, geo: Geometry, settings: BackendSettings):
         self.comm = comm.Dup()
-        self.rank = self.comm.rank
         self.geo = geo
-        self.deterministic = settings.deterministic
-        self.timeout_s = settings.timeout_s
-        self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
-                                   geo.experts_per_rank)
-        self.topology = Topology.of(geo.num_ranks, settings.scaleup_ranks)
-        forwarded = settings.forwarding and self.topology.num_nodes > 1
-        self.inbox = ForwardInbox(self.sym, self.topology.scaleup_ranks) if forwarded else None
+        sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
+                              geo.experts_per_rank)
+        topology = Topology.of(geo.num_ranks, settings.scaleup_ranks)
+        forwarded = settings.forwarding and topology.num_nodes > 1
+        self.inbox = ForwardInbox(sym, topology.scaleup_ranks) if forwarded else None
         self.scaleout_rows = {"dispatch": 0, "combine": 0}
-        self.window = MpiWindow(self.comm, self.sym, self.inbox)
-        self.steps = Steps(self.rank, settings.timeout_s, self.window)
-        self.profile = Profile(settings.profile)
-        self._refused: Optional[ValueError] = None  # the routing error of the latest dispatch, until raised
+        self.window: Optional[MpiWindow] = MpiWindow(self.comm, sym, self.inbox)
+        self.runner = MpiStepRunner(self.comm.rank, geo.num_ranks, settings.timeout_s, self.window,
+                                    Profile(settings.profile))
+        ctx = MpiContext(self.comm.rank, geo, sym, topology, self.window, self.runner, self.scaleout_rows)
+        route: Route = FlatRoute(ctx) if self.inbox is None else ForwardedRoute(ctx, self.inbox)
+        self.protocol = MpiProtocol(ctx, route, settings.deterministic)
 
     # ------------------------------------------------------------------ inputs
-    def as_array(self, obj, name: str) -> np.ndarray:
+    def as_array(self, obj: Any, name: str) -> np.ndarray:
         """Accept NumPy arrays and anything NumPy can view without copying semantics surprises."""
         if isinstance(obj, np.ndarray):
             return obj
@@ -96,22 +109,41 @@ class MpiBackend(MpiForwarding):
         """``ep_comm.contract.layout.dispatch_layout`` of ``topk_idx [T, K]``."""
         return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
 
+    def pack_fp8(self, x: Any) -> np.ndarray:
+        """``MpiProtocol.pack_fp8``."""
+        return self.protocol.pack_fp8(x)
+
+    # ---------------------------------------------------------- collectives
+    def dispatch(self, request: DispatchRequest) -> DispatchOutput:
+        """``MpiProtocol.dispatch``."""
+        return self.protocol.dispatch(request)
+
+    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
+        """``MpiProtocol.dispatch_send``."""
+        return self.protocol.dispatch_send(request)
+
+    def combine(self, request: CombineRequest) -> CombineOutput:
+        """``MpiProtocol.combine``."""
+        return self.protocol.combine(request)
+
+    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
+        """``MpiProtocol.combine_send``."""
+        return self.protocol.combine_send(request)
+
+    # ---------------------------------------------------------------- reads
     def captured_memory(self) -> ContextManager[None]:
         """Nothing to hold: there are no CUDA graphs on CPU."""
         return contextlib.nullcontext()
 
     def profile_table(self) -> List[ProfileRow]:
         """Median host microseconds per (operation, phase) so far (``gpu_us_p50`` is None)."""
-        return self.profile.table()
+        return self.runner.profile.table()
 
     def traffic(self) -> Traffic:
         """``scaleout_rows``: the rows counted in :attr:`scaleout_rows` so far."""
         return Traffic(OperationRows(**self.scaleout_rows))
 
     # ------------------------------------------------------------------- close
-    def _close_step(self, step: Tuple[int, int]) -> None:
-        self._signal_and_wait("close", step[0])
-
     def close(self) -> None:
         """Collective close with a bounded wait (``Unlock_all``, ``Win.Free``, ``Comm.Free``) after a clean
         run; after any failure (this rank's, a peer's abort record, a close step that failed) a local
@@ -121,14 +153,15 @@ class MpiBackend(MpiForwarding):
             PeerAbortedError: a peer's abort record was here when this rank entered or waited in close.
             ep_comm.TimeoutError: a peer did not reach close within ``timeout_s``.
         """
-        self._refused = None  # a pending routing error goes with the Buffer, unraised
+        runner = self.runner
+        runner.pending_routing_error = None  # a pending routing error goes with the Buffer, unraised
         if self.window is None:
             return
         try:
-            if not self.steps.unusable:
-                self.steps.run("close", True, self._step, "close", "total", self._close_step)
+            if not runner.steps.unusable:
+                runner.run_close()
         finally:
-            clean = not self.steps.unusable
+            clean = not runner.steps.unusable
             self.window.free(collective=clean)
             self.window = None
             if clean:

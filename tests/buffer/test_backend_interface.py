@@ -13,6 +13,7 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm.backends.interface import Backend
 from ep_comm.backends.mpi import MpiBackend
+from ep_comm.backends.mpi_flat import FlatRoute
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract.checks import check_profile, check_transport
 from ep_comm.contract.choices import TRANSPORTS
@@ -29,6 +30,17 @@ def routing(num_tokens: int, seed: int) -> np.ndarray:
 def test_the_mpi_backend_is_a_backend():
     with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi") as buf:
         assert isinstance(buf._backend, Backend) and isinstance(buf._backend, MpiBackend)
+
+
+def test_the_mpi_backend_composes_its_parts_over_one_context():
+    """Composition, not mixins (issue 40): the backend inherits nothing; its protocol runs its steps on the
+    backend's runner, over its window, and sends over the flat route on one node."""
+    assert MpiBackend.__bases__ == (object,)
+    with ep_comm.Buffer(MPI.COMM_SELF, **SHAPE, backend="mpi") as buf:
+        backend = buf._backend
+        ctx = backend.protocol.ctx
+        assert ctx.runner is backend.runner and ctx.window is backend.window is backend.runner.window
+        assert isinstance(backend.protocol.route, FlatRoute) and backend.protocol.route.ctx is ctx
 
 
 @pytest.mark.parametrize("bad", ["store", "PUTS", "", None, 1, ("stores",)])

@@ -10,6 +10,7 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm._buffer_arguments import check_constructor_arguments
 from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
+from ep_comm.backends.mpi_flat import FlatRoute
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.forward_inbox import HEADER_WORDS, ForwardInbox, relay_meta, slot_order
@@ -58,7 +59,7 @@ def test_forwarding_must_be_a_bool(bad):
 def test_one_node_forwards_nothing():
     shape = dict(num_experts=4, hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend="mpi")
     with ep_comm.Buffer(MPI.COMM_SELF, **shape, forwarding=True) as buf:
-        assert buf.forwarding and buf._backend.inbox is None
+        assert buf.forwarding and buf._backend.inbox is None and isinstance(buf._backend.protocol.route, FlatRoute)
         idx = np.array([[0, 3], [1, -1]])
         out = buf.dispatch(np.ones((2, 8), np.float32).astype(buf.geometry.dtype), idx)
         buf.combine(out.recv_x, out.handle)
