@@ -60,7 +60,7 @@ def main() -> None:
               f"{stats.total_calls / args.calls:.0f} Python calls per call")
         stats.sort_stats("tottime").print_stats(args.top)
         print("\n".join(text.getvalue().splitlines()[:args.top + 12]))
-    plans = buf._backend.plans
+    plans = buf._backend.runner.plans
     print("plans:", {str(key)[:90]: ("UNPLANNED" if p is _UNPLANNED else len(p)) for key, p in plans._plans.items()})
     buf.close()
 

@@ -88,7 +88,7 @@ class LaunchCounter:
 
     def __enter__(self) -> "LaunchCounter":
         be, counter = self.backend, self
-        be.plans = ReplayedPlans(self)
+        be.runner.plans = ReplayedPlans(self)
 
         def stub(launch: bound.BoundLaunch, *args: Any) -> None:
             counter.launch(getattr(launch.dispatcher, "__name__", "kernel"))

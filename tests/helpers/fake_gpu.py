@@ -213,7 +213,7 @@ def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = 
     settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
     be = NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
                         launch=launch or dict(num_blocks=2, warps_per_block=2))
-    be.plans = RootCheckingPlans()
+    be.runner.plans = RootCheckingPlans()
     return be
 
 

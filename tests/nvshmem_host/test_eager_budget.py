@@ -97,7 +97,7 @@ def test_the_counter_sees_a_stream_sync_and_an_extra_launch(counted, monkeypatch
 
     def with_extras():
         backend.device.synchronize()
-        backend.kernels.launcher(object, 1, 32)()
+        backend.kernels.launcher(object, 1, 32, stream=0)()
         return wait_state()
 
     monkeypatch.setattr(backend.transport, "wait_state", with_extras)
