@@ -54,10 +54,14 @@ plain one records ``total`` and ``signal+wait``.
 Inputs: CuPy arrays, or any GPU array with DLPack / ``__cuda_array_interface__`` (PyTorch
 tensors, zero copy). Outputs: CuPy arrays.
 
-This module holds the class (its construction, inputs, close) over its parts: ``nvshmem_steps`` (how a step
-runs: stream, signal and wait, hooks, polls, launch plans), ``nvshmem_dispatch`` and ``nvshmem_combine`` (the
-two halves of the protocol, the general path), ``nvshmem_prepared`` (the prepared path of a call shape seen
-before, ``backend.prepared``, which ``Buffer`` offers each eager call first); ``sm_grid`` sizes the kernels' grids.
+This module holds the class (its construction, inputs, close), composed of parts, each given what it works with
+explicitly: ``nvshmem_steps`` (``StepRunner``: how a step runs: the caller's stream, taken when the step starts and
+passed to every launch, signal and wait, hooks, polls, launch plans, the routing verdicts; and ``NvshmemContext``,
+the kernels, transport, device, runner and this rank's symmetric views the protocols share), ``nvshmem_dispatch``
+and ``nvshmem_combine`` (``NvshmemDispatch``, ``NvshmemCombine``: the two halves of the protocol, the general
+path, which the backend's ``dispatch``/``combine`` methods call), ``nvshmem_prepared`` (``PreparedCalls``: the
+prepared path of a call shape seen before, ``backend.prepared``, which ``Buffer`` offers each eager call first,
+running the protocols' pieces); ``sm_grid`` sizes the kernels' grids.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The combine protocol of ``NvshmemBackend`` (``NvshmemCombine``, given an ``NvshmemContext``): the send half (``Kernels.combine_scatter`` back into
-the sources' buffers, the weights' return route, puts, signal) and the receive half (wait, then ``combine_reduce``
-with the bias; in compact mode this rank's own rows straight from ``y``).
+"""The combine protocol of ``NvshmemBackend`` (``NvshmemCombine``, given an ``NvshmemContext``): the send half
+(``Kernels.combine_scatter`` back into the sources' buffers, the weights' return route, puts, signal) and the receive
+half (wait, then ``combine_reduce`` with the bias; in compact mode this rank's own rows straight from ``y``).
 """
 from __future__ import annotations
 
@@ -59,22 +59,23 @@ class NvshmemCombine:
         return CombineOutput(x, back)
 
     def send(self, stream: Any, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
-        """On ``stream``, the rows of ``y`` back to their sources' buffers (compact: those of other sources only, the reduce
-        reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
+        """On ``stream``, the rows of ``y`` back to their sources' buffers (compact: those of other sources only, the
+        reduce reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
         the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
         k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
                           step=t.step, ahead=1, expand=h.expand, stream=stream, weights=weights if h.expand else None)
         if weights is not None:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
-            weight_return.send_weights(functools.partial(k.launcher, stream=stream), bits, h.expand, h.recv_src_metadata,
-                                       h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
+            weight_return.send_weights(functools.partial(k.launcher, stream=stream), bits, h.expand,
+                                       h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
                                        step=t.step, ahead=1, max_blocks=k.num_blocks)
 
     def _combine_reduce(self, stream: Any, h: EPHandle, y: Array, bias_terms: Sequence[Array],
                         with_weights: bool) -> tuple:
-        """``(x [T, H], gathered weights [T, K] float32 or None)``, reduced on ``stream``, from the rows every rank sent back and,
-        in compact mode, this rank's own rows straight from ``y``: one allocation for both, one launch plan."""
+        """``(x [T, H], gathered weights [T, K] float32 or None)``, reduced on ``stream``, from the rows every rank sent
+        back and, in compact mode, this rank's own rows straight from ``y``: one allocation for both, one launch
+        plan."""
         terms = tuple(_bias_term(self.xp, b) for b in bias_terms)
         arrays, block = self.device.carve(self.combine_shapes(h, with_weights))
         x, back = arrays[0], arrays[1] if with_weights else None
@@ -89,16 +90,17 @@ class NvshmemCombine:
             [((h.num_tokens, geo.num_topk), np.float32)] if with_weights else [])
 
     def reduce(self, stream: Any, h: EPHandle, y: Array, x: Array, back: Optional[Array], terms: tuple) -> None:
-        """The reduce, on ``stream``, into ``x [T, H]`` (with this rank's own compact rows from ``y``, and the ``terms`` of the
-        bias), and with ``back`` (float32 ``[T, K]``) the gathered weights."""
+        """The reduce, on ``stream``, into ``x [T, H]`` (with this rank's own compact rows from ``y``, and the ``terms``
+        of the bias), and with ``back`` (float32 ``[T, K]``) the gathered weights."""
         k, t = self.kernels, self.transport
         own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
         k.combine_reduce(self.ctx.own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
                          stream=stream, bias=list(terms), **own)
         if back is not None:
-            weight_return.gather_weights(functools.partial(k.launcher, stream=stream), self.ctx.own_meta, t.step, h.dst_buffer_slot_idx, h.topk_idx,
-                                         back.view(self.xp.int32), experts_per_rank=self.geo.experts_per_rank,
-                                         my_rank=self.rank, max_blocks=k.num_blocks)
+            weight_return.gather_weights(functools.partial(k.launcher, stream=stream), self.ctx.own_meta, t.step,
+                                         h.dst_buffer_slot_idx, h.topk_idx, back.view(self.xp.int32),
+                                         experts_per_rank=self.geo.experts_per_rank, my_rank=self.rank,
+                                         max_blocks=k.num_blocks)
 
 
 def combine_send_key(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple:

@@ -1,7 +1,7 @@
-"""The dispatch protocol of ``NvshmemBackend`` (``NvshmemDispatch``, given an ``NvshmemContext``): the FP8 payload, the send half of a new routing
-(count and scatter, the count exchange) or of a handle's replay (recorded slots, outputs allocated first), and
-their receive halves (receive count, the rows into the outputs, the handle). The steps are listed in
-``ep_comm.backends.nvshmem``'s docstring.
+"""The dispatch protocol of ``NvshmemBackend`` (``NvshmemDispatch``, given an ``NvshmemContext``): the FP8 payload,
+the send half of a new routing (count and scatter, the count exchange) or of a handle's replay (recorded slots,
+outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). The steps
+are listed in ``ep_comm.backends.nvshmem``'s docstring.
 """
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ class NvshmemDispatch:
 
     def scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, mode: int,
                 local: Optional[tuple] = None) -> None:
-        """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids ``idx [T, K]``,
-        float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into the staging
-        blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a compact
-        replay, where the rows for this rank itself go."""
+        """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
+        ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
+        the staging blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a
+        compact replay, where the rows for this rank itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
@@ -67,8 +67,9 @@ class NvshmemDispatch:
                                  mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum)
 
     def _flush(self, stream: Any, psum: Callable[[], Array]) -> None:
-        """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as phase ``puts``),
-        ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per destination."""
+        """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as
+        phase ``puts``), ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per
+        destination."""
         self.transport.flush(stream, psum, with_meta=True, timed=self.profile.phase("dispatch", "puts"))
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
@@ -123,8 +124,8 @@ class NvshmemDispatch:
         return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
 
     def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
-        """On ``stream``: count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then scatter ``x``
-        with its ``weights`` at the slots the count assigned."""
+        """On ``stream``: count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then
+        scatter ``x`` with its ``weights`` at the slots the count assigned."""
         stable = self.deterministic
         with self.profile.phase("dispatch", "count"):
             send = self.kernels.count(idx, stable=stable, stream=stream, block=send_block)
@@ -136,8 +137,8 @@ class NvshmemDispatch:
         return ("receive_count", expand, alignment, self.deterministic)
 
     def receive_count(self, stream: Any, block: Array, expand: bool, alignment: int) -> None:
-        """The receive count of a new routing, on ``stream``, into ``block`` (int32 ``[Kernels.recv_words]``) and the mapped
-        record."""
+        """The receive count of a new routing, on ``stream``, into ``block`` (int32 ``[Kernels.recv_words]``) and the
+        runner's mapped record."""
         with self.profile.phase("dispatch", "receive_count"):
             self.kernels.receive_count(self.ctx.own_counts, self.ctx.own_meta, self.transport.step, alignment=alignment,
                                        expand=expand, stable=self.deterministic, stream=stream, block=block,
@@ -145,10 +146,10 @@ class NvshmemDispatch:
 
     def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool,
                      stream: Any) -> DispatchOutput:
-        """The receive half of a dispatch of a new routing, on ``stream``: counts (into ``block``, int32 ``[recv_words]``, and the
-        mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the routing error of any
-        rank's bad verdict (every rank raises it here, in step), else the exact outputs; without it the next call
-        checks the verdicts."""
+        """The receive half of a dispatch of a new routing, on ``stream``: counts (into ``block``, int32
+        ``[recv_words]``, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
+        routing error of any rank's bad verdict (every rank raises it here, in step), else the exact outputs; without
+        it the next call checks the verdicts."""
         expand, alignment = request.expand, request.expert_alignment
         self.runner.wait("dispatch", hooked, with_counts=True)
         self.runner.run_plan(self.receive_count_key(expand, alignment), (block,),
@@ -177,8 +178,8 @@ class NvshmemDispatch:
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:
-        """The send half, on ``stream``, of a replay of the handle's routing (recorded slots and layout, no counting, no count
-        exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
+        """The send half, on ``stream``, of a replay of the handle's routing (recorded slots and layout, no counting,
+        no count exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
         scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
         them."""
         h, request = request.handle, self._contiguous_request(request)
@@ -214,7 +215,8 @@ class NvshmemDispatch:
         layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
                   h.num_unaligned_recv_tokens_per_expert)
         out = self._receive(stream, request, h.routing, layout, counts, h.recv_src_metadata,
-                            kernel_launches.PLACE_CACHED, outputs=outputs, skip_source=-1 if request.expand else self.rank)
+                            kernel_launches.PLACE_CACHED, outputs=outputs,
+                            skip_source=-1 if request.expand else self.rank)
         if arrived is not None:
             self.runner.check_arrival(arrived, "dispatch")
         return out
@@ -259,8 +261,8 @@ class NvshmemDispatch:
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
 
     def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple) -> None:
-        """The received rows, on ``stream``, into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``);
-        ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``."""
+        """The received rows, on ``stream``, into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights,
+        recv_src_metadata``); ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``."""
         expand, alignment, zero_padding, mode, skip_source = options
         with self.profile.phase("dispatch", "receive_copy"):
             self.kernels.receive_copy(rank_psum, self.ctx.own_rows, self.ctx.own_meta, self.transport.step, *arrays,

@@ -164,11 +164,13 @@ class PreparedCalls:
         if not h.cpu_sync:
             shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
             arrays, block = dispatcher.carve_outputs(shapes, None)
-            outputs = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
+            outputs = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
+                (arrays[2],) if weighted else ()))
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
         if new:
-            keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment), copy_key)
+            keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
+                    copy_key)
         else:
             local = None if h.expand else (out.recv_x, None)
             keys = (dispatcher.cached_send_key(h, x, weighted, local), None, copy_key)
@@ -215,14 +217,16 @@ class PreparedCalls:
                          functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
         if cpu_sync:
             num_recv, num_expanded, aligned = dispatcher.received_counts()
-            shapes = dispatcher.output_shapes(x.shape[1], expand, alignment, weights is not None, (num_recv, num_expanded))
+            shapes = dispatcher.output_shapes(x.shape[1], expand, alignment, weights is not None,
+                                              (num_recv, num_expanded))
             arrays, out_block = dispatcher.carve_outputs(shapes, None)
             dispatcher.receive_copy(stream, rank_psum, expert_psum, arrays, entry.options)
         else:
             runner.defer_verdict()
             out_block, arrays = self._outputs(entry)
             runner.plans.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
-                             functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays, entry.options))
+                             functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
+                                               entry.options))
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 

@@ -178,7 +178,8 @@ class Bench:
             "receive_count (compact)": (lambda: k.receive_count(
                 own.counts, own.meta, self.dispatch_step, alignment=1, expand=False, stable=False, stream=0), 0),
             "receive_count (expand, stable)": (lambda: k.receive_count(
-                own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True, stream=0), 0),
+                own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True,
+                stream=0), 0),
             "receive_copy (compact)": (receive_copy(False, PLACE_ATOMIC, compact_out), self.num_rows * row_bytes),
             "receive_count + copy (expand, atomic)": (self.with_count(receive_copy(True, PLACE_ATOMIC, expand_out)),
                                                       self.num_expanded * row_bytes),
@@ -228,7 +229,8 @@ class Pair:
         self.k = [make_kernels(cp, a, sms) for _ in self.streams]
         self.launch_streams = [timing.numba_stream(s) for s in self.streams]  # rank r's kernels launch on [r]
         counts = [to_host(bench.k.receive_count(bench.views[r].counts, bench.views[r].meta, bench.dispatch_step,
-                                                alignment=1, expand=False, stable=False, stream=0).rank_psum) for r in (0, 1)]
+                                                alignment=1, expand=False, stable=False, stream=0).rank_psum)
+                  for r in (0, 1)]
         rows = [int(c[-1]) for c in counts]
         own = [int(c[r]) - (int(c[r - 1]) if r else 0) for r, c in enumerate(counts)]
         self.out = [bench.outputs(False, n) for n in rows]

@@ -86,14 +86,12 @@ class Kernels(LaunchShapes):
 
     ``xp``: the array module (NumPy in the simulator, CuPy on a GPU); ``shapes``: the base's launch shapes. The
     constructor allocates the :class:`~ep_comm.launching.launch_shapes.Workspace`. Every launch method takes the
-    ``stream`` it launches on (a Numba stream, or 0: the legacy default stream), pre-bound on a GPU
-    (:func:`~ep_comm.launching.launch_shapes.launch_device`): nothing is kept from one call for the next.
+    ``stream`` it launches on (a Numba stream, or 0: the legacy default stream); nothing is kept for the next call.
     """
 
     def __init__(self, xp: Any, **shapes: int):
         super().__init__(**shapes)
-        self.xp = xp
-        self._launch_device = launch_device(xp)
+        self.xp, self._launch_device = xp, launch_device(xp)
         self._work = Workspace.allocate(xp, self)
         self._fixed = KeptViews().get  # views and verdicts of long-lived arrays, made once
 
@@ -148,10 +146,10 @@ class Kernels(LaunchShapes):
         out = self.send_layout(block, num_tokens)
         num_units, units_per_warp = self.token_cut(num_tokens)
         count_warps = -(-num_units // units_per_warp)
-        blocks = self._blocks_for(count_warps, self.num_blocks)
+        blocks, work = self._blocks_for(count_warps, self.num_blocks), self._work
         self._launch(count_kernel, stream, 4 * (e + r + self.warps_per_block * r), blocks)(
-            topk_idx, self.num_local, num_units, units_per_warp, stable, self._work.counters, self._work.ticket, self._work.check_acc,
-            self._work.send_units, self._work.send_groups, self._work.rank_cursor, out.num_tokens_per_rank,
+            topk_idx, self.num_local, num_units, units_per_warp, stable, work.counters, work.ticket, work.check_acc,
+            work.send_units, work.send_groups, work.rank_cursor, out.num_tokens_per_rank,
             out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words,
             self.ids_view(block, num_tokens, topk_idx.dtype))
         return out
@@ -223,15 +221,16 @@ class Kernels(LaunchShapes):
         if mode != SLOT_CACHED or not pieces:
             self._launch(scatter_kernel, stream, blocks=self._blocks_for(num_units, self.num_blocks))(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                mode, num_units, units_per_warp, self._work.rank_cursor, self._work.send_units, self._work.send_groups, slot_idx,
-                not pieces, rows, metas, direct, *local)
+                mode, num_units, units_per_warp, self._work.rank_cursor, self._work.send_units, self._work.send_groups,
+                slot_idx, not pieces, rows, metas, direct, *local)
         if pieces:
             self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
-                      stable: bool, stream: Any, block: Optional[Array] = None, record: Optional[Array] = None) -> ReceiveCounts:
+                      stable: bool, stream: Any, block: Optional[Array] = None,
+                      record: Optional[Array] = None) -> ReceiveCounts:
         """Count what arrived at the parity of ``step``; nothing (every count 0) when any source's routing
         verdict is bad.
 
@@ -264,11 +263,11 @@ class Kernels(LaunchShapes):
             return out
         worst_units = units_for(meta.shape[1] * meta.shape[2], self.recv_rows_per_unit, self.recv_units)
         warps = self.recv_count_warps_per_block
-        blocks = min(self.num_blocks, -(-worst_units // warps))
+        blocks, work = min(self.num_blocks, -(-worst_units // warps)), self._work
         self._launch(receive_count_kernel, stream, 4 * (r + 2 * local), blocks, warps)(
             src_counts, meta, step, alignment, stable, self.recv_rows_per_unit, self.recv_units,
-            self._work.counters[:local], self._work.ticket, self._work.recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
-            out.num_aligned_per_expert, out.expert_psum, self._work.expert_cursor, out.totals, record)
+            work.counters[:local], work.ticket, work.recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
+            out.num_aligned_per_expert, out.expert_psum, work.expert_cursor, out.totals, record)
         return out
 
     def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, step: Array, recv_x: Array,
@@ -307,8 +306,9 @@ class Kernels(LaunchShapes):
             return
         rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
         place_units = units_for(max_rows, rows_per_unit, self.recv_units)
+        work = self._work
         self._launch(receive_place_kernel, stream, blocks=self._blocks_for(place_units, self.num_blocks))(
-            rank_psum, meta, step, mode, rows_per_unit, self.recv_units, self._work.expert_cursor, self._work.recv_cursor,
+            rank_psum, meta, step, mode, rows_per_unit, self.recv_units, work.expert_cursor, work.recv_cursor,
             expert_psum, alignment, recv_topk_idx.reshape(-1, 1), weight_bits.reshape(-1, 1), recv_src_metadata)
         self._launch(receive_rows_kernel, stream, blocks=blocks)(
             rank_psum, rows, step, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide, span)

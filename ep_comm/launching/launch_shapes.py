@@ -4,8 +4,9 @@
 how work is cut for it (units of tokens, pieces of rows, blocks: shapes only, as graph capture needs; no arrays),
 and lays out the int32 blocks that one count and one receive count write (:class:`SendLayout`,
 :class:`ReceiveCounts`: views of one allocation each). :class:`Workspace` is the persistent workspace the kernels
-share, allocated by its factory ``Workspace.allocate``; :class:`KeptViews` what they make once per long-lived array. :func:`bound_launch` is the process's pre-bound launch of a
-kernel on a device; :func:`check_index_range` is the bound that keeps every kernel index within 32 bits.
+share, allocated by its factory ``Workspace.allocate``; :class:`KeptViews` what they make once per long-lived
+array. :func:`bound_launch` is the process's pre-bound launch of a kernel on a device (:func:`launch_device`);
+:func:`check_index_range` is the bound that keeps every kernel index within 32 bits.
 """
 from __future__ import annotations
 

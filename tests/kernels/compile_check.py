@@ -66,13 +66,15 @@ def record_all(dtype: np.dtype) -> list:
                        weights=np.zeros(ids_shape[0], np.float32) if expand else None, stream=0)
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
                      bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)], stream=0)
-    k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0, stream=0)  # bf16: the wide one
+    k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
+                     stream=0)  # bf16: the wide one
     long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows
     sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize, E // R)
     views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(LONG_H, dtype.itemsize))
              for _ in range(R)]
     long_rows.scatter(np.zeros((T, LONG_H), dtype), topk, np.zeros((T, K), np.float32), slot_idx,
-                      [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE, stream=0)
+                      [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE,
+                      stream=0)
     pair = Fp8Rows(np.zeros((T, LONG_H), np.uint8), np.zeros((T, LONG_H // 128), np.float32), dtype)
     for fp8_rows in (pair, Fp8Rows(np.zeros((T, LONG_H), dtype), None, dtype)):  # the scatter writes FP8 rows
         long_rows.scatter(fp8_rows, topk, None, slot_idx, [v.rows for v in views], [v.meta for v in views],

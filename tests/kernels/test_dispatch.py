@@ -39,7 +39,7 @@ def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     world = kernel_world(xp, **case)
     check_count(world, deterministic=True)
     check_count(world, deterministic=False)  # counters and ticket were reset by the last block
-    assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
+    assert not to_host(world.kernels._work.counters).any() and not to_host(world.kernels._work.ticket).any()
 
 
 def test_indices_must_fit_32_bits():
@@ -281,8 +281,8 @@ def test_count_and_receive_count_return_new_separate_arrays_on_every_call(monkey
     idx = np.zeros((5, 3), np.int64)
     counts, meta = np.zeros((2, 3, 7), np.int64), np.zeros((2, 3, 16, 7), np.int32)
     step = np.zeros(1, np.int64)
-    calls = [(k.count(idx, stable=True, stream=0), k.receive_count(counts, meta, step, alignment=1, expand=False, stable=True, stream=0))
-             for _ in range(2)]
+    calls = [(k.count(idx, stable=True, stream=0),
+              k.receive_count(counts, meta, step, alignment=1, expand=False, stable=True, stream=0)) for _ in range(2)]
     send, recv = calls[0]
     shapes = [(3,), (12,), (3,), (13,), (5, 3), (5, 3), (3, 7)] + [(3,), (4,), (4,), (4,), (2,)]
     arrays = list(send) + list(recv)

@@ -78,7 +78,7 @@ def test_count_sends_the_routing_verdict_with_its_counts(xp, topk, dtype, tokens
         inside = np.where(case < EXPERTS, case, -1)
         counts = ref.send_count_words(ref.dispatch_layout(inside, EXPERTS, 2))
         np.testing.assert_array_equal(words, np.concatenate([counts, [routing_verdict(case)] * 2], axis=1))
-        assert to_host(k._check_acc).tolist() == list(ACC_INIT) and not to_host(k._ticket).any()
+        assert to_host(k._work.check_acc).tolist() == list(ACC_INIT) and not to_host(k._work.ticket).any()
 
 
 def test_a_huge_id_travels_clamped(xp):
@@ -149,7 +149,7 @@ def test_a_bad_verdict_of_any_source_empties_every_receive(xp, expand, stable, b
                             worst_case=True)
         assert (out.recv_x == 3).all() and (out.recv_topk_idx == -1).all() and not out.recv_topk_weights.any()
         assert (out.recv_src_metadata == -1).all()
-    assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
+    assert not to_host(world.kernels._work.counters).any() and not to_host(world.kernels._work.ticket).any()
     sent = world.send(1, deterministic=stable)
     for d in range(world.num_ranks):
         got = world.kernels.receive_count(world.views[d].counts, world.views[d].meta, world.step(1), alignment=2,
