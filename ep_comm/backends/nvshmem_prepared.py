@@ -177,9 +177,9 @@ class PreparedCalls:
         self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
-        """Start step ``what`` as the general path does (``_collective``): the capture check, then the routing
-        verdict of a captured dispatch, then the deferred verdict of a ``cpu_sync=False`` new routing (each raised as
-        there). False (nothing enqueued yet) where the general path must take the call: a capture, an unusable
+        """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
+        routing verdict of a captured dispatch, then the deferred verdict of a ``cpu_sync=False`` new routing (each
+        raised as there). False (nothing enqueued yet) where the general path must take the call: a capture, an unusable
         buffer, a rank missing or an abort record seen."""
         runner = self._runner
         capture = runner.capture
