@@ -32,11 +32,11 @@ FORMS = {1: "", 2: "-fp8pair", 3: "-fp8cast"}  # the scatter kernels' names by t
 class Recorder(Kernels):
     """``Kernels`` whose launches are recorded as ``(kernel, args)``."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __init__(self, xp, **shapes: int) -> None:
+        super().__init__(xp, **shapes)
         self.launches = []
 
-    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
+    def _launch(self, kernel, stream, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         return lambda *args: self.launches.append((kernel, args))
 
 
