@@ -1,5 +1,5 @@
 """Where an eager call's host time goes, on one GPU rank: cProfile of cpu_sync=False cached dispatch + combine
-pairs and of new-routing dispatches, the launch plans built and refused, and host microseconds per call.
+pairs and of new-routing dispatches, the recorded calls made and refused, and host microseconds per call.
 A developer's measurement, never a test::
 
     launch/mpirun_gpu.sh 1 tools.eager_profile [--tokens 128] [--calls 300] [--top 25]
@@ -59,7 +59,7 @@ def main() -> None:
               f"{stats.total_calls / args.calls:.0f} Python calls per call")
         stats.sort_stats("tottime").print_stats(args.top)
         print("\n".join(text.getvalue().splitlines()[:args.top + 12]))
-    counts = buf._backend.plans.launch_counts()
+    counts = buf._backend.runner.recorded.launch_counts()
     print("recorded calls (launches; None: not recordable):", {str(key)[:90]: n for key, n in counts.items()})
     buf.close()
 

@@ -54,32 +54,36 @@ plain one records ``total`` and ``signal+wait``.
 Inputs: CuPy arrays, or any GPU array with DLPack / ``__cuda_array_interface__`` (PyTorch
 tensors, zero copy). Outputs: CuPy arrays.
 
-This module holds the class (its construction, inputs, close) over its parts: ``nvshmem_steps`` (how a step
-runs: stream, signal and wait, hooks, polls, launch plans), ``nvshmem_dispatch`` and ``nvshmem_combine`` (the
-two halves of the protocol, the general path), ``nvshmem_prepared`` (the prepared path of a call shape seen
-before, ``backend.prepared``, which ``Buffer`` offers each eager call first); ``sm_grid`` sizes the kernels' grids.
+This module holds the class (its construction, inputs, close), composed of parts, each given what it works with
+explicitly: ``nvshmem_steps`` (``StepRunner``: how a step runs: the caller's stream, taken when the step starts and
+passed to every launch, signal and wait, hooks, polls, recorded calls, the routing verdicts; and ``NvshmemContext``,
+the kernels, transport, device, runner and this rank's symmetric views the protocols share), ``nvshmem_dispatch``
+and ``nvshmem_combine`` (``NvshmemDispatch``, ``NvshmemCombine``: the two halves of the protocol, the general
+path, which the backend's ``dispatch``/``combine`` methods call), ``nvshmem_prepared`` (``PreparedCalls``: the
+prepared path of a call shape seen before, ``backend.prepared``, which ``Buffer`` offers each eager call first,
+running the protocols' pieces); ``sm_grid`` sizes the kernels' grids.
 """
 from __future__ import annotations
 
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
-import numpy as np
 from mpi4py import MPI
 
 from ep_comm._launcher.recorded_calls import RecordedCalls
-from ep_comm.backends.capture import CapturePolicy
-from ep_comm.backends.collective_steps import Steps
-from ep_comm.backends.interface import BackendSettings, Traffic
+from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf, Traffic
 from ep_comm.backends.nvshmem_combine import NvshmemCombine
 from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
 from ep_comm.backends.nvshmem_prepared import PreparedCalls
-from ep_comm.backends.profile import Profile, ProfileRow
+from ep_comm.backends.nvshmem_steps import NvshmemContext, StepRunner
+from ep_comm.backends.profile import ProfileRow
 from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract import layout as lay
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.geometry import Geometry
-from ep_comm.contract.symmetric import SymmetricLayout, record_words, word_dtype
+from ep_comm.contract.symmetric import SymmetricLayout, word_dtype
 from ep_comm.contract.topology import Topology
+from ep_comm.handle import CombineOutput, DispatchOutput
+from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.kernel_launches import Kernels, check_index_range
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
@@ -95,13 +99,18 @@ def puts_peers(settings: BackendSettings, num_ranks: int, me: int) -> Tuple[int,
     return tuple(range(num_ranks)) if settings.transport == "puts" else ()
 
 
-class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
+class NvshmemBackend:
     """GPU backend. Arrays in: CuPy / DLPack / ``__cuda_array_interface__``; arrays out: CuPy.
 
     ``transport``: an ``NvshmemTransport`` (or its loopback twin in the tests); ``device``: a
     ``CupyDevice`` (or its host twin), whose ``xp`` is the array module; ``comm``: this backend's own
     communicator (freed at a clean close); ``num_sms``: the SM count in effect; ``launch``: the
     ``Kernels`` launch shape (``sm_grid.grid_shape``).
+
+    Composed of: ``kernels`` (``Kernels``), ``runner`` (``StepRunner``: how a step runs), ``ctx``
+    (``NvshmemContext``: what the protocols work with), the protocols ``dispatcher`` (``NvshmemDispatch``) and
+    ``combiner`` (``NvshmemCombine``), which the ``Backend`` methods of dispatch and combine call, and ``prepared``
+    (``PreparedCalls``).
     """
 
     name = "nvshmem"
@@ -111,25 +120,20 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         xp = device.xp
         self.xp = xp
         self.comm, self.rank, self.geo = comm, comm.rank, geo
-        self.deterministic, self.timeout_s = settings.deterministic, settings.timeout_s
         self.num_sms: Optional[int] = num_sms
         self.transport, self.device = transport, device
         self.transport_name = transport.mode
         self.kernels = Kernels(xp, num_ranks=geo.num_ranks, num_experts=geo.num_experts, num_topk=geo.num_topk,
                                max_tokens=geo.max_tokens, **launch)
+        self.runner = StepRunner(self.rank, geo, settings.timeout_s, settings.profile, transport, device,
+                                 RecordedCalls(self.kernels.prebound, device.allocations_into))
         own = transport.own
-        self._own_rows = device.kernel_array(own.rows)
-        self._own_meta = device.kernel_array(own.meta)
-        self._own_counts = device.kernel_array(own.counts)
-        self._scratch = xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
-        self.capture = CapturePolicy(device, geo.num_experts)
-        self.profile = Profile(settings.profile, device)
-        self.steps = Steps(self.rank, settings.timeout_s, transport)
-        self.plans = RecordedCalls(self.kernels.prebound, device.allocations_into)
-        # what the receive count of a new routing writes for the host: counts and every rank's routing verdict
-        self._record_host, self._record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
-        self._unchecked: Optional[Tuple[Any, str]] = None  # (progress marker, step) of a cpu_sync=False new routing
-        self.prepared = PreparedCalls(self)  # the prepared paths of the eager calls (Buffer offers each call there)
+        self.ctx = NvshmemContext(geo, self.rank, settings.deterministic, xp, self.kernels, transport, device,
+                                  self.runner, device.kernel_array(own.rows), device.kernel_array(own.meta),
+                                  device.kernel_array(own.counts))
+        self.dispatcher, self.combiner = NvshmemDispatch(self.ctx), NvshmemCombine(self.ctx)
+        # the prepared paths of the eager calls (Buffer offers each call there)
+        self.prepared = PreparedCalls(self.ctx, self.dispatcher, self.combiner)
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,
@@ -190,9 +194,29 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
                              "(each rank's arrays must live on its own GPU)")
         return a
 
+    def pack_fp8(self, x: Any) -> Fp8Rows:
+        """``NvshmemDispatch.pack_fp8``: the payload of an FP8 dispatch of ``x``."""
+        return self.dispatcher.pack_fp8(x)
+
+    def dispatch(self, request: DispatchRequest) -> DispatchOutput:
+        """``NvshmemDispatch.dispatch``: one collective dispatch."""
+        return self.dispatcher.dispatch(request)
+
+    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
+        """``NvshmemDispatch.dispatch_send``: the send half of one collective dispatch, and its receive half."""
+        return self.dispatcher.dispatch_send(request)
+
+    def combine(self, request: CombineRequest) -> CombineOutput:
+        """``NvshmemCombine.combine``: one collective combine."""
+        return self.combiner.combine(request)
+
+    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
+        """``NvshmemCombine.combine_send``: the send half of one collective combine, and its receive half."""
+        return self.combiner.combine_send(request)
+
     def capturing(self) -> bool:
         """Whether the caller's stream is being captured into a CUDA graph now."""
-        return self.capture.capturing()
+        return self.runner.capture.capturing()
 
     def routing_summary(self, topk_idx: Array) -> Tuple[int, int]:
         """``(largest id, first row naming an expert twice or -1)`` of a non-empty routing of signed ids
@@ -202,37 +226,39 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
         capture policy's record, which the first call after the replays reads, and ``(-1, -1)``
         ("nothing wrong yet") is returned. The kernels read ids past the experts as "no expert"
         meanwhile (``ep_comm.kernels.expert_ids``)."""
-        if self.capture.capturing():
-            with self._launching():
-                self.kernels.check_routing(topk_idx, into=self.capture.checks)
+        capture = self.runner.capture
+        if capture.capturing():
+            with self.runner.launching() as stream:
+                self.kernels.check_routing(topk_idx, into=capture.checks, stream=stream)
             return -1, -1
-        self.capture.raise_for_checks()
-        with self._launching():
-            top, twice = to_host(self.kernels.check_routing(topk_idx)).tolist()
+        capture.raise_for_checks()
+        with self.runner.launching() as stream:
+            top, twice = to_host(self.kernels.check_routing(topk_idx, stream=stream)).tolist()
         return int(top), int(twice)
 
     def dispatch_layout(self, topk_idx: Array) -> lay.DispatchLayout:
         """``ep_comm.contract.layout.dispatch_layout`` by the count kernel (no host synchronisation)."""
-        with self._launching():
-            send = self.kernels.count(topk_idx, stable=False)
+        with self.runner.launching() as stream:
+            send = self.kernels.count(topk_idx, stable=False, stream=stream)
         return lay.DispatchLayout(send.num_tokens_per_rank, send.num_tokens_per_expert, send.is_token_in_rank)
 
     def captured_memory(self) -> ContextManager[None]:
         """Around a whole ``Buffer`` call: the capture policy's hold on what it allocates under capture."""
-        return self.capture.memory()
+        return self.runner.capture.memory()
 
     def profile_table(self) -> List[ProfileRow]:
         """Median host and GPU microseconds per (operation, phase) so far."""
-        return self.profile.table()
+        return self.runner.profile.table()
 
     def traffic(self) -> Traffic:
         """Nothing counted: the kernels write the rows into the peers (``Traffic.scaleout_rows`` None)."""
         return Traffic(None)
 
     # ------------------------------------------------------------------- close
-    def _close_step(self, seq: int) -> None:
-        self._signal_and_wait("close", seq)
-        self._check_arrival(self.device.progress(), "close")
+    def _close_step(self, seq: int, stream: Any) -> None:
+        """The close step's signal and wait on ``stream``, and its poll."""
+        self.runner.signal_and_wait("close", stream)
+        self.runner.check_arrival(self.device.progress(), "close")
 
     def close(self) -> None:
         """Collective close with a bounded wait after a clean run; after any failure (this rank's timeout or
@@ -242,14 +268,14 @@ class NvshmemBackend(NvshmemDispatch, NvshmemCombine):
             return
         clean = False
         try:
-            if not self.steps.unusable:
-                self._collective("close", True, "total", self._close_step)
+            if not self.runner.steps.unusable:
+                self.runner.collective("close", True, "total", self._close_step)
                 clean = True
         finally:
             self.device.synchronize()
             self.transport.close(collective=clean)
             self.transport = None
-            self.capture.release()
+            self.runner.capture.release()
             if clean:
                 self.comm.Free()
 

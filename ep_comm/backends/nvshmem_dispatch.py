@@ -1,7 +1,7 @@
-"""The dispatch half of ``NvshmemBackend`` (``NvshmemDispatch``): the FP8 payload, the send half of a new routing
-(count and scatter, the count exchange) or of a handle's replay (recorded slots, outputs allocated first), and
-their receive halves (receive count, the rows into the outputs, the handle). The steps are listed in
-``ep_comm.backends.nvshmem``'s docstring.
+"""The dispatch protocol of ``NvshmemBackend`` (``NvshmemDispatch``, given an ``NvshmemContext``): the FP8 payload,
+the send half of a new routing (count and scatter, the count exchange) or of a handle's replay (recorded slots,
+outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). The steps
+are listed in ``ep_comm.backends.nvshmem``'s docstring.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
-from ep_comm.backends.nvshmem_steps import NvshmemSteps
+from ep_comm.backends.nvshmem_steps import NvshmemContext
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
@@ -21,13 +21,18 @@ from ep_comm.launching import kernel_launches
 from ep_comm.launching.fp8 import Fp8Rows, payload_arrays, payload_key
 
 
-class NvshmemDispatch(NvshmemSteps):
-    """``NvshmemBackend``'s ``pack_fp8``, ``dispatch`` and ``dispatch_send``."""
+class NvshmemDispatch:
+    """``NvshmemBackend``'s ``pack_fp8``, ``dispatch`` and ``dispatch_send``, over the backend's context ``ctx``; its
+    steps run through ``ctx.runner``. Its pieces (counts, scatter, receive) are public to the prepared path."""
 
-    deterministic: bool
-    _own_counts: Array
-    _scratch: Array
-    _record: Array
+    def __init__(self, ctx: NvshmemContext):
+        self.ctx, self.geo, self.rank, self.xp = ctx, ctx.geo, ctx.rank, ctx.xp
+        self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
+        self.profile, self.capture = ctx.runner.profile, ctx.runner.capture
+        self.deterministic = ctx.deterministic
+        # the receive placement of a new routing: stable (deterministic) or atomic
+        self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
+        self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
 
     def pack_fp8(self, x: Any) -> Fp8Rows:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
@@ -36,64 +41,66 @@ class NvshmemDispatch(NvshmemSteps):
         ``ep_comm.contract.fp8.quantize`` for finite ``x``; not checked for non-finite values, see ``ep_comm.kernels.fp8``).
         Nothing is launched here."""
         if isinstance(x, tuple):  # x_fp8 as its bits first: CuPy copies no float8 array
-            return Fp8Rows(self._contiguous(x[0].view(np.uint8)), self._contiguous(x[1]), self.geo.dtype)
-        return Fp8Rows(self._contiguous(x), None, self.geo.dtype)
+            return Fp8Rows(self.ctx.contiguous(x[0].view(np.uint8)), self.ctx.contiguous(x[1]), self.geo.dtype)
+        return Fp8Rows(self.ctx.contiguous(x), None, self.geo.dtype)
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
-        return self._collective("dispatch", request.cpu_sync, "total", self._whole, body, request)
+        return self.runner.collective("dispatch", request.cpu_sync, "total", self.runner.plain_step, body, request)
 
     def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
         """The send half of one collective dispatch (count, scatter, puts, signal; no wait), and its receive half."""
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
-        return self._split("dispatch", request.cpu_sync, body, request)
+        return self.runner.split("dispatch", request.cpu_sync, body, request)
 
-    def _scatter(self, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, mode: int,
-                 local: Optional[tuple] = None) -> None:
-        """Rank scatter of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids ``idx [T, K]``,
-        float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into the staging
-        blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a compact
-        replay, where the rows for this rank itself go."""
+    def scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, mode: int,
+                local: Optional[tuple] = None) -> None:
+        """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
+        ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
+        the staging blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a
+        compact replay, where the rows for this rank itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
-                                 mode=mode, recv_x=recv_x, recv_psum=recv_psum)
+                                 mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum)
 
-    def _flush(self, psum: Callable[[], Array]) -> None:
-        """Send the staged rows and meta rows where there are puts (the transport's test; timed as phase ``puts``),
-        ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per destination."""
-        self.transport.flush(self.kernels.stream, psum, with_meta=True, timed=self.profile.phase("dispatch", "puts"))
+    def _flush(self, stream: Any, psum: Callable[[], Array]) -> None:
+        """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as
+        phase ``puts``), ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per
+        destination."""
+        self.transport.flush(stream, psum, with_meta=True, timed=self.profile.phase("dispatch", "puts"))
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` (an ``Fp8Rows``' arrays are already) and ``topk_weights`` C-contiguous (itself when
         they are)."""
-        x = request.x if isinstance(request.x, Fp8Rows) else self._contiguous(request.x)
-        weights = self._contiguous(request.topk_weights)
+        x = request.x if isinstance(request.x, Fp8Rows) else self.ctx.contiguous(request.x)
+        weights = self.ctx.contiguous(request.topk_weights)
         if x is request.x and weights is request.topk_weights:
             return request
         return dataclasses.replace(request, x=x, topk_weights=weights)
 
-    def _dispatch_new(self, seq: int, request: DispatchRequest, hooked: bool) -> Callable[[], DispatchOutput]:
-        """The send half of a dispatch of a new routing; returns its receive half.
+    def _dispatch_new(self, seq: int, stream: Any, request: DispatchRequest,
+                      hooked: bool) -> Callable[[Any], DispatchOutput]:
+        """The send half of a dispatch of a new routing, on ``stream``; returns its receive half.
 
         One allocation before the first launch: the int32 block of the receive count (``Kernels.recv_words``) and
-        of the count (``Kernels.send_words``); count and scatter run as one launch plan (ids out of range or named
+        of the count (``Kernels.send_words``); count and scatter run as one recorded call (ids out of range or named
         twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
         k, xp = self.kernels, self.xp
         request = self._contiguous_request(request)
         idx, x, weights = request.topk_idx, request.x, request.topk_weights
         if self.capture.active:  # a replay's verdict is reported by this rank's next call (CapturePolicy)
             with self.profile.phase("dispatch", "check"):
-                k.check_routing(idx, into=self.capture.checks)
+                k.check_routing(idx, into=self.capture.checks, stream=stream)
         num_tokens = idx.shape[0]
         block = xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
         send_block = block[k.recv_words:]
-        self._planned(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
-                      functools.partial(self._count_and_scatter, idx, x, weights, send_block))
-        self._flush(lambda: k.send_layout(send_block, num_tokens).rank_psum)
-        self._signal("dispatch", seq, hooked, k.count_words_view(send_block))
+        self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
+                             functools.partial(self.count_and_scatter, stream, idx, x, weights, send_block))
+        self._flush(stream, lambda: k.send_layout(send_block, num_tokens).rank_psum)
+        self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
         return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
 
@@ -113,73 +120,66 @@ class NvshmemDispatch(NvshmemSteps):
             recv.totals[1:].reshape(())))
 
     def send_key(self, idx: Array, x: Any, weighted: bool) -> tuple:
-        """The launch plan key of a new routing's count and scatter (:meth:`_count_and_scatter`)."""
+        """The recorded-call key of a new routing's count and scatter (:meth:`count_and_scatter`)."""
         return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
 
-    def _count_and_scatter(self, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
-        """Count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then scatter ``x``
-        with its ``weights`` at the slots the count assigned."""
+    def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
+        """On ``stream``: count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then
+        scatter ``x`` with its ``weights`` at the slots the count assigned."""
         stable = self.deterministic
         with self.profile.phase("dispatch", "count"):
-            send = self.kernels.count(idx, stable=stable, block=send_block)
+            send = self.kernels.count(idx, stable=stable, stream=stream, block=send_block)
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
-        self._scatter(x, idx, weights, send.slot_idx, mode)
+        self.scatter(stream, x, idx, weights, send.slot_idx, mode)
 
     def receive_count_key(self, expand: bool, alignment: int) -> tuple:
-        """The launch plan key of a new routing's receive count (:meth:`_receive_count`)."""
+        """The recorded-call key of a new routing's receive count (:meth:`receive_count`)."""
         return ("receive_count", expand, alignment, self.deterministic)
 
-    def _receive_count(self, block: Array, expand: bool, alignment: int) -> None:
-        """The receive count of a new routing into ``block`` (int32 ``[Kernels.recv_words]``) and the mapped
-        record."""
+    def receive_count(self, stream: Any, block: Array, expand: bool, alignment: int) -> None:
+        """The receive count of a new routing, on ``stream``, into ``block`` (int32 ``[Kernels.recv_words]``) and the
+        runner's mapped record."""
         with self.profile.phase("dispatch", "receive_count"):
-            self.kernels.receive_count(self._own_counts, self._own_meta, self.transport.step, alignment=alignment,
-                                       expand=expand, stable=self.deterministic, block=block, record=self._record)
+            self.kernels.receive_count(self.ctx.own_counts, self.ctx.own_meta, self.transport.step, alignment=alignment,
+                                       expand=expand, stable=self.deterministic, stream=stream, block=block,
+                                       record=self.runner.record)
 
-    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool) -> DispatchOutput:
-        """The receive half of a dispatch of a new routing: counts (into ``block``, int32 ``[recv_words]``, and the
-        mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the routing error of any
-        rank's bad verdict (every rank raises it here, in step), else the exact outputs; without it the next call
-        checks the verdicts."""
+    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool,
+                     stream: Any) -> DispatchOutput:
+        """The receive half of a dispatch of a new routing, on ``stream``: counts (into ``block``, int32
+        ``[recv_words]``, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
+        routing error of any rank's bad verdict (every rank raises it here, in step), else the exact outputs; without
+        it the next call checks the verdicts."""
         expand, alignment = request.expand, request.expert_alignment
-        self._wait("dispatch", hooked, with_counts=True)
-        self._planned(self.receive_count_key(expand, alignment), (block,),
-                      functools.partial(self._receive_count, block, expand, alignment))
+        self.runner.wait("dispatch", hooked, with_counts=True)
+        self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
+                             functools.partial(self.receive_count, stream, block, expand, alignment))
         recv = self.kernels.receive_layout(block)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
         if request.cpu_sync:
             counts = self.received_counts()
         else:
-            self._defer_verdict()
+            self.runner.defer_verdict()
             counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
-        return self._receive(request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                             counts, None, self.place_mode)
+        return self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum,
+                                                        recv.num_unaligned_per_expert), counts, None, self.place_mode)
 
     def received_counts(self) -> tuple:
         """``(received rows, expanded rows, aligned counts [L])`` as host ints, from the mapped record of this
         step's receive count, after one poll; the routing error of any rank's bad verdict instead."""
-        step = self.steps.latest
-        self._check_arrival(self.device.progress(), "dispatch")
-        error = self._verdict(step)
+        runner = self.runner
+        step = runner.steps.latest
+        runner.check_arrival(self.device.progress(), "dispatch")
+        error = runner.verdict(step)
         if error is not None:
             raise error
-        return record_counts(self._record_host, self.geo.num_ranks, self.geo.experts_per_rank)
+        return record_counts(runner.record_host, self.geo.num_ranks, self.geo.experts_per_rank)
 
-    def _defer_verdict(self) -> None:
-        """A ``cpu_sync=False`` new routing: its verdicts are checked by the next call (after a poll of the progress
-        marker taken now); a captured one's by ``CapturePolicy.raise_for_checks``."""
-        if not self.capture.active:
-            self._unchecked = (self.device.progress(), self.steps.latest)
-
-    @property
-    def place_mode(self) -> int:
-        """The receive placement of a new routing: stable (deterministic) or atomic."""
-        return kernel_launches.PLACE_STABLE if self.deterministic else kernel_launches.PLACE_ATOMIC
-
-    def _dispatch_cached(self, seq: int, request: DispatchRequest, hooked: bool) -> Callable[[], DispatchOutput]:
-        """The send half of a replay of the handle's routing (recorded slots and layout, no counting, no count
-        exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
+    def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
+                         hooked: bool) -> Callable[[Any], DispatchOutput]:
+        """The send half, on ``stream``, of a replay of the handle's routing (recorded slots and layout, no counting,
+        no count exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
         scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
         them."""
         h, request = request.handle, self._contiguous_request(request)
@@ -187,38 +187,41 @@ class NvshmemDispatch(NvshmemSteps):
             counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
                       [int(c) for c in _host(h.num_recv_tokens_per_expert)])
         else:
-            counts = self._derived(h, "device_counts", _device_counts)
+            counts = self.handle_value(h, "device_counts", _device_counts)
         outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
         local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
         x, weights = request.x, request.topk_weights
-        self._planned(self.cached_send_key(h, x, weights is not None, local), cached_send_roots(h, x, weights, local, block),
-                      functools.partial(self._scatter, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                        kernel_launches.SLOT_CACHED, local))
-        self._flush(functools.partial(self._derived, h, "send_psum", _send_psum))
-        self._signal("dispatch", seq, hooked)
+        self.runner.run_recorded(self.cached_send_key(h, x, weights is not None, local),
+                             cached_send_roots(h, x, weights, local, block),
+                             functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                               kernel_launches.SLOT_CACHED, local))
+        self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
+        self.runner.signal("dispatch", stream, hooked)
         return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
 
     @staticmethod
     def cached_send_key(h: EPHandle, x: Any, weighted: bool, local: Optional[tuple]) -> tuple:
-        """The launch plan key of a replay's scatter; ``local``: ``(recv_x, psum)`` of a compact replay, or None."""
+        """The recorded-call key of a replay's scatter; ``local``: ``(recv_x, psum)`` of a compact replay, or None."""
         return ("cached send", payload_key(x), h.topk_idx.dtype.char, weighted, None if local is None else local[0].shape)
 
-    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool) -> DispatchOutput:
-        """The receive half of a replay: the rows into the ``outputs`` allocated before the send."""
+    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool,
+                        stream: Any) -> DispatchOutput:
+        """The receive half of a replay, on ``stream``: the rows into the ``outputs`` allocated before the send."""
         h = request.handle
-        self._wait("dispatch", hooked, with_counts=False)
+        self.runner.wait("dispatch", hooked, with_counts=False)
         arrived = self.device.progress() if request.cpu_sync else None
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
         layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
                   h.num_unaligned_recv_tokens_per_expert)
-        out = self._receive(request, h.routing, layout, counts, h.recv_src_metadata, kernel_launches.PLACE_CACHED,
-                            outputs=outputs, skip_source=-1 if request.expand else self.rank)
+        out = self._receive(stream, request, h.routing, layout, counts, h.recv_src_metadata,
+                            kernel_launches.PLACE_CACHED, outputs=outputs,
+                            skip_source=-1 if request.expand else self.rank)
         if arrived is not None:
-            self._check_arrival(arrived, "dispatch")
+            self.runner.check_arrival(arrived, "dispatch")
         return out
 
-    def _derived(self, h: EPHandle, name: str, derive: Any) -> Any:
+    def handle_value(self, h: EPHandle, name: str, derive: Any) -> Any:
         """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture
         computed anew on every call (the capture holds what it allocates: a graph must not depend on a
         handle that its user may drop)."""
@@ -229,26 +232,26 @@ class NvshmemDispatch(NvshmemSteps):
             value = h.derived[name] = derive(self.xp, h)
         return value
 
-    def _receive(self, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
+    def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
                  recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
                  skip_source: int = -1) -> DispatchOutput:
-        """Allocate the outputs (unless given), copy the received rows into them, and make the handle.
+        """Allocate the outputs (unless given), copy the received rows into them (on ``stream``), and make the handle.
 
         ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
         ``counts``: ``(received rows, expanded rows, aligned counts [L])``, host values with
         ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
         reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
         ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1. With ``cpu_sync=False`` (worst-case shapes) the copy is a launch plan."""
+        (compact only), or -1. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded call."""
         rank_psum, expert_psum, unaligned = layout
         arrays, block = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
         options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
-        receive_copy = functools.partial(self._receive_copy, rank_psum, expert_psum, arrays, options)
-        if request.cpu_sync:  # exact output shapes change from call to call: no plan
+        receive_copy = functools.partial(self.receive_copy, stream, rank_psum, expert_psum, arrays, options)
+        if request.cpu_sync:  # exact output shapes change from call to call: not recorded
             receive_copy()
         else:
-            self._planned(receive_copy_key(options, arrays[0], request.topk_weights is not None),
-                          (rank_psum, expert_psum, block), receive_copy)
+            self.runner.run_recorded(receive_copy_key(options, arrays[0], request.topk_weights is not None),
+                                 (rank_psum, expert_psum, block), receive_copy)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
                             int(arrays[0].shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
@@ -257,14 +260,14 @@ class NvshmemDispatch(NvshmemSteps):
         with_weights = request.topk_weights is not None
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
 
-    def _receive_copy(self, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple) -> None:
-        """The received rows into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``);
-        ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``."""
+    def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple) -> None:
+        """The received rows, on ``stream``, into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights,
+        recv_src_metadata``); ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``."""
         expand, alignment, zero_padding, mode, skip_source = options
         with self.profile.phase("dispatch", "receive_copy"):
-            self.kernels.receive_copy(rank_psum, self._own_rows, self._own_meta, self.transport.step, *arrays,
+            self.kernels.receive_copy(rank_psum, self.ctx.own_rows, self.ctx.own_meta, self.transport.step, *arrays,
                                       expand=expand, mode=mode, expert_psum=expert_psum, alignment=alignment,
-                                      zero_padding=zero_padding, skip_source=skip_source)
+                                      zero_padding=zero_padding, stream=stream, skip_source=skip_source)
 
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``request``
@@ -350,18 +353,18 @@ def _add_counts(xp: Any, stats: Array, counts: Array) -> None:
 
 
 def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tuple:
-    """The per-call arrays of a new routing's count and scatter plan (``RecordedCalls.run``), in order."""
+    """The per-call arrays of a new routing's count and scatter (``RecordedCalls.run``), in order."""
     return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
 
 
 def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: Optional[tuple], block: Array) -> tuple:
-    """The per-call arrays of a replay's scatter plan, in order: the payload, the handle's routing, the outputs'
+    """The per-call arrays of a replay's scatter, in order: the payload, the handle's routing, the outputs'
     ``block`` and the handle's psum (compact: the scatter writes this rank's own rows into ``recv_x``), the weights."""
     return (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + (
         (block, h.psum_num_recv_tokens_per_rank) if local else ()) + (() if weights is None else (weights,))
 
 
 def receive_copy_key(options: tuple, recv_x: Array, weighted: bool) -> tuple:
-    """The launch plan key of a receive copy into worst-case outputs (``NvshmemDispatch._receive_copy``'s
+    """The recorded-call key of a receive copy into worst-case outputs (``NvshmemDispatch.receive_copy``'s
     ``options``)."""
     return ("receive copy", *options, recv_x.shape, recv_x.dtype.char, weighted)

@@ -2,13 +2,13 @@
 in front of its launches.
 
 The first call of a shape (per Buffer, operation and call shape: token count, payload shape, options) takes the
-general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its launch plans); when
-it returns, a :class:`_Entry` is kept for the shape: the plan keys of its pieces, the layout of its one output
+general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its calls); when
+it returns, a :class:`_Entry` is kept for the shape: the call keys of its pieces, the layout of its one output
 allocation and of its count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no
 slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
 GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
 (the argument checks, the request objects, the contiguity copies, the views) and runs the same pieces: the same
-launch plans, replayed with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the
+recorded calls, launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the
 same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
 path", names the conditions).
 
@@ -23,14 +23,22 @@ import functools
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ep_comm.backends.collective_steps import STEP_KINDS
-from ep_comm.backends.nvshmem_combine import combine_send_key, combine_send_roots, reduce_key, reduce_roots
+from ep_comm.backends.nvshmem_combine import (
+    NvshmemCombine,
+    combine_send_key,
+    combine_send_roots,
+    reduce_key,
+    reduce_roots,
+)
 from ep_comm.backends.nvshmem_dispatch import (
+    NvshmemDispatch,
     _device_counts,
     _send_psum,
     cached_send_roots,
     receive_copy_key,
     send_roots,
 )
+from ep_comm.backends.nvshmem_steps import NvshmemContext
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.launching import kernel_launches
@@ -49,7 +57,7 @@ def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
 
 
 class _Entry:
-    """The prepared path of one call shape: the identities its inputs must have, the plan keys of its pieces,
+    """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
     its carvings and options (set by the builders of :class:`PreparedCalls`)."""
 
     __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted")
@@ -67,15 +75,17 @@ class _Entry:
 
 class PreparedCalls:
     """The prepared paths of one ``NvshmemBackend``, by call shape; ``Buffer`` offers each eager call here first.
+    They run the pieces of the backend's ``dispatcher`` and ``combiner`` over its context ``ctx``, on the caller's
+    stream (taken once per call and passed to every piece), numbered by its step runner (``ctx.runner``).
 
     :meth:`dispatch` and :meth:`combine` take the caller's arguments as they are (unchecked) and ``general``, the
     Buffer's general path: they call it for anything they do not prepare, and build an entry after its first call
     of a shape they do."""
 
-    def __init__(self, backend: Any):
-        self.be = backend
-        self._ndarray = backend.xp.ndarray
-        self._placement = backend.device.placement
+    def __init__(self, ctx: NvshmemContext, dispatcher: NvshmemDispatch, combiner: NvshmemCombine):
+        self._ctx, self._runner, self._dispatcher, self._combiner = ctx, ctx.runner, dispatcher, combiner
+        self._ndarray = ctx.xp.ndarray
+        self._placement = ctx.device.placement
         self._entries: Dict[tuple, _Entry] = {}
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
@@ -102,9 +112,9 @@ class PreparedCalls:
                 or not self._enter("dispatch", cpu_sync)):
             return general(*args)
         if topk_weights is not None:
-            topk_weights = as_float32(self.be.xp, topk_weights, copy=True)
+            topk_weights = as_float32(self._ctx.xp, topk_weights, copy=True)
         body = self._new if handle is None else self._cached
-        out = self.be.steps.run("dispatch", False, body, entry, x, topk_idx, topk_weights, handle, cpu_sync)
+        out = self._runner.steps.run("dispatch", False, body, entry, x, topk_idx, topk_weights, handle, cpu_sync)
         checked.note(out.handle)
         self.replayed += 1
         return out
@@ -130,8 +140,8 @@ class PreparedCalls:
     def _may_learn(self, inputs: Tuple[Any, ...], ids: Any) -> bool:
         """Whether the call just made may be prepared: no profiling, no capture, C-contiguous ``inputs`` (None: not
         given), signed ``ids`` (None: a replay or a combine). A full table is cleared first."""
-        be = self.be
-        if be.profile.enabled or be.capture.active:
+        runner = self._runner
+        if runner.profile.enabled or runner.capture.active:
             return False
         if len(self._entries) >= _MAX_ENTRIES:
             self._entries.clear()
@@ -140,50 +150,47 @@ class PreparedCalls:
     def _learn_dispatch(self, key: tuple, x: Array, idx: Optional[Array], weights: Optional[Array],
                         out: DispatchOutput) -> None:
         """Keep the entry of a dispatch's shape after its general call gave ``out``."""
-        be, h = self.be, out.handle
+        dispatcher, h = self._dispatcher, out.handle
         place = self._placement
         inputs = (identity(x, place), None if idx is None else identity(idx, place),
                   None if weights is None else identity(weights, place))
         weighted = h.topk_weights is not None
         new = idx is not None
-        skip_source = -1 if new or h.expand else be.rank
-        mode = be.place_mode if new else kernel_launches.PLACE_CACHED
+        skip_source = -1 if new or h.expand else self._ctx.rank
+        mode = dispatcher.place_mode if new else kernel_launches.PLACE_CACHED
         options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
-        count = be.count_carving(h.num_tokens, idx.dtype) if new else None
+        count = dispatcher.count_carving(h.num_tokens, idx.dtype) if new else None
         outputs, scratch, copy_key = None, None, None
         if not h.cpu_sync:
-            shapes = be.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
-            arrays, block = be.carve_outputs(shapes, None)
-            outputs = be.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
+            shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
+            arrays, block = dispatcher.carve_outputs(shapes, None)
+            outputs = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
+                (arrays[2],) if weighted else ()))
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
         if new:
-            keys = (be.send_key(idx, x, weighted), be.receive_count_key(h.expand, h.expert_alignment), copy_key)
+            keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
+                    copy_key)
         else:
             local = None if h.expand else (out.recv_x, None)
-            keys = (be.cached_send_key(h, x, weighted, local), None, copy_key)
+            keys = (dispatcher.cached_send_key(h, x, weighted, local), None, copy_key)
         self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
-        """Start step ``what`` as the general path does (``_collective``): the capture check, then the routing
-        verdict of a captured dispatch, then the deferred verdict of a ``cpu_sync=False`` new routing (each raised as
-        there). False (nothing enqueued yet) where the general path must take the call: a capture, an unusable
+        """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
+        routing verdict of a captured dispatch, then the deferred verdict of a ``cpu_sync=False`` new routing (each
+        raised as there). False (nothing enqueued yet) where the general path must take the call: a capture, an unusable
         buffer, a rank missing or an abort record seen."""
-        be = self.be
-        be.capture.begin(what, host_wait)
-        if be.capture.active or be.steps.unusable:
+        runner = self._runner
+        capture = runner.capture
+        capture.begin(what, host_wait)
+        if capture.active or runner.steps.unusable:
             return False
-        be.capture.raise_for_checks()
-        if be._unchecked is not None:
-            be._raise_unchecked()
-        missing, seen = be.transport.wait_state()
+        capture.raise_for_checks()
+        if runner.unchecked is not None:
+            runner.raise_unchecked()
+        missing, seen = self._ctx.transport.wait_state()
         return not (missing or seen)
-
-    def _stream(self) -> Any:
-        """The caller's stream: set for the kernels, returned for the plans."""
-        be = self.be
-        be.kernels.stream, on = be.device.launch_streams()
-        return on
 
     def _outputs(self, entry: _Entry) -> Tuple[Array, Tuple[Array, ...]]:
         """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))`` of worst-case shapes."""
@@ -194,30 +201,32 @@ class PreparedCalls:
     def _new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
              cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count; then ``cpu_sync``: one
-        poll, the verdicts, exact outputs and their receive copy; else the planned copy into worst-case outputs."""
-        be = self.be
-        on = self._stream()
+        poll, the verdicts, exact outputs and their receive copy; else the recorded copy into worst-case outputs."""
+        dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
+        stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
                 aligned, num_recv, num_expanded) = entry.count.new()
-        be.plans.run(entry.keys[0], on, send_roots(idx, x, block, weights),
-                     functools.partial(be._count_and_scatter, idx, x, weights, send_block))
+        runner.recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights),
+                         functools.partial(dispatcher.count_and_scatter, stream, idx, x, weights, send_block))
         # the transport's flush holds the puts test and calls the psum only with puts; untimed, as the general path's
         # _flush is without profiling (a profiling Buffer never prepares a shape)
-        be.transport.flush(be.kernels.stream, lambda: send_psum, with_meta=True)
-        be.transport.exchange(be.kernels.stream, _DISPATCH, be.timeout_s, words)
+        transport.flush(stream, lambda: send_psum, with_meta=True)
+        transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         expand, alignment = entry.options[:2]
-        be.plans.run(entry.keys[1], on, (recv_block,),
-                     functools.partial(be._receive_count, recv_block, expand, alignment))
+        runner.recorded.run(entry.keys[1], on, (recv_block,),
+                         functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
         if cpu_sync:
-            num_recv, num_expanded, aligned = be.received_counts()
-            shapes = be.output_shapes(x.shape[1], expand, alignment, weights is not None, (num_recv, num_expanded))
-            arrays, out_block = be.carve_outputs(shapes, None)
-            be._receive_copy(rank_psum, expert_psum, arrays, entry.options)
+            num_recv, num_expanded, aligned = dispatcher.received_counts()
+            shapes = dispatcher.output_shapes(x.shape[1], expand, alignment, weights is not None,
+                                              (num_recv, num_expanded))
+            arrays, out_block = dispatcher.carve_outputs(shapes, None)
+            dispatcher.receive_copy(stream, rank_psum, expert_psum, arrays, entry.options)
         else:
-            be._defer_verdict()
+            runner.defer_verdict()
             out_block, arrays = self._outputs(entry)
-            be.plans.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
-                         functools.partial(be._receive_copy, rank_psum, expert_psum, arrays, entry.options))
+            runner.recorded.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
+                             functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
+                                               entry.options))
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
@@ -225,10 +234,10 @@ class PreparedCalls:
                 cpu_sync: bool) -> DispatchOutput:
         """A ``cpu_sync=False`` replay of handle ``h``: worst-case outputs first, the recorded slots' scatter (in
         compact mode this rank's own rows straight into ``recv_x``), signal and wait, the receive copy."""
-        be = self.be
-        on = self._stream()
+        dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
+        stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
-        num_recv, num_expanded, aligned = be._derived(h, "device_counts", _device_counts)
+        num_recv, num_expanded, aligned = dispatcher.handle_value(h, "device_counts", _device_counts)
         out_block, arrays = self._outputs(entry)
         psum = h.psum_num_recv_tokens_per_rank
         if entry.options[0]:
@@ -237,15 +246,14 @@ class PreparedCalls:
             arrays[3][:m] = h.recv_src_metadata[:m]
         else:
             local = (arrays[0], psum)
-        be.plans.run(entry.keys[0], on, cached_send_roots(h, x, weights, local, out_block),
-                     functools.partial(be._scatter, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                       kernel_launches.SLOT_CACHED, local))
-        be.transport.flush(be.kernels.stream, functools.partial(be._derived, h, "send_psum", _send_psum),
-                           with_meta=True)
-        be.transport.exchange(be.kernels.stream, _DISPATCH, be.timeout_s, None)
+        runner.recorded.run(entry.keys[0], on, cached_send_roots(h, x, weights, local, out_block),
+                         functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                           kernel_launches.SLOT_CACHED, local))
+        transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum), with_meta=True)
+        transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
         expert_psum = h.psum_num_recv_tokens_per_expert
-        be.plans.run(entry.keys[2], on, (psum, expert_psum, out_block),
-                     functools.partial(be._receive_copy, psum, expert_psum, arrays, entry.options))
+        runner.recorded.run(entry.keys[2], on, (psum, expert_psum, out_block),
+                         functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options))
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)
@@ -255,15 +263,15 @@ class PreparedCalls:
         """The ``DispatchOutput`` and its handle (as ``handle.make_handle`` makes it): ``received`` is ``(rank psum,
         expert psum, aligned counts, unaligned counts, received rows, expanded rows)``, ``routing`` the handle's
         ``(topk_idx, is_token_in_rank, dst_buffer_slot_idx)``."""
-        be = self.be
+        ctx = self._ctx
         expand, alignment, zero_padding = entry.options[:3]
         handle = EPHandle(psum_num_recv_tokens_per_rank=received[0], psum_num_recv_tokens_per_expert=received[1],
                           num_recv_tokens_per_expert=received[2], num_unaligned_recv_tokens_per_expert=received[3],
                           recv_src_metadata=arrays[3], dst_buffer_slot_idx=routing[2], num_recv_tokens=received[4],
                           num_expanded_tokens=received[5], num_tokens=routing[0].shape[0], topk_idx=routing[0],
                           topk_weights=weights, is_token_in_rank=routing[1], expand=expand,
-                          expert_alignment=alignment, zero_padding=zero_padding, deterministic=be.deterministic,
-                          cpu_sync=cpu_sync, num_out_rows=arrays[0].shape[0], geometry=be.geo)
+                          expert_alignment=alignment, zero_padding=zero_padding, deterministic=ctx.deterministic,
+                          cpu_sync=cpu_sync, num_out_rows=arrays[0].shape[0], geometry=ctx.geo)
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     # ------------------------------------------------------------------ combine
@@ -282,31 +290,31 @@ class PreparedCalls:
         checked.check(handle, "dispatch")
         if identity(y, self._placement) != entry.inputs[0] or not self._enter("combine", handle.cpu_sync):
             return general(y, handle, None, None, False)
-        out = self.be.steps.run("combine", False, self._combine, entry, y, handle)
+        out = self._runner.steps.run("combine", False, self._combine, entry, y, handle)
         self.replayed += 1
         return out
 
     def _learn_combine(self, key: tuple, y: Array, h: EPHandle) -> None:
         """Keep the entry of a combine's shape (no weights, no bias) after its general call."""
-        be = self.be
-        arrays, block = be.device.carve(be.combine_shapes(h, False))
+        device = self._ctx.device
+        arrays, block = device.carve(self._combiner.combine_shapes(h, False))
         keys = (combine_send_key(h, y, None), reduce_key(h, y, False, ()))
         self._entries[key] = _Entry((identity(y, self._placement),), keys, None,
-                                    be.device.recarving(block, arrays), None, (), False)
+                                    device.recarving(block, arrays), None, (), False)
 
     def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle) -> CombineOutput:
         """A combine: the rows back, signal and wait, the reduce into a new ``x``; one poll for a ``cpu_sync``
         handle."""
-        be = self.be
-        on = self._stream()
-        be.plans.run(entry.keys[0], on, combine_send_roots(h, y, None),
-                     functools.partial(be._combine_send, h, y, None))
-        be.transport.flush(be.kernels.stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
-        be.transport.exchange(be.kernels.stream, _COMBINE, be.timeout_s, None)
-        arrived = be.device.progress() if h.cpu_sync else None
+        ctx, runner, combiner = self._ctx, self._runner, self._combiner
+        stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
+        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, None),
+                         functools.partial(combiner.send, stream, h, y, None))
+        ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
+        ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
+        arrived = ctx.device.progress() if h.cpu_sync else None
         block, (x,) = entry.outputs.new()
-        be.plans.run(entry.keys[1], on, reduce_roots(h, y, block, ()),
-                     functools.partial(be._reduce, h, y, x, None, ()))
+        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()),
+                         functools.partial(combiner.reduce, stream, h, y, x, None, ()))
         if arrived is not None:
-            be._check_arrival(arrived, "combine")
+            runner.check_arrival(arrived, "combine")
         return CombineOutput(x, None)

@@ -1,15 +1,19 @@
-"""How the nvshmem backend runs a collective step (``NvshmemSteps``, the base of ``NvshmemBackend``): on the
-caller's stream, numbered by ``collective_steps.Steps``, whole or split into a send half and a receive hook,
-its launches as launch plans; the step's signal and bounded GPU wait (``transport.signals``), the host's
-bounded poll where ``cpu_sync`` needs host numbers, and the deferred routing verdict of a ``cpu_sync=False``
-dispatch. What a capture refuses and holds is ``capture.py``'s; the step numbers and abort records are
-``collective_steps.py``'s.
+"""How the nvshmem backend runs a collective step (``StepRunner``) and what its two protocols work with
+(``NvshmemContext``).
+
+A step runs on the caller's stream (taken when the step starts and passed down to every launch), numbered by
+``collective_steps.Steps``, whole or split into a send half and a receive hook, its launches as recorded calls; the
+step's signal and bounded GPU wait (``transport.signals``), the host's bounded poll where ``cpu_sync`` needs host
+numbers, and the deferred routing verdict of a ``cpu_sync=False`` dispatch. What a capture refuses and holds is
+``capture.py``'s; the step numbers and abort records are ``collective_steps.py``'s.
 """
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 from ep_comm._launcher import raw
 from ep_comm._launcher.recorded_calls import RecordedCalls
@@ -20,52 +24,56 @@ from ep_comm.backends.profile import Profile
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.checks import routing_error, verdicts_clean
 from ep_comm.contract.geometry import Geometry
-from ep_comm.contract.symmetric import record_verdict_words, record_verdicts
+from ep_comm.contract.symmetric import record_verdict_words, record_verdicts, record_words
 from ep_comm.errors import RoutingError
 from ep_comm.launching.kernel_launches import Kernels
 
 POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound) plus this for the work before them
 
 
-class NvshmemSteps:
-    """The step machinery of ``NvshmemBackend``, over the attributes its ``__init__`` sets (declared here)."""
+class StepRunner:
+    """How one ``NvshmemBackend`` runs its collective steps: on the caller's stream, after the checks every step
+    makes, timed by its ``profile``, under its ``capture`` policy, numbered by its ``steps``, its launches as its
+    ``recorded`` calls; the bounded polls, and the routing verdicts of the count exchange (in the mapped ``record``).
 
-    xp: Any
-    rank: int
-    geo: Geometry
-    timeout_s: float
-    transport: Any
-    device: Any
-    kernels: Kernels
-    capture: CapturePolicy
-    profile: Profile
-    steps: Steps
-    plans: RecordedCalls
-    _own_rows: Array  # this rank's symmetric rows and meta rows, as the kernels take them
-    _own_meta: Array
-    _record_host: Any
-    _unchecked: Optional[Tuple[Any, str]]
+    A step's body is called as ``body(seq, stream, *args)``: ``stream`` is the Numba stream of the caller's current
+    stream, taken when the step starts, which the body passes to every launch (a split step's receive half gets the
+    hook's). ``record``: int64 ``[record_words(R, L)]`` of device-mapped memory the receive count of a new routing
+    writes (``record_host`` its host view); ``unchecked``: the ``(progress marker, step)`` of a ``cpu_sync=False``
+    new routing whose verdicts the next call checks, or None.
+    """
 
-    def _launching(self) -> ContextManager[None]:
-        """Kernels launch on the caller's current stream (taken now), without interface syncs inside the
-        returned context."""
-        self.kernels.stream = self.device.stream()
-        return self.device.launching()
+    def __init__(self, rank: int, geo: Geometry, timeout_s: float, profiling: bool, transport: Any, device: Any,
+                 recorded: RecordedCalls):
+        self.rank, self.geo, self.timeout_s = rank, geo, timeout_s
+        self.transport, self.device, self.recorded = transport, device, recorded
+        self.capture = CapturePolicy(device, geo.num_experts)
+        self.profile = Profile(profiling, device)
+        self.steps = Steps(rank, timeout_s, transport)
+        self.record_host, self.record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
+        self.unchecked: Optional[Tuple[Any, str]] = None
 
-    def _collective(self, what: str, host_wait: bool, phase: str, body: Callable[..., Any], *args: Any) -> Any:
-        """``body(seq, *args)`` as the next collective step (host number ``seq``), timed as its ``phase``, on the
-        caller's stream, after
-        raising any timeout an earlier asynchronous wait recorded (the step's signal advances the device
-        counter) and the routing error of an earlier ``cpu_sync=False`` dispatch (:meth:`_raise_unchecked`).
-        ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot hold. A dispatch or
-        combine reads the peers' abort records from the device on entry only when the last finished wait saw one
-        (the mapped status record, ``Steps.run``): a record posted since ends this step's GPU wait early, and the
-        step's poll raises. A close reads them always ("cannot close": a peer gave up, nothing to wait for).
+    @contextmanager
+    def launching(self) -> Iterator[Any]:
+        """Launches outside a step: yields the Numba stream of the caller's current stream (taken now) for them,
+        without interface syncs inside."""
+        with self.device.launching():
+            yield self.device.stream()
+
+    def collective(self, what: str, host_wait: bool, phase: str, body: Callable[..., Any], *args: Any) -> Any:
+        """``body(seq, stream, *args)`` as the next collective step (host number ``seq``), timed as its ``phase``, on
+        the caller's stream, after raising any timeout an earlier asynchronous wait recorded (the step's signal
+        advances the device counter) and the routing error of an earlier ``cpu_sync=False`` dispatch
+        (:meth:`raise_unchecked`). ``host_wait``: the step waits on the host (cpu_sync), which a graph capture cannot
+        hold. A dispatch or combine reads the peers' abort records from the device on entry only when the last
+        finished wait saw one (the mapped status record, ``Steps.run``): a record posted since ends this step's GPU
+        wait early, and the step's poll raises. A close reads them always ("cannot close": a peer gave up, nothing to
+        wait for).
         """
         self.capture.begin(what, host_wait)
         if not self.capture.active and what != "close":
             self.capture.raise_for_checks()
-            self._raise_unchecked()
+            self.raise_unchecked()
         seen = True  # an unusable buffer: Steps.run raises BufferUnusableError before reading anything
         if not self.steps.unusable:
             missing, seen = self.transport.wait_state()
@@ -74,20 +82,24 @@ class NvshmemSteps:
         return self.steps.run(what, seen or what == "close", self._step, what, phase, body, *args)
 
     def _step(self, seq: int, what: str, phase: str, body: Callable[..., Any], *args: Any) -> Any:
-        """``body(seq, *args)`` timed as the step's ``phase``, launching on the caller's stream."""
-        with self.profile.phase(what, phase), self._launching():
-            return body(seq, *args)
+        """``body(seq, stream, *args)`` timed as the step's ``phase``, ``stream`` the caller's (taken now)."""
+        device = self.device
+        stream = device.stream()
+        with self.profile.phase(what, phase), device.launching():
+            return body(seq, stream, *args)
 
-    def _whole(self, seq: int, send: Callable[..., Callable[[], Any]], *args: Any) -> Any:
-        """A plain step: ``send(seq, *args, False)`` (signal and wait), then at once the receive half it returns."""
-        return send(seq, *args, False)()
+    @staticmethod
+    def plain_step(seq: int, stream: Any, send: Callable[..., Callable[[Any], Any]], *args: Any) -> Any:
+        """A step not split: ``send(seq, stream, *args, False)`` (signal and wait), then at once the receive half it
+        returns, on the same ``stream``."""
+        return send(seq, stream, *args, False)(stream)
 
-    def _split(self, what: str, host_wait: bool, send: Callable[..., Callable[[], Any]], *args: Any) -> ReceiveHalf:
-        """Step ``what``'s send half now (``send(seq, *args, True)``: up to a signal that waits for nothing), and its
-        receive half as a ``ReceiveHalf`` (guarded by ``Steps.resume``): the hook's call must be captured into a
-        CUDA graph exactly when the send was, and an uncaptured one waits for an event recorded after the send
+    def split(self, what: str, host_wait: bool, send: Callable[..., Callable[[Any], Any]], *args: Any) -> ReceiveHalf:
+        """Step ``what``'s send half now (``send(seq, stream, *args, True)``: up to a signal that waits for nothing),
+        and its receive half as a ``ReceiveHalf`` (guarded by ``Steps.resume``): the hook's call must be captured
+        into a CUDA graph exactly when the send was, and an uncaptured one waits for an event recorded after the send
         when it runs on another stream."""
-        receive = self._collective(what, host_wait, "send part", send, *args, True)
+        receive = self.collective(what, host_wait, "send part", send, *args, True)
         captured = self.capture.active
         sent = None if captured else self.device.mark()
         return ReceiveHalf(self.steps.latest, functools.partial(self._prepare_hook, what, captured, sent),
@@ -100,44 +112,40 @@ class NvshmemSteps:
         if sent is not None:
             self.device.wait_for(sent)
 
-    def _hook(self, what: str, receive: Callable[[], Any]) -> Any:
-        """The receive half of a split step on the caller's stream, timed as its ``hook``; under capture the
-        memory it allocates is held for the graph."""
-        with self.capture.memory(), self.profile.phase(what, "hook"), self._launching():
-            return receive()
+    def _hook(self, what: str, receive: Callable[[Any], Any]) -> Any:
+        """``receive(stream)``, the receive half of a split step, on the hook's caller's stream (taken now), timed as
+        its ``hook``; under capture the memory it allocates is held for the graph."""
+        with self.capture.memory(), self.profile.phase(what, "hook"), self.launching() as stream:
+            return receive(stream)
 
-    def _contiguous(self, a: Optional[Array]) -> Optional[Array]:
-        """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
-        return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)
-
-    def _signal_and_wait(self, what: str, seq: int, counts: Optional[Array] = None) -> None:
-        """Signal step ``seq`` to every rank (with this rank's per-destination ``counts``, int32 ``[R, 1 + L]``:
-        rows, then entries per local expert, ``SendLayout.count_words``), then enqueue the bounded wait for
-        every rank's signal (the received counts of a missing rank become 0).
+    def signal_and_wait(self, what: str, stream: Any, counts: Optional[Array] = None) -> None:
+        """Signal the step to every rank (with this rank's per-destination ``counts``, int32 ``[R, 1 + L]``: rows,
+        then entries per local expert, ``SendLayout.count_words``), then enqueue the bounded wait for every rank's
+        signal (the received counts of a missing rank become 0), on ``stream``.
 
         The signal word is ``step_word(seq, what)`` (monotone). A peer has arrived when its word equals
         this step's value or reached the next step (a peer is at most one step ahead); a peer in
         another kind of step with the same number (e.g. closing while this rank dispatches) has not."""
         with self.profile.phase(what, "signal+wait"):
-            self.transport.exchange(self.kernels.stream, STEP_KINDS[what], self.timeout_s, counts)
+            self.transport.exchange(stream, STEP_KINDS[what], self.timeout_s, counts)
 
-    def _signal(self, what: str, seq: int, hooked: bool, counts: Optional[Array] = None) -> None:
-        """The end of step ``seq``'s send half: :meth:`_signal_and_wait` for a plain step; for a split one
-        (``hooked``) the signal alone (with ``counts`` as there), whose wait the hook enqueues (:meth:`_wait`)."""
+    def signal(self, what: str, stream: Any, hooked: bool, counts: Optional[Array] = None) -> None:
+        """The end of a step's send half: :meth:`signal_and_wait` for a plain step; for a split one (``hooked``) the
+        signal alone (with ``counts`` as there), whose wait the hook enqueues (:meth:`wait`)."""
         if not hooked:
-            self._signal_and_wait(what, seq, counts)
+            self.signal_and_wait(what, stream, counts)
             return
         with self.profile.phase(what, "signal"):
-            self.transport.signal(self.kernels.stream, STEP_KINDS[what], counts)
+            self.transport.signal(stream, STEP_KINDS[what], counts)
 
-    def _wait(self, what: str, hooked: bool, with_counts: bool) -> None:
+    def wait(self, what: str, hooked: bool, with_counts: bool) -> None:
         """The start of a split step's receive half (``hooked``): the bounded GPU wait for every rank's signal
         (``with_counts``: zeroing a missing rank's received count words); nothing for a plain step."""
         if hooked:
             with self.profile.phase(what, "wait"):
                 self.transport.wait(STEP_KINDS[what], self.timeout_s, with_counts)
 
-    def _check_arrival(self, marker: Any, what: str) -> None:
+    def check_arrival(self, marker: Any, what: str) -> None:
         """Poll until the GPU reached ``marker`` (``device.progress()`` taken after the step's wait: the work
         enqueued after it runs on meanwhile), then raise on a peer's abort record or a timeout: one poll, no
         stream synchronisation."""
@@ -160,26 +168,32 @@ class NvshmemSteps:
                     what, self.timeout_s + POLL_SLACK_S)
             time.sleep(0)
 
-    def _raise_unchecked(self) -> None:
+    def defer_verdict(self) -> None:
+        """A ``cpu_sync=False`` new routing: its verdicts are checked by the next call (after a poll of the progress
+        marker taken now); a captured one's by ``CapturePolicy.raise_for_checks``."""
+        if not self.capture.active:
+            self.unchecked = (self.device.progress(), self.steps.latest)
+
+    def raise_unchecked(self) -> None:
         """The routing error of the last ``cpu_sync=False`` dispatch of a new routing, if any rank's verdict was bad
         (every rank raises it at its next call, before that call does anything). Polls that dispatch's receive count
         when it has not finished yet (bounded, :meth:`_poll`)."""
-        if self._unchecked is None:
+        if self.unchecked is None:
             return
-        (marker, step), self._unchecked = self._unchecked, None
+        (marker, step), self.unchecked = self.unchecked, None
         self._poll(marker, "dispatch")
-        error = self._verdict(step)
+        error = self.verdict(step)
         if error is not None:
             raise error
 
-    def _verdict(self, step: str) -> Optional[RoutingError]:
+    def verdict(self, step: str) -> Optional[RoutingError]:
         """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
         None when all are clean."""
         geo = self.geo
-        words = record_verdict_words(self._record_host, geo.num_ranks)
+        words = record_verdict_words(self.record_host, geo.num_ranks)
         if verdicts_clean(words, geo.num_experts):
             return None
-        return routing_error(record_verdicts(self._record_host, geo.num_ranks), geo.num_experts, step)
+        return routing_error(record_verdicts(self.record_host, geo.num_ranks), geo.num_experts, step)
 
     def _after_host_wait(self, what: str) -> None:
         """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
@@ -188,11 +202,34 @@ class NvshmemSteps:
         (the wait kernel copies word 0 of every record there): no host round trip after a clean wait."""
         self.steps.after_wait(what, *self.transport.wait_state())
 
-    def _planned(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
-        """``path()`` (launches through ``Kernels``) as a launch plan of ``key`` over ``roots`` (``RecordedCalls.run``); run
-        as it is while profiling (its phases) or capturing (what a capture holds is its own)."""
+    def run_recorded(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
+        """``path()`` (launches through ``Kernels`` on the caller's stream) as the recorded call of ``key`` over ``roots``
+        (``RecordedCalls.run``, on the same stream); run as it is while profiling (its phases) or capturing (what a capture
+        holds is its own)."""
         if self.profile.enabled or self.capture.active:
             path()
             return
-        self.plans.run(key, raw.stream(self.device.handle()), roots, path)
+        self.recorded.run(key, raw.stream(self.device.handle()), roots, path)
 
+
+@dataclass(frozen=True)
+class NvshmemContext:
+    """What the dispatch and combine protocols of one ``NvshmemBackend`` work with: its geometry, rank and mode, the
+    array module, its ``kernels``, ``transport`` and ``device``, the step ``runner``, and this rank's symmetric rows,
+    meta rows and count words as the kernels take them (``own_rows``, ``own_meta``, ``own_counts``)."""
+
+    geo: Geometry
+    rank: int
+    deterministic: bool
+    xp: Any
+    kernels: Kernels
+    transport: Any
+    device: Any
+    runner: StepRunner
+    own_rows: Array
+    own_meta: Array
+    own_counts: Array
+
+    def contiguous(self, a: Optional[Array]) -> Optional[Array]:
+        """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
+        return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)

@@ -82,11 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 PAIR_HOLD_US_PER_ITER = 4 * HOLD_US_PER_ITER  # a pair iteration queues about ten launches on two streams
 
 
-def make_kernels(cp, a: argparse.Namespace, sms: int, stream: Any = 0) -> Kernels:
-    """A :class:`Kernels` for the benchmark shape with :func:`grid_shape`'s launch shape for ``sms`` SMs,
-    launching on Numba stream ``stream``."""
+def make_kernels(cp, a: argparse.Namespace, sms: int) -> Kernels:
+    """A :class:`Kernels` for the benchmark shape with :func:`grid_shape`'s launch shape for ``sms`` SMs."""
     return Kernels(cp, num_ranks=a.ranks, num_experts=a.experts, num_topk=a.topk, max_tokens=a.tokens,
-                   warps_per_block=a.warps_per_block, stream=stream, **grid_shape(sms))
+                   warps_per_block=a.warps_per_block, **grid_shape(sms))
 
 
 class Bench:
@@ -115,16 +114,16 @@ class Bench:
         self.combine_step = cp.full(1, 2, np.int64)
         self.sent = [self.dispatch_source(s, SLOT_STABLE) for s in range(a.ranks)]
         self.recv = self.k.receive_count(self.views[0].counts, self.views[0].meta, self.dispatch_step,
-                                         alignment=a.alignment, expand=True, stable=True)
+                                         alignment=a.alignment, expand=True, stable=True, stream=0)
         self.num_rows, self.num_expanded = (int(v) for v in to_host(self.recv.totals))
 
-    def dispatch_source(self, s: int, mode: int, k: Optional[Kernels] = None):
-        """Count and scatter source ``s`` (parity 1) with ``k`` (default: ours), and write its counts where
-        receivers read them."""
+    def dispatch_source(self, s: int, mode: int, k: Optional[Kernels] = None, stream: Any = 0):
+        """Count and scatter source ``s`` (parity 1) with ``k`` (default: ours) on Numba stream ``stream`` (default:
+        the legacy default stream), and write its counts where receivers read them."""
         k = k or self.k
-        lay = k.count(self.topk[s], stable=mode == SLOT_STABLE)
+        lay = k.count(self.topk[s], stable=mode == SLOT_STABLE, stream=stream)
         k.scatter(self.x, self.topk[s], self.w, lay.slot_idx, self.rows, self.metas, src_rank=s,
-                  step=self.dispatch_step, mode=mode)
+                  step=self.dispatch_step, mode=mode, stream=stream)
         for d, view in enumerate(self.views):
             view.counts[1, s] = lay.count_words[d]
         return lay
@@ -151,15 +150,15 @@ class Bench:
         def scatter(mode: int) -> Callable[[], None]:
             def run():
                 if mode != SLOT_CACHED:
-                    k.count(self.topk[0], stable=mode == SLOT_STABLE)
+                    k.count(self.topk[0], stable=mode == SLOT_STABLE, stream=0)
                 k.scatter(self.x, self.topk[0], self.w, lay.slot_idx, self.rows, self.metas, src_rank=0,
-                          step=self.dispatch_step, mode=mode)
+                          step=self.dispatch_step, mode=mode, stream=0)
             return run
 
         def receive_copy(expand: bool, mode: int, out: tuple) -> Callable[[], None]:
             return lambda: k.receive_copy(self.recv.rank_psum, own.rows, own.meta, self.dispatch_step, *out,
                                           expand=expand, mode=mode, expert_psum=self.recv.expert_psum,
-                                          alignment=a.alignment, zero_padding=True)
+                                          alignment=a.alignment, zero_padding=True, stream=0)
 
         receive_copy(False, PLACE_ATOMIC, compact_out)()  # metadata that the cached and combine runs use
         receive_copy(True, PLACE_STABLE, expand_out)()
@@ -169,17 +168,18 @@ class Bench:
         out = self.cp.empty((a.tokens, a.hidden), self.cp.uint16)
         decode = self.cp.ascontiguousarray(self.topk[0][: a.decode_tokens])
         return {
-            "count (stable)": (lambda: k.count(self.topk[0], stable=True), 0),
-            "count (atomic)": (lambda: k.count(self.topk[0], stable=False), 0),
-            f"count (stable) T={a.decode_tokens}": (lambda: k.count(decode, stable=True), 0),
-            f"count (atomic) T={a.decode_tokens}": (lambda: k.count(decode, stable=False), 0),
+            "count (stable)": (lambda: k.count(self.topk[0], stable=True, stream=0), 0),
+            "count (atomic)": (lambda: k.count(self.topk[0], stable=False, stream=0), 0),
+            f"count (stable) T={a.decode_tokens}": (lambda: k.count(decode, stable=True, stream=0), 0),
+            f"count (atomic) T={a.decode_tokens}": (lambda: k.count(decode, stable=False, stream=0), 0),
             "count + scatter (stable)": (scatter(SLOT_STABLE), pairs * row_bytes),
             "count + scatter (atomic)": (scatter(SLOT_ATOMIC), pairs * row_bytes),
             "scatter (cached)": (scatter(SLOT_CACHED), pairs * row_bytes),
             "receive_count (compact)": (lambda: k.receive_count(
-                own.counts, own.meta, self.dispatch_step, alignment=1, expand=False, stable=False), 0),
+                own.counts, own.meta, self.dispatch_step, alignment=1, expand=False, stable=False, stream=0), 0),
             "receive_count (expand, stable)": (lambda: k.receive_count(
-                own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True), 0),
+                own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True,
+                stream=0), 0),
             "receive_copy (compact)": (receive_copy(False, PLACE_ATOMIC, compact_out), self.num_rows * row_bytes),
             "receive_count + copy (expand, atomic)": (self.with_count(receive_copy(True, PLACE_ATOMIC, expand_out)),
                                                       self.num_expanded * row_bytes),
@@ -187,16 +187,16 @@ class Bench:
                                               self.num_expanded * row_bytes),
             "combine_scatter (compact copy)": (lambda: k.combine_scatter(
                 y_compact, compact_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
-                expand=False),
+                expand=False, stream=0),
                 (self.num_rows - own_rows) * row_bytes),  # rank 0's own rows stay in y
             "combine_scatter (expand reduce)": (lambda: k.combine_scatter(
                 y_expand, expand_out[3], self.recv.rank_psum, self.rows, my_rank=0, step=self.combine_step,
-                expand=True, weights=weights), self.num_expanded * row_bytes),
+                expand=True, weights=weights, stream=0), self.num_expanded * row_bytes),
             "combine_reduce (compact, own rows from y)": (lambda: k.combine_reduce(
                 own.rows, self.combine_step, lay.slot_idx, self.topk[0], out, my_rank=0, y=y_compact,
-                recv_rank_psum=self.recv.rank_psum), pairs * row_bytes),
+                recv_rank_psum=self.recv.rank_psum, stream=0), pairs * row_bytes),
             "combine_reduce (expand partials)": (lambda: k.combine_reduce(
-                own.rows, self.combine_step, lay.slot_idx, self.topk[0], out, my_rank=0), pairs * row_bytes),
+                own.rows, self.combine_step, lay.slot_idx, self.topk[0], out, my_rank=0, stream=0), pairs * row_bytes),
         }
 
     def with_count(self, copy: Callable[[], None]) -> Callable[[], None]:
@@ -205,7 +205,7 @@ class Bench:
 
         def run():
             self.k.receive_count(own.counts, own.meta, self.dispatch_step, alignment=self.a.alignment, expand=True,
-                                 stable=False)
+                                 stable=False, stream=0)
             copy()
         return run
 
@@ -226,9 +226,11 @@ class Pair:
         cp, a = bench.cp, bench.a
         self.b, self.timing, self.sms = bench, timing, sms
         self.streams = [timing.stream() for _ in range(2)]
-        self.k = [make_kernels(cp, a, sms, timing.numba_stream(s)) for s in self.streams]
+        self.k = [make_kernels(cp, a, sms) for _ in self.streams]
+        self.launch_streams = [timing.numba_stream(s) for s in self.streams]  # rank r's kernels launch on [r]
         counts = [to_host(bench.k.receive_count(bench.views[r].counts, bench.views[r].meta, bench.dispatch_step,
-                                                alignment=1, expand=False, stable=False).rank_psum) for r in (0, 1)]
+                                                alignment=1, expand=False, stable=False, stream=0).rank_psum)
+                  for r in (0, 1)]
         rows = [int(c[-1]) for c in counts]
         own = [int(c[r]) - (int(c[r - 1]) if r else 0) for r, c in enumerate(counts)]
         self.out = [bench.outputs(False, n) for n in rows]
@@ -241,24 +243,26 @@ class Pair:
         timing.synchronize()  # setup ran on the default stream, which the non-blocking streams do not wait for
 
     def dispatch_send(self, r: int) -> None:
-        self.sent[r] = self.b.dispatch_source(r, SLOT_ATOMIC, self.k[r])
+        self.sent[r] = self.b.dispatch_source(r, SLOT_ATOMIC, self.k[r], self.launch_streams[r])
 
     def dispatch_receive(self, r: int) -> None:
         b, own = self.b, self.b.views[r]
         recv = self.recv[r] = self.k[r].receive_count(own.counts, own.meta, b.dispatch_step, alignment=1,
-                                                      expand=False, stable=False)
+                                                      expand=False, stable=False, stream=self.launch_streams[r])
         self.k[r].receive_copy(recv.rank_psum, own.rows, own.meta, b.dispatch_step, *self.out[r], expand=False,
-                               mode=PLACE_ATOMIC, expert_psum=recv.expert_psum, alignment=1, zero_padding=False)
+                               mode=PLACE_ATOMIC, expert_psum=recv.expert_psum, alignment=1, zero_padding=False,
+                               stream=self.launch_streams[r])
 
     def combine_send(self, r: int) -> None:
         y, meta = self.out[r][0], self.out[r][3]
         self.k[r].combine_scatter(y, meta, self.recv[r].rank_psum, self.b.rows, my_rank=r, step=self.b.combine_step,
-                               expand=False)
+                                  expand=False, stream=self.launch_streams[r])
 
     def combine_receive(self, r: int) -> None:
         b = self.b
         self.k[r].combine_reduce(b.views[r].rows, b.combine_step, self.sent[r].slot_idx, b.topk[r], self.combined[r],
-                                 my_rank=r, y=self.out[r][0], recv_rank_psum=self.recv[r].rank_psum)
+                                 my_rank=r, y=self.out[r][0], recv_rank_psum=self.recv[r].rank_psum,
+                                 stream=self.launch_streams[r])
 
     def ops(self) -> dict:
         """name -> (send, receive, bytes both ranks store into the buffers), dispatch first."""

@@ -10,16 +10,16 @@ Typical use by a backend, per dispatch on rank ``me`` (``views[r]`` are rank r's
 buffer, see :func:`ep_comm.contract.symmetric.symmetric_views`)::
 
     k = Kernels(xp, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T_max)
-    send = k.count(topk_idx, stable=deterministic)            # + count exchange by the transport
+    send = k.count(topk_idx, stable=deterministic, stream=s)  # + count exchange by the transport
     k.scatter(x, topk_idx, topk_weights, send.slot_idx, [v.rows for v in views],
-              [v.meta for v in views], src_rank=me, step=step, ahead=1, mode=SLOT_STABLE)
-    recv = k.receive_count(own.counts, own.meta, step, alignment=a, expand=e, stable=d)
+              [v.meta for v in views], src_rank=me, step=step, ahead=1, mode=SLOT_STABLE, stream=s)
+    recv = k.receive_count(own.counts, own.meta, step, alignment=a, expand=e, stable=d, stream=s)
     k.receive_copy(recv.rank_psum, own.rows, own.meta, step, recv_x, recv_topk_idx, recv_topk_weights,
                    recv_src_metadata, expand=e, mode=PLACE_STABLE, expert_psum=recv.expert_psum,
-                   alignment=a, zero_padding=z)
+                   alignment=a, zero_padding=z, stream=s)
     # combine (next step): k.combine_scatter(y, recv_src_metadata, recv.rank_psum, [v.rows for v in views],
-    #          my_rank=me, step=step, ahead=1, expand=e, weights=w); transport signal;
-    #          k.combine_reduce(own.rows, step, ...)
+    #          my_rank=me, step=step, ahead=1, expand=e, weights=w, stream=s); transport signal;
+    #          k.combine_reduce(own.rows, step, ..., stream=s)
 
 ``step`` is the step counter (int64 ``[1]`` on the device, ``ep_comm.kernels.step_counter``): every kernel
 reads the buffer parity from it (the senders, which run before the signal that advances it, with
@@ -27,11 +27,12 @@ reads the buffer parity from it (the senders, which run before the signal that a
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ep_comm._launcher.device_arrays import wide_rows
+from ep_comm._launcher.prebound import prebound_kernel
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.fp8 import packed_row_bytes
 from ep_comm.contract.symmetric import payload_rows, payload_words
@@ -52,7 +53,15 @@ from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatt
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.fp8 import Fp8Rows
-from ep_comm.launching.launch_shapes import LaunchShapes, ReceiveCounts, SendLayout, check_index_range
+from ep_comm.launching.launch_shapes import (
+    KeptViews,
+    LaunchShapes,
+    ReceiveCounts,
+    SendLayout,
+    Workspace,
+    check_index_range,
+    launch_device,
+)
 
 __all__ = ["Kernels", "SendLayout", "ReceiveCounts", "check_index_range", "SLOT_ATOMIC", "SLOT_STABLE",
            "SLOT_CACHED", "PLACE_ATOMIC", "PLACE_STABLE", "PLACE_CACHED"]
@@ -75,26 +84,52 @@ def _copy_step(wide: bool) -> int:
 class Kernels(LaunchShapes):
     """Launches the dispatch/combine kernels for one geometry; owns a small persistent workspace.
 
-    Constructed as its base :class:`~ep_comm.launching.launch_shapes.LaunchShapes` (the geometry, how work is
-    cut, ``stream``; on a GPU every kernel is launched pre-bound, :mod:`ep_comm._launcher.prebound`), which also
-    holds the workspace and the views of the count and receive count blocks.
+    ``xp``: the array module (NumPy in the simulator, CuPy on a GPU); ``shapes``: the base's launch shapes. The
+    constructor allocates the :class:`~ep_comm.launching.launch_shapes.Workspace`. Every launch method takes the
+    ``stream`` it launches on (a Numba stream, or 0: the legacy default stream); nothing is kept for the next call.
     """
+
+    def __init__(self, xp: Any, **shapes: int):
+        super().__init__(**shapes)
+        self.xp, self._launch_device = xp, launch_device(xp)
+        self._work = Workspace.allocate(xp, self)
+        self._fixed = KeptViews().get  # views and verdicts of long-lived arrays, made once
+
+    @property
+    def prebound(self) -> bool:
+        """Whether kernels launch pre-bound (a GPU, not ``EP_COMM_NUMBA_LAUNCH=1``): then calls can be recorded."""
+        return self._launch_device is not None
+
+    def _launch(self, kernel: Any, stream: Any, shared_bytes: int = 0, blocks: int = 0,
+                warps_per_block: int = 0) -> Callable[..., None]:
+        """``_launch(kernel, stream, ...)(*args)``: ``kernel`` on ``stream``, ``blocks`` blocks (default ``num_blocks``)
+        of ``warps_per_block`` warps (default ``self.warps_per_block``), ``shared_bytes`` of dynamic shared memory."""
+        threads = WARP * warps_per_block if warps_per_block else self.threads
+        bound, grid = prebound_kernel(kernel, self._launch_device), blocks or self.num_blocks
+        return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
+
+    def launcher(self, kernel: Any, blocks: int, threads: int, *, stream: Any) -> Callable[..., None]:
+        """``launcher(kernel, blocks, threads, stream=s)(*args)``: launch another module's ``kernel`` on ``s`` as these
+        kernels launch theirs (pre-bound on a GPU, no dynamic shared memory)."""
+        bound = prebound_kernel(kernel, self._launch_device)
+        return lambda *args: bound(blocks, threads, stream, 0, *args)
 
     def _wide(self, rows: Any) -> bool:
         """:func:`~ep_comm._launcher.device_arrays.wide_rows` of symmetric rows (one array, or a tuple of every rank's),
         decided once per Buffer."""
         return self._fixed("wide", rows, lambda: wide_rows(*rows) if isinstance(rows, tuple) else wide_rows(rows))
 
-    def check_routing(self, topk_idx: Array, into: Optional[Array] = None) -> Array:
+    def check_routing(self, topk_idx: Array, into: Optional[Array] = None, *, stream: Any) -> Array:
         """``[2]`` int64 on the device: the largest id in ``topk_idx [T, K]`` (signed ints, T >= 1) or -1,
         and the first token (row) that names an expert twice or -1. With ``into`` (int64 ``[2]``) the
         two are folded into it (the larger of each) and ``into`` is returned."""
         out = self.xp.empty(2, np.int64) if into is None else into
         blocks = min(self.num_blocks, -(-topk_idx.shape[0] // self.threads))
-        self._launch(routing_check_kernel, 0, blocks)(topk_idx, self._check_acc, self._ticket, out, into is not None)
+        self._launch(routing_check_kernel, stream, 0, blocks)(topk_idx, self._work.check_acc, self._work.ticket, out,
+                                                              into is not None)
         return out
 
-    def count(self, topk_idx: Array, *, stable: bool, block: Optional[Array] = None) -> SendLayout:
+    def count(self, topk_idx: Array, *, stable: bool, stream: Any, block: Optional[Array] = None) -> SendLayout:
         """Count a routing ``topk_idx [T, K]`` (int32/int64, -1 = no expert) on the sender, and check it: ids at or
         above ``num_experts`` count as no expert, and the verdict (largest id, first row naming an expert twice)
         goes into every row of ``count_words``.
@@ -111,10 +146,10 @@ class Kernels(LaunchShapes):
         out = self.send_layout(block, num_tokens)
         num_units, units_per_warp = self.token_cut(num_tokens)
         count_warps = -(-num_units // units_per_warp)
-        blocks = self._blocks_for(count_warps, self.num_blocks)
-        self._launch(count_kernel, 4 * (e + r + self.warps_per_block * r), blocks)(
-            topk_idx, self.num_local, num_units, units_per_warp, stable, self._counters, self._ticket, self._check_acc,
-            self._send_units, self._send_groups, self._rank_cursor, out.num_tokens_per_rank,
+        blocks, work = self._blocks_for(count_warps, self.num_blocks), self._work
+        self._launch(count_kernel, stream, 4 * (e + r + self.warps_per_block * r), blocks)(
+            topk_idx, self.num_local, num_units, units_per_warp, stable, work.counters, work.ticket, work.check_acc,
+            work.send_units, work.send_groups, work.rank_cursor, out.num_tokens_per_rank,
             out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words,
             self.ids_view(block, num_tokens, topk_idx.dtype))
         return out
@@ -134,7 +169,7 @@ class Kernels(LaunchShapes):
 
     def scatter(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
                 rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int,
-                ahead: int = 0, recv_x: Optional[Array] = None, recv_psum: Optional[Array] = None) -> None:
+                stream: Any, ahead: int = 0, recv_x: Optional[Array] = None, recv_psum: Optional[Array] = None) -> None:
         """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
 
         Args:
@@ -172,29 +207,30 @@ class Kernels(LaunchShapes):
                              "is known before the send only from a handle)")
         if x.shape[0] == 0:
             return
-        weights = self._no_weights if topk_weights is None else topk_weights.view(np.int32)
+        weights = self._work.no_weights if topk_weights is None else topk_weights.view(np.int32)
         num_units, units_per_warp = self.token_cut(x.shape[0])
         source, row_words = self._row_source(x)
         # without recv_x the kernels get unread stand-ins of the same kinds
         recv_words = payload_words(recv_x) if direct else source[0]
-        local = (recv_words, recv_psum if direct else self._rank_cursor)
+        local = (recv_words, recv_psum if direct else self._work.rank_cursor)
         rows, metas = tuple(rows), tuple(metas)
         wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
         pieces = span < row_words  # few tokens: slots by unit first, then the rows by pieces
         rows_from = (source, row_words, wide)
         if mode != SLOT_CACHED or not pieces:
-            self._launch(scatter_kernel, blocks=self._blocks_for(num_units, self.num_blocks))(
+            self._launch(scatter_kernel, stream, blocks=self._blocks_for(num_units, self.num_blocks))(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                mode, num_units, units_per_warp, self._rank_cursor, self._send_units, self._send_groups, slot_idx,
-                not pieces, rows, metas, direct, *local)
+                mode, num_units, units_per_warp, self._work.rank_cursor, self._work.send_units, self._work.send_groups,
+                slot_idx, not pieces, rows, metas, direct, *local)
         if pieces:
-            self._launch(scatter_rows_kernel, blocks=blocks)(
+            self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
-                      stable: bool, block: Optional[Array] = None, record: Optional[Array] = None) -> ReceiveCounts:
+                      stable: bool, stream: Any, block: Optional[Array] = None,
+                      record: Optional[Array] = None) -> ReceiveCounts:
         """Count what arrived at the parity of ``step``; nothing (every count 0) when any source's routing
         verdict is bad.
 
@@ -218,26 +254,26 @@ class Kernels(LaunchShapes):
             A :class:`ReceiveCounts` on the device: views of ``block``.
         """
         r, local = self.num_ranks, self.num_local
-        record = self._record if record is None else record
+        record = self._work.record if record is None else record
         out = self.receive_layout(self.xp.empty(self._recv_words, np.int32) if block is None else block)
         if not expand:
-            self._launch(receive_count_words_kernel, 4 * local, 1)(
+            self._launch(receive_count_words_kernel, stream, 4 * local, 1)(
                 src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
                 out.expert_psum, out.totals, record)
             return out
         worst_units = units_for(meta.shape[1] * meta.shape[2], self.recv_rows_per_unit, self.recv_units)
         warps = self.recv_count_warps_per_block
-        blocks = min(self.num_blocks, -(-worst_units // warps))
-        self._launch(receive_count_kernel, 4 * (r + 2 * local), blocks, warps)(
+        blocks, work = min(self.num_blocks, -(-worst_units // warps)), self._work
+        self._launch(receive_count_kernel, stream, 4 * (r + 2 * local), blocks, warps)(
             src_counts, meta, step, alignment, stable, self.recv_rows_per_unit, self.recv_units,
-            self._counters[:local], self._ticket, self._recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
-            out.num_aligned_per_expert, out.expert_psum, self._expert_cursor, out.totals, record)
+            work.counters[:local], work.ticket, work.recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
+            out.num_aligned_per_expert, out.expert_psum, work.expert_cursor, out.totals, record)
         return out
 
     def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, step: Array, recv_x: Array,
                      recv_topk_idx: Array, recv_topk_weights: Array, recv_src_metadata: Array, *, expand: bool,
                      mode: int, expert_psum: Array, alignment: int, zero_padding: bool,
-                     skip_source: int = -1) -> None:
+                     stream: Any, skip_source: int = -1) -> None:
         """Copy received rows out of this rank's buffer at the parity of ``step`` (``rows``/``meta``:
         ``SymmetricViews.rows/meta``, ``[2, R, max_tokens, ...]``).
 
@@ -264,21 +300,22 @@ class Kernels(LaunchShapes):
         span, blocks = self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
         weight_bits = recv_topk_weights.view(np.int32)
         if not expand:
-            self._launch(receive_compact_kernel, blocks=blocks)(
+            self._launch(receive_compact_kernel, stream, blocks=blocks)(
                 rank_psum, rows, meta, step, recv_topk_idx, weight_bits, recv_src_metadata, recv_words, wide, span,
                 skip_source)
             return
         rows_per_unit = self.recv_rows_per_unit if mode == PLACE_STABLE else 1
         place_units = units_for(max_rows, rows_per_unit, self.recv_units)
-        self._launch(receive_place_kernel, blocks=self._blocks_for(place_units, self.num_blocks))(
-            rank_psum, meta, step, mode, rows_per_unit, self.recv_units, self._expert_cursor, self._recv_cursor,
+        work = self._work
+        self._launch(receive_place_kernel, stream, blocks=self._blocks_for(place_units, self.num_blocks))(
+            rank_psum, meta, step, mode, rows_per_unit, self.recv_units, work.expert_cursor, work.recv_cursor,
             expert_psum, alignment, recv_topk_idx.reshape(-1, 1), weight_bits.reshape(-1, 1), recv_src_metadata)
-        self._launch(receive_rows_kernel, blocks=blocks)(
+        self._launch(receive_rows_kernel, stream, blocks=blocks)(
             rank_psum, rows, step, zero_padding, expert_psum, alignment, recv_src_metadata, recv_words, wide, span)
 
     def combine_scatter(self, y: Array, recv_src_metadata: Array, rank_psum: Array, rows: Sequence[Array], *,
-                     my_rank: int, step: Array, expand: bool, weights: Optional[Array] = None,
-                     ahead: int = 0) -> None:
+                     my_rank: int, step: Array, expand: bool, stream: Any,
+                        weights: Optional[Array] = None, ahead: int = 0) -> None:
         """Send expert outputs back: row ``i`` goes to ``rows[src][parity, my_rank, slot]`` of its source
         (``parity`` that of step ``step[0] + ahead``, as in :meth:`scatter`).
 
@@ -302,27 +339,27 @@ class Kernels(LaunchShapes):
             y_words = payload_words(y)
             wide = wide_rows(y_words) and self._wide(rows)
             span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], _copy_step(wide))
-            self._launch(combine_copy_kernel, blocks=blocks)(
+            self._launch(combine_copy_kernel, stream, blocks=blocks)(
                 y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows)
             return
         y_raw, is_bf16 = _payload(y)
         has_weights = weights is not None
-        weights = weights if has_weights else self._no_bias[0]
+        weights = weights if has_weights else self._work.no_bias[0]
         shared = 8 * self.warps_per_block * self.num_topk
         if is_bf16:  # 16 bytes per access when every row array allows it
             y_words = payload_words(y)
             if wide_rows(y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(recv_src_metadata.shape[0], y_words.shape[1], BF16_PASSES * 2 * WARP)
-                self._launch(combine_expand_bf16_kernel, shared, blocks)(
+                self._launch(combine_expand_bf16_kernel, stream, shared, blocks)(
                     y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows)
                 return
         blocks = self._blocks_for(recv_src_metadata.shape[0], self.stream_blocks)  # one warp per row
-        self._launch(combine_expand_kernel, shared, blocks)(
+        self._launch(combine_expand_kernel, stream, shared, blocks)(
             y_raw, is_bf16, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
             self._fixed(("payload", y.dtype), rows, lambda: tuple(payload_rows(v, y.dtype) for v in rows)))
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
-                       my_rank: int, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,
+                       my_rank: int, stream: Any, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,
                        recv_rank_psum: Optional[Array] = None) -> None:
         """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
 
@@ -344,19 +381,19 @@ class Kernels(LaunchShapes):
         shared = 4 * self.warps_per_block * 2 * self.num_topk
         # without y (expand) the kernels get a stand-in of y's array type, never read: a block of rows
         from_y = y is not None
-        psum = recv_rank_psum if from_y else self._rank_cursor
+        psum = recv_rank_psum if from_y else self._work.rank_cursor
         if out_bf16 and not terms:  # the common case, 16 bytes per access when every row array allows it
             out_words = payload_words(out)
             y_words = payload_words(y) if from_y else self._fixed("first block", rows, lambda: rows[0, 0])
             if wide_rows(out_words, y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
-                self._launch(combine_reduce_bf16_kernel, shared, blocks)(
+                self._launch(combine_reduce_bf16_kernel, stream, shared, blocks)(
                     rows, step, slot_idx, topk_idx, self.num_local, my_rank, y_words, from_y, psum, out_words, span)
                 return
-        padded = terms + [(self._no_bias, False)] * (2 - len(terms))
+        padded = terms + [(self._work.no_bias, False)] * (2 - len(terms))
         span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
         elements = self._fixed(("payload", out.dtype), rows, lambda: payload_rows(rows, out.dtype))
         y_elements = _payload(y)[0] if from_y else self._fixed("first block", elements, lambda: elements[0, 0])
-        self._launch(combine_reduce_kernel, shared, blocks)(
+        self._launch(combine_reduce_kernel, stream, shared, blocks)(
             elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, y_elements, from_y, psum,
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)

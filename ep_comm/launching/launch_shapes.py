@@ -1,22 +1,21 @@
-"""The launch shapes, the persistent workspace and the result blocks of the kernels' host side.
+"""The launch shapes and the result blocks of the kernels' host side.
 
 :class:`LaunchShapes`, the base of :class:`~ep_comm.launching.kernel_launches.Kernels`, holds one geometry and
-how work is cut for it (units of tokens, pieces of rows, blocks: shapes only, as graph capture needs), allocates
-the small persistent workspace the kernels share (counters, tickets, cursors), lays out the int32 blocks that one
-count and one receive count write (:class:`SendLayout`, :class:`ReceiveCounts`: views of one allocation each) and
-launches a kernel pre-bound on its stream (:func:`ep_comm._launcher.prebound.prebound_kernel`). :func:`check_index_range` is the bound that keeps
-every kernel index within 32 bits.
+how work is cut for it (units of tokens, pieces of rows, blocks: shapes only, as graph capture needs; no arrays),
+and lays out the int32 blocks that one count and one receive count write (:class:`SendLayout`,
+:class:`ReceiveCounts`: views of one allocation each). :class:`Workspace` is the persistent workspace the kernels
+share, allocated by its factory ``Workspace.allocate``; :class:`KeptViews` what they make once per long-lived
+array. :func:`ep_comm._launcher.prebound.prebound_kernel` is the process's pre-bound launch of a kernel on a device (:func:`launch_device`);
+:func:`check_index_range` is the bound that keeps every kernel index within 32 bits.
 """
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ep_comm._launcher.prebound import prebound_kernel
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.protocol import VERDICT_WORDS
 from ep_comm.contract.symmetric import record_words
@@ -24,11 +23,8 @@ from ep_comm.kernels.routing_check import ACC_INIT
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
 
-__all__ = ["LaunchShapes", "SendLayout", "ReceiveCounts", "check_index_range", "INDEX_LIMIT"]
-
-# debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
-NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
-
+__all__ = ["LaunchShapes", "Workspace", "KeptViews", "SendLayout", "ReceiveCounts", "launch_device",
+           "check_index_range", "INDEX_LIMIT"]
 
 class SendLayout(NamedTuple):
     """What :meth:`Kernels.count` produces (all on the device)."""
@@ -54,6 +50,66 @@ class ReceiveCounts(NamedTuple):
     totals: Array  # [2] int32: received rows N, expanded rows M (padding included)
 
 
+class Workspace(NamedTuple):
+    """The small persistent arrays one :class:`~ep_comm.launching.kernel_launches.Kernels` shares between its
+    launches (on the device; R ranks, E experts, L local experts, U units, K entries per token)."""
+
+    counters: Array  # int64 [max(E + R, L)]: the count's per-rank/expert counters, the receive count's per expert
+    ticket: Array  # uint32 [1]: the last block's ticket
+    check_acc: Array  # int64 [2]: the routing check's accumulator (check_routing's and count's, one stream)
+    record: Array  # int64 [record_words(R, L)]: receive_count's record when none is given
+    rank_cursor: Array  # int32 [R]
+    expert_cursor: Array  # int32 [L]
+    send_units: Array  # int32 [U, R]
+    send_groups: Array  # int32 [U, R]
+    recv_cursor: Array  # int32 [recv_units, L]
+    no_weights: Array  # int32 [1, K]: the weights' stand-in when none are given
+    no_bias: Array  # float32 [1, 1]: the bias terms' and weights' stand-in
+
+    @classmethod
+    def allocate(cls, xp: Any, shapes: "LaunchShapes") -> "Workspace":
+        """A zeroed workspace for ``shapes``, allocated with array module ``xp`` (the check accumulator at
+        ``ACC_INIT``)."""
+        r, local, units = shapes.num_ranks, shapes.num_local, shapes.num_units
+        return cls(xp.zeros(max(shapes.num_experts + r, local), dtype=np.int64), xp.zeros(1, dtype=np.uint32),
+                   xp.asarray(np.array(ACC_INIT, dtype=np.int64)), xp.zeros(record_words(r, local), dtype=np.int64),
+                   xp.zeros(r, dtype=np.int32), xp.zeros(local, dtype=np.int32), xp.zeros((units, r), dtype=np.int32),
+                   xp.zeros((units, r), dtype=np.int32), xp.zeros((shapes.recv_units, local), dtype=np.int32),
+                   xp.zeros((1, shapes.num_topk), dtype=np.int32), xp.zeros((1, 1), dtype=np.float32))
+
+
+_KEPT_MAX = 64  # views and verdicts of long-lived arrays one KeptViews keeps
+
+
+class KeptViews:
+    """Things made once for long-lived arrays: a symmetric buffer's rows, or the tuple of every rank's (the same
+    objects at every call of a Buffer)."""
+
+    def __init__(self) -> None:
+        self._kept: dict = {}  # (what, id(base)) -> (base, view or verdict)
+
+    def get(self, what: Any, base: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` for ``base``, made once per (``what``, ``base``) and kept with ``base``. At most ``_KEPT_MAX``
+        are kept (callers that pass new objects each time only refill the table)."""
+        key = (what, id(base))
+        held = self._kept.get(key)
+        if held is None or held[0] is not base:
+            if len(self._kept) >= _KEPT_MAX:
+                self._kept.clear()
+            held = self._kept[key] = (base, make())
+        return held[1]
+
+
+# debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
+NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
+
+
+def launch_device(xp: Any) -> Optional[int]:
+    """The CUDA device whose pre-bound launches (:func:`ep_comm._launcher.prebound.prebound_kernel`) the kernels of array module ``xp`` use: CuPy's
+    current one, or None (NumPy, the simulator, or ``EP_COMM_NUMBA_LAUNCH=1``: Numba's own launch path)."""
+    return xp.cuda.runtime.getDevice() if xp is not np and not NUMBA_LAUNCH_ONLY else None
+
+
 _CARVE_WORDS = 4  # each array carved from a shared allocation starts on 16 bytes, as vector loads need
 
 
@@ -65,9 +121,6 @@ def _carved(sizes: Sequence[int]) -> tuple[list, int]:
         slices.append(slice(at, at + size))
         at += -(-size // _CARVE_WORDS) * _CARVE_WORDS
     return slices, at
-
-
-_FIXED_MAX = 64  # views and verdicts of long-lived arrays one Kernels keeps (Kernels._fixed)
 
 
 def _blocks(warps: int, cap: int, warps_per_block: int) -> int:
@@ -109,10 +162,10 @@ def check_index_range(num_ranks: int, max_tokens: int, num_topk: int) -> None:
                          "index rows and entries in 32 bits")
 
 
-@dataclass
 class LaunchShapes:
-    """The base of :class:`~ep_comm.launching.kernel_launches.Kernels`: its launch shapes and persistent workspace
-    for one geometry, and the views of the blocks its count and receive count write.
+    """The base of :class:`~ep_comm.launching.kernel_launches.Kernels`: its launch shapes for one geometry (shapes
+    only, no arrays: :class:`~ep_comm.launching.kernel_launches.Kernels` allocates its workspace), and the views of
+    the blocks its count and receive count write.
 
     ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
     one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
@@ -125,85 +178,39 @@ class LaunchShapes:
     kernels (compact receive, expand receive rows, combine) need no unit cut and run on
     ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
     NVLink busy; they cut rows into pieces when rows are few, about ``split_warps`` pieces in all
-    (default: ``2 * num_blocks * warps_per_block``), one warp per piece. ``stream`` is a Numba
-    stream (or 0). On a GPU every kernel is launched pre-bound (:mod:`ep_comm._launcher.prebound`);
-    ``EP_COMM_NUMBA_LAUNCH=1`` launches through Numba's dispatcher instead.
+    (default: ``2 * num_blocks * warps_per_block``), one warp per piece. ValueError for a ``num_topk`` the
+    kernels cannot handle, fewer than 2 warps per block, or indices past 32 bits (:func:`check_index_range`).
     """
 
-    xp: Any
-    num_ranks: int
-    num_experts: int
-    num_topk: int
-    max_tokens: int
-    num_blocks: int = 264
-    warps_per_block: int = 8
-    recv_units: int = 0
-    stream: Any = 0
-    stream_blocks: int = 0
-    count_tokens_per_warp: int = 16
-    recv_rows_per_unit: int = 32
-    recv_count_warps_per_block: int = 0
-    split_warps: int = 0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_topk <= WARP:
-            raise ValueError(f"num_topk={self.num_topk}: the kernels handle 1..{WARP} entries per token")
-        if self.warps_per_block < 2:
+    def __init__(self, *, num_ranks: int, num_experts: int, num_topk: int, max_tokens: int, num_blocks: int = 264,
+                 warps_per_block: int = 8, recv_units: int = 0, stream_blocks: int = 0,
+                 count_tokens_per_warp: int = 16, recv_rows_per_unit: int = 32, recv_count_warps_per_block: int = 0,
+                 split_warps: int = 0):
+        if not 1 <= num_topk <= WARP:
+            raise ValueError(f"num_topk={num_topk}: the kernels handle 1..{WARP} entries per token")
+        if warps_per_block < 2:
             raise ValueError("warps_per_block must be at least 2")
-        check_index_range(self.num_ranks, self.max_tokens, self.num_topk)
-        xp, r, e = self.xp, self.num_ranks, self.num_experts
-        self.num_units = self.num_blocks * self.warps_per_block
-        self.recv_units = self.recv_units or self.num_blocks
-        self.recv_count_warps_per_block = self.recv_count_warps_per_block or 2 * self.warps_per_block
-        self.stream_blocks = self.stream_blocks or 4 * self.num_blocks
-        self.split_warps = self.split_warps or 2 * self.num_units
-        self.threads = self.warps_per_block * WARP
-        # the CUDA device whose pre-bound launches this Kernels uses (None: Numba's own launch path)
-        prebound = xp is not np and not NUMBA_LAUNCH_ONLY
-        self._launch_device = xp.cuda.runtime.getDevice() if prebound else None
-        self._counters = xp.zeros(max(e + r, self.num_local), dtype=np.int64)
-        self._ticket = xp.zeros(1, dtype=np.uint32)
-        self._check_acc = xp.asarray(np.array(ACC_INIT, dtype=np.int64))  # check_routing's and count's (one stream)
-        self._record = xp.zeros(record_words(r, self.num_local), dtype=np.int64)  # receive_count's, when not given
-        self._rank_cursor = xp.zeros(r, dtype=np.int32)
-        self._expert_cursor = xp.zeros(self.num_local, dtype=np.int32)
-        self._send_units = xp.zeros((self.num_units, r), dtype=np.int32)
-        self._send_groups = xp.zeros((self.num_units, r), dtype=np.int32)
-        self._recv_cursor = xp.zeros((self.recv_units, self.num_local), dtype=np.int32)
-        self._no_weights = xp.zeros((1, self.num_topk), dtype=np.int32)
-        self._no_bias = xp.zeros((1, 1), dtype=np.float32)
-        self._fixed_views: dict = {}  # _fixed: (what, id(base)) -> (base, view or verdict)
+        check_index_range(num_ranks, max_tokens, num_topk)
+        self.num_ranks, self.num_experts, self.num_topk, self.max_tokens = num_ranks, num_experts, num_topk, max_tokens
+        self.num_blocks, self.warps_per_block = num_blocks, warps_per_block
+        self.count_tokens_per_warp, self.recv_rows_per_unit = count_tokens_per_warp, recv_rows_per_unit
+        self.num_units = num_blocks * warps_per_block
+        self.recv_units = recv_units or num_blocks
+        self.recv_count_warps_per_block = recv_count_warps_per_block or 2 * warps_per_block
+        self.stream_blocks = stream_blocks or 4 * num_blocks
+        self.split_warps = split_warps or 2 * self.num_units
+        self.threads = warps_per_block * WARP
+        self.num_local = num_experts // num_ranks
         # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
         # return: views of one fresh allocation per call (they are returned together, and kept together)
-        local = self.num_local
+        r, e, local = num_ranks, num_experts, self.num_local
         self._send_slices, self._send_words = _carved((r * self.count_width, r, e, r, e + 1))
         self._recv_slices, self._recv_words = _carved((2, r, local, local, local))
-
-    @property
-    def num_local(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    @property
-    def prebound(self) -> bool:
-        """Whether kernels launch pre-bound (a GPU, not ``EP_COMM_NUMBA_LAUNCH=1``): then launch plans can be made."""
-        return self._launch_device is not None
 
     @property
     def count_width(self) -> int:
         """int32 count words per destination: rows, one per local expert, the verdict's ``VERDICT_WORDS``."""
         return 1 + self.num_local + VERDICT_WORDS
-
-    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
-        threads = WARP * warps_per_block if warps_per_block else self.threads
-        bound = prebound_kernel(kernel, self._launch_device)
-        grid, stream = blocks or self.num_blocks, self.stream
-        return lambda *args: bound(grid, threads, stream, shared_bytes, *args)
-
-    def launcher(self, kernel: Any, blocks: int, threads: int) -> Callable[..., None]:
-        """``launcher(kernel, blocks, threads)(*args)``: launch another module's ``kernel`` as these kernels launch
-        theirs (pre-bound on a GPU, on :attr:`stream`, no dynamic shared memory)."""
-        bound, stream = prebound_kernel(kernel, self._launch_device), self.stream
-        return lambda *args: bound(blocks, threads, stream, 0, *args)
 
     def _blocks_for(self, warps: int, cap: int) -> int:
         """Blocks for ``warps`` busy warps (one per unit, row or token), at most ``cap``: a grid-stride
@@ -221,18 +228,6 @@ class LaunchShapes:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
         consecutive units one count warp walks."""
         return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp)
-
-    def _fixed(self, what: Any, base: Any, make: Callable[[], Any]) -> Any:
-        """``make()`` for a long-lived ``base`` (a symmetric buffer's rows, or the tuple of every rank's: the
-        same objects at every call of a Buffer), made once per (``what``, ``base``) and kept with ``base``.
-        At most ``_FIXED_MAX`` are kept (callers that pass new objects each time only refill the table)."""
-        key = (what, id(base))
-        held = self._fixed_views.get(key)
-        if held is None or held[0] is not base:
-            if len(self._fixed_views) >= _FIXED_MAX:
-                self._fixed_views.clear()
-            held = self._fixed_views[key] = (base, make())
-        return held[1]
 
     def send_words(self, num_tokens: int) -> int:
         """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""

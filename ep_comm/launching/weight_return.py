@@ -2,7 +2,7 @@
 
 One thread per (row or token, top-k entry), ``THREADS`` to a block, at most ``max_blocks`` blocks
 (grid-stride loops cover the rest); launched through a ``Kernels.launcher`` (pre-bound launches on a GPU, so that
-launch plans record them).
+recorded calls record them).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ progress polls, and Python function calls. Counts, not timings: the budgets of t
 (``tests/nvshmem_host/test_eager_budget.py``).
 
 No kernel runs under a :class:`LaunchCounter` (every launch is stubbed and noted), so the outputs are garbage:
-only the host's call sequence is real. Launch plans are replayed as the GPU replays them (:class:`ReplayedPlans`).
+only the host's call sequence is real. Recorded calls are replayed as the GPU replays them (:class:`ReplayedCalls`).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Counts:
         self.events.append(f"alloc {what}")
 
 
-class ReplayedPlans:
+class ReplayedCalls:
     """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: the first call of a key runs its path (noting its launches),
     every later call reads each root's data pointer and replays them, one ``LaunchCounter.launch`` per kernel."""
 
@@ -77,7 +77,7 @@ class ReplayedPlans:
 
 class LaunchCounter:
     """Inside ``with LaunchCounter(backend) as counter``: no kernel of ``backend`` (a ``fake_gpu.simulated_backend``)
-    runs, its plans are :class:`ReplayedPlans`, and :meth:`count` counts one call."""
+    runs, its plans are :class:`ReplayedCalls`, and :meth:`count` counts one call."""
 
     def __init__(self, backend: Any):
         self.backend = backend
@@ -88,7 +88,7 @@ class LaunchCounter:
 
     def __enter__(self) -> "LaunchCounter":
         be, counter = self.backend, self
-        be.plans = ReplayedPlans(self)
+        be.runner.recorded = ReplayedCalls(self)
 
         def stub(launch: prebound.PreboundKernel, *args: Any) -> None:
             counter.launch(getattr(launch.dispatcher, "__name__", "kernel"))

@@ -185,8 +185,8 @@ class HostDevice:
             self.waited = getattr(self, "waited", []) + [mark[1]]
 
 
-class RootCheckingPlans(RecordedCalls):
-    """The simulator's launch plans (every call runs its launches, nothing is recorded) holding each key's roots to the
+class RootCheckingCalls(RecordedCalls):
+    """The simulator's recorded calls (every call runs its launches, nothing is recorded) holding each key's roots to the
     layout of its first call: on a GPU a later call of a key replays the recorded launches at its roots' pointers
     plus the recorded byte offsets, so its roots must have the first call's byte sizes, in the same order, whichever
     path (general or prepared) makes the call (a root's own dtype does not matter: a count block may come as int32
@@ -199,7 +199,7 @@ class RootCheckingPlans(RecordedCalls):
     def run(self, key, on, roots, path):
         layout = tuple(r.nbytes for r in roots)
         first = self.layouts.setdefault(key, layout)
-        assert layout == first, f"launch plan {key!r}: roots of {layout} bytes, but its first call's were of {first}"
+        assert layout == first, f"recorded call {key!r}: roots of {layout} bytes, but its first call's were of {first}"
         super().run(key, on, roots, path)
 
 
@@ -213,7 +213,7 @@ def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = 
     settings = BackendSettings(deterministic, 5.0, transport="puts" if use_puts else "stores", profile=profile)
     be = NvshmemBackend(MPI.COMM_SELF.Dup(), geo, settings, transport=transport, device=HostDevice(), num_sms=1,
                         launch=launch or dict(num_blocks=2, warps_per_block=2))
-    be.plans = RootCheckingPlans()
+    be.runner.recorded = RootCheckingCalls()
     return be
 
 

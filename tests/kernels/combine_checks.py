@@ -65,7 +65,7 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
         weights.append(rng.standard_normal(rows).astype(np.float32) if weighted and expand else None)
         k.combine_scatter(device_ys[d], xp.asarray(received[d].recv_src_metadata),
                        received[d].counts.rank_psum, [v.rows for v in world.views], my_rank=d, step=world.step(PARITY),
-                       expand=expand, weights=world.dev(weights[d]))
+                       expand=expand, weights=world.dev(weights[d]), stream=0)
     for s, region in enumerate(poisoned or ()):
         np.testing.assert_array_equal(to_host(world.views[s].rows[PARITY, s]), region)
     bias_terms = []
@@ -79,5 +79,5 @@ def run_combine(world, *, expand: bool, weighted: bool, bias: int, deterministic
         own = {} if expand else dict(y=device_ys[s], recv_rank_psum=received[s].counts.rank_psum)
         k.combine_reduce(world.views[s].rows, world.step(PARITY), xp.asarray(sent[s].slot_idx),
                          world.dev(world.topk[s]), out, my_rank=s,
-                         bias=[world.device_payload(b) for b in bias_terms[s]], **own)
+                         bias=[world.device_payload(b) for b in bias_terms[s]], **own, stream=0)
         np.testing.assert_array_equal(bits(to_host(out)), bits(want[s]))

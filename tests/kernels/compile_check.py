@@ -32,11 +32,11 @@ FORMS = {1: "", 2: "-fp8pair", 3: "-fp8cast"}  # the scatter kernels' names by t
 class Recorder(Kernels):
     """``Kernels`` whose launches are recorded as ``(kernel, args)``."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __init__(self, xp, **shapes: int) -> None:
+        super().__init__(xp, **shapes)
         self.launches = []
 
-    def _launch(self, kernel, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
+    def _launch(self, kernel, stream, shared_bytes: int = 0, blocks: int = 0, warps_per_block: int = 0):
         return lambda *args: self.launches.append((kernel, args))
 
 
@@ -48,35 +48,37 @@ def record_all(dtype: np.dtype) -> list:
     x = np.zeros((T, H), dtype)
     slot_idx = np.zeros((T, K), np.int32)
     step = np.ones(1, np.int64)
-    k.check_routing(topk)
-    k.check_routing(topk.astype(np.int32))
-    k.check_routing(topk, into=np.full(2, -1, np.int64))
-    k.count(topk, stable=True)
+    k.check_routing(topk, stream=0)
+    k.check_routing(topk.astype(np.int32), stream=0)
+    k.check_routing(topk, into=np.full(2, -1, np.int64), stream=0)
+    k.count(topk, stable=True, stream=0)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
-              src_rank=0, step=step, mode=SLOT_STABLE)
-    k.receive_count(views[0].counts, views[0].meta, step, alignment=2, expand=False, stable=False)
-    counts = k.receive_count(views[0].counts, views[0].meta, step, alignment=1, expand=True, stable=True)
+              src_rank=0, step=step, mode=SLOT_STABLE, stream=0)
+    k.receive_count(views[0].counts, views[0].meta, step, alignment=2, expand=False, stable=False, stream=0)
+    counts = k.receive_count(views[0].counts, views[0].meta, step, alignment=1, expand=True, stable=True, stream=0)
     for expand, ids_shape in ((False, (R * T, K)), (True, (R * T * K,))):
         k.receive_copy(counts.rank_psum, views[0].rows, views[0].meta, step, np.zeros((ids_shape[0], H), dtype),
                        np.zeros(ids_shape, np.int64), np.zeros(ids_shape, np.float32),
                        np.zeros((R * T, 2 + K), np.int32), expand=expand, mode=PLACE_STABLE,
-                       expert_psum=counts.expert_psum, alignment=1, zero_padding=True)
+                       expert_psum=counts.expert_psum, alignment=1, zero_padding=True, stream=0)
         k.combine_scatter(np.zeros((ids_shape[0], H), dtype), np.zeros((R * T, 2 + K), np.int32), counts.rank_psum,
                        [v.rows for v in views], my_rank=0, step=step, expand=expand,
-                       weights=np.zeros(ids_shape[0], np.float32) if expand else None)
+                       weights=np.zeros(ids_shape[0], np.float32) if expand else None, stream=0)
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
-                     bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)])
-    k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0)  # bf16: the wide one
+                     bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)], stream=0)
+    k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
+                     stream=0)  # bf16: the wide one
     long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows
     sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize, E // R)
     views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(LONG_H, dtype.itemsize))
              for _ in range(R)]
     long_rows.scatter(np.zeros((T, LONG_H), dtype), topk, np.zeros((T, K), np.float32), slot_idx,
-                      [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE)
+                      [v.rows for v in views], [v.meta for v in views], src_rank=0, step=step, mode=SLOT_STABLE,
+                      stream=0)
     pair = Fp8Rows(np.zeros((T, LONG_H), np.uint8), np.zeros((T, LONG_H // 128), np.float32), dtype)
     for fp8_rows in (pair, Fp8Rows(np.zeros((T, LONG_H), dtype), None, dtype)):  # the scatter writes FP8 rows
         long_rows.scatter(fp8_rows, topk, None, slot_idx, [v.rows for v in views], [v.meta for v in views],
-                          src_rank=0, step=step, mode=SLOT_STABLE)
+                          src_rank=0, step=step, mode=SLOT_STABLE, stream=0)
     return k.launches + long_rows.launches
 
 

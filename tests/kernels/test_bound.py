@@ -372,7 +372,7 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     assert len(set(map(int, raw_launches))) >= 6
 
 
-# ------------------------------------------------------------------ launch plans (ep_comm._launcher.recorded_calls)
+# ------------------------------------------------------------------ recorded calls (ep_comm._launcher.recorded_calls)
 def _two_launches(bound, first, second):
     """A call's launches: a view of the call's root, then a long-lived array."""
     return lambda: (bound(4, 64, "s", 0, first, 3, True), bound(2, 32, "s", 16, second, 5, False))

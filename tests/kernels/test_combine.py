@@ -43,7 +43,7 @@ def test_compact_reduce_takes_y_and_its_psum_together(xp):
     out = xp.zeros((3, 8), world.device_payload(world.x[0]).dtype)
     with pytest.raises(ValueError, match="y is given but recv_rank_psum is None"):
         world.kernels.combine_reduce(world.views[0].rows, world.step(PARITY), xp.zeros((3, 3), np.int32),
-                                     world.dev(world.topk[0]), out, my_rank=0, y=out)
+                                     world.dev(world.topk[0]), out, my_rank=0, y=out, stream=0)
 
 
 @pytest.mark.parametrize("expand", [False, True])
@@ -153,7 +153,7 @@ def test_expand_send_bfloat16_signed_zeros_are_the_reference_partials(xp, weight
         meta = received[d].recv_src_metadata
         world.kernels.combine_scatter(world.device_payload(y), xp.asarray(meta), received[d].counts.rank_psum,
                                    [v.rows for v in world.views], my_rank=d, step=world.step(PARITY), expand=True,
-                                   weights=world.dev(weights))
+                                   weights=world.dev(weights), stream=0)
         n = len(world.arrivals(d, sent))
         want = reduce.expand_partials(y, meta[:n, 2:], weights, world.dtype)
         sources = meta[:n, 0] // world.max_tokens

@@ -15,7 +15,7 @@ from ep_comm.launching.kernel_launches import PLACE_CACHED, SLOT_ATOMIC, SLOT_CA
 
 def check_count(world: World, deterministic: bool) -> None:
     for s in range(world.num_ranks):
-        lay = world.kernels.count(world.dev(world.topk[s]), stable=deterministic)
+        lay = world.kernels.count(world.dev(world.topk[s]), stable=deterministic, stream=0)
         want = ref.dispatch_layout(world.topk[s], world.num_experts, world.num_ranks)
         np.testing.assert_array_equal(to_host(lay.num_tokens_per_rank), want.num_tokens_per_rank)
         np.testing.assert_array_equal(to_host(lay.num_tokens_per_expert), want.num_tokens_per_expert)
@@ -39,7 +39,7 @@ def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     world = kernel_world(xp, **case)
     check_count(world, deterministic=True)
     check_count(world, deterministic=False)  # counters and ticket were reset by the last block
-    assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
+    assert not to_host(world.kernels._work.counters).any() and not to_host(world.kernels._work.ticket).any()
 
 
 def test_indices_must_fit_32_bits():
@@ -102,7 +102,7 @@ def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks
             world.views[d].counts[1, missing] = 0
         world.views[d].meta[...] = -7  # not read
         got = world.kernels.receive_count(world.views[d].counts, world.views[d].meta, world.step(1),
-                                          alignment=alignment, expand=False, stable=True)
+                                          alignment=alignment, expand=False, stable=True, stream=0)
         arrivals = world.arrivals(d, sent)
         keep = [i for i, (s, _, _) in enumerate(arrivals) if s != missing]
         local = world.expected_compact(d, sent)["local"][keep]
@@ -261,15 +261,15 @@ def test_own_rows_straight_into_recv_x_only_for_a_cached_compact_dispatch(xp):
     slots = xp.full(topk.shape, -1, np.int32)
     with pytest.raises(ValueError, match="recv_x given: True, recv_psum given: False, mode=2"):
         k.scatter(x, topk, None, slots, [view.rows], [view.meta], src_rank=0, step=world.step(0), mode=SLOT_CACHED,
-                  recv_x=recv_x)
+                  recv_x=recv_x, stream=0)
     with pytest.raises(ValueError, match="mode=0: recv_x and recv_psum go together, with mode=SLOT_CACHED only"):
         k.scatter(x, topk, None, slots, [view.rows], [view.meta], src_rank=0, step=world.step(0), mode=SLOT_ATOMIC,
-                  recv_x=recv_x, recv_psum=xp.zeros(1, np.int32))
+                  recv_x=recv_x, recv_psum=xp.zeros(1, np.int32), stream=0)
     none = xp.zeros(0, np.int32)
     with pytest.raises(ValueError, match="skip_source=0 with expand=True"):
         k.receive_copy(none, view.rows, view.meta, world.step(0), recv_x, none, none.view(np.float32), none,
                        expand=True, mode=PLACE_CACHED, expert_psum=none, alignment=1, zero_padding=False,
-                       skip_source=0)
+                       skip_source=0, stream=0)
 
 
 def test_count_and_receive_count_return_new_separate_arrays_on_every_call(monkeypatch):
@@ -281,8 +281,8 @@ def test_count_and_receive_count_return_new_separate_arrays_on_every_call(monkey
     idx = np.zeros((5, 3), np.int64)
     counts, meta = np.zeros((2, 3, 7), np.int64), np.zeros((2, 3, 16, 7), np.int32)
     step = np.zeros(1, np.int64)
-    calls = [(k.count(idx, stable=True), k.receive_count(counts, meta, step, alignment=1, expand=False, stable=True))
-             for _ in range(2)]
+    calls = [(k.count(idx, stable=True, stream=0),
+              k.receive_count(counts, meta, step, alignment=1, expand=False, stable=True, stream=0)) for _ in range(2)]
     send, recv = calls[0]
     shapes = [(3,), (12,), (3,), (13,), (5, 3), (5, 3), (3, 7)] + [(3,), (4,), (4,), (4,), (2,)]
     arrays = list(send) + list(recv)

@@ -35,7 +35,7 @@ from ep_comm.launching.kernel_launches import Kernels
 from ep_comm.kernels.count import count_kernel
 
 k = Kernels(cp, num_ranks=2, num_experts=16, num_topk=4, max_tokens=64)
-k.count(cp.asarray(np.arange(256).reshape(64, 4) % 16), stable=True)
+k.count(cp.asarray(np.arange(256).reshape(64, 4) % 16), stable=True, stream=0)
 cp.cuda.runtime.deviceSynchronize()
 print(json.dumps({"hits": sum(count_kernel.stats.cache_hits.values()),
                   "misses": sum(count_kernel.stats.cache_misses.values())}))

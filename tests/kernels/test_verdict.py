@@ -74,17 +74,17 @@ def test_count_sends_the_routing_verdict_with_its_counts(xp, topk, dtype, tokens
     of range count as no expert."""
     k = count_kernels(xp, topk)
     for case in routings(tokens, topk, dtype) * 2:
-        words = to_host(k.count(xp.asarray(case), stable=True).count_words)
+        words = to_host(k.count(xp.asarray(case), stable=True, stream=0).count_words)
         inside = np.where(case < EXPERTS, case, -1)
         counts = ref.send_count_words(ref.dispatch_layout(inside, EXPERTS, 2))
         np.testing.assert_array_equal(words, np.concatenate([counts, [routing_verdict(case)] * 2], axis=1))
-        assert to_host(k._check_acc).tolist() == list(ACC_INIT) and not to_host(k._ticket).any()
+        assert to_host(k._work.check_acc).tolist() == list(ACC_INIT) and not to_host(k._work.ticket).any()
 
 
 def test_a_huge_id_travels_clamped(xp):
     k = count_kernels(xp, 2)
     case = np.array([[0, INT64_MAX], [3, 4]], np.int64)
-    words = to_host(k.count(xp.asarray(case), stable=False).count_words)
+    words = to_host(k.count(xp.asarray(case), stable=False, stream=0).count_words)
     assert words[:, -2:].tolist() == [[ID_CLAMP, 0]] * 2
     assert verdict_of(words[0, -2:]) == (ID_CLAMP - 1, -1)
 
@@ -114,7 +114,7 @@ def test_receive_count_writes_the_record(xp, expand, stable):
     for d in range(world.num_ranks):
         record = new_record(xp, world)
         got = world.kernels.receive_count(world.views[d].counts, world.views[d].meta, world.step(1), alignment=4,
-                                          expand=expand, stable=stable, record=record)
+                                          expand=expand, stable=stable, record=record, stream=0)
         want = ref.receive_layout(world.expected_compact(d, sent)["local"], world.local, 4, expand)
         per_source = world.expected_compact(d, sent)["per_source"]
         tag, n, m, verdicts, aligned = read_record(to_host(record), world.num_ranks, world.local)
@@ -142,16 +142,16 @@ def test_a_bad_verdict_of_any_source_empties_every_receive(xp, expand, stable, b
     for d in range(world.num_ranks):
         record = new_record(xp, world)
         got = world.kernels.receive_count(world.views[d].counts, world.views[d].meta, world.step(0), alignment=2,
-                                          expand=expand, stable=stable, record=record)
+                                          expand=expand, stable=stable, record=record, stream=0)
         assert all(not to_host(a).any() for a in got)
         assert read_record(to_host(record), 3, world.local) == (4, 0, 0, verdicts, [0] * world.local)
         out = world.receive(d, 0, expand=expand, alignment=2, zero_padding=True, deterministic=stable,
                             worst_case=True)
         assert (out.recv_x == 3).all() and (out.recv_topk_idx == -1).all() and not out.recv_topk_weights.any()
         assert (out.recv_src_metadata == -1).all()
-    assert not to_host(world.kernels._counters).any() and not to_host(world.kernels._ticket).any()
+    assert not to_host(world.kernels._work.counters).any() and not to_host(world.kernels._work.ticket).any()
     sent = world.send(1, deterministic=stable)
     for d in range(world.num_ranks):
         got = world.kernels.receive_count(world.views[d].counts, world.views[d].meta, world.step(1), alignment=2,
-                                          expand=expand, stable=stable)
+                                          expand=expand, stable=stable, stream=0)
         assert int(to_host(got.totals)[0]) == len(world.arrivals(d, sent))

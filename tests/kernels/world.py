@@ -146,7 +146,7 @@ class World:
         for s in range(self.num_ranks):
             topk = self.dev(self.topk[s])
             if cached is None:
-                lay = k.count(topk, stable=deterministic)
+                lay = k.count(topk, stable=deterministic, stream=0)
                 slot_idx, mode = lay.slot_idx, kl.SLOT_STABLE if deterministic else kl.SLOT_ATOMIC
             else:
                 lay, slot_idx, mode = None, self.dev(cached[s]), kl.SLOT_CACHED
@@ -154,7 +154,7 @@ class World:
             payload = self.device_payload(self.x[s]) if self.sources is None else self.sources[s]
             k.scatter(payload, topk, self.dev(self.w[s]), slot_idx,
                       [v.rows for v in self.views], [v.meta for v in self.views], src_rank=s, step=self.step(parity),
-                      mode=mode, recv_x=recv_x, recv_psum=recv_psum)
+                      mode=mode, recv_x=recv_x, recv_psum=recv_psum, stream=0)
             sent.append(Sent(to_host(slot_idx), lay))
         for s in range(self.num_ranks):
             self.exchange_counts(parity, s, ref.send_count_words(
@@ -197,7 +197,7 @@ class World:
         k, view = self.kernels, self.views[d]
         if cached is None:
             counts = k.receive_count(view.counts, view.meta, self.step(parity), alignment=alignment, expand=expand,
-                                     stable=deterministic)
+                                     stable=deterministic, stream=0)
             mode = kl.PLACE_STABLE if deterministic else kl.PLACE_ATOMIC
             num_rows, num_expanded = (int(v) for v in to_host(counts.totals))
         else:
@@ -210,7 +210,7 @@ class World:
         recv_x, topk_idx, weights, metadata = outputs
         k.receive_copy(counts.rank_psum, view.rows, view.meta, self.step(parity), recv_x, topk_idx, weights, metadata,
                        expand=expand, mode=mode, expert_psum=counts.expert_psum, alignment=alignment,
-                       zero_padding=zero_padding, skip_source=skip_source)
+                       zero_padding=zero_padding, skip_source=skip_source, stream=0)
         host_x = to_host(recv_x)
         if host_x.dtype == np.uint16:
             host_x = host_x.view(self.dtype)

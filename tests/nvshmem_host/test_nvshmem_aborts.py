@@ -198,4 +198,4 @@ def test_a_record_the_wait_saw_is_raised_after_the_host_wait():
     x = np.ones((3, SMALL_GEO.hidden), np.float32)
     with pytest.raises(PeerAbortedError, match=r"rank 0: dispatch #1: rank 0 gave up at dispatch #1"):
         dispatch(be, x, SMALL_IDX, None, None, False, 1, False, True, None)
-    assert reads[0] == 1 and be.steps.unusable
+    assert reads[0] == 1 and be.runner.steps.unusable

@@ -26,7 +26,7 @@ def test_only_host_free_steps_may_be_captured_and_a_refusal_leaves_the_buffer_us
         dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
     with pytest.raises(RuntimeError, match="combine was called while .* waits on the host"):
         combine(be, out.recv_x, out.handle, None, ())
-    assert be.steps.seq == 1 and int(be.transport.step[0]) == 1 and not be.steps.unusable
+    assert be.runner.steps.seq == 1 and int(be.transport.step[0]) == 1 and not be.runner.steps.unusable
     be.device.capturing_now = False
     again = dispatch(be, x, None, None, out.handle, False, 1, False, True, None)
     np.testing.assert_array_equal(again.recv_x, out.recv_x)
@@ -58,7 +58,7 @@ def test_unsigned_ids_under_capture_are_refused_by_name_before_anything_is_enque
                 f"topk_idx has dtype {np.dtype(dtype)}: a {doing} captured into a CUDA graph needs signed expert ids "
                 "(int32 or int64)") + ".* Pass topk_idx as int32 or int64 "):
             call()
-    assert launches == [] and be.steps.seq == 0 and int(be.transport.step[0]) == 0, "nothing was enqueued"
+    assert launches == [] and be.runner.steps.seq == 0 and int(be.transport.step[0]) == 0, "nothing was enqueued"
     be.device.capturing_now = False
     got, want = buf.dispatch(x, idx), buf.dispatch(x, signed)
     np.testing.assert_array_equal(got.recv_x, want.recv_x)
@@ -80,10 +80,10 @@ def test_a_captured_dispatch_with_a_bad_routing_is_reported_by_the_next_call_and
         assert be.routing_summary(bad) == (-1, -1)  # nothing can be read back under capture
         captured = dispatch(be, x, bad, None, None, False, 1, False, False, None)
     be.device.capturing_now = False
-    assert be.capture.held, "the captured call's allocations are held for the graph"
+    assert be.runner.capture.held, "the captured call's allocations are held for the graph"
     with pytest.raises(ValueError, match="replayed from a CUDA graph was given a topk_idx holding expert id 40"):
         dispatch(be, x, None, None, captured.handle, False, 1, False, False, None)
-    assert not be.steps.unusable
+    assert not be.runner.steps.unusable
     assert (captured.recv_topk_idx == -1).all() and (captured.handle.recv_src_metadata == -1).all()
     assert be.routing_summary(SMALL_IDX) == (5, -1)  # reported once: the record was cleared
 
@@ -102,4 +102,4 @@ def test_a_captured_cached_dispatch_and_combine_give_the_eager_results(expand, u
     np.testing.assert_array_equal(captured.handle.num_recv_tokens_per_expert, first.handle.num_recv_tokens_per_expert)
     assert int(captured.handle.num_expanded_tokens) == int(first.handle.num_expanded_tokens)
     be.close()
-    assert not be.capture.held
+    assert not be.runner.capture.held

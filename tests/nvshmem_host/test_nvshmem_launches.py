@@ -78,7 +78,7 @@ def test_a_cached_pair_decides_on_the_symmetric_rows_once_per_buffer(monkeypatch
     for name in ("wide_rows", "payload_rows"):
         made = getattr(launching, name)
         monkeypatch.setattr(launching, name, lambda *args, made=made: seen.append(args) or made(*args))
-    symmetric = {id(a) for a in (*be.transport.rows, be._own_rows)}
+    symmetric = {id(a) for a in (*be.transport.rows, be.ctx.own_rows)}
 
     def on_symmetric_rows() -> int:
         """How many calls so far were made on the symmetric rows."""

@@ -61,7 +61,7 @@ def test_the_prepared_path_gives_the_bytes_of_the_general_path(expand, weighted)
     want, got = _calls(general, expand, weighted), _calls(prepared, expand, weighted)
     _assert_same_outputs(want, got)
     assert prepared._backend.prepared.replayed >= 8 and general._backend.prepared.replayed == 0
-    assert prepared._backend.steps.seq == general._backend.steps.seq
+    assert prepared._backend.runner.steps.seq == general._backend.runner.steps.seq
 
 
 def test_the_prepared_path_over_puts_gives_the_bytes_of_the_general_path():
@@ -91,11 +91,11 @@ def test_a_refused_call_of_a_prepared_shape_raises_as_the_general_path_and_takes
             "alignment": (x, SMALL_IDX, None, dict(expert_alignment=True))}[bad]
     errors = []
     for b in (general, buf):
-        seq = b._backend.steps.seq
+        seq = b._backend.runner.steps.seq
         with pytest.raises((TypeError, ValueError)) as error:
             b.dispatch(*args[:3], cpu_sync=False, **args[3])
         errors.append((type(error.value), str(error.value)))
-        assert b._backend.steps.seq == seq
+        assert b._backend.runner.steps.seq == seq
     assert errors[0] == errors[1]
 
 
@@ -134,14 +134,14 @@ def test_a_prepared_shape_never_takes_a_capture_and_refuses_unsigned_ids_there_a
     unsigned = np.array([[0, 1, 2], [2, 3, 5], [4, 5, 3]], np.uint32)  # SMALL_IDX's shape, no "no expert"
     launches = launch_log(monkeypatch)
     be.device.capturing_now = True
-    seq, step = be.steps.seq, int(be.transport.step[0])
+    seq, step = be.runner.steps.seq, int(be.transport.step[0])
     with pytest.raises(RuntimeError, match="topk_idx has dtype uint32: a dispatch captured into a CUDA graph needs "
                                            "signed expert ids"):
         buf.dispatch(x, unsigned, cpu_sync=False)
-    assert launches == [] and be.steps.seq == seq and int(be.transport.step[0]) == step, "nothing was enqueued"
+    assert launches == [] and be.runner.steps.seq == seq and int(be.transport.step[0]) == step, "nothing was enqueued"
     captured = buf.dispatch(x, SMALL_IDX, cpu_sync=False)
     buf.combine(captured.recv_x, captured.handle)
-    assert be.prepared.replayed == replayed and be.steps.seq == seq + 2
+    assert be.prepared.replayed == replayed and be.runner.steps.seq == seq + 2
     be.device.capturing_now = False
     got, want = buf.dispatch(x, unsigned), buf.dispatch(x, unsigned.astype(np.int64))
     assert be.prepared.replayed == replayed

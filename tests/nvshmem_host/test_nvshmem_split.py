@@ -107,16 +107,16 @@ def test_a_send_and_its_hook_captured_apart_hold_their_memory_and_give_the_eager
     be.device.capturing_now = True
     request = DispatchRequest(x * 2, first.handle.topk_idx, None, first.handle, expand, 2, True, False, None)
     half = _split(be, lambda: request, be.dispatch_send)
-    held = len(be.capture.held)
+    held = len(be.runner.capture.held)
     assert held == 1
     half.prepare()
     captured = half.receive()
-    assert len(be.capture.held) == held + 1
+    assert len(be.runner.capture.held) == held + 1
     half = _split(be, lambda: CombineRequest(captured.recv_x, captured.handle, None, ()), be.combine_send)
     half.prepare()
     captured_sum = half.receive()
     be.device.capturing_now = False
-    assert len(be.capture.held) == held + 3
+    assert len(be.runner.capture.held) == held + 3
     assert_same_as_eager(first, eager, eager_sum, captured, captured_sum)
     be.close()
-    assert not be.capture.held
+    assert not be.runner.capture.held
