@@ -11,17 +11,28 @@ from numba import cuda
 from ep_comm._launcher.param_blocks import array_fields
 from ep_comm.contract.arrays import Array
 
-__all__ = ["DeviceViews", "wide_rows"]
+__all__ = ["DeviceViews", "aligned16", "wide_rows"]
+
+
+def _pointer_and_strides(a: Array) -> tuple:
+    """``(data pointer, byte strides)`` of a NumPy, CuPy or CUDA-array-interface array."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0], a.strides
+    ptr, _, strides, _ = array_fields(a)
+    return ptr, strides
+
+
+def aligned16(a: Array) -> bool:
+    """Whether array ``a``'s data starts on 16 bytes: with its shape, dtype and strides, what decides whether the
+    kernels copy its rows 16 bytes per access (:func:`wide_rows`), so a recorded call's key must hold it."""
+    return _pointer_and_strides(a)[0] % 16 == 0
 
 
 def wide_rows(*arrays: Array) -> bool:
     """Whether a row copy between these word arrays (rows on the last axis) may move 16 bytes per access:
     64-bit words, an even number per row, and every row 16-byte aligned."""
     for a in arrays:
-        if isinstance(a, np.ndarray):
-            ptr, strides = a.__array_interface__["data"][0], a.strides
-        else:
-            ptr, _, strides, _ = array_fields(a)
+        ptr, strides = _pointer_and_strides(a)
         if a.dtype.itemsize != 8 or a.shape[-1] % 2 or ptr % 16 or any(st % 16 for st in strides[:-1]):
             return False
     return True

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ep_comm._launcher.device_arrays import aligned16
 from ep_comm.backends.interface import CombineRequest, ReceiveHalf
 from ep_comm.backends.nvshmem_steps import NvshmemContext
 from ep_comm.contract.arrays import Array
@@ -104,8 +105,9 @@ class NvshmemCombine:
 
 
 def combine_send_key(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple:
-    """The recorded-call key of a combine's send (``NvshmemCombine.send``)."""
-    return ("combine send", y.shape, y.dtype.char, h.expand, None if weights is None else weights.shape)
+    """The recorded-call key of a combine's send (``NvshmemCombine.send``): ``y``'s shape, dtype and 16-byte start
+    (its rows' copy width) among them."""
+    return ("combine send", y.shape, y.dtype.char, aligned16(y), h.expand, None if weights is None else weights.shape)
 
 
 def combine_send_roots(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple:
@@ -114,9 +116,10 @@ def combine_send_roots(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple
 
 
 def reduce_key(h: EPHandle, y: Array, with_weights: bool, terms: tuple) -> tuple:
-    """The recorded-call key of a combine's reduce (``NvshmemCombine.reduce``)."""
+    """The recorded-call key of a combine's reduce (``NvshmemCombine.reduce``): in compact mode ``y``'s shape and
+    16-byte start (the copy width of the rows read from it) among them."""
     return ("combine reduce", h.num_tokens, h.topk_idx.dtype.char, h.expand, with_weights,
-            None if h.expand else y.shape, tuple(b.dtype.char for b in terms))
+            None if h.expand else (y.shape, aligned16(y)), tuple(b.dtype.char for b in terms))
 
 
 def reduce_roots(h: EPHandle, y: Array, block: Array, terms: tuple) -> tuple:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ep_comm._launcher.device_arrays import aligned16
 from ep_comm.contract.fp8 import packed_row_bytes
 
 __all__ = ["Fp8Rows", "payload_arrays", "payload_key"]
@@ -55,7 +56,8 @@ def payload_arrays(x: Any) -> Tuple[Array, ...]:
 
 def payload_key(x: Any) -> Tuple[Any, ...]:
     """What the launches of a payload's scatter depend on besides the routing: its kind (plain rows, FP8 pair,
-    FP8 cast), the dtype of the array read and its shape."""
+    FP8 cast), the dtype of the array read, its shape and whether it starts on 16 bytes (the rows' copy width,
+    :func:`~ep_comm._launcher.device_arrays.aligned16`); the payload is C-contiguous."""
     if isinstance(x, Fp8Rows):
-        return ("fp8 cast" if x.cast else "fp8 pair", x.tokens.dtype.char, tuple(x.tokens.shape))
-    return ("rows", x.dtype.char, tuple(x.shape))
+        return ("fp8 cast" if x.cast else "fp8 pair", x.tokens.dtype.char, tuple(x.tokens.shape), aligned16(x.tokens))
+    return ("rows", x.dtype.char, tuple(x.shape), aligned16(x))

@@ -186,11 +186,12 @@ class HostDevice:
 
 
 class RootCheckingCalls(RecordedCalls):
-    """The simulator's recorded calls (every call runs its launches, nothing is recorded) holding each key's roots to the
-    layout of its first call: on a GPU a later call of a key replays the recorded launches at its roots' pointers
-    plus the recorded byte offsets, so its roots must have the first call's byte sizes, in the same order, whichever
-    path (general or prepared) makes the call (a root's own dtype does not matter: a count block may come as int32
-    words or as the bytes it is carved from)."""
+    """The simulator's recorded calls (every call runs its launches, nothing is recorded) holding each key to its first
+    call: on a GPU a later call of a key replays the first call's launches (kernels, grids, scalar arguments) at its
+    roots' pointers plus the recorded byte offsets, so each call of a key must make the same launches with the same
+    scalars, and its roots must have the first call's byte sizes, in the same order, whichever path (general or
+    prepared) makes the call (a root's own dtype does not matter: a count block may come as int32 words or as the
+    bytes it is carved from)."""
 
     def __init__(self):
         super().__init__(enabled=False)
@@ -198,9 +199,18 @@ class RootCheckingCalls(RecordedCalls):
 
     def run(self, key, on, roots, path):
         layout = tuple(r.nbytes for r in roots)
-        first = self.layouts.setdefault(key, layout)
-        assert layout == first, f"recorded call {key!r}: roots of {layout} bytes, but its first call's were of {first}"
-        super().run(key, on, roots, path)
+        with prebound.recording() as seen:
+            super().run(key, on, roots, path)
+        made = (layout, tuple((config, _scalars(args)) for _, config, args in seen))
+        first = self.layouts.setdefault(key, made)
+        assert made[0] == first[0], f"recorded call {key!r}: roots of {made[0]} bytes, but its first call's were of {first[0]}"
+        assert made[1] == first[1], (f"recorded call {key!r}: launches (config, scalars) {made[1]}, but its first "
+                                     f"call's were {first[1]}: a replay on a GPU would launch those")
+
+
+def _scalars(args) -> tuple:
+    """The scalar arguments of a launch, in order (what a replay on a GPU keeps from the recorded call)."""
+    return tuple(a for a in args if isinstance(a, (bool, int, float, np.generic)))
 
 
 def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False, launch=None):
