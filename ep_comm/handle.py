@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, NamedTuple, Optional, Union
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 from ep_comm.contract import checks as chk
 from ep_comm.contract.arrays import Array
@@ -78,15 +78,16 @@ class Received(NamedTuple):
     num_out_rows: int
 
 
-def make_handle(routing: Routing, received: Received, topk_weights: Optional[Array], *, geometry: Geometry,
-                expand: bool, expert_alignment: int, zero_padding: bool, deterministic: bool,
+def make_handle(routing: Tuple[Array, Array, Array], received: Tuple[Any, ...], topk_weights: Optional[Array], *,
+                geometry: Geometry, expand: bool, expert_alignment: int, zero_padding: bool, deterministic: bool,
                 cpu_sync: bool) -> EPHandle:
     """The handle of one dispatch (every backend and dispatch path builds it here).
 
     Args:
-        routing: the sender side (``Routing``: ``topk_idx [T, K]``, ``is_token_in_rank [T, R]``,
-            ``dst_buffer_slot_idx [T, K]``).
-        received: the receiver side (``Received``: the ``EPHandle`` fields of the same names).
+        routing: the sender side, a ``Routing`` or a tuple in its order (``topk_idx [T, K]``,
+            ``is_token_in_rank [T, R]``, ``dst_buffer_slot_idx [T, K]``).
+        received: the receiver side, a ``Received`` or a tuple in its order (the ``EPHandle`` fields of the same
+            names; the prepared path passes a plain tuple: no NamedTuple to build per call).
         topk_weights: ``[T, K]`` float32 the dispatch carried, or None.
         geometry: the geometry of the Buffer dispatching (``geometry.Geometry``).
         expand, expert_alignment, zero_padding, deterministic, cpu_sync: the dispatch's options.
@@ -94,11 +95,15 @@ def make_handle(routing: Routing, received: Received, topk_weights: Optional[Arr
     Returns:
         The ``EPHandle``; ``num_tokens`` is ``T``.
     """
-    return EPHandle(**received._asdict(), dst_buffer_slot_idx=routing.dst_buffer_slot_idx,
-                    num_tokens=int(routing.topk_idx.shape[0]), topk_idx=routing.topk_idx, topk_weights=topk_weights,
-                    is_token_in_rank=routing.is_token_in_rank, geometry=geometry, expand=expand,
+    topk_idx, is_token_in_rank, slots = routing
+    rank_psum, expert_psum, aligned, unaligned, metadata, num_recv, num_expanded, num_out_rows = received
+    return EPHandle(psum_num_recv_tokens_per_rank=rank_psum, psum_num_recv_tokens_per_expert=expert_psum,
+                    num_recv_tokens_per_expert=aligned, num_unaligned_recv_tokens_per_expert=unaligned,
+                    recv_src_metadata=metadata, dst_buffer_slot_idx=slots, num_recv_tokens=num_recv,
+                    num_expanded_tokens=num_expanded, num_tokens=int(topk_idx.shape[0]), topk_idx=topk_idx,
+                    topk_weights=topk_weights, is_token_in_rank=is_token_in_rank, expand=expand,
                     expert_alignment=expert_alignment, zero_padding=zero_padding, deterministic=deterministic,
-                    cpu_sync=cpu_sync)
+                    cpu_sync=cpu_sync, num_out_rows=num_out_rows, geometry=geometry)
 
 
 @dataclass

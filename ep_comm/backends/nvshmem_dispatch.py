@@ -33,6 +33,7 @@ class NvshmemDispatch:
         # the receive placement of a new routing: stable (deterministic) or atomic
         self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
+        self._puts_phase = functools.partial(self.profile.phase, "dispatch", "puts")  # made only where puts run
 
     def pack_fp8(self, x: Any) -> Fp8Rows:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
@@ -70,7 +71,7 @@ class NvshmemDispatch:
         """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as
         phase ``puts``), ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per
         destination."""
-        self.transport.flush(stream, psum, with_meta=True, timed=self.profile.phase("dispatch", "puts"))
+        self.transport.flush(stream, psum, with_meta=True, timed=self._puts_phase)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` (an ``Fp8Rows``' arrays are already) and ``topk_weights`` C-contiguous (itself when
@@ -88,21 +89,27 @@ class NvshmemDispatch:
         One allocation before the first launch: the int32 block of the receive count (``Kernels.recv_words``) and
         of the count (``Kernels.send_words``); count and scatter run as one recorded call (ids out of range or named
         twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
-        k, xp = self.kernels, self.xp
+        k = self.kernels
         request = self._contiguous_request(request)
         idx, x, weights = request.topk_idx, request.x, request.topk_weights
         if self.capture.active:  # a replay's verdict is reported by this rank's next call (CapturePolicy)
             with self.profile.phase("dispatch", "check"):
                 k.check_routing(idx, into=self.capture.checks, stream=stream)
         num_tokens = idx.shape[0]
-        block = xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
-        send_block = block[k.recv_words:]
+        block, send_block, recv_block = self._count_block(num_tokens)
         self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
                              functools.partial(self.count_and_scatter, stream, idx, x, weights, send_block))
         self._flush(stream, lambda: k.send_layout(send_block, num_tokens).rank_psum)
         self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
-        return functools.partial(self._receive_new, request, routing, block[:k.recv_words], hooked)
+        return functools.partial(self._receive_new, request, routing, recv_block, hooked)
+
+    def _count_block(self, num_tokens: int) -> tuple:
+        """``(block, send block, receive block)``: one int32 allocation for a new routing of ``num_tokens`` tokens,
+        the receive count's ``[Kernels.recv_words]`` words first, then the count's ``[Kernels.send_words(T)]``."""
+        k = self.kernels
+        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
+        return block, block[k.recv_words:], block[:k.recv_words]
 
     def count_carving(self, num_tokens: int, ids_dtype: Any) -> Any:
         """The device's recarving of the count block of a new routing of ``num_tokens`` tokens (ids of
@@ -110,8 +117,7 @@ class NvshmemDispatch:
         the ids' copy, is_token_in_rank, slot_idx, the send psum, then the receive count's rank psum, expert psum,
         unaligned and aligned counts, received rows N and expanded rows M as 0-d arrays)``."""
         k = self.kernels
-        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
-        send_block, recv_block = block[k.recv_words:], block[:k.recv_words]
+        block, send_block, recv_block = self._count_block(num_tokens)
         send, recv = k.send_layout(send_block, num_tokens), k.receive_layout(recv_block)
         return self.device.recarving(block, (
             send_block, recv_block, send.count_words, k.ids_view(send_block, num_tokens, ids_dtype),

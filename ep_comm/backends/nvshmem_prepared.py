@@ -40,7 +40,7 @@ from ep_comm.backends.nvshmem_dispatch import (
 )
 from ep_comm.backends.nvshmem_steps import NvshmemContext
 from ep_comm.contract.arrays import Array, as_float32
-from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks, make_handle
 from ep_comm.launching import kernel_launches
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
@@ -260,18 +260,14 @@ class PreparedCalls:
 
     def _output(self, entry: _Entry, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
                 cpu_sync: bool) -> DispatchOutput:
-        """The ``DispatchOutput`` and its handle (as ``handle.make_handle`` makes it): ``received`` is ``(rank psum,
-        expert psum, aligned counts, unaligned counts, received rows, expanded rows)``, ``routing`` the handle's
-        ``(topk_idx, is_token_in_rank, dst_buffer_slot_idx)``."""
+        """The ``DispatchOutput`` and its handle (``handle.make_handle``): ``received`` is ``(rank psum, expert psum,
+        aligned counts, unaligned counts, received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx,
+        is_token_in_rank, dst_buffer_slot_idx)``."""
         ctx = self._ctx
         expand, alignment, zero_padding = entry.options[:3]
-        handle = EPHandle(psum_num_recv_tokens_per_rank=received[0], psum_num_recv_tokens_per_expert=received[1],
-                          num_recv_tokens_per_expert=received[2], num_unaligned_recv_tokens_per_expert=received[3],
-                          recv_src_metadata=arrays[3], dst_buffer_slot_idx=routing[2], num_recv_tokens=received[4],
-                          num_expanded_tokens=received[5], num_tokens=routing[0].shape[0], topk_idx=routing[0],
-                          topk_weights=weights, is_token_in_rank=routing[1], expand=expand,
-                          expert_alignment=alignment, zero_padding=zero_padding, deterministic=ctx.deterministic,
-                          cpu_sync=cpu_sync, num_out_rows=arrays[0].shape[0], geometry=ctx.geo)
+        fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
+        handle = make_handle(routing, fields, weights, geometry=ctx.geo, expand=expand, expert_alignment=alignment,
+                             zero_padding=zero_padding, deterministic=ctx.deterministic, cpu_sync=cpu_sync)
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     # ------------------------------------------------------------------ combine

@@ -23,8 +23,6 @@ from ep_comm.transport import nvshmem_puts, signals
 from ep_comm.transport.nvshmem_heap import NvshmemHeap
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
-_UNTIMED = nullcontext()  # flush's default phase: none
-
 
 def _current_stream() -> int:
     """The handle of CuPy's current stream (the stream CuPy's own launches would take)."""
@@ -105,14 +103,14 @@ class NvshmemTransport:
                                                   (stage_meta, 4 * sym.meta_words, sym.meta_at)))
 
     def flush(self, stream: Any, psum: Callable[[], Any], with_meta: bool,
-              timed: ContextManager[None] = _UNTIMED) -> None:
+              timed: Callable[[], ContextManager[None]] = nullcontext) -> None:
         """Send each destination ``r`` reached through puts its staged ``psum()[r] - psum()[r-1]`` rows (and meta rows)
-        (``psum()``: int32 ``[R]`` on the device, called only where there are puts), inside ``timed`` (a profile
-        phase); nothing at all without puts. Before the step's signal."""
+        (``psum()``: int32 ``[R]`` on the device, called only where there are puts), inside ``timed()`` (a profile
+        phase, made only then); nothing at all without puts. Before the step's signal."""
         if not self.puts_to:
             return
         prefix = psum()
-        with timed:
+        with timed():
             for arguments in self._put_blocks[: 2 if with_meta else 1]:
                 nvshmem_puts.put_blocks(stream, self.device, *arguments, prefix, self._remote, self.rank)
 

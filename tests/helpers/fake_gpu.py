@@ -51,12 +51,12 @@ class LoopbackTransport:
             1, ABORT_WORDS)
         self.closed_collectively = None
 
-    def flush(self, stream, psum, with_meta: bool, timed=nullcontext()) -> None:
+    def flush(self, stream, psum, with_meta: bool, timed=nullcontext) -> None:
         """What ``put_blocks`` does for one rank: staged block ``parity`` -> region [parity][0], the parity that of
         the step the next signal starts; ``psum()`` called, and ``timed`` entered, only with puts."""
         if self.puts_to:
             n, parity = int(psum()[0]), int(self.step[0] + 1) & 1
-            with timed:
+            with timed():
                 self.own.rows[parity, 0, :n] = self.stage_rows[parity, :n]
                 if with_meta:
                     self.own.meta[parity, 0, :n] = self.stage_meta[parity, :n]
