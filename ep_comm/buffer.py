@@ -102,14 +102,14 @@ class Buffer:
         """``E / R``, the experts this rank owns."""
         return self.geometry.experts_per_rank
 
-    def _live(self) -> Backend:
+    def _open_backend(self) -> Backend:
         if self._backend is None:
             raise RuntimeError("this Buffer is closed")
         return self._backend
 
     def _ready(self, doing: str) -> Backend:
         """The backend, for collective call ``doing``: RuntimeError while a receive hook is pending."""
-        be = self._live()
+        be = self._open_backend()
         if self._pending is not None:
             raise RuntimeError(f"cannot {doing}: {self._pending.step}'s receive hook has not been called: call it "
                                "first (a Buffer runs its collective calls one at a time)")
@@ -149,7 +149,7 @@ class Buffer:
             ValueError: an id ``>= num_experts`` or a row naming an expert twice, at once on this rank (nothing
                 is collective here; ``dispatch`` raises it on every rank, ``checks.routing_error``).
         """
-        be = self._live()
+        be = self._open_backend()
         idx = topk_idx_array(be, self.geometry, topk_idx, "get_dispatch_layout")
         if idx.shape[0]:
             chk.check_topk_values(*be.routing_summary(idx), self.geometry)

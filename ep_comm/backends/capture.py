@@ -22,7 +22,7 @@ def holds_captured_memory(method: Callable) -> Callable:
     """Run a Buffer method inside its backend's ``captured_memory()`` (what a CUDA graph capture allocates)."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._live().captured_memory():
+        with self._open_backend().captured_memory():
             return method(self, *args, **kwargs)
     return call
 

@@ -113,7 +113,7 @@ class PreparedCalls:
             return general(*args)
         if topk_weights is not None:
             topk_weights = as_float32(self._ctx.xp, topk_weights, copy=True)
-        body = self._new if handle is None else self._cached
+        body = self._dispatch_new if handle is None else self._dispatch_cached
         out = self._runner.steps.run("dispatch", False, body, entry, x, topk_idx, topk_weights, handle, cpu_sync)
         checked.note(out.handle)
         self.replayed += 1
@@ -198,7 +198,7 @@ class PreparedCalls:
         weights = views[3] if entry.weighted else entry.scratch
         return block, (views[0], views[1], weights, views[2])
 
-    def _new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
+    def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
              cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count; then ``cpu_sync``: one
         poll, the verdicts, exact outputs and their receive copy; else the recorded copy into worst-case outputs."""
@@ -230,7 +230,7 @@ class PreparedCalls:
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
-    def _cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
+    def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                 cpu_sync: bool) -> DispatchOutput:
         """A ``cpu_sync=False`` replay of handle ``h``: worst-case outputs first, the recorded slots' scatter (in
         compact mode this rank's own rows straight into ``recv_x``), signal and wait, the receive copy."""

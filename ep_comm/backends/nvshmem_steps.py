@@ -230,6 +230,6 @@ class NvshmemContext:
     own_meta: Array
     own_counts: Array
 
-    def contiguous(self, a: Optional[Array]) -> Optional[Array]:
+    def as_contiguous(self, a: Optional[Array]) -> Optional[Array]:
         """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
         return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)

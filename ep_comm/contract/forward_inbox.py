@@ -39,7 +39,7 @@ HEADER_WORDS = 2  # int64 words of one block's header: rows, count words written
 _ALIGN = 128  # region alignment, as the symmetric buffer's
 
 
-def _padded(nbytes: int) -> int:
+def _pad_to_alignment(nbytes: int) -> int:
     return int(align_up(nbytes, _ALIGN))
 
 
@@ -65,26 +65,26 @@ class ForwardInbox:
 
     @property
     def header_offset(self) -> int:
-        return self.signal_offset + _padded(8 * self.sym.num_ranks)
+        return self.signal_offset + _pad_to_alignment(8 * self.sym.num_ranks)
 
     @property
     def counts_offset(self) -> int:
-        return self.header_offset + _padded(2 * 8 * self.sym.num_ranks * HEADER_WORDS)
+        return self.header_offset + _pad_to_alignment(2 * 8 * self.sym.num_ranks * HEADER_WORDS)
 
     @property
     def rows_offset(self) -> int:
-        return self.counts_offset + _padded(2 * 8 * self.sym.num_ranks * self.sym.count_words)
+        return self.counts_offset + _pad_to_alignment(2 * 8 * self.sym.num_ranks * self.sym.count_words)
 
     @property
     def meta_offset(self) -> int:
         sym = self.sym
-        return self.rows_offset + _padded(2 * sym.num_ranks * sym.max_tokens * sym.row_bytes)
+        return self.rows_offset + _pad_to_alignment(2 * sym.num_ranks * sym.max_tokens * sym.row_bytes)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of the symmetric buffer and the inbox together."""
         sym = self.sym
-        return self.meta_offset + _padded(2 * sym.num_ranks * sym.max_tokens * self.relay_words * 4)
+        return self.meta_offset + _pad_to_alignment(2 * sym.num_ranks * sym.max_tokens * self.relay_words * 4)
 
     def header_at(self, parity: int, block: int) -> int:
         return self.header_offset + 8 * HEADER_WORDS * (parity * self.sym.num_ranks + block)

@@ -113,7 +113,7 @@ def launch_device(xp: Any) -> Optional[int]:
 _CARVE_WORDS = 4  # each array carved from a shared allocation starts on 16 bytes, as vector loads need
 
 
-def _carved(sizes: Sequence[int]) -> tuple[list, int]:
+def _carve_slices(sizes: Sequence[int]) -> tuple[list, int]:
     """``(slices, words)``: the int32 word slices of consecutive arrays of ``sizes`` words in one allocation
     of ``words`` words, each slice starting on a multiple of ``_CARVE_WORDS``."""
     slices, at = [], 0
@@ -204,8 +204,8 @@ class LaunchShapes:
         # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
         # return: views of one fresh allocation per call (they are returned together, and kept together)
         r, e, local = num_ranks, num_experts, self.num_local
-        self._send_slices, self._send_words = _carved((r * self.count_width, r, e, r, e + 1))
-        self._recv_slices, self._recv_words = _carved((2, r, local, local, local))
+        self._send_slices, self._send_words = _carve_slices((r * self.count_width, r, e, r, e + 1))
+        self._recv_slices, self._recv_words = _carve_slices((2, r, local, local, local))
 
     @property
     def count_width(self) -> int:
