@@ -21,10 +21,7 @@ from mpi4py import MPI
 
 from ep_comm.backends.interface import (
     BackendSettings,
-    CombineRequest,
-    DispatchRequest,
     OperationRows,
-    ReceiveHalf,
     Traffic,
 )
 from ep_comm.backends.mpi_context import MpiContext
@@ -39,7 +36,6 @@ from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout
 from ep_comm.contract.topology import Topology
-from ep_comm.handle import CombineOutput, DispatchOutput
 from ep_comm.transport.mpi_window import MpiWindow
 
 _LEAKED_COMMS: List[MPI.Comm] = []  # communicators of failed Buffers, never freed
@@ -85,6 +81,10 @@ class MpiBackend:
         ctx = MpiContext(self.comm.rank, geo, sym, topology, self.window, self.runner, self.scaleout_rows)
         route: Route = FlatRoute(ctx) if self.inbox is None else ForwardedRoute(ctx, self.inbox)
         self.protocol = MpiProtocol(ctx, route, settings.deterministic)
+        # the Backend interface's calls of the protocol, bound to it once
+        p = self.protocol
+        self.pack_fp8, self.dispatch, self.dispatch_send = p.pack_fp8, p.dispatch, p.dispatch_send
+        self.combine, self.combine_send = p.combine, p.combine_send
 
     # ------------------------------------------------------------------ inputs
     def as_array(self, obj: Any, name: str) -> np.ndarray:
@@ -108,27 +108,6 @@ class MpiBackend:
     def dispatch_layout(self, topk_idx: np.ndarray) -> lay.DispatchLayout:
         """``ep_comm.contract.layout.dispatch_layout`` of ``topk_idx [T, K]``."""
         return lay.dispatch_layout(topk_idx, self.geo.num_experts, self.geo.num_ranks)
-
-    def pack_fp8(self, x: Any) -> np.ndarray:
-        """``MpiProtocol.pack_fp8``."""
-        return self.protocol.pack_fp8(x)
-
-    # ---------------------------------------------------------- collectives
-    def dispatch(self, request: DispatchRequest) -> DispatchOutput:
-        """``MpiProtocol.dispatch``."""
-        return self.protocol.dispatch(request)
-
-    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
-        """``MpiProtocol.dispatch_send``."""
-        return self.protocol.dispatch_send(request)
-
-    def combine(self, request: CombineRequest) -> CombineOutput:
-        """``MpiProtocol.combine``."""
-        return self.protocol.combine(request)
-
-    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
-        """``MpiProtocol.combine_send``."""
-        return self.protocol.combine_send(request)
 
     # ---------------------------------------------------------------- reads
     def captured_memory(self) -> ContextManager[None]:

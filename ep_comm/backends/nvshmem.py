@@ -40,8 +40,8 @@ The backend gets its transport (``ep_comm.transport.nvshmem.NvshmemTransport``) 
 host device instead, to run this whole call sequence in the Numba CUDA simulator. This module
 imports no CuPy: it uses the device's array module.
 
-A split step (``Buffer(..., return_recv_hook=True)``, :meth:`NvshmemBackend.dispatch_send` and
-:meth:`~NvshmemBackend.combine_send`) enqueues its send half up to a signal that waits for nothing
+A split step (``Buffer(..., return_recv_hook=True)``, :meth:`NvshmemDispatch.dispatch_send` and
+:meth:`NvshmemCombine.combine_send`) enqueues its send half up to a signal that waits for nothing
 (``signals.send_signal`` on peer stores, then the NVSHMEM signal of the peers reached through puts), and returns its receive half, which
 enqueues ``signals.wait_signals`` and the receive on the hook's stream (made to wait for the send's when it
 is another stream and nothing is captured). The two halves may be captured into two graphs: a hook is
@@ -70,7 +70,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 from mpi4py import MPI
 
 from ep_comm._launcher.recorded_calls import RecordedCalls
-from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest, ReceiveHalf, Traffic
+from ep_comm.backends.interface import BackendSettings, Traffic
 from ep_comm.backends.nvshmem_combine import NvshmemCombine
 from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
 from ep_comm.backends.nvshmem_prepared import PreparedCalls
@@ -82,8 +82,6 @@ from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout, word_dtype
 from ep_comm.contract.topology import Topology
-from ep_comm.handle import CombineOutput, DispatchOutput
-from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.kernel_launches import Kernels, check_index_range
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
@@ -132,6 +130,10 @@ class NvshmemBackend:
                                   self.runner, device.kernel_array(own.rows), device.kernel_array(own.meta),
                                   device.kernel_array(own.counts))
         self.dispatcher, self.combiner = NvshmemDispatch(self.ctx), NvshmemCombine(self.ctx)
+        # the Backend interface's calls of the protocols, bound to them once
+        d, c = self.dispatcher, self.combiner
+        self.pack_fp8, self.dispatch, self.dispatch_send = d.pack_fp8, d.dispatch, d.dispatch_send
+        self.combine, self.combine_send = c.combine, c.combine_send
         # the prepared paths of the eager calls (Buffer offers each call there)
         self.prepared = PreparedCalls(self.ctx, self.dispatcher, self.combiner)
 
@@ -193,26 +195,6 @@ class NvshmemBackend:
             raise ValueError(f"{name} is on GPU {where}: this rank's Buffer works on GPU {mine} "
                              "(each rank's arrays must live on its own GPU)")
         return a
-
-    def pack_fp8(self, x: Any) -> Fp8Rows:
-        """``NvshmemDispatch.pack_fp8``: the payload of an FP8 dispatch of ``x``."""
-        return self.dispatcher.pack_fp8(x)
-
-    def dispatch(self, request: DispatchRequest) -> DispatchOutput:
-        """``NvshmemDispatch.dispatch``: one collective dispatch."""
-        return self.dispatcher.dispatch(request)
-
-    def dispatch_send(self, request: DispatchRequest) -> ReceiveHalf[DispatchOutput]:
-        """``NvshmemDispatch.dispatch_send``: the send half of one collective dispatch, and its receive half."""
-        return self.dispatcher.dispatch_send(request)
-
-    def combine(self, request: CombineRequest) -> CombineOutput:
-        """``NvshmemCombine.combine``: one collective combine."""
-        return self.combiner.combine(request)
-
-    def combine_send(self, request: CombineRequest) -> ReceiveHalf[CombineOutput]:
-        """``NvshmemCombine.combine_send``: the send half of one collective combine, and its receive half."""
-        return self.combiner.combine_send(request)
 
     def capturing(self) -> bool:
         """Whether the caller's stream is being captured into a CUDA graph now."""
