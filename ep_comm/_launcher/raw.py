@@ -1,7 +1,8 @@
 """The package's one raw kernel launcher: ``cuLaunchKernel`` with a parameter block the caller prepared.
 
-Every launch that bypasses Numba's dispatcher (pre-bound kernels, recorded calls, slotted kernels such as the signal kernels) goes
-through :func:`launch`, so that a test can count or fake them in one place (``raw.cuLaunchKernel``).
+Every launch that bypasses Numba's dispatcher (pre-bound kernels, recorded calls, slotted kernels such as the
+signal kernels) goes through :func:`launch`, so that a test can count or fake them in one place
+(``raw.cuLaunchKernel``).
 """
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
     it could not be bound (it went through Numba's dispatcher) or nothing was launched.
 
     Args:
-        records: the ``(binding, config, args)`` of every launch of the call (:func:`~ep_comm._launcher.prebound.recording`).
+        records: the ``(binding, config, args)`` of every launch of the call
+            (:func:`~ep_comm._launcher.prebound.recording`).
         roots: the call's per-call arrays (CuPy or CUDA-array-interface), C-contiguous.
     """
     if not records:
@@ -147,8 +148,8 @@ class RecordedCalls:
         self.built = 0  # calls recorded so far (a first call at a new shape records one)
 
     def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[[], None]) -> None:
-        """One call of shape ``key``: launch its recorded call again with ``roots``' pointers on stream ``on``; the first call
-        runs ``path()`` (the launches through ``Kernels``, on the same stream) and records it.
+        """One call of shape ``key``: launch its recorded call again with ``roots``' pointers on stream ``on``; the
+        first call runs ``path()`` (the launches through ``Kernels``, on the same stream) and records it.
 
         Args:
             key: everything the launches' shapes, scalars and grids depend on.

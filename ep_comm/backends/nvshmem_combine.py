@@ -41,7 +41,7 @@ class NvshmemCombine:
         h, weights, y = request.handle, self.ctx.as_contiguous(request.topk_weights), self.ctx.as_contiguous(request.y)
         with self.profile.phase("combine", "send"):
             self.runner.run_recorded(combine_send_key(h, y, weights), combine_send_roots(h, y, weights),
-                                 functools.partial(self.send, stream, h, y, weights))
+                                     functools.partial(self.send, stream, h, y, weights))
             self.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
         self.runner.signal("combine", stream, hooked)
         return functools.partial(self._combine_receive, request, y, weights, hooked)
@@ -81,7 +81,7 @@ class NvshmemCombine:
         arrays, block = self.device.carve(self.combine_shapes(h, with_weights))
         x, back = arrays[0], arrays[1] if with_weights else None
         self.runner.run_recorded(reduce_key(h, y, with_weights, terms), reduce_roots(h, y, block, terms),
-                             functools.partial(self.reduce, stream, h, y, x, back, terms))
+                                 functools.partial(self.reduce, stream, h, y, x, back, terms))
         return x, back
 
     def combine_shapes(self, h: EPHandle, with_weights: bool) -> list:

@@ -98,7 +98,7 @@ class NvshmemDispatch:
         num_tokens = idx.shape[0]
         block, send_block, recv_block = self._count_block(num_tokens)
         self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
-                             functools.partial(self.count_and_scatter, stream, idx, x, weights, send_block))
+                                 functools.partial(self.count_and_scatter, stream, idx, x, weights, send_block))
         self._flush(stream, lambda: k.send_layout(send_block, num_tokens).rank_psum)
         self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
@@ -159,7 +159,7 @@ class NvshmemDispatch:
         expand, alignment = request.expand, request.expert_alignment
         self.runner.wait("dispatch", hooked, with_counts=True)
         self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
-                             functools.partial(self.receive_count, stream, block, expand, alignment))
+                                 functools.partial(self.receive_count, stream, block, expand, alignment))
         recv = self.kernels.receive_layout(block)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
@@ -198,9 +198,9 @@ class NvshmemDispatch:
         local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
         x, weights = request.x, request.topk_weights
         self.runner.run_recorded(self.cached_send_key(h, x, weights is not None, local),
-                             cached_send_roots(h, x, weights, local, block),
-                             functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                               kernel_launches.SLOT_CACHED, local))
+                                 cached_send_roots(h, x, weights, local, block),
+                                 functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                                   kernel_launches.SLOT_CACHED, local))
         self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
         self.runner.signal("dispatch", stream, hooked)
         return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
@@ -257,7 +257,7 @@ class NvshmemDispatch:
             receive_copy()
         else:
             self.runner.run_recorded(receive_copy_key(options, arrays[0], request.topk_weights is not None),
-                                 (rank_psum, expert_psum, block), receive_copy)
+                                     (rank_psum, expert_psum, block), receive_copy)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
                             int(arrays[0].shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
@@ -292,8 +292,7 @@ class NvshmemDispatch:
         recv_x, recv_idx, metadata = arrays[:3]
         recv_w = arrays[3] if len(arrays) > 3 else self._scratch_weights(shapes[1][0])
         if recorded is not None:
-            m = min(metadata.shape[0], recorded.shape[0])
-            metadata[:m] = recorded[:m]
+            copy_recorded_metadata(metadata, recorded)
         return (recv_x, recv_idx, recv_w, metadata), block
 
     def output_shapes(self, width: int, expand: bool, alignment: int, weighted: bool,
@@ -318,6 +317,13 @@ class NvshmemDispatch:
         if self._scratch.size < size:
             self._scratch = self.xp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
+
+
+def copy_recorded_metadata(metadata: Array, recorded: Array) -> None:
+    """Into the worst-case ``recv_src_metadata [N_out, 2+K]`` int32 of an expand replay, the rows of the replayed
+    handle's ``recorded`` metadata that fit (its expanded rows are reused, not received again)."""
+    m = min(metadata.shape[0], recorded.shape[0])
+    metadata[:m] = recorded[:m]
 
 
 def _host(values: Any) -> Sequence:

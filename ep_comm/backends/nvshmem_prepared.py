@@ -8,8 +8,8 @@ allocation and of its count block (``device.recarving``: every array carved with
 slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
 GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
 (the argument checks, the request objects, the contiguity copies, the views) and runs the same pieces: the same
-recorded calls, launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the
-same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
+recorded calls, launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels``
+calls), the same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
 path", names the conditions).
 
 Never skipped: the capture check (``CapturePolicy.begin``), the routing verdict of a captured dispatch
@@ -35,6 +35,7 @@ from ep_comm.backends.nvshmem_dispatch import (
     _device_counts,
     _send_psum,
     cached_send_roots,
+    copy_recorded_metadata,
     receive_copy_key,
     send_roots,
 )
@@ -199,7 +200,7 @@ class PreparedCalls:
         return block, (views[0], views[1], weights, views[2])
 
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
-             cpu_sync: bool) -> DispatchOutput:
+                      cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count; then ``cpu_sync``: one
         poll, the verdicts, exact outputs and their receive copy; else the recorded copy into worst-case outputs."""
         dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
@@ -207,14 +208,14 @@ class PreparedCalls:
         block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
                 aligned, num_recv, num_expanded) = entry.count.new()
         runner.recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights),
-                         functools.partial(dispatcher.count_and_scatter, stream, idx, x, weights, send_block))
+                            functools.partial(dispatcher.count_and_scatter, stream, idx, x, weights, send_block))
         # the transport's flush holds the puts test and calls the psum only with puts; untimed, as the general path's
         # _flush is without profiling (a profiling Buffer never prepares a shape)
         transport.flush(stream, lambda: send_psum, with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         expand, alignment = entry.options[:2]
         runner.recorded.run(entry.keys[1], on, (recv_block,),
-                         functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
+                            functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
         if cpu_sync:
             num_recv, num_expanded, aligned = dispatcher.received_counts()
             shapes = dispatcher.output_shapes(x.shape[1], expand, alignment, weights is not None,
@@ -225,13 +226,13 @@ class PreparedCalls:
             runner.defer_verdict()
             out_block, arrays = self._outputs(entry)
             runner.recorded.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
-                             functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
-                                               entry.options))
+                                functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
+                                                  entry.options))
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
-                cpu_sync: bool) -> DispatchOutput:
+                         cpu_sync: bool) -> DispatchOutput:
         """A ``cpu_sync=False`` replay of handle ``h``: worst-case outputs first, the recorded slots' scatter (in
         compact mode this rank's own rows straight into ``recv_x``), signal and wait, the receive copy."""
         dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
@@ -242,18 +243,17 @@ class PreparedCalls:
         psum = h.psum_num_recv_tokens_per_rank
         if entry.options[0]:
             local = None
-            m = min(arrays[3].shape[0], h.recv_src_metadata.shape[0])
-            arrays[3][:m] = h.recv_src_metadata[:m]
+            copy_recorded_metadata(arrays[3], h.recv_src_metadata)
         else:
             local = (arrays[0], psum)
         runner.recorded.run(entry.keys[0], on, cached_send_roots(h, x, weights, local, out_block),
-                         functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                           kernel_launches.SLOT_CACHED, local))
+                            functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                              kernel_launches.SLOT_CACHED, local))
         transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum), with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
         expert_psum = h.psum_num_recv_tokens_per_expert
         runner.recorded.run(entry.keys[2], on, (psum, expert_psum, out_block),
-                         functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options))
+                            functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options))
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)
@@ -304,13 +304,13 @@ class PreparedCalls:
         ctx, runner, combiner = self._ctx, self._runner, self._combiner
         stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, None),
-                         functools.partial(combiner.send, stream, h, y, None))
+                            functools.partial(combiner.send, stream, h, y, None))
         ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
         ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
         arrived = ctx.device.progress() if h.cpu_sync else None
         block, (x,) = entry.outputs.new()
         runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()),
-                         functools.partial(combiner.reduce, stream, h, y, x, None, ()))
+                            functools.partial(combiner.reduce, stream, h, y, x, None, ()))
         if arrived is not None:
             runner.check_arrival(arrived, "combine")
         return CombineOutput(x, None)

@@ -203,9 +203,9 @@ class StepRunner:
         self.steps.after_wait(what, *self.transport.wait_state())
 
     def run_recorded(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
-        """``path()`` (launches through ``Kernels`` on the caller's stream) as the recorded call of ``key`` over ``roots``
-        (``RecordedCalls.run``, on the same stream); run as it is while profiling (its phases) or capturing (what a capture
-        holds is its own)."""
+        """``path()`` (launches through ``Kernels`` on the caller's stream) as the recorded call of ``key`` over
+        ``roots`` (``RecordedCalls.run``, on the same stream); run as it is while profiling (its phases) or capturing
+        (what a capture holds is its own)."""
         if self.profile.enabled or self.capture.active:
             path()
             return

@@ -5,8 +5,9 @@ how work is cut for it (units of tokens, pieces of rows, blocks: shapes only, as
 and lays out the int32 blocks that one count and one receive count write (:class:`SendLayout`,
 :class:`ReceiveCounts`: views of one allocation each). :class:`Workspace` is the persistent workspace the kernels
 share, allocated by its factory ``Workspace.allocate``; :class:`KeptViews` what they make once per long-lived
-array. :func:`ep_comm._launcher.prebound.prebound_kernel` is the process's pre-bound launch of a kernel on a device (:func:`launch_device`);
-:func:`check_index_range` is the bound that keeps every kernel index within 32 bits.
+array. :func:`launch_device` is the device of the kernels' pre-bound launches
+(:func:`ep_comm._launcher.prebound.prebound_kernel`); :func:`check_index_range` is the bound that keeps every kernel
+index within 32 bits.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ep_comm.kernels.warp import WARP
 
 __all__ = ["LaunchShapes", "Workspace", "KeptViews", "SendLayout", "ReceiveCounts", "launch_device",
            "check_index_range", "INDEX_LIMIT"]
+
 
 class SendLayout(NamedTuple):
     """What :meth:`Kernels.count` produces (all on the device)."""
@@ -105,8 +107,8 @@ NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
 
 
 def launch_device(xp: Any) -> Optional[int]:
-    """The CUDA device whose pre-bound launches (:func:`ep_comm._launcher.prebound.prebound_kernel`) the kernels of array module ``xp`` use: CuPy's
-    current one, or None (NumPy, the simulator, or ``EP_COMM_NUMBA_LAUNCH=1``: Numba's own launch path)."""
+    """The CUDA device whose pre-bound launches (:func:`ep_comm._launcher.prebound.prebound_kernel`) the kernels of
+    array module ``xp`` use: CuPy's current one, or None (NumPy, the simulator, or ``EP_COMM_NUMBA_LAUNCH=1``: Numba's own launch path)."""
     return xp.cuda.runtime.getDevice() if xp is not np and not NUMBA_LAUNCH_ONLY else None
 
 
