@@ -9,6 +9,13 @@ parameter block with every slot filled; for each array parameter that lies insid
 ``root pointer + offset`` into those slots and launches, one driver call per kernel
 (:func:`ep_comm._launcher.raw.launch`): no argument typing, no views, no allocation.
 
+A replay keeps every other word of the recorded parameter blocks: shapes, strides, scalars, grids, and the
+kernel specialisation that Numba chose for each array's dtype and layout. So a recorded call is looked up by
+the caller's key (its scalars and options) *and* the layout of its roots: shape, byte strides, dtype and the
+data pointer modulo 16 of each (:func:`roots_layout`), computed here from the roots themselves, so that no
+caller can leave one out (``docs/design.md``, "Recorded calls", states the rule). A root may have any strides
+(a transposed or strided view): its byte span runs from its lowest to its highest element.
+
 Every array parameter outside the roots is taken as long-lived (workspaces, symmetric-heap views, stand-ins):
 the recorded call holds a reference to it. A caller must therefore name as roots every array a call makes or is
 given: :class:`RecordedCalls` refuses to record a call that allocated anything through the array module's allocator
@@ -24,7 +31,7 @@ from ep_comm._launcher import raw
 from ep_comm._launcher.param_blocks import ParamBlock, _ArraySlot, _TupleSlot, array_fields
 from ep_comm._launcher.prebound import Recorded, recording
 
-__all__ = ["RecordedCall", "RecordedCalls", "record_call"]
+__all__ = ["RecordedCall", "RecordedCalls", "record_call", "roots_layout"]
 
 _DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
@@ -70,15 +77,27 @@ class RecordedCall:
                        launch.name)
 
 
-def _spans(roots: Sequence[Any]) -> List[Tuple[int, int]]:
-    """``(first byte, past the last byte)`` of every root (empty roots: an empty span that matches nothing)."""
+def roots_layout(roots: Sequence[Any], pointers: Sequence[int]) -> tuple:
+    """What a replay keeps of the recorded roots besides their pointers ``pointers``: per root its shape, byte
+    strides, dtype and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on
+    these make the same launches with the same words but for the roots' data pointers."""
+    return tuple((r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers))
+
+
+def _spans(roots: Sequence[Any]) -> List[Tuple[int, int, int]]:
+    """``(first byte, past the last byte, data pointer)`` of every root, whatever its strides (a negative stride
+    puts elements before the data pointer; an empty root: an empty span that matches nothing)."""
     spans = []
     for root in roots:
-        ptr, shape, _, itemsize = array_fields(root)
-        size = itemsize
-        for extent in shape:
-            size *= extent
-        spans.append((ptr, ptr + size))
+        ptr, shape, strides, itemsize = array_fields(root)
+        low = high = 0
+        for extent, stride in zip(shape, strides):
+            if extent == 0:
+                low, high = 0, -itemsize
+                break
+            reach = (extent - 1) * stride
+            low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+        spans.append((ptr + low, ptr + high + itemsize, ptr))
     return spans
 
 
@@ -91,11 +110,12 @@ def _array_params(slots: Sequence[Any], args: Sequence[Any]) -> Iterator[Tuple[_
             yield slot, arg
 
 
-def _root_of(ptr: int, spans: Sequence[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
-    """``(root index, offset)`` of the root whose bytes hold address ``ptr``, or None."""
-    for i, (first, end) in enumerate(spans):
+def _root_of(ptr: int, spans: Sequence[Tuple[int, int, int]]) -> Optional[Tuple[int, int]]:
+    """``(root index, offset from the root's data pointer)`` of the root whose bytes hold address ``ptr``, or
+    None."""
+    for i, (first, end, base) in enumerate(spans):
         if first <= ptr < end:
-            return i, ptr - first
+            return i, ptr - base
     return None
 
 
@@ -106,7 +126,7 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
     Args:
         records: the ``(binding, config, args)`` of every launch of the call
             (:func:`~ep_comm._launcher.prebound.recording`).
-        roots: the call's per-call arrays (CuPy or CUDA-array-interface), C-contiguous.
+        roots: the call's per-call arrays (CuPy or CUDA-array-interface), any strides.
     """
     if not records:
         return None
@@ -148,26 +168,40 @@ class RecordedCalls:
         self.built = 0  # calls recorded so far (a first call at a new shape records one)
 
     def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[[], None]) -> None:
-        """One call of shape ``key``: launch its recorded call again with ``roots``' pointers on stream ``on``; the
-        first call runs ``path()`` (the launches through ``Kernels``, on the same stream) and records it.
+        """One call of shape ``key`` over ``roots``: launch the call recorded for ``key`` and the roots' layout
+        (:func:`roots_layout`) again with the roots' pointers on stream ``on``; the first such call runs ``path()``
+        (the launches through ``Kernels``, on the same stream) and records it.
 
         Args:
-            key: everything the launches' shapes, scalars and grids depend on.
+            key: what the launches' scalars and grids depend on besides the roots' layout (options, modes).
             on: the stream (``raw.stream(handle)``).
-            roots: the call's per-call arrays, in the same order at every call of ``key``; each C-contiguous.
+            roots: the call's per-call arrays, in the same order at every call of ``key``: every array the call is
+                given or makes that its launches read or write (any other array a launch takes is held as
+                long-lived by the recorded call).
             path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
         """
-        recorded = self._calls.get(key)
-        if recorded is not None and recorded is not _UNRECORDABLE:
-            recorded(on, [r.data.ptr for r in roots])
-            return
-        if not self.enabled or recorded is _UNRECORDABLE:
+        if not self.enabled:
             path()
             return
-        self._calls[key] = self._record(roots, path)
+        pointers = [r.data.ptr for r in roots]
+        shape_key = self.shape_key(key, roots, pointers)
+        recorded = self._calls.get(shape_key)
+        if recorded is None:
+            self._calls[shape_key] = self._record(roots, path)
+        elif recorded is _UNRECORDABLE:
+            path()
+        else:
+            recorded(on, pointers)
+
+    @staticmethod
+    def shape_key(key: Hashable, roots: Sequence[Any], pointers: Sequence[int]) -> Hashable:
+        """What a recorded call is looked up by: the caller's ``key`` and the layout of its ``roots`` (at
+        ``pointers``)."""
+        return key, roots_layout(roots, pointers)
 
     def launch_counts(self) -> Dict[Hashable, Optional[int]]:
-        """Per call key seen, the launches of its recorded call (None: its calls cannot be recorded)."""
+        """Per ``(call key, roots' layout)`` seen, the launches of its recorded call (None: its calls cannot be
+        recorded)."""
         return {key: None if recorded is _UNRECORDABLE else len(recorded) for key, recorded in self._calls.items()}
 
     def _record(self, roots: Sequence[Any], path: Callable[[], None]) -> Any:

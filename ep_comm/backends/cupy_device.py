@@ -24,20 +24,21 @@ _CARVE_BYTES = 128  # where each array carved from one allocation starts (vector
 
 
 class Recarving:
-    """New arrays laid out as given views of one block: :meth:`new` allocates a block of the same size and
-    returns ``(block, views)`` at the same offsets, shapes, dtypes and strides (``cupy.ndarray(memptr=...)``: no
-    slicing)."""
+    """New arrays laid out as given views of one block: :meth:`new` allocates a block of the same shape and dtype
+    and returns ``(block, views)`` at the same offsets, shapes, dtypes and strides (``cupy.ndarray(memptr=...)``:
+    no slicing). The block is a root of the recorded calls it is passed to, whose key holds its layout: it is made
+    as the general path makes it."""
 
-    __slots__ = ("_bytes", "_views")
+    __slots__ = ("_block", "_views")
 
     def __init__(self, block: Any, views: Sequence[Any]):
         base = block.data.ptr
-        self._bytes = block.nbytes
+        self._block = (block.shape, block.dtype)
         self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
 
     def new(self) -> Tuple[Any, List[Any]]:
-        """``(block uint8 [nbytes], views)``: one allocation."""
-        block = cupy.empty(self._bytes, cupy.uint8)
+        """``(block, views)``: one allocation."""
+        block = cupy.empty(*self._block)
         memory = block.data
         return block, [cupy.ndarray(shape, dtype, memptr=memory + at, strides=strides)
                        for shape, dtype, at, strides in self._views]

@@ -49,11 +49,13 @@ class MpiContext:
         return padded
 
     def pack_meta(self, tokens: np.ndarray, local_ids: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
-        """``[n, 1+2K]`` int32 meta rows: source token, K local expert ids, K float32 weights as bits."""
+        """``[n, 1+2K]`` int32 meta rows: source token, K expert ids (local, or global on a forwarded route), K float32
+        weights as bits. Any negative id ("no expert", int32 or int64, whatever its value) is written as -1: an int64
+        id cast to int32 keeps only its low word (INT64_MIN would read as expert 0)."""
         k = self.geo.num_topk
         meta = np.zeros((len(tokens), self.sym.meta_words), dtype=np.int32)
         meta[:, 0] = tokens
-        meta[:, 1 : 1 + k] = local_ids
+        meta[:, 1 : 1 + k] = np.maximum(local_ids, -1)
         if weights is not None:
             meta[:, 1 + k :] = np.ascontiguousarray(weights, dtype=np.float32).view(np.int32)
         return meta

@@ -38,7 +38,7 @@ class NvshmemCombine:
 
     def _combine(self, seq: int, stream: Any, request: CombineRequest, hooked: bool) -> Callable[[Any], CombineOutput]:
         """The send half of a combine, on ``stream``; returns its receive half."""
-        h, weights, y = request.handle, self.ctx.as_contiguous(request.topk_weights), self.ctx.as_contiguous(request.y)
+        h, weights, y = request.handle, self.ctx.as_contiguous(request.topk_weights), self.ctx.as_rows(request.y)
         with self.profile.phase("combine", "send"):
             self.runner.run_recorded(combine_send_key(h, y, weights), combine_send_roots(h, y, weights),
                                      functools.partial(self.send, stream, h, y, weights))

@@ -42,8 +42,8 @@ class NvshmemDispatch:
         ``ep_comm.contract.fp8.quantize`` for finite ``x``; not checked for non-finite values, see ``ep_comm.kernels.fp8``).
         Nothing is launched here."""
         if isinstance(x, tuple):  # x_fp8 as its bits first: CuPy copies no float8 array
-            return Fp8Rows(self.ctx.as_contiguous(x[0].view(np.uint8)), self.ctx.as_contiguous(x[1]), self.geo.dtype)
-        return Fp8Rows(self.ctx.as_contiguous(x), None, self.geo.dtype)
+            return Fp8Rows(self.ctx.as_rows(x[0].view(np.uint8)), self.ctx.as_contiguous(x[1]), self.geo.dtype)
+        return Fp8Rows(self.ctx.as_rows(x), None, self.geo.dtype)
 
     def dispatch(self, request: DispatchRequest) -> DispatchOutput:
         """One collective dispatch: a new routing (``request.handle`` None) or a replay of the handle's."""
@@ -74,9 +74,9 @@ class NvshmemDispatch:
         self.transport.flush(stream, psum, with_meta=True, timed=self._puts_phase)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
-        """``request`` with ``x`` (an ``Fp8Rows``' arrays are already) and ``topk_weights`` C-contiguous (itself when
-        they are)."""
-        x = request.x if isinstance(request.x, Fp8Rows) else self.ctx.as_contiguous(request.x)
+        """``request`` with ``x`` as the kernels read rows (``NvshmemContext.as_rows``; an ``Fp8Rows``' arrays are
+        already) and ``topk_weights`` C-contiguous (itself when they are)."""
+        x = request.x if isinstance(request.x, Fp8Rows) else self.ctx.as_rows(request.x)
         weights = self.ctx.as_contiguous(request.topk_weights)
         if x is request.x and weights is request.topk_weights:
             return request

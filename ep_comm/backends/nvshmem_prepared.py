@@ -101,7 +101,7 @@ class PreparedCalls:
         entry = None if key is None else self._entries.get(key)
         if entry is None:
             out = general(*args)
-            if key is not None and self._may_learn((x, topk_idx, topk_weights), topk_idx):
+            if key is not None and self._may_learn(x, (topk_idx, topk_weights), topk_idx):
                 self._learn_dispatch(key, x, topk_idx, topk_weights, out)
             return out
         if handle is not None:
@@ -138,15 +138,17 @@ class PreparedCalls:
         return ("cached", x.shape, weights_shape, handle.topk_weights is None, handle.num_tokens, handle.expand,
                 handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype)
 
-    def _may_learn(self, inputs: Tuple[Any, ...], ids: Any) -> bool:
-        """Whether the call just made may be prepared: no profiling, no capture, C-contiguous ``inputs`` (None: not
-        given), signed ``ids`` (None: a replay or a combine). A full table is cleared first."""
+    def _may_learn(self, rows: Any, inputs: Tuple[Any, ...], ids: Any) -> bool:
+        """Whether the call just made may be prepared: no profiling, no capture, payload ``rows`` that the kernels
+        read in place (``NvshmemContext.kernel_rows``: the prepared path makes no copy), C-contiguous ``inputs``
+        (None: not given), signed ``ids`` (None: a replay or a combine). A full table is cleared first."""
         runner = self._runner
         if runner.profile.enabled or runner.capture.active:
             return False
         if len(self._entries) >= _MAX_ENTRIES:
             self._entries.clear()
-        return all(a is None or a.flags.c_contiguous for a in inputs) and (ids is None or ids.dtype.kind == "i")
+        return (self._ctx.kernel_rows(rows) and all(a is None or a.flags.c_contiguous for a in inputs)
+                and (ids is None or ids.dtype.kind == "i"))
 
     def _learn_dispatch(self, key: tuple, x: Array, idx: Optional[Array], weights: Optional[Array],
                         out: DispatchOutput) -> None:
@@ -280,7 +282,7 @@ class PreparedCalls:
         entry = self._entries.get(key)
         if entry is None:
             out = general(y, handle, None, None, False)
-            if self._may_learn((y,), None):
+            if self._may_learn(y, (), None):
                 self._learn_combine(key, y, handle)
             return out
         checked.check(handle, "dispatch")

@@ -233,3 +233,13 @@ class NvshmemContext:
     def as_contiguous(self, a: Optional[Array]) -> Optional[Array]:
         """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
         return a if a is None or a.flags.c_contiguous else self.xp.ascontiguousarray(a)
+
+    def kernel_rows(self, a: Array) -> bool:
+        """Whether the kernels may read payload rows ``a`` in place: C-contiguous, its data on 8 bytes (they read
+        rows as words of up to 8 bytes, ``contract.symmetric.word_dtype``: a view at an odd offset would fault)."""
+        return a.flags.c_contiguous and self.device.placement(a)[0] % 8 == 0
+
+    def as_rows(self, a: Array) -> Array:
+        """Payload rows ``a`` as the kernels read them (:meth:`kernel_rows`): ``a`` itself, else a C-contiguous copy
+        in a new allocation."""
+        return a if self.kernel_rows(a) else a.copy(order="C")

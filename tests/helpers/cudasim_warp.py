@@ -165,11 +165,30 @@ def _yielding_is_alive():
     return poll
 
 
+def _in_place(copying):
+    """The simulator's ``InOut.to_device`` for host arrays: the array itself as the simulator's device array, no copy
+    in or out (``copying`` for anything else). Kernels then read and write the host memory in place, as a GPU kernel
+    does its arguments' memory, whatever the array's strides: the simulator's own copy takes contiguous arrays only,
+    and a user's strided or transposed input is a case the tests must run."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    def to_device(self, retr, stream=0):
+        return FakeCUDAArray(self.value) if isinstance(self.value, np.ndarray) else copying(self, retr, stream)
+
+    return to_device
+
+
 def install() -> None:
-    """Add the warp intrinsics to the simulator's ``cuda`` module and the libdevice calls kernels use."""
+    """Add the warp intrinsics to the simulator's ``cuda`` module and the libdevice calls kernels use; kernels take
+    host arrays in place (:func:`_in_place`)."""
     from numba.cuda import libdevice
+    from numba.cuda.simulator import args
     from numba.cuda.simulator.kernel import BlockThread
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+    if not getattr(args.InOut.to_device, "in_place", False):
+        args.InOut.to_device = _in_place(args.InOut.to_device)
+        args.InOut.to_device.in_place = True
 
     for name, func in _INTRINSICS.items():
         setattr(FakeCUDAModule, name, func)

@@ -145,11 +145,11 @@ class HostDevice:
 
         def __init__(self, block, views):
             base = block.__array_interface__["data"][0]
-            self._bytes = block.nbytes
+            self._block = (block.shape, block.dtype)
             self._views = tuple((v.shape, v.dtype, v.__array_interface__["data"][0] - base, v.strides) for v in views)
 
         def new(self):
-            block = np.empty(self._bytes, np.uint8)
+            block = np.empty(*self._block)
             return block, [np.ndarray(shape, dtype, buffer=block, offset=at, strides=strides)
                            for shape, dtype, at, strides in self._views]
 
@@ -186,31 +186,65 @@ class HostDevice:
 
 
 class RootCheckingCalls(RecordedCalls):
-    """The simulator's recorded calls (every call runs its launches, nothing is recorded) holding each key to its first
-    call: on a GPU a later call of a key replays the first call's launches (kernels, grids, scalar arguments) at its
-    roots' pointers plus the recorded byte offsets, so each call of a key must make the same launches with the same
-    scalars, and its roots must have the first call's byte sizes, in the same order, whichever path (general or
-    prepared) makes the call (a root's own dtype does not matter: a count block may come as int32 words or as the
-    bytes it is carved from)."""
+    """The simulator's recorded calls, in check mode: every call runs its launches (nothing is recorded), and each is
+    held to the first call of its key and roots' layout (``recorded_calls.roots_layout``, as on a GPU). A replay on a
+    GPU keeps every word of the first call's parameter blocks but the roots' data pointers, so each later call must
+    make the same launches (kernel, grid, block, shared bytes) with the same words: the same scalars; for every array
+    argument the same shape, strides and dtype and, inside a root, the same root and byte offset from the root's data
+    pointer; outside every root (held as long-lived by a recorded call) the same data pointer. This holds whichever
+    path (general or prepared) makes the call."""
 
     def __init__(self):
         super().__init__(enabled=False)
         self.layouts = {}
 
     def run(self, key, on, roots, path):
-        layout = tuple(r.nbytes for r in roots)
+        pointers = [_pointer(r) for r in roots]
+        shape_key = self.shape_key(key, roots, pointers)  # the production lookup: a key it misses shows here
         with prebound.recording() as seen:
             super().run(key, on, roots, path)
-        made = (layout, tuple((config, _scalars(args)) for _, config, args in seen))
-        first = self.layouts.setdefault(key, made)
-        assert made[0] == first[0], f"recorded call {key!r}: roots of {made[0]} bytes, but its first call's were of {first[0]}"
-        assert made[1] == first[1], (f"recorded call {key!r}: launches (config, scalars) {made[1]}, but its first "
-                                     f"call's were {first[1]}: a replay on a GPU would launch those")
+        spans = [_span(r, p) for r, p in zip(roots, pointers)]
+        made = tuple((config, _words(args, spans)) for _, config, args in seen)
+        first = self.layouts.setdefault(shape_key, made)
+        assert made == first, (f"recorded call {key!r}: launches (config, words) {made}, but its first call's were "
+                               f"{first}: a replay on a GPU would launch those")
 
 
-def _scalars(args) -> tuple:
-    """The scalar arguments of a launch, in order (what a replay on a GPU keeps from the recorded call)."""
-    return tuple(a for a in args if isinstance(a, (bool, int, float, np.generic)))
+def _pointer(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _span(a, ptr: int) -> tuple:
+    """``(first byte, past the last byte, data pointer)`` of a NumPy array, whatever its strides."""
+    low = high = 0
+    for extent, stride in zip(a.shape, a.strides):
+        if extent == 0:
+            return ptr, ptr, ptr
+        reach = (extent - 1) * stride
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return ptr + low, ptr + high + a.itemsize, ptr
+
+
+def _words(args, spans) -> tuple:
+    """What a replay on a GPU keeps of a launch's arguments, in order: scalars as they are; an array as its shape,
+    strides and dtype and either ``("root", index, offset)`` or ``("held", pointer)``; tuples item by item. An array not
+    on its elements' size fails at once: a GPU kernel reading it faults."""
+    words = []
+    for a in args:
+        if isinstance(a, (bool, int, float, np.generic)):
+            words.append(a)
+        elif isinstance(a, tuple):
+            words.append(_words(a, spans))
+        elif isinstance(a, np.ndarray):
+            ptr = _pointer(a)
+            assert ptr % a.itemsize == 0, (f"a launch reads {a.dtype} [{a.shape}] at {ptr:#x}, not on its {a.itemsize}-byte "
+                                           "elements: a GPU faults (misaligned address)")
+            where = next((("root", i, ptr - base) for i, (first, end, base) in enumerate(spans) if first <= ptr < end),
+                         ("held", ptr))
+            words.append((a.shape, a.strides, a.dtype.str, where))
+        else:
+            words.append(type(a).__name__)
+    return tuple(words)
 
 
 def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = False, launch=None):
@@ -225,6 +259,24 @@ def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = 
                         launch=launch or dict(num_blocks=2, warps_per_block=2))
     be.runner.recorded = RootCheckingCalls()
     return be
+
+
+def simulated_buffer(prepared: bool = True, use_puts: bool = False, profile: bool = False):
+    """A ``Buffer`` of ``SMALL_GEO`` over the simulated nvshmem backend (:func:`simulated_backend`, deterministic);
+    ``prepared=False``: the general path only."""
+    import ep_comm.buffer as buffer_module
+
+    backend = simulated_backend(SMALL_GEO, True, use_puts, profile=profile)
+    saved, buffer_module.make_backend = buffer_module.make_backend, lambda *args: backend
+    try:
+        buf = buffer_module.Buffer(MPI.COMM_SELF, num_experts=SMALL_GEO.num_experts, hidden=SMALL_GEO.hidden,
+                                   num_topk=SMALL_GEO.num_topk, num_max_tokens_per_rank=SMALL_GEO.max_tokens,
+                                   dtype="float32", deterministic=True, backend="mpi", profile=profile)
+    finally:
+        buffer_module.make_backend = saved
+    if not prepared:
+        buf._prepared = None
+    return buf
 
 
 def dispatch(be, x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, stats):

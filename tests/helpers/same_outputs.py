@@ -1,6 +1,9 @@
 """Byte-for-byte comparisons of two backends' outputs (the mpi backend's and the simulated nvshmem backend's) or of
-two ways to make the same call (plain and split, eager and captured): shapes, dtypes' bytes, and every handle field."""
+two ways to make the same call (plain and split, eager and captured): shapes, dtypes' bytes, and every handle field.
+Arrays may be NumPy's or the GPU's (copied to the host)."""
 import numpy as np
+
+from ep_comm.contract.arrays import to_host
 
 
 def assert_same(name, a, b) -> None:
@@ -9,7 +12,7 @@ def assert_same(name, a, b) -> None:
     if a is None or b is None:
         assert a is None and b is None, name
         return
-    a, b = np.asarray(a), np.asarray(b)
+    a, b = to_host(a), to_host(b)
     assert a.shape == b.shape, f"{name}: shape {a.shape} (mpi) != {b.shape} (nvshmem)"
     assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b.astype(a.dtype)).tobytes(), \
         f"{name}: differs\nmpi={a}\nnvshmem={b}"
@@ -18,7 +21,7 @@ def assert_same(name, a, b) -> None:
 def defined_rows(out, handle):
     """recv_x rows the contract defines: the received (and zeroed padding) rows, not the worst-case tail."""
     rows = int(handle.num_expanded_tokens if handle.expand else handle.num_recv_tokens)
-    return np.asarray(out.recv_x)[:rows]
+    return to_host(out.recv_x)[:rows]
 
 
 def assert_same_dispatch(tag, om, on) -> None:
@@ -32,8 +35,8 @@ def assert_same_dispatch(tag, om, on) -> None:
                   "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx",
                   "num_recv_tokens", "num_expanded_tokens", "num_out_rows", "is_token_in_rank"):
         assert_same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
-    assert_same(f"{tag} handle.num_recv_tokens_per_expert", np.asarray(hm.num_recv_tokens_per_expert),
-                np.asarray(hn.num_recv_tokens_per_expert))
+    assert_same(f"{tag} handle.num_recv_tokens_per_expert", to_host(hm.num_recv_tokens_per_expert),
+                to_host(hn.num_recv_tokens_per_expert))
     assert isinstance(hn.num_recv_tokens_per_expert, list) == hm.cpu_sync
 
 

@@ -1,6 +1,6 @@
 """Runs the collective suites of ``tests/mpi`` on every rank of ``mpirun -n N`` jobs (N: ``--ranks``; default
 1..4 on mpi, 1..2 on nvshmem), with this session's ``--backend``, ``--transport`` and Hypothesis profile; on mpi
-also the contract, randomized, error, hook and FP8 suites in virtual nodes (4 ranks as 2 nodes, 6 as 3 and 2, 8 as 2
+also the contract, randomized, error, hook, FP8 and input-layout suites in virtual nodes (4 ranks as 2 nodes, 6 as 3 and 2, 8 as 2
 and 4), flat and forwarded, and ``test_forwarding`` at 6 and 8 ranks.
 
 Each rank runs the same pytest session and writes its own JUnit XML result; this test passes when every
@@ -25,7 +25,8 @@ SUITE = Path(__file__).parents[1] / "mpi"  # tests/mpi
 JOB_TIMEOUT_S = 600
 # (ranks, ranks per node) of the jobs that run NODE_SUITES in virtual nodes, flat and forwarded (issues 31 and 39)
 VIRTUAL_NODES = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]
-NODE_SUITES = ["test_contract.py", "test_randomized.py", "test_errors.py", "test_recv_hook.py", "test_fp8_dispatch.py"]
+NODE_SUITES = ["test_contract.py", "test_randomized.py", "test_errors.py", "test_recv_hook.py", "test_fp8_dispatch.py",
+               "test_input_layouts.py"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

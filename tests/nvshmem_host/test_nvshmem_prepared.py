@@ -3,9 +3,8 @@ fake GPU with the kernels in the CUDA simulator: the same calls give the same by
 (a refusal, a deferred routing verdict, profiling, a new identity) behave as on the general path."""
 import numpy as np
 import pytest
-from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, launch_log, simulated_backend
+from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, launch_log, simulated_buffer
 from helpers.same_outputs import assert_same, assert_same_dispatch
-from mpi4py import MPI
 
 import ep_comm.buffer as buffer_module
 from ep_comm.errors import RoutingError
@@ -13,17 +12,7 @@ from ep_comm.errors import RoutingError
 
 def _buffer(prepared: bool, use_puts: bool = False, profile: bool = False) -> buffer_module.Buffer:
     """A Buffer of ``SMALL_GEO`` over the simulated nvshmem backend; ``prepared=False``: the general path only."""
-    backend = simulated_backend(SMALL_GEO, True, use_puts, profile=profile)
-    saved, buffer_module.make_backend = buffer_module.make_backend, lambda *args: backend
-    try:
-        buf = buffer_module.Buffer(MPI.COMM_SELF, num_experts=SMALL_GEO.num_experts, hidden=SMALL_GEO.hidden,
-                                   num_topk=SMALL_GEO.num_topk, num_max_tokens_per_rank=SMALL_GEO.max_tokens,
-                                   dtype="float32", deterministic=True, backend="mpi", profile=profile)
-    finally:
-        buffer_module.make_backend = saved
-    if not prepared:
-        buf._prepared = None
-    return buf
+    return simulated_buffer(prepared, use_puts, profile)
 
 
 def _calls(buf, expand: bool, weighted: bool) -> list:
