@@ -205,7 +205,9 @@ class WaitClock:
         self.polls += 1
 
     def finish(self) -> None:
-        """Add this wait's delays (every peer that arrived but this rank) to the table, as the wait kernel does."""
+        """Add this wait's delays (every peer that arrived but this rank) to the table, as the wait kernel does. A
+        last poll first: a signal that landed between the clock's read and the wait loop's own is seen now."""
+        self.poll()
         table, me = self.waits.table, self.waits.rank
         peers = np.nonzero(self.delay >= 0)[0]
         peers = peers[peers != me]
