@@ -91,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
                         "CUDA-graph replay launch), every backend; every point's JSON gets 'wait_stats' (always, from "
                         "Buffer.wait_stats(): late_share and wait_us_p50 per rank) and the report names the rank that "
                         "made the others wait most")
+    p.add_argument("--wait-stats", action=argparse.BooleanOptionalAction, default=True,
+                   help="Buffer(wait_stats=...): measure every wait per peer (default: on; --no-wait-stats compares "
+                        "the cost; the points then carry no 'wait_stats')")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")

@@ -199,6 +199,7 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[Poi
         "shared_gpu": shared, **provenance.git_commit(), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
         "straggler": None if args.straggler is None else {"rank": args.straggler.rank, "us": args.straggler.us},
+        "wait_stats": args.wait_stats,
     }
     if args.scaleup_ranks:
         meta.update(link_model.link_meta(Topology.of(comm.size, args.scaleup_ranks), spec.routing, cfg.num_experts,
@@ -246,7 +247,7 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                       num_max_tokens_per_rank=buffer_tokens(specs), dtype=cfg.dtype,
                       backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
-                      transport=args.transport, scaleup_ranks=args.scaleup_ranks)
+                      transport=args.transport, scaleup_ranks=args.scaleup_ranks, wait_stats=args.wait_stats)
     except ValueError as exc:
         raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
 
