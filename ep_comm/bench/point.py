@@ -114,6 +114,7 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
     failures += check_counts(comm, sent, recv_per_source, with_rows(out), spec.expand)
     eager_waits = buf.wait_stats(reset=True).table
+    buf.wait_stats()  # GPU: the reset is stream-ordered; this read waits for it before the graphs' side stream runs
     graph, found = _graph_replays(comm, buf, payload, didx, out.handle, spec, want, pause) if graphs else ({}, [])
     failures += found
     graph_waits = buf.wait_stats(reset=True).table
