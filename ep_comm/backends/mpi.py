@@ -124,7 +124,7 @@ class MpiBackend:
 
     def wait_table(self) -> np.ndarray:
         """A copy of the host wait statistics (``wait_stats.HostWaits``)."""
-        return self.runner.waits.table.copy()
+        return self.runner.waits.table
 
     def reset_waits(self) -> None:
         self.runner.waits.reset()

@@ -169,13 +169,29 @@ def straggler_line(section: Optional[dict]) -> str:
             f"waits, p50 {section['wait_us_p50'][r]:.1f} us, {totals[r] / 1e3:.1f} ms in all")
 
 
+def _bucket(delay: int) -> int:
+    """:func:`bucket_of` of one delay, in Python integers (the host clock's)."""
+    if delay == 0:
+        return 0
+    e = delay.bit_length() - 1
+    if e < 10:
+        return 1
+    return min(2 * (e - 10) + 2 + ((delay >> (e - 1)) & 1), WAIT_BUCKETS - 1)
+
+
 class HostWaits:
-    """The wait statistics of one mpi Buffer on one rank (``table``, int64 ``[R, WAIT_WORDS]``), kept on the host;
-    ``enabled`` False: nothing is measured (:meth:`clock` returns None)."""
+    """The wait statistics of one mpi Buffer on one rank, kept on the host in Python integers (a few microseconds
+    per wait); :attr:`table` is their int64 ``[R, WAIT_WORDS]`` copy. ``enabled`` False: nothing is measured
+    (:meth:`clock` returns None)."""
 
     def __init__(self, num_ranks: int, rank: int, enabled: bool = True):
         self.rank, self.enabled = rank, enabled
-        self.table = empty_table(num_ranks)
+        self.rows = [[0] * WAIT_WORDS for _ in range(num_ranks)]
+
+    @property
+    def table(self) -> np.ndarray:
+        """A copy of the statistics: int64 ``[R, WAIT_WORDS]``."""
+        return np.array(self.rows, dtype=np.int64).reshape(len(self.rows), WAIT_WORDS)
 
     def clock(self, arrived: Callable[[], np.ndarray]) -> Optional["WaitClock"]:
         """A clock for one wait starting now, or None when disabled. ``arrived()``: bool ``[R]``, which ranks' signals
@@ -183,7 +199,8 @@ class HostWaits:
         return WaitClock(self, arrived) if self.enabled else None
 
     def reset(self) -> None:
-        self.table[:] = 0
+        for row in self.rows:
+            row[:] = [0] * WAIT_WORDS
 
 
 class WaitClock:
@@ -192,31 +209,35 @@ class WaitClock:
 
     def __init__(self, waits: HostWaits, arrived: Callable[[], np.ndarray]):
         self.waits, self.arrived = waits, arrived
-        self.delay = np.full(waits.table.shape[0], -1, dtype=np.int64)  # -1: not seen yet
+        self.pending = [s for s in range(len(waits.rows)) if s != waits.rank]  # peers not seen yet
+        self.delays: List[Tuple[int, int]] = []  # (peer, delay ns) of the peers seen
         self.polls = 0
         self.start = time.perf_counter_ns()
 
     def poll(self) -> None:
         """Note the peers whose signal shows now, for the first time: delay 0 at the first poll, else the time since
         the wait's entry (at least 1 ns)."""
-        seen = (self.delay < 0) & self.arrived()
-        if seen.any():
-            self.delay[seen] = 0 if self.polls == 0 else max(1, time.perf_counter_ns() - self.start)
+        if self.pending:
+            seen = self.arrived()
+            now = [s for s in self.pending if seen[s]]
+            if now:
+                delay = 0 if self.polls == 0 else max(1, time.perf_counter_ns() - self.start)
+                self.delays += [(s, delay) for s in now]
+                self.pending = [s for s in self.pending if not seen[s]]
         self.polls += 1
 
     def finish(self) -> None:
         """Add this wait's delays (every peer that arrived but this rank) to the table, as the wait kernel does. A
         last poll first: a signal that landed between the clock's read and the wait loop's own is seen now."""
         self.poll()
-        table, me = self.waits.table, self.waits.rank
-        peers = np.nonzero(self.delay >= 0)[0]
-        peers = peers[peers != me]
-        d = self.delay[peers]
-        table[peers, WAIT_STEPS] += 1
-        table[peers, WAIT_TOTAL] += d
-        table[peers, WAIT_MAX] = np.maximum(table[peers, WAIT_MAX], d)
-        table[peers, WAIT_RECENT] = d
-        np.add.at(table, (peers, WAIT_HIST + bucket_of(d)), 1)
-        longest = int(d.max()) if d.size else 0
-        if longest > 0:
-            table[peers[d == longest], WAIT_LAST] += 1
+        rows = self.waits.rows
+        longest = max((d for _, d in self.delays), default=0)
+        for s, d in self.delays:
+            row = rows[s]
+            row[WAIT_STEPS] += 1
+            row[WAIT_TOTAL] += d
+            row[WAIT_MAX] = max(row[WAIT_MAX], d)
+            row[WAIT_RECENT] = d
+            row[WAIT_HIST + _bucket(d)] += 1
+            if d and d == longest:
+                row[WAIT_LAST] += 1

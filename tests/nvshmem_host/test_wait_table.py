@@ -9,6 +9,7 @@ import numpy as np
 from ep_comm.kernels.signal_wait import WAIT_BUCKETS, WAIT_HIST, WAIT_LAST, WAIT_STEPS
 from ep_comm.transport.wait_stats import (
     HostWaits,
+    _bucket,
     bucket_bounds,
     bucket_of,
     decode,
@@ -35,7 +36,7 @@ def test_buckets_are_the_kernels_and_hold_their_delays():
     delays = [0, 1, 1023, 1024, 1535, 1536, 2047, 2048, 3_000_000, 2 ** 40, 2 ** 62] + \
         [int(v) for v in np.random.default_rng(0).integers(1, 2 ** 36, 2000)]
     got = bucket_of(np.array(delays, dtype=np.int64)).tolist()
-    assert got == [kernel_bucket(d) for d in delays]
+    assert got == [kernel_bucket(d) for d in delays] == [_bucket(d) for d in delays]
     for d, b in zip(delays, got):
         low, high = bucket_bounds(b)
         assert (low <= d < high) if b else d == 0
@@ -50,6 +51,7 @@ def test_a_host_clock_adds_a_wait_as_the_kernel_does():
         clock.poll()
     clock.finish()
     table = waits.table
+    assert table[1].sum() == 0 and table.shape == (4, 53)
     assert table[:, WAIT_STEPS].tolist() == [1, 0, 1, 1]
     assert table[:, WAIT_LAST].tolist() == [0, 0, 1, 0]  # rank 2 came at the last poll
     assert table[0, WAIT_HIST] == 1 and table[1].sum() == 0  # rank 0 was there at the first poll; rank 1 is me
@@ -61,19 +63,18 @@ def test_a_host_clock_adds_a_wait_as_the_kernel_does():
 def test_every_ranks_tables_merge_into_late_share_and_p50():
     tables = []
     for rank in range(3):  # rank 2 late by 3 ms in every one of 10 waits of the others
-        waits = HostWaits(3, rank)
-        waits.table[:, WAIT_STEPS] = 10
-        waits.table[rank] = 0
+        table = HostWaits(3, rank).table
+        table[:, WAIT_STEPS] = 10
+        table[rank] = 0
         if rank != 2:
-            waits.table[2, WAIT_LAST] = 10
-            waits.table[2, WAIT_HIST + int(bucket_of(np.array([3_000_000]))[0])] = 10
-            waits.table[2, 3] = 3_000_000  # WAIT_MAX
-            waits.table[2, 2] = 30_000_000  # WAIT_TOTAL
-            other = 1 - rank
-            waits.table[other, WAIT_HIST] = 10
+            table[2, WAIT_LAST] = 10
+            table[2, WAIT_HIST + int(bucket_of(np.array([3_000_000]))[0])] = 10
+            table[2, 3] = 3_000_000  # WAIT_MAX
+            table[2, 2] = 30_000_000  # WAIT_TOTAL
+            table[1 - rank, WAIT_HIST] = 10
         else:
-            waits.table[:2, WAIT_HIST] = 10
-        tables.append(waits.table)
+            table[:2, WAIT_HIST] = 10
+        tables.append(table)
     assert late_share(tables) == [0.0, 0.0, 1.0]
     p50 = wait_us_p50(tables)
     assert p50[:2] == [0.0, 0.0] and 2000 < p50[2] < 3000.001
