@@ -24,6 +24,7 @@ from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.layout import DispatchLayout
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.recv_hook import RecvHook
+from ep_comm.transport.wait_stats import WaitStats, decode
 
 
 class Buffer:
@@ -38,7 +39,7 @@ class Buffer:
                  num_max_tokens_per_rank: int, dtype: Any = "bfloat16", backend: str = "auto",
                  deterministic: bool = False, timeout_s: float = 100.0, num_sms: Optional[int] = None,
                  transport: str = "auto", scaleup_ranks: Optional[int] = None, forwarding: bool = False,
-                 profile: bool = False):
+                 profile: bool = False, wait_stats: bool = True):
         """Collective over ``comm``: every rank passes the same arguments (docs/design.md, "Construction").
 
         Args:
@@ -56,6 +57,8 @@ class Buffer:
             scaleup_ranks: ranks per (virtual) node, an int >= 1 dividing ``R``; None = one node.
             forwarding: a bool: node-aware forwarding across nodes (``mpi`` only).
             profile: a bool: record per-phase timings for :meth:`profile_table`.
+            wait_stats: a bool: measure every dispatch's and combine's waits per peer for :meth:`wait_stats`
+                (default on: a few device stores per wait on ``nvshmem``, see docs/design.md, "Wait statistics").
 
         Raises:
             TypeError: an argument of the wrong type (``comm`` an inter-communicator, a non-bool flag, ...).
@@ -75,19 +78,21 @@ class Buffer:
                                          dtype=self.geometry.dtype.name, backend=backend_name, transport=transport,
                                          scaleup_ranks=scaleup_ranks, forwarding=forwarding,
                                          deterministic=deterministic, num_sms=num_sms)
+            chk.check_flag(wait_stats, "wait_stats")
         except (TypeError, ValueError, RuntimeError) as exc:  # still collective: the peers learn of it and raise too
             error = exc
         agree(comm, fields, error)
         self.deterministic = bool(deterministic)
         self.timeout_s = float(timeout_s)
         settings = BackendSettings(self.deterministic, self.timeout_s, None if num_sms is None else int(num_sms),
-                                   transport, scaleup_ranks, bool(forwarding), bool(profile))
+                                   transport, scaleup_ranks, bool(forwarding), bool(profile), bool(wait_stats))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
         self._closed_traffic = Traffic(None)
         self._checked_handles = HandleChecks(self.geometry)  # the handles check_handle passed on this Buffer
         self._prepared = getattr(self._backend, "prepared", None)  # the backend's prepared paths, if it has them
         self._profiling = bool(profile)
+        self._measuring_waits = bool(wait_stats)
         self._pending: Optional[RecvHook] = None  # the receive hook of a split call, until it is called
         self.backend: str = self._backend.name
         self.num_sms: Optional[int] = self._backend.num_sms
@@ -276,6 +281,44 @@ class Buffer:
             inboxes included) as ``OperationRows(dispatch, combine)`` ints; None on ``nvshmem`` (not counted).
         """
         return self._closed_traffic if self._backend is None else self._backend.traffic()
+
+    def wait_stats(self, reset: bool = False) -> WaitStats:
+        """How long this rank's dispatches and combines waited for each peer since construction or the last reset
+        (docs/design.md, "Wait statistics"); local, no communication.
+
+        Every wait of a dispatch or combine (eager, split, CUDA-graph replays; stores, puts, forwarding) adds, per
+        peer, the time from this rank's entry into the wait to the arrival of that peer's signal (0 when it was
+        there already): on ``nvshmem`` the wait kernel keeps them on the device (``%globaltimer``), and reading
+        them waits for the work enqueued on the current stream; on ``mpi`` the host wait loop keeps them.
+
+        Args:
+            reset: set them to zero after the read.
+
+        Returns:
+            ``WaitStats`` (``ep_comm.transport.wait_stats``): ``peers``, one ``PeerWaits`` per rank (``steps``,
+            ``times_last`` (the waits in which it came last), ``total_us``, ``p50_us`` and ``p99_us`` from a
+            half-octave histogram, ``max_us``, ``recent_us``, ``histogram``; this rank's own is zero), ``table`` (the
+            raw int64 ``[R, WAIT_WORDS]`` words) and ``enabled`` (False with ``Buffer(wait_stats=False)``).
+
+        Raises:
+            RuntimeError: the Buffer is closed, or (``nvshmem``) the current stream is being captured.
+        """
+        be = self._open_backend()
+        if be.capturing():
+            raise RuntimeError("wait_stats: cannot read the wait statistics while a CUDA graph is being captured")
+        stats = decode(be.wait_table(), self.rank, self._measuring_waits)
+        if reset:
+            be.reset_waits()
+        return stats
+
+    def reset_wait_stats(self) -> None:
+        """Set this rank's wait statistics to zero (on ``nvshmem`` in stream order: the waits enqueued before on the
+        current stream are dropped too); local.
+
+        Raises:
+            RuntimeError: the Buffer is closed.
+        """
+        self._open_backend().reset_waits()
 
     def close(self) -> None:
         """Release the buffer: collective (bounded wait) after a clean run; after any failure (this rank's

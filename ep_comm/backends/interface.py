@@ -39,6 +39,7 @@ class BackendSettings:
     scaleup_ranks: Optional[int] = None  # ranks per (virtual) node (contract.topology); None: one node
     forwarding: bool = False  # node-aware forwarding (contract.forward_inbox); built on the mpi backend only
     profile: bool = False  # record per-phase timings for Backend.profile_table()
+    wait_stats: bool = True  # measure every dispatch's and combine's waits per peer (Backend.wait_table())
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,13 @@ class Backend(Protocol):
 
     def traffic(self) -> Traffic:
         """What this rank has sent over its links so far (:class:`Traffic`); still readable after ``close``."""
+
+    def wait_table(self) -> Any:
+        """A host copy of this rank's wait statistics so far: int64 ``[R, WAIT_WORDS]``
+        (``ep_comm.transport.wait_stats``; all zero when not measured)."""
+
+    def reset_waits(self) -> None:
+        """Set the wait statistics to zero (on ``nvshmem`` in stream order, after the waits enqueued before)."""
 
     def close(self) -> None:
         """Collective release with a bounded wait; a second call does nothing."""

@@ -77,7 +77,7 @@ class MpiBackend:
         self.scaleout_rows = {"dispatch": 0, "combine": 0}
         self.window: Optional[MpiWindow] = MpiWindow(self.comm, sym, self.inbox)
         self.runner = MpiStepRunner(self.comm.rank, geo.num_ranks, settings.timeout_s, self.window,
-                                    Profile(settings.profile))
+                                    Profile(settings.profile), settings.wait_stats)
         ctx = MpiContext(self.comm.rank, geo, sym, topology, self.window, self.runner, self.scaleout_rows)
         route: Route = FlatRoute(ctx) if self.inbox is None else ForwardedRoute(ctx, self.inbox)
         self.protocol = MpiProtocol(ctx, route, settings.deterministic)
@@ -121,6 +121,13 @@ class MpiBackend:
     def traffic(self) -> Traffic:
         """``scaleout_rows``: the rows counted in :attr:`scaleout_rows` so far."""
         return Traffic(OperationRows(**self.scaleout_rows))
+
+    def wait_table(self) -> np.ndarray:
+        """A copy of the host wait statistics (``wait_stats.HostWaits``)."""
+        return self.runner.waits.table
+
+    def reset_waits(self) -> None:
+        self.runner.waits.reset()
 
     # ------------------------------------------------------------------- close
     def close(self) -> None:

@@ -149,12 +149,15 @@ class ForwardedRoute:
     def _relay_signal_and_wait(self, what: str, seq: int) -> None:
         """Wait (bounded) for the inboxes of step ``seq`` (a dispatch's from this rank's forwarders, a combine's
         from the ranks of its node), relay them (:meth:`_relay`) or sum them (:meth:`_reduce_for`), then signal
-        every rank and wait for every rank's signal."""
+        every rank and wait for every rank's signal. The wait statistics take a peer's arrival from its inbox signal
+        (the end of its send part), seen in either wait."""
         ctx, runner = self.ctx, self.ctx.runner
         dispatch = what == "dispatch"
         senders = self._forwarders() if dispatch else list(self._node_ranks())
         word = step_word(seq, what)
-        missing = ctx.window.wait(senders, word, time.monotonic() + runner.timeout_s, self.inbox.signal_offset)
+        clock = runner.waits.clock(ctx.window.arrivals(word, self.inbox.signal_offset))
+        missing = ctx.window.wait(senders, word, time.monotonic() + runner.timeout_s, self.inbox.signal_offset,
+                                  clock=clock)
         runner.steps.after_wait(what, missing, seen=True)
         with runner.profile.phase(what, "relay" if dispatch else "node reduce"):
             for node, forwarder in zip(self._remote_nodes(), self._forwarders()):
@@ -167,8 +170,10 @@ class ForwardedRoute:
         # a rank that began the step (its inbox signal is here) and is missing waits for another one: that one
         # is named, as on the flat path, and the first one's abort record does not end this wait
         missing = ctx.window.wait(everyone, word, time.monotonic() + runner.timeout_s,
-                                  entered=self.inbox.signal_offset)
+                                  entered=self.inbox.signal_offset, clock=clock)
         runner.steps.after_wait(what, missing, seen=True)
+        if clock is not None:
+            clock.finish()
 
     def _read_inbox_block(self, parity: int, block: int) -> Tuple[int, bool, np.ndarray, np.ndarray]:
         """``(rows, count words written, rows [n, row_bytes] uint8, meta [n, relay_words] int32)`` of inbox block

@@ -16,6 +16,7 @@ from ep_comm.backends.collective_steps import Steps, step_word
 from ep_comm.backends.interface import ReceiveHalf
 from ep_comm.backends.profile import Profile
 from ep_comm.transport.mpi_window import MpiWindow
+from ep_comm.transport.wait_stats import HostWaits
 
 Send = Callable[..., Callable[[], Any]]  # send(step, request, hooked) -> the receive part
 
@@ -27,10 +28,12 @@ def _nothing_to_prepare() -> None:
 class MpiStepRunner:
     """The step machinery of one mpi Buffer on one rank: ``steps`` (numbers, guard, abort records over ``window``),
     ``profile`` (host times per phase) and ``pending_routing_error`` (the routing error of the latest dispatch of a
-    new routing, until raised)."""
+    new routing, until raised) and ``waits`` (the wait statistics of every dispatch and combine, ``wait_stats``)."""
 
-    def __init__(self, rank: int, num_ranks: int, timeout_s: float, window: MpiWindow, profile: Profile):
+    def __init__(self, rank: int, num_ranks: int, timeout_s: float, window: MpiWindow, profile: Profile,
+                 measure_waits: bool = True):
         self.num_ranks = num_ranks
+        self.waits = HostWaits(num_ranks, rank, measure_waits)
         self.timeout_s = timeout_s
         self.window = window
         self.steps = Steps(rank, timeout_s, window)
@@ -115,9 +118,14 @@ class MpiStepRunner:
 
     def wait_all(self, what: str, seq: int) -> None:
         """Wait for every rank's signal of step ``seq`` (bounded), then raise as ``Steps.after_wait`` says: a
-        missing rank's abort record ends the wait at once."""
-        missing = self.window.wait(range(self.num_ranks), step_word(seq, what), time.monotonic() + self.timeout_s)
+        missing rank's abort record ends the wait at once. A dispatch's or combine's wait adds to the wait
+        statistics (``waits``)."""
+        word = step_word(seq, what)
+        clock = None if what == "close" else self.waits.clock(self.window.arrivals(word))
+        missing = self.window.wait(range(self.num_ranks), word, time.monotonic() + self.timeout_s, clock=clock)
         self.steps.after_wait(what, missing, seen=True)
+        if clock is not None:
+            clock.finish()
 
 
 def _send_and_receive(step: Tuple[int, int], send: Send, request: Any) -> Any:

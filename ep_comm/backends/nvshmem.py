@@ -121,6 +121,7 @@ class NvshmemBackend:
         self.num_sms: Optional[int] = num_sms
         self.transport, self.device = transport, device
         self.transport_name = transport.mode
+        transport.measuring = settings.wait_stats
         self.kernels = Kernels(xp, num_ranks=geo.num_ranks, num_experts=geo.num_experts, num_topk=geo.num_topk,
                                max_tokens=geo.max_tokens, **launch)
         self.runner = StepRunner(self.rank, geo, settings.timeout_s, settings.profile, transport, device,
@@ -235,6 +236,14 @@ class NvshmemBackend:
     def traffic(self) -> Traffic:
         """Nothing counted: the kernels write the rows into the peers (``Traffic.scaleout_rows`` None)."""
         return Traffic(None)
+
+    def wait_table(self) -> Any:
+        """A host copy of the wait statistics the wait kernel keeps (``transport.waits``), after the work enqueued on
+        the caller's stream."""
+        return self.transport.wait_table()
+
+    def reset_waits(self) -> None:
+        self.transport.reset_waits()
 
     # ------------------------------------------------------------------- close
     def _close_step(self, seq: int, stream: Any) -> None:

@@ -5,6 +5,7 @@ import argparse
 from typing import List, Optional
 
 from ep_comm.bench.report import ALL_SMS
+from ep_comm.bench.waits import straggler
 from ep_comm.cli import ArgumentParser, exit_collectively, int_at_least, int_list, list_items
 from ep_comm.contract.choices import BACKENDS, TRANSPORTS
 from ep_comm.testing.routing import KINDS
@@ -85,6 +86,14 @@ def parser() -> argparse.ArgumentParser:
                         "combine; report the host time until both returned (hidden_sync: above 0.5 ms) and the GPU "
                         "total against 1 ms + the pair's graph replays (default: on; the mpi backend reports it "
                         "skipped)")
+    p.add_argument("--straggler", type=straggler, metavar="RANK:US",
+                   help="rank RANK sleeps US microseconds on the host before each of its calls (dispatch, combine, "
+                        "CUDA-graph replay launch), every backend; every point's JSON gets 'wait_stats' (always, from "
+                        "Buffer.wait_stats(): late_share and wait_us_p50 per rank) and the report names the rank that "
+                        "made the others wait most")
+    p.add_argument("--wait-stats", action=argparse.BooleanOptionalAction, default=True,
+                   help="Buffer(wait_stats=...): measure every wait per peer (default: on; --no-wait-stats compares "
+                        "the cost; the points then carry no 'wait_stats')")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per point")
     p.add_argument("--plot", metavar="PATH", help="plot bandwidth and latency vs tokens (needs matplotlib)")

@@ -66,6 +66,7 @@ class RankSample:
     host_times: Dict[str, List[float]] = field(default_factory=dict)  # host seconds per call, no wait, by operation
     graph_times: Dict[str, List[float]] = field(default_factory=dict)  # GPU seconds per CUDA graph replay, by operation
     busy: Dict[str, Any] = field(default_factory=dict)  # busy-stream check: seconds per round by figure, or "skipped"
+    waits: Dict[str, Any] = field(default_factory=dict)  # Buffer.wait_stats() tables by part ("eager", "graphs")
 
 
 def host_timer(fn: Callable[[], Any]) -> Tuple[Any, float]:
@@ -177,7 +178,7 @@ def sample_times(comm: MPI.Comm, body: Callable[[], Sequence[float]], warmup: in
 
 
 def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, handle: Any,
-                       spec: PointSpec) -> Dict[str, Any]:
+                       spec: PointSpec, pause: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
     """GPU seconds per CUDA graph replay of the path that never waits on the host, captured on a side
     stream one call per graph (each graph is one collective step: the buffer parity comes from the
     device): the cached dispatch of ``payload`` with ``cpu_sync=False`` and its combine, then a dispatch of the
@@ -186,7 +187,8 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
     cached combine's input is made once before the captures (:meth:`Payload.combine_input`) and the new
     routing's is a fifth graph (a cached plain dispatch of its handle), replayed before its combine, untimed; and
     the same two dispatches of ``x`` in the payload dtype are replayed last, the same-run reference of the FP8
-    ones (:func:`bf16_reference_graphs`: ``"dispatch_bf16"``, ``"dispatch_new_bf16"``).
+    ones (:func:`bf16_reference_graphs`: ``"dispatch_bf16"``, ``"dispatch_new_bf16"``). ``pause`` (``--straggler``,
+    or None): called before each replay's launch, outside its host time.
     Returns ``{"dispatch": [...], "combine": [...], "dispatch_new": [...], "combine_new": [...], "host":
     {"graph_launch_dispatch": [...], "graph_launch_combine": [...]}`` (host seconds per replay
     launch, cached pair), ``"results": (last cached combine's x, last new combine's x)``, ``"fp8_rows": ((cached
@@ -226,6 +228,8 @@ def graph_replay_times(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, ha
         host = []
         marks[0].record(stream)
         for (_, graph), mark in zip(steps, marks[1:]):
+            if pause is not None:
+                pause()
             start = time.perf_counter()
             graph.launch(stream)
             host.append(time.perf_counter() - start)

@@ -26,8 +26,10 @@ from ep_comm.bench.measure import (
     sample_times,
     with_rows,
 )
+from ep_comm.bench.waits import LateBuffer
 from ep_comm.contract.arrays import to_host
 from ep_comm.testing import Routing, check_counts, expected_round_trip
+from ep_comm.transport.wait_stats import merge
 
 
 def prime_tokens(tokens: Sequence[int]) -> int:
@@ -58,7 +60,8 @@ def _round_trip(buf: Any, payload: Payload, didx: Any, weights: Any, spec: Point
 
 def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: Callable[[np.ndarray], Any],
               tick: Optional[Callable[[int], None]] = None, graphs: bool = False, busy_check: bool = False,
-              profiler: Optional[cProfile.Profile] = None) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
+              profiler: Optional[cProfile.Profile] = None,
+              pause: Optional[Callable[[], None]] = None) -> Tuple[RankSample, Tuple[np.ndarray, Routing]]:
     """Dispatch + combine ``spec.warmup + spec.iters`` times on ``buf``; check the first and last round trip.
 
     ``device`` moves a host array to where the backend wants it (identity on CPU). Then the eager cached
@@ -68,7 +71,14 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     ``mpi`` backend it is reported skipped). With ``spec.fp8`` the dispatches send the FP8 pair (:class:`Payload`)
     and the sender cast is timed too. Returns this rank's sample and the host rows its dispatches send with the
     routing (the baselines exchange them: ``x [T, H]``, or with ``spec.fp8`` its packed FP8 rows).
+
+    ``pause`` (``--straggler``'s rank, else None): called before each of this rank's calls and graph launches
+    (``ep_comm.bench.waits``). The sample's ``waits``: this rank's ``Buffer.wait_stats()`` tables of the point, the
+    eager calls and the graph replays apart.
     """
+    buf.reset_wait_stats()
+    if pause is not None:
+        buf = LateBuffer(buf, pause)
     x, routing = make_inputs(spec, comm.rank)
     payload = Payload.of(x, device, spec.fp8)
     didx, dw = device(routing.topk_idx), device(routing.topk_weights)
@@ -103,24 +113,31 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     sent = to_host(buf.get_dispatch_layout(didx).num_tokens_per_rank)
     recv_per_source = np.diff(to_host(out.handle.psum_num_recv_tokens_per_rank), prepend=0)
     failures += check_counts(comm, sent, recv_per_source, with_rows(out), spec.expand)
-    graph, found = _graph_replays(comm, buf, payload, didx, out.handle, spec, want) if graphs else ({}, [])
+    eager_waits = buf.wait_stats(reset=True).table
+    buf.wait_stats()  # GPU: the reset is stream-ordered; this read waits for it before the graphs' side stream runs
+    graph, found = _graph_replays(comm, buf, payload, didx, out.handle, spec, want, pause) if graphs else ({}, [])
     failures += found
+    graph_waits = buf.wait_stats(reset=True).table
     host.update(graph.pop("host", {}))
     busy_figures, found = _busy_figures(comm, buf, payload, out.handle, spec, want) if busy_check else ({}, [])
     failures += found
+    waits = {"eager": merge([eager_waits, buf.wait_stats().table])}  # the busy check's calls are eager too
+    if graphs:
+        waits["graphs"] = graph_waits
     sample = RankSample(
         rank=comm.rank, num_tokens=spec.num_tokens, rows_sent=int(sent.sum()), recv_rows=int(recv_per_source.sum()),
         recv_from_self=int(recv_per_source[comm.rank]),
         expanded_rows=int(out.handle.num_expanded_tokens) if spec.expand else 0, failures=failures,
         times=op_times, first_call_s=first_s, host_times=host, graph_times=graph, busy=busy_figures,
+        waits=waits if buf.wait_stats().enabled else {},
     )
     return sample, (host_rows(x, spec.fp8), routing)
 
 
 def _graph_replays(comm: MPI.Comm, buf: Any, payload: Payload, didx: Any, handle: Any, spec: PointSpec,
-                   want: np.ndarray) -> Tuple[Dict[str, Any], List[str]]:
+                   want: np.ndarray, pause: Optional[Callable[[], None]] = None) -> Tuple[Dict[str, Any], List[str]]:
     """:func:`graph_replay_times` and the failures of its replayed round trips (and FP8 rows) against ``want``."""
-    graph = graph_replay_times(comm, buf, payload, didx, handle, spec)
+    graph = graph_replay_times(comm, buf, payload, didx, handle, spec, pause)
     failures = []
     for got, which in zip(graph.pop("results"), ("cached", "new routing")):
         failures += round_trip_failures(got, want, f"CUDA graph replay, {which}")

@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from ep_comm.bench import eager, link_model
 from ep_comm.bench import shared_gpu as sharing
+from ep_comm.bench import waits as bench_waits
 from ep_comm.bench.busy import format_busy, summarize_busy
 from ep_comm.bench.measure import BF16_REFERENCE, RankSample
 from ep_comm.bench.stats import percentiles
@@ -119,6 +120,9 @@ def summarize(samples: Sequence[RankSample], row_bytes: Union[int, Mapping[str, 
     busy = summarize_busy(samples, graph)
     if busy is not None:
         point["busy_check"] = busy
+    waits = bench_waits.section([s.waits for s in samples])
+    if waits is not None:
+        point["wait_stats"] = waits
     if shared_gpu:
         point["note"] = sharing.NOTE
     return point
@@ -212,6 +216,7 @@ def format_point(point: Dict[str, Any], ceiling_gbps: Optional[float]) -> str:
     for op, ratio in point["baseline_over_ep_comm"].items():
         lines.append(f"  baseline {op}: p50 {lat[op]['p50']:.1f} us, {ratio:.2f}x ep_comm's {compared_op(op)} time")
     lines += format_busy(point.get("busy_check")) + link_model.format_lines(point.get("link_model"))
+    lines += bench_waits.format_lines(point)
     fp8_over_bf16 = point.get("graph_fp8_over_bf16")
     if fp8_over_bf16:
         lines.append("  CUDA graph replay, FP8 dispatch over the same-run dispatch of x in the payload dtype (p50): "

@@ -84,6 +84,9 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
     if args.fp8 and cfg.hidden % fp8.BLOCK:
         raise UsageError(f"--fp8: config {cfg.name} has hidden = {cfg.hidden}: FP8 needs hidden a multiple of "
                          f"{fp8.BLOCK} (one float32 scale per {fp8.BLOCK}-element block); use a config whose is")
+    if args.straggler is not None and args.straggler.rank >= comm.size:
+        raise UsageError(f"--straggler {args.straggler.rank}:{args.straggler.us:g}: rank {args.straggler.rank} is not "
+                         f"a rank of this run of {comm.size}")
     if cfg.num_experts % comm.size:
         raise UsageError(f"config {cfg.name}: num_experts = {cfg.num_experts} is not divisible by the "
                          f"{comm.size} ranks of this run (experts are split evenly over ranks)")
@@ -195,6 +198,8 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[Poi
         "prime_tokens": primed_spec(specs).num_tokens, "busy_check": args.busy_check,
         "shared_gpu": shared, **provenance.git_commit(), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
+        "straggler": None if args.straggler is None else {"rank": args.straggler.rank, "us": args.straggler.us},
+        "wait_stats": args.wait_stats,
     }
     if args.scaleup_ranks:
         meta.update(link_model.link_meta(Topology.of(comm.size, args.scaleup_ranks), spec.routing, cfg.num_experts,
@@ -242,7 +247,7 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                       num_max_tokens_per_rank=buffer_tokens(specs), dtype=cfg.dtype,
                       backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
-                      transport=args.transport, scaleup_ranks=args.scaleup_ranks)
+                      transport=args.transport, scaleup_ranks=args.scaleup_ranks, wait_stats=args.wait_stats)
     except ValueError as exc:
         raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
 
@@ -263,6 +268,7 @@ class _Session:
         self.shown = comm.rank == 0 and not args.quiet  # rank 0 prints the report as the run goes
         self.profiler = cProfile.Profile() if args.host_profile and comm.rank == 0 else None
         self.topology = Topology.of(comm.size, args.scaleup_ranks) if args.scaleup_ranks else None
+        self.pause = None if args.straggler is None else args.straggler.pause_for(comm.rank)
 
     def start(self, buf: Buffer) -> None:
         """On the first Buffer (collective): pick the timer, find out whether ranks share a GPU, fill
@@ -287,7 +293,8 @@ class _Session:
                                 spec.warmup + spec.iters)
             sample, (rows, routing) = run_point(self.comm, buf, spec, self.timer, self.device, self.progress.tick,
                                              graphs=buf.backend == "nvshmem" and not self.args.no_graphs,
-                                             busy_check=self.args.busy_check, profiler=self.profiler)
+                                             busy_check=self.args.busy_check, profiler=self.profiler,
+                                             pause=self.pause)
             sample.first_round_trip_s = primed  # the Buffer's first round trip, before its first point
             if self.nccl is not None:
                 sample.times.update(self.nccl(spec, rows, routing.topk_idx))

@@ -9,12 +9,37 @@ fence and polled with ``ld.acquire.sys``; a wait is bounded by a ``%globaltimer`
 (int64 ``[2 + 2R]``): the signal value of the last wait that finished (:data:`STATUS_SEQ`), the missing total
 (:data:`STATUS_MISSING`, sticky), one missing flag per rank from :data:`STATUS_FLAGS` on (sticky), then word 0
 of every rank's abort record. Plain Python: importing it needs neither Numba nor CuPy.
+
+Wait statistics (``ep_comm.transport.wait_stats``): given an int64 ``[R, WAIT_WORDS]`` table (``waits``, device
+memory; NULL: not measured), every wait adds, per peer ``s != me`` that arrived, its delay: 0 when its signal was
+there at this wait's first poll, else the ``%globaltimer`` nanoseconds from the wait's entry to the poll that saw
+it (at least 1). Row ``s``: :data:`WAIT_STEPS` waits that saw ``s`` arrive, :data:`WAIT_LAST` waits in which
+``s``'s delay was the longest and not 0 (ties all count), :data:`WAIT_TOTAL` and :data:`WAIT_MAX` ns,
+:data:`WAIT_RECENT` the last wait's delay, then :data:`WAIT_BUCKETS` histogram counts from :data:`WAIT_HIST` on
+(bucket 0: delay 0; 1: below 1024 ns; then two per octave, ``2 (e - 10) + 2 + the bit below the top one`` for
+``e = floor(log2 delay)``; the last bucket takes everything above). One thread owns a peer's row, so graph replays
+count with no atomics but one shared-memory maximum.
 """
 from __future__ import annotations
 
 STATUS_SEQ, STATUS_MISSING, STATUS_FLAGS = 0, 1, 2  # int64 words of the status record
+# int64 words of one peer's row of the wait statistics (module docstring)
+WAIT_STEPS, WAIT_LAST, WAIT_TOTAL, WAIT_MAX, WAIT_RECENT, WAIT_HIST = 0, 1, 2, 3, 4, 5
+WAIT_BUCKETS = 48
+WAIT_WORDS = WAIT_HIST + WAIT_BUCKETS
+SPIN_POLLS = 64  # a wait polls this often without a pause before it backs off
 
-CUDA_SOURCE = r"""
+CUDA_SOURCE = f"""
+#define WAIT_STEPS {WAIT_STEPS}
+#define WAIT_LAST {WAIT_LAST}
+#define WAIT_TOTAL {WAIT_TOTAL}
+#define WAIT_MAX {WAIT_MAX}
+#define WAIT_RECENT {WAIT_RECENT}
+#define WAIT_HIST {WAIT_HIST}
+#define WAIT_BUCKETS {WAIT_BUCKETS}
+#define WAIT_WORDS {WAIT_WORDS}
+#define SPIN_POLLS {SPIN_POLLS}
+""" + r"""
 typedef unsigned long long u64;
 typedef long long i64;
 
@@ -56,33 +81,68 @@ __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_o
     return seq;
 }
 
+// The histogram bucket of a delay (module docstring): 0 for 0, 1 below 1024 ns, then two per octave.
+__device__ __forceinline__ int wait_bucket(u64 delay) {
+    if (delay == 0) return 0;
+    const int e = 63 - __clzll((i64)delay);
+    if (e < 10) return 1;
+    const int b = 2 * (e - 10) + 2 + (int)((delay >> (e - 1)) & 1);
+    return b < WAIT_BUCKETS - 1 ? b : WAIT_BUCKETS - 1;
+}
+
 // Rank s arrived when signal[s] == seq << 2 | kind (this step) or >= (seq + 1) << 2 (its next); it gave up
 // when word 0 of its abort record (aborts, int64 [R][abort_words], or NULL) is set: then it is not waited for.
 // status: [want, missing total (sticky), missing flag per rank (sticky), abort word 0 per rank]; the count
 // words (counts_by_parity, or NULL: int64 [2][R][count_words], the step's parity) of a rank that did not
-// arrive are zeroed so that later kernels see an empty, well-formed block.
-__device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, u64 timeout_ns, i64* status,
-                          i64* counts_by_parity, int count_words, const i64* aborts, int abort_words) {
+// arrive are zeroed so that later kernels see an empty, well-formed block. A poll loop spins SPIN_POLLS times,
+// then backs off; the missing total (a read-modify-write of mapped host memory) and its system fence are paid
+// only when a rank is missing. waits (int64 [R][WAIT_WORDS] or NULL): the per-peer delays (module docstring).
+__device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, int kind, u64 timeout_ns,
+                          i64* status, i64* counts_by_parity, int count_words, const i64* aborts, int abort_words,
+                          i64* waits) {
     const i64 want = seq << 2 | kind, ahead = (seq + 1) << 2;
     i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks * count_words : 0;
     __shared__ int missing;
     __shared__ int poisoned;
+    __shared__ u64 longest;  // the longest non-zero delay of this wait
     if (threadIdx.x == 0) {
         missing = 0;
         poisoned = ((volatile i64*)status)[1] > 0;
+        longest = 0;
     }
     __syncthreads();
     const u64 start = global_ns();
     for (int s = threadIdx.x; s < num_ranks; s += blockDim.x) {
         bool arrived = false;
+        int polls = 0;
         unsigned pause = 32;
         while (!poisoned) {
             const i64 v = load_acquire_sys(signals + s);
             if (v == want || v >= ahead) { arrived = true; break; }
             if (aborts && load_acquire_sys(aborts + (i64)s * abort_words) != 0) break;
             if (global_ns() - start > timeout_ns) break;
-            __nanosleep(pause);
-            if (pause < 256) pause *= 2;  // a signal is seen within ~0.3 us: decode steps last tens of us
+            if (++polls > SPIN_POLLS) {  // most peers arrive within a few microseconds: spin first
+                __nanosleep(pause);
+                if (pause < 256) pause *= 2;  // a signal is seen within ~0.3 us: decode steps last tens of us
+            }
+        }
+        if (waits && s != me) {
+            i64* row = waits + (i64)s * WAIT_WORDS;
+            if (arrived) {
+                u64 delay = 0;
+                if (polls) {
+                    delay = global_ns() - start;
+                    if (delay == 0) delay = 1;
+                    atomicMax(&longest, delay);
+                }
+                row[WAIT_STEPS] += 1;
+                row[WAIT_TOTAL] += (i64)delay;
+                if ((i64)delay > row[WAIT_MAX]) row[WAIT_MAX] = (i64)delay;
+                row[WAIT_HIST + wait_bucket(delay)] += 1;
+                row[WAIT_RECENT] = (i64)delay;
+            } else {
+                row[WAIT_RECENT] = 0;
+            }
         }
         if (!arrived) {
             atomicAdd(&missing, 1);
@@ -93,9 +153,15 @@ __device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, 
         if (aborts) ((volatile i64*)status)[2 + num_ranks + s] = load_acquire_sys(aborts + (i64)s * abort_words);
     }
     __syncthreads();
+    if (waits && longest)  // the peers this wait waited for longest (each thread its own rows, as above)
+        for (int s = threadIdx.x; s < num_ranks; s += blockDim.x)
+            if (s != me && waits[(i64)s * WAIT_WORDS + WAIT_RECENT] == (i64)longest)
+                waits[(i64)s * WAIT_WORDS + WAIT_LAST] += 1;
     if (threadIdx.x == 0) {
-        ((volatile i64*)status)[1] += missing;
-        __threadfence_system();
+        if (missing) {
+            ((volatile i64*)status)[1] += missing;
+            __threadfence_system();
+        }
         ((volatile i64*)status)[0] = want;
     }
 }
@@ -104,9 +170,10 @@ __device__ void wait_step(const i64* signals, int num_ranks, i64 seq, int kind, 
 extern "C" __global__ void signal_and_wait(const u64* peers, int num_ranks, int me, i64 signal_offset, i64* step,
                                            int kind, const int* counts, i64 counts_offset, int count_words,
                                            const i64* signals, u64 timeout_ns, i64* status, i64* counts_by_parity,
-                                           const i64* aborts, int abort_words) {
+                                           const i64* aborts, int abort_words, i64* waits) {
     const i64 seq = signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
-    wait_step(signals, num_ranks, seq, kind, timeout_ns, status, counts_by_parity, count_words, aborts, abort_words);
+    wait_step(signals, num_ranks, me, seq, kind, timeout_ns, status, counts_by_parity, count_words, aborts,
+              abort_words, waits);
 }
 
 // One CTA: the step's signal to every rank (peer stores) without a wait: the send half of a split step, whose
@@ -117,10 +184,10 @@ extern "C" __global__ void send_signal(const u64* peers, int num_ranks, int me, 
 }
 
 // One CTA: the bounded wait alone, for the step the counter holds (after send_signal: a split step, or puts).
-extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, const i64* step, int kind, u64 timeout_ns,
-                                        i64* status, i64* counts_by_parity, int count_words, const i64* aborts,
-                                        int abort_words) {
-    wait_step(signals, num_ranks, step[0], kind, timeout_ns, status, counts_by_parity, count_words, aborts,
-              abort_words);
+extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, int me, const i64* step, int kind,
+                                        u64 timeout_ns, i64* status, i64* counts_by_parity, int count_words,
+                                        const i64* aborts, int abort_words, i64* waits) {
+    wait_step(signals, num_ranks, me, step[0], kind, timeout_ns, status, counts_by_parity, count_words, aborts,
+              abort_words, waits);
 }
 """

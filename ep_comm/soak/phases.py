@@ -85,6 +85,7 @@ def soak_phase(run: Run) -> Dict[str, Any]:
     run.progress.start("soak", args.iters)
     start = time.perf_counter()
     current: List[Step] = []  # the step running, for the failure line of an exception
+    waits: List[Any] = []  # the Buffer's wait statistics at the end (Buffer.wait_stats().table), for the summary
 
     def body() -> None:
         with run.buffer(args.deterministic) as buf:
@@ -97,13 +98,15 @@ def soak_phase(run: Run) -> Dict[str, Any]:
                 if i + 1 == warmup or (i + 1) % args.check_every == 0 or i + 1 == args.iters:
                     track.add(run.probe.sample(), is_baseline=i + 1 == warmup)
                 run.progress.tick(i + 1, progress_detail(len(failures), track.samples[-1]))
+            waits.append(buf.wait_stats().table.tolist())
 
     guarded(failures, lambda: f"rank {run.comm.rank}: soak" + (f", {current[0].describe()}" if current else ""), body)
     elapsed = time.perf_counter() - start
     memory = track.summary(args.mem_tolerance_mib * MIB)
     failures += memory_failures("soak", memory, args.mem_tolerance_mib * MIB)
     return {"iters": args.iters, "warmup": warmup, "elapsed_s": elapsed, "iters_per_s": args.iters / max(elapsed, 1e-9),
-            "modes": modes, "memory": memory, "memory_notes": run.probe.notes(), "failures": failures}
+            "modes": modes, "memory": memory, "memory_notes": run.probe.notes(), "failures": failures,
+            "wait_table": waits[0] if waits else None}
 
 
 def create_close_phase(run: Run) -> Dict[str, Any]:

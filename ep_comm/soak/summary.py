@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from ep_comm.soak.memory import MIB
+from ep_comm.transport import wait_stats
 
 MAX_REPORTED_FAILURES = 20  # failure lines kept in the summary (all ranks; the count covers all)
 
@@ -19,7 +21,10 @@ def summarize(comm: MPI.Comm, meta: Dict[str, Any], phases: Dict[str, Dict[str, 
     failures = [f for rank_phases in gathered for p in rank_phases.values() for f in p["failures"]]
     for name in phases:
         per_rank = [g[name] for g in gathered]
-        merged = {k: v for k, v in per_rank[0].items() if k not in ("failures", "memory", "digest")}
+        merged = {k: v for k, v in per_rank[0].items() if k not in ("failures", "memory", "digest", "wait_table")}
+        tables = [p.get("wait_table") for p in per_rank]
+        if tables and all(t is not None for t in tables):  # every rank's Buffer.wait_stats() at the phase's end
+            merged["wait_stats"] = wait_stats.summary([np.array(t, dtype=np.int64) for t in tables])
         merged["elapsed_s"] = max(p["elapsed_s"] for p in per_rank)
         for key in ("memory", "digest"):
             if key in per_rank[0]:
@@ -44,6 +49,8 @@ def print_summary(summary: Dict[str, Any]) -> None:
                   f"{'; memory ' + mem if mem else ''}", flush=True)
             for note in p.get("memory_notes", []):
                 print(f"[ep_comm.soak] {name}: memory: {note}", flush=True)
+            if "wait_stats" in p:
+                print(f"[ep_comm.soak] {name}: {wait_stats.straggler_line(p['wait_stats'])}", flush=True)
     for line in summary["failures"]["first"]:
         print(f"[ep_comm.soak] FAILED {line}", flush=True)
     print(f"[ep_comm.soak] {'OK' if summary['ok'] else 'FAILED'}", flush=True)

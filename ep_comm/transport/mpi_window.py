@@ -13,7 +13,7 @@ peers are out of step is dropped without them and leaked (:meth:`MpiWindow.free`
 from __future__ import annotations
 
 import time
-from typing import Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -92,7 +92,7 @@ class MpiWindow:
         return self._aborts.copy()
 
     def wait(self, sources: Iterable[int], word: int, deadline: float, signals: Optional[int] = None,
-             entered: Optional[int] = None) -> List[int]:
+             entered: Optional[int] = None, clock: Any = None) -> List[int]:
         """Poll until every source's signal (of the symmetric buffer, or of the int64 ``[R]`` signal array at byte
         offset ``signals``) shows it reached step ``word``, or a source still missing
         posted an abort record (it will not come); return the sources still missing then, or at
@@ -107,6 +107,9 @@ class MpiWindow:
         the step (the forwarding inbox's, which every rank signals at the end of its send part): a missing
         source that began it waits for another one, so its abort record does not end the wait, and the sources
         returned are those that did not begin the step where there are any (the ones the others wait for).
+
+        ``clock``: a ``wait_stats.WaitClock`` (or None), polled after every window sync: it notes when each peer's
+        signal shows (the wait statistics).
         """
         pending = np.array(sorted(set(sources)), dtype=np.int64)
         board = self._int64s(self.layout.signal_offset if signals is None else signals)
@@ -114,12 +117,21 @@ class MpiWindow:
         pause = 1e-6
         while True:
             self.win.Sync()
+            if clock is not None:
+                clock.poll()
             pending = pending[_not_at(board[pending], word)]
             absent = pending if began is None else pending[_not_at(began[pending], word)]
             if pending.size == 0 or self._aborts[absent, 0].any() or time.monotonic() >= deadline:
                 return [int(r) for r in (absent if absent.size else pending)]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def arrivals(self, word: int, signals: Optional[int] = None) -> Any:
+        """A function of no argument: bool ``[R]``, which ranks' signals (of the symmetric buffer, or of the int64
+        ``[R]`` signal array at byte offset ``signals``) show them at step ``word`` or past it (what
+        ``wait_stats.HostWaits.clock`` reads after each window sync)."""
+        board = self._int64s(self.layout.signal_offset if signals is None else signals)
+        return lambda: ~_not_at(board, word)
 
     def _int64s(self, offset: int) -> np.ndarray:
         """The int64 ``[R]`` signal array at byte ``offset`` of this rank's window."""

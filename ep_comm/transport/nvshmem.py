@@ -17,9 +17,9 @@ import numpy as np
 from mpi4py import MPI
 from numba import cuda
 
-from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views
+from ep_comm.contract.symmetric import ABORT_WORDS, STEP_KINDS, SymmetricLayout, symmetric_views
 from ep_comm.contract.topology import transport_mode
-from ep_comm.transport import nvshmem_puts, signals
+from ep_comm.transport import nvshmem_puts, signals, wait_stats
 from ep_comm.transport.nvshmem_heap import NvshmemHeap
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
@@ -42,8 +42,12 @@ class NvshmemTransport:
     reached through puts); ``own``: typed views of this rank's buffer (``SymmetricViews``); ``step``: the device step
     counter (int64 ``[1]``; the sending kernels take their parity from ``step[0] + 1``, as they run before the signal
     that advances it); ``puts_to``: the ranks reached through puts; ``mode``: :func:`transport_mode`; ``device``: the
-    CUDA device ordinal.
+    CUDA device ordinal; ``waits``: the wait statistics (int64 ``[R, WAIT_WORDS]`` device memory, ``wait_stats``),
+    which the waits of dispatches and combines add to while ``measuring`` (the backend sets it from
+    ``Buffer(wait_stats=...)``).
     """
+
+    _CLOSE = STEP_KINDS["close"]  # the close step's waits are not measured
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, puts_to: Sequence[int]):
         """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area when ``puts_to`` names a
@@ -57,6 +61,8 @@ class NvshmemTransport:
         self.rank, self.device = self.heap.rank, self.heap.device
         self.status = signals.WaitStatus(r, self.device)
         self.step = cupy.zeros(1, dtype=cupy.int64)
+        self.waits = cupy.zeros((r, wait_stats.WAIT_WORDS), dtype=cupy.int64)
+        self.measuring = True
         self.own = symmetric_views(self.heap.local, sym, word)
         rows, meta = self._views(word)
         self.rows = tuple(numba_view(v) for v in rows)
@@ -69,7 +75,7 @@ class NvshmemTransport:
                                           for q in range(r)], dtype=cupy.uint64)
         self._signals = signals.SignalKernels(self._stores_ptrs, r, self.rank, sym.signal_offset, sym.counts_offset,
                                                self.step, self.own.signal, self.status.device, self.own.counts,
-                                               self._abort_words, self.device)
+                                               self._abort_words, self.device, waits=self.waits)
         self._no_records = np.zeros((r, ABORT_WORDS), dtype=np.int64)
 
     def _views(self, word: np.dtype) -> tuple:
@@ -121,7 +127,12 @@ class NvshmemTransport:
             self.signal(stream, kind, counts)
             self.wait(kind, timeout_s, counts is not None)
             return
-        self._signals.signal_and_wait(_current_stream(), kind, counts, timeout_s)
+        self._signals.signal_and_wait(_current_stream(), kind, counts, timeout_s, self._measured(kind))
+
+    def _measured(self, kind: int) -> bool:
+        """Whether a wait of step kind ``kind`` adds to the wait statistics: a dispatch's or combine's, while
+        ``measuring``."""
+        return self.measuring and kind != self._CLOSE
 
     def signal(self, stream: Any, kind: int, counts: Any = None) -> None:
         """Enqueue the step's signal to every rank, without a wait (the send half of a split step).
@@ -141,7 +152,15 @@ class NvshmemTransport:
         """Enqueue on CuPy's current stream the bounded wait for every rank's signal of the step the device counter
         holds (``signals.wait_signals``); with ``with_counts`` (the step exchanged counts) the received count words
         of missing ranks are zeroed. The wait ends early for a rank that posted an abort record."""
-        self._signals.wait_signals(_current_stream(), kind, with_counts, timeout_s)
+        self._signals.wait_signals(_current_stream(), kind, with_counts, timeout_s, self._measured(kind))
+
+    def wait_table(self) -> np.ndarray:
+        """A host copy of the wait statistics, after every wait enqueued on CuPy's current stream so far."""
+        return self.waits.get()  # on CuPy's current stream, blocking
+
+    def reset_waits(self) -> None:
+        """Zero the wait statistics on CuPy's current stream (after the waits enqueued on it before)."""
+        self.waits.fill(0)
 
     def post_abort(self, record: np.ndarray) -> None:
         """Host copies of ``record`` (int64 ``[ABORT_WORDS]``) into this rank's abort slot of every peer

@@ -65,14 +65,15 @@ PARAMS: Dict[str, Tuple[Tuple[str, type], ...]] = {
     "signal_and_wait": (("peers", _PTR), ("num_ranks", _I32), ("me", _I32), ("signal_offset", _I64),
                         ("step", _PTR), ("kind", _I32), ("counts", _PTR), ("counts_offset", _I64),
                         ("count_words", _I32), ("signals", _PTR), ("timeout_ns", _U64), ("status", _PTR),
-                        ("counts_by_parity", _PTR), ("aborts", _PTR), ("abort_words", _I32)),
+                        ("counts_by_parity", _PTR), ("aborts", _PTR), ("abort_words", _I32), ("waits", _PTR)),
     "send_signal": (("peers", _PTR), ("num_ranks", _I32), ("me", _I32), ("signal_offset", _I64), ("step", _PTR),
                     ("kind", _I32), ("counts", _PTR), ("counts_offset", _I64), ("count_words", _I32)),
-    "wait_signals": (("signals", _PTR), ("num_ranks", _I32), ("step", _PTR), ("kind", _I32), ("timeout_ns", _U64),
-                     ("status", _PTR), ("counts_by_parity", _PTR), ("count_words", _I32), ("aborts", _PTR),
-                     ("abort_words", _I32)),
+    "wait_signals": (("signals", _PTR), ("num_ranks", _I32), ("me", _I32), ("step", _PTR), ("kind", _I32),
+                     ("timeout_ns", _U64), ("status", _PTR), ("counts_by_parity", _PTR), ("count_words", _I32),
+                     ("aborts", _PTR), ("abort_words", _I32), ("waits", _PTR)),
 }
-_PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns")  # what a call of SignalKernels writes
+# what a call of SignalKernels writes
+_PER_CALL = ("kind", "counts", "count_words", "counts_by_parity", "timeout_ns", "waits")
 THREADS = {"signal_and_wait": WAIT_THREADS, "send_signal": WAIT_THREADS, "wait_signals": WAIT_THREADS}  # one CTA each
 
 
@@ -94,14 +95,17 @@ class SignalKernels:
         counts_by_parity: this rank's int64 ``[2, R, 1 + L + 2]`` count words.
         aborts: this rank's int64 ``[R, ABORT_WORDS]`` abort records, or None.
         device: the CUDA device ordinal all of these live on.
+        waits: the int64 ``[R, WAIT_WORDS]`` wait statistics the waits add to (``ep_comm.transport.wait_stats``),
+            or None: not measured.
         function: ``(name, device) -> (CUfunction handle, owner)``: :func:`_function`, which compiles (the
             tests give a stand-in).
     """
 
     def __init__(self, peer_ptrs: Any, num_ranks: int, me: int, signal_offset: int, counts_offset: int, step: Any,
                  signals: Any, status: Any, counts_by_parity: Any, aborts: Any, device: int,
-                 function: Callable[[str, int], Tuple[int, object]] = _function):
+                 function: Callable[[str, int], Tuple[int, object]] = _function, waits: Any = None):
         self._counts_by_parity = counts_by_parity
+        self._waits = address(waits)
         self._received = address(counts_by_parity)
         self._words = _count_words(None, counts_by_parity)
         fixed = dict(signals=address(signals), num_ranks=num_ranks, step=address(step), status=address(status),
@@ -112,12 +116,15 @@ class SignalKernels:
         self._per_call_slots = {name: tuple(launch.slot(p) if launch.takes(p) else _I64() for p in _PER_CALL)
                                 for name, launch in self._kernels.items()}
 
-    def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float) -> SlottedKernel:
+    def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float,
+                  measured: bool = False) -> SlottedKernel:
         """The launch of kernel ``name`` with a call's values in the slots it has: ``kind``, the send block
         ``counts`` (int32 ``[R, 1 + L + 2]`` or None), ``zeroed`` (the received count words a wait zeroes for a
-        missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``) and the timeout."""
+        missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``), the timeout and whether
+        the wait adds to the wait statistics (``measured``, where the transport has them)."""
         sent = 0 if counts is None else _count_words(counts, self._counts_by_parity)
-        kind_slot, counts_slot, words_slot, received_slot, timeout_slot = self._per_call_slots[name]
+        kind_slot, counts_slot, words_slot, received_slot, timeout_slot, waits_slot = self._per_call_slots[name]
+        waits_slot.value = self._waits if measured else 0
         kind_slot.value = kind
         counts_slot.value = address(counts)
         words_slot.value = sent or zeroed
@@ -125,15 +132,16 @@ class SignalKernels:
         timeout_slot.value = int(timeout_s * 1e9)  # the kernels' %globaltimer deadline, ns
         return self._kernels[name]
 
-    def signal_and_wait(self, stream: int, kind: int, counts: Any, timeout_s: float) -> None:
+    def signal_and_wait(self, stream: int, kind: int, counts: Any, timeout_s: float, measured: bool = True) -> None:
         """One launch on stream handle ``stream``, after every earlier write on it: ``step[0] += 1`` (the device
         step counter), then ``signal[me] = step[0] << 2 | kind`` in every rank's buffer (release, system scope),
         then the bounded wait of :meth:`wait_signals` for every rank's signal of that step. With ``counts``
         (int32 ``[R, 1 + L + 2]`` device array, or None: per destination its rows, then its entries per local
         expert, then the routing verdict), first row ``r`` goes to block ``me`` of the step's parity of rank ``r``'s count words (the
-        count exchange rides on the signal), and the wait zeroes a missing rank's block here."""
+        count exchange rides on the signal), and the wait zeroes a missing rank's block here. ``measured``: the wait
+        adds its per-peer delays to the wait statistics (when the transport keeps them)."""
         words = 0 if counts is None else _count_words(counts, self._counts_by_parity)
-        self._per_call("signal_and_wait", kind, counts, words, timeout_s)(stream)
+        self._per_call("signal_and_wait", kind, counts, words, timeout_s, measured)(stream)
 
     def send_signal(self, stream: int, kind: int, counts: Any) -> None:
         """The signal part of :meth:`signal_and_wait` alone, one launch on stream handle ``stream`` (the send half of
@@ -142,12 +150,13 @@ class SignalKernels:
         step after its puts' signal, enqueues :meth:`wait_signals`)."""
         self._per_call("send_signal", kind, counts, 0, 0.0)(stream)
 
-    def wait_signals(self, stream: int, kind: int, with_counts: bool, timeout_s: float) -> None:
+    def wait_signals(self, stream: int, kind: int, with_counts: bool, timeout_s: float, measured: bool = True) -> None:
         """Enqueue on stream handle ``stream`` the bounded wait until ``signals[s] == step[0] << 2 | kind`` or
         ``>= (step[0] + 1) << 2`` for every ``s``, or until rank ``s`` posted an abort record (it is not waited
         for then); the status record gets the outcome and word 0 of every abort record. ``with_counts``: the
-        step's parity block of this rank's count words of a missing rank is zeroed."""
-        self._per_call("wait_signals", kind, None, self._words if with_counts else 0, timeout_s)(stream)
+        step's parity block of this rank's count words of a missing rank is zeroed; ``measured`` as in
+        :meth:`signal_and_wait`."""
+        self._per_call("wait_signals", kind, None, self._words if with_counts else 0, timeout_s, measured)(stream)
 
 
 def _signal_kernel(name: str, fixed: Dict[str, int], function: Tuple[int, object]) -> SlottedKernel:

@@ -160,7 +160,8 @@ def test_progress_prints_only_a_final_line_off_a_tty_and_nothing_when_quiet():
                                   ["--num-sms", "16,x"], ["--num-sms", "16,16"], ["--num-sms", "all,ALL"],
                                   ["--num-sms", ""], ["--num-sms", "-4"], ["--num-sms", "1.5"],
                                   ["--sweep", "1,,2"], ["--sweep", "1,"], ["--num-sms", "16,,32"],
-                                  ["--alignment", "3"]])
+                                  ["--alignment", "3"], ["--straggler", "2"], ["--straggler", "-1:5"],
+                                  ["--straggler", "a:5"], ["--straggler", "1:x"]])
 def test_cli_rejects_bad_options(argv, capsys):
     from ep_comm.bench.__main__ import main
 
@@ -253,6 +254,20 @@ def test_bench_smoke_two_ranks(tmp_path):
     assert len(points) == 1
     assert "round trip OK" in done.stdout
     assert (tmp_path / "bench.csv").read_text().startswith("tokens_per_rank,num_sms,num_sms_in_effect,check_passed,")
+
+
+def test_bench_straggler_is_named_by_the_wait_statistics(tmp_path):
+    """``--straggler 1:20000``: rank 1 sleeps 20 ms before each call; rank 0's waits name it (a name, not a time)."""
+    out = tmp_path / "bench.json"
+    done = run_bench(2, "--config", "cpu_demo", "--iters", "3", "--warmup", "1", "--straggler", "1:20000",
+                     "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["meta"]["straggler"] == {"rank": 1, "us": 20000.0} and result["meta"]["wait_stats"] is True
+    waits = result["points"][0]["wait_stats"]
+    assert len(waits["late_share"]) == len(waits["wait_us_p50"]) == 2 and list(waits["by_part"]) == ["eager"]
+    assert waits["late_share"][1] > waits["late_share"][0] and waits["wait_us_p50"][1] > 0
+    assert "waits: rank 1 made the others wait most" in done.stdout
 
 
 def test_bench_expand_sweep_zipf_four_ranks(tmp_path):

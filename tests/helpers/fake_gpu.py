@@ -18,6 +18,7 @@ from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.contract.topology import transport_mode
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
+from ep_comm.transport.wait_stats import WAIT_WORDS
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
 SMALL_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)  # 3 tokens of SMALL_GEO: [T, K] int64
@@ -83,6 +84,13 @@ class LoopbackTransport:
 
     def wait_state(self):
         return self.missing, any(self.aborts[:, 0].tolist())
+
+    def wait_table(self):
+        """No peer to wait for: one rank's wait statistics stay zero."""
+        return np.zeros((1, WAIT_WORDS), np.int64)
+
+    def reset_waits(self) -> None:
+        """Nothing measured: nothing to reset."""
 
     def post_abort(self, record) -> None:
         """The rank is its own only peer: nobody to tell."""

@@ -53,6 +53,7 @@ def test_signal_kernels_compile_with_acquire_release_at_system_scope():
     assert entries == {"signal_and_wait", "send_signal", "wait_signals"}
     assert "ld.acquire.sys.global.b64" in ptx and "st.release.sys.global.b64" in ptx
     assert "globaltimer" in ptx and "nanosleep" in ptx
+    assert "atom.shared.max.u64" in ptx  # the longest delay of a wait (the wait statistics)
 
 
 _C_TYPES = {"int": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
@@ -112,24 +113,28 @@ R, WORDS = 3, 5  # ranks, 1 + L + 2 count words
 PEERS, STEP, SIGNALS, STATUS = (_DeviceArray(0x10000 * (i + 1), shape) for i, shape in
                                 enumerate([(R,), (1,), (R,), (2 + 2 * R,)]))
 RECEIVED, ABORTS = _DeviceArray(0x50000, (2, R, WORDS)), _DeviceArray(0x60008, (R, 64))
+WAITS = _DeviceArray(0x80000, (R, 53))  # the wait statistics, int64 [R, WAIT_WORDS]
 SEND = _DeviceArray(0x70000, (R, WORDS))
 
 
 def _transport(peers) -> SignalKernels:
     """The launches of a transport at rank 1 of 3, device 3: signal words at byte 64, count words at 4096."""
-    return SignalKernels(peers, R, 1, 64, 4096, STEP, SIGNALS, STATUS, RECEIVED, ABORTS, 3, function=_compiled)
+    return SignalKernels(peers, R, 1, 64, 4096, STEP, SIGNALS, STATUS, RECEIVED, ABORTS, 3, function=_compiled,
+                         waits=WAITS)
 
 
 def test_signal_and_wait_passes_the_rawkernel_bytes_on_the_callers_stream(launches):
     stores = _transport(PEERS)
     stores.signal_and_wait(0xBEEF, 1, SEND, 2.5)
     stores.signal_and_wait(0xCAFE, 2, None, 0.25)  # a combine after a dispatch: the per-call slots are rewritten
-    for (name, grid, block, shared, stream, got, extra), (kind, counts, words, received, timeout_s, on) in zip(
-            launches, [(1, SEND, WORDS, RECEIVED, 2.5, 0xBEEF), (2, None, 0, None, 0.25, 0xCAFE)]):
+    stores.signal_and_wait(0xCAFE, 3, None, 0.25, measured=False)  # a close: its wait adds no statistics
+    for (name, grid, block, shared, stream, got, extra), (kind, counts, words, received, timeout_s, on, waits) in zip(
+            launches, [(1, SEND, WORDS, RECEIVED, 2.5, 0xBEEF, WAITS), (2, None, 0, None, 0.25, 0xCAFE, WAITS),
+                       (3, None, 0, None, 0.25, 0xCAFE, None)]):
         want = _rawkernel_bytes((PEERS, np.int32(R), np.int32(1), np.int64(64), STEP, np.int32(kind),
                                  counts or np.uint64(0), np.int64(4096), np.int32(words), SIGNALS,
                                  np.uint64(int(timeout_s * 1e9)), STATUS, received or np.uint64(0), ABORTS,
-                                 np.int32(64)))
+                                 np.int32(64), waits or np.uint64(0)))
         assert (name, grid, block, shared, stream, extra) == ("signal_and_wait", (1, 1, 1), (128, 1, 1), 0, on, 0)
         assert got == want
 
@@ -143,8 +148,9 @@ def test_wait_signals_alone_passes_its_rawkernel_bytes(launches):
     assert [(name, block[0], stream) for name, _, block, _, stream, _, _ in launches] == [
         ("wait_signals", 128, 7), ("wait_signals", 128, 7)]
     for (*_, got, _), (kind, received, words) in zip(launches, [(1, RECEIVED, WORDS), (3, None, 0)]):
-        assert got == _rawkernel_bytes((SIGNALS, np.int32(R), STEP, np.int32(kind), np.uint64(10 ** 9), STATUS,
-                                        received or np.uint64(0), np.int32(words), ABORTS, np.int32(64)))
+        assert got == _rawkernel_bytes((SIGNALS, np.int32(R), np.int32(1), STEP, np.int32(kind), np.uint64(10 ** 9),
+                                        STATUS, received or np.uint64(0), np.int32(words), ABORTS, np.int32(64),
+                                        WAITS))
 
 
 def test_a_split_step_on_peer_stores_signals_without_waiting_then_waits(launches):
@@ -165,9 +171,9 @@ def test_a_split_step_on_peer_stores_signals_without_waiting_then_waits(launches
         assert launches[i][5] == _rawkernel_bytes((PEERS, np.int32(R), np.int32(1), np.int64(64), STEP, np.int32(kind),
                                                    counts or np.uint64(0), np.int64(4096), np.int32(words)))
     for i, (kind, received, words, timeout_s) in zip((1, 4), [(1, RECEIVED, WORDS, 2.5), (2, None, 0, 0.25)]):
-        assert launches[i][5] == _rawkernel_bytes((SIGNALS, np.int32(R), STEP, np.int32(kind),
+        assert launches[i][5] == _rawkernel_bytes((SIGNALS, np.int32(R), np.int32(1), STEP, np.int32(kind),
                                                    np.uint64(int(timeout_s * 1e9)), STATUS, received or np.uint64(0),
-                                                   np.int32(words), ABORTS, np.int32(64)))
+                                                   np.int32(words), ABORTS, np.int32(64), WAITS))
     assert launches[3][5][6:9] == _rawkernel_bytes((np.uint64(0), np.int64(4096), np.int32(0)))
 
 
