@@ -26,9 +26,15 @@ def _buffer(prepared: bool, use_puts: bool = False, profile: bool = False) -> bu
     return buf
 
 
+# SMALL_IDX's shape with a token that picks no expert: the same prepared shape, fewer rows received (other exact
+# output shapes with cpu_sync=True)
+FEWER_ROWS_IDX = np.array([[0, 1, -1], [-1, -1, -1], [4, 5, 3]], np.int64)
+
+
 def _calls(buf, expand: bool, weighted: bool) -> list:
-    """The outputs of a fixed sequence of eager calls: new routings (cpu_sync False, then True), replays and
-    combines, each shape twice (the second call of a shape is the prepared one)."""
+    """The outputs of a fixed sequence of eager calls: new routings (cpu_sync False, then True), replays (cpu_sync
+    False and True) and combines, each shape twice (the second call of a shape is the prepared one), then a routing
+    of the same shape receiving fewer rows (exact outputs of other shapes with cpu_sync=True) and its replays."""
     rng = np.random.default_rng(7)
     xs = [rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32) for _ in range(4)]
     weights = rng.random((3, SMALL_GEO.num_topk)).astype(np.float32) if weighted else None
@@ -38,10 +44,17 @@ def _calls(buf, expand: bool, weighted: bool) -> list:
         for x in xs[:2]:
             out = buf.dispatch(x, SMALL_IDX, weights, cpu_sync=sync, **options)
             outs += [out, buf.combine(out.recv_x, out.handle)]
-    first = outs[0]
-    for x in xs[2:]:
-        out = buf.dispatch(x, handle=first.handle, cpu_sync=False)
-        outs += [out, buf.combine(out.recv_x * 2, out.handle)]
+    first, synced = outs[0], outs[4]
+    for handle in (first.handle, synced.handle):
+        for sync in (False, True):
+            for x in xs[2:]:
+                out = buf.dispatch(x, handle=handle, cpu_sync=sync)
+                outs += [out, buf.combine(out.recv_x * 2, out.handle)]
+    for x in xs:
+        out = buf.dispatch(x, FEWER_ROWS_IDX, weights, cpu_sync=True, **options)
+        outs += [out, buf.combine(out.recv_x, out.handle)]
+        out = buf.dispatch(x * 3, handle=out.handle, cpu_sync=True)
+        outs += [out, buf.combine(out.recv_x, out.handle)]
     return outs
 
 
@@ -60,7 +73,10 @@ def test_the_prepared_path_gives_the_bytes_of_the_general_path(expand, weighted)
     general, prepared = _buffer(False), _buffer(True)
     want, got = _calls(general, expand, weighted), _calls(prepared, expand, weighted)
     _assert_same_outputs(want, got)
-    assert prepared._backend.prepared.replayed >= 8 and general._backend.prepared.replayed == 0
+    # every call but the first of each shape (new routings 6, their combines 6 (two shapes of y), replays 4 (a
+    # cpu_sync=True replay of a cpu_sync=False handle is the general path's), their combines 8; with fewer rows: 4 new
+    # routings, 3 combines (another y), 4 replays, 4 combines)
+    assert prepared._backend.prepared.replayed == 39 and general._backend.prepared.replayed == 0
     assert prepared._backend.runner.steps.seq == general._backend.runner.steps.seq
 
 
