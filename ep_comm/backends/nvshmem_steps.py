@@ -25,7 +25,8 @@ from ep_comm.backends.profile import Profile
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.checks import routing_error, verdicts_clean
 from ep_comm.contract.geometry import Geometry
-from ep_comm.contract.symmetric import record_verdict_words, record_verdicts, record_words
+from ep_comm.contract.protocol import RECORD_VERDICTS, VERDICT_WORDS
+from ep_comm.contract.symmetric import record_verdicts, record_words
 from ep_comm.errors import RoutingError
 from ep_comm.launching.kernel_launches import Kernels
 
@@ -59,6 +60,7 @@ class StepRunner:
         self.profile = Profile(profiling, device)
         self.steps = Steps(rank, timeout_s, transport)
         self.record_host, self.record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
+        self._verdict_words = slice(RECORD_VERDICTS, RECORD_VERDICTS + VERDICT_WORDS * geo.num_ranks)  # in the record
         self.unchecked: Optional[Tuple[Any, str]] = None
 
     @contextmanager
@@ -157,9 +159,12 @@ class StepRunner:
         """Poll until the GPU reached ``marker`` (``device.progress()`` taken after the step's wait: the work
         enqueued after it runs on meanwhile), then raise on a peer's abort record or a timeout: one poll, no
         stream synchronisation."""
-        with self.profile.phase(what, "host sync"):
+        if self.profile.enabled:
+            with self.profile.phase(what, "host sync"):
+                self._poll(marker, what)
+        else:
             self._poll(marker, what)
-        self._after_host_wait(what)
+        self.steps.after_wait(what, *self.transport.wait_state())  # _after_host_wait, one Python call less
 
     def _poll(self, marker: Any, what: str) -> None:
         """Spin until the GPU reached ``marker`` (``device.progress()``), waking within a microsecond or two of it:
@@ -212,8 +217,7 @@ class StepRunner:
         """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
         None when all are clean."""
         geo = self.geo
-        words = record_verdict_words(self.record_host, geo.num_ranks)
-        if verdicts_clean(words, geo.num_experts):
+        if verdicts_clean(self.record_host[self._verdict_words].tolist(), geo.num_experts):
             return None
         return routing_error(record_verdicts(self.record_host, geo.num_ranks), geo.num_experts, step)
 
