@@ -16,7 +16,8 @@ per launch: compare phases within the tool, not its totals with ``ep_comm.bench`
 Phases (us from the call's start, p50 over the timed calls; ``rank`` per rank and the slowest):
 ``enqueue`` (start to the poll, or to the return without a poll), ``poll`` (the poll's wait), ``after_poll`` (poll to
 return), ``call`` (start to return), ``gpu_done`` (start to the GPU's end), and per kernel in launch order
-``<i>:<name>`` host launch time, GPU start and end, and the GPU idle before it (``gap``). Writes ``DIR/rank{r}.json``
+``<i>:<name>`` host launch time, the driver call's own time (``driver``: a launch slowed by MPS or the driver,
+not by Python), GPU start and end, and the GPU idle before it (``gap``). Writes ``DIR/rank{r}.json``
 (every call's raw times) and, on rank 0, ``DIR/timeline.json`` (the summary of every rank) and ``DIR/timeline.txt``
 (the tables).
 """
@@ -51,14 +52,16 @@ def call_phases(call: Mapping[str, Any]) -> Dict[str, float]:
 
 
 def kernel_rows(call: Mapping[str, Any]) -> List[Dict[str, Any]]:
-    """Per launch of one call's record (``launches``: ``name``, ``host`` (the driver call's begin, s), ``gpu``
-    (``[start, end]`` on the host clock, s, or None)), in launch order: its name, host launch time, GPU start and end
-    and the GPU idle before it (``gap``, from the previous kernel's end, or from the poll's end for the first kernel
+    """Per launch of one call's record (``launches``: ``name``, ``host`` (when it was launched, s), ``driver`` (the
+    ``cuLaunchKernel`` call's own seconds, or None), ``gpu`` (``[start, end]`` on the host clock, s, or None)), in
+    launch order: its name, host launch time, driver call time, GPU start and end and the GPU idle before it (``gap``, from the previous kernel's end, or from the poll's end for the first kernel
     launched after the poll), in us from the call's start."""
     start, poll = call["start"], call.get("poll")
     rows, previous_end = [], None
     for i, launch in enumerate(call["launches"]):
         row: Dict[str, Any] = {"kernel": f"{i}:{launch['name']}", "host_us": (launch["host"] - start) * 1e6}
+        if launch.get("driver") is not None:
+            row["driver_us"] = launch["driver"] * 1e6
         gpu = launch.get("gpu")
         if gpu is not None:
             row["gpu_start_us"], row["gpu_end_us"] = (gpu[0] - start) * 1e6, (gpu[1] - start) * 1e6
@@ -120,14 +123,15 @@ def format_summary(title: str, per_rank: Sequence[Mapping[str, Any]]) -> List[st
     for s in per_rank:
         kernels += [k for k in s["kernels_us"] if k not in kernels]
     if kernels:
-        lines.append(f"  {'kernel':<28}" + "".join(f"{'r' + str(r) + ' launch/start/end/gap':>34}"
+        lines.append(f"  {'kernel':<28}" + "".join(f"{'r' + str(r) + ' launch/driver/start/end/gap':>40}"
                                                    for r in range(len(per_rank))))
         for kernel in kernels:
             cells = []
             for s in per_rank:
                 k = s["kernels_us"].get(kernel, {})
-                cells.append("/".join(_us(k.get(f)) for f in ("host_us", "gpu_start_us", "gpu_end_us", "gap_us")))
-            lines.append(f"  {kernel[:28]:<28}" + "".join(f"{c:>34}" for c in cells))
+                cells.append("/".join(_us(k.get(f)) for f in ("host_us", "driver_us", "gpu_start_us", "gpu_end_us",
+                                                               "gap_us")))
+            lines.append(f"  {kernel[:28]:<28}" + "".join(f"{c:>40}" for c in cells))
     return lines
 
 
@@ -166,9 +170,11 @@ class _Recorder:
         begin, end = self.events[2 * len(self.launches)], self.events[2 * len(self.launches) + 1]
         host = time.perf_counter()
         record(begin.ptr, handle)
+        driver = time.perf_counter()
         self._launch(function, grid, block, shared, on, params, name)
+        driver = time.perf_counter() - driver
         record(end.ptr, handle)
-        self.launches.append([name.replace("kernel ", ""), host, begin, end])
+        self.launches.append([name.replace("kernel ", ""), host, driver, begin, end])
 
     def _timed_poll(self, marker: Any, what: str) -> None:
         begin = time.perf_counter()
@@ -199,8 +205,8 @@ def _timed_call(cupy: Any, recorder: _Recorder, op: Callable[[], Any]) -> Dict[s
     def on_host(event: Any) -> float:
         return h0 + cupy.cuda.get_elapsed_time(reference, event) / 1e3
 
-    launches = [{"name": name, "host": host, "gpu": [on_host(b), on_host(e)]}
-                for name, host, b, e in recorder.launches]
+    launches = [{"name": name, "host": host, "driver": driver, "gpu": [on_host(b), on_host(e)]}
+                for name, host, driver, b, e in recorder.launches]
     return {"start": start, "end": end, "poll": recorder.poll, "gpu_done": on_host(done), "launches": launches,
             "calibration_us": calibration}
 

@@ -19,7 +19,7 @@ def _record(shift: float = 0.0) -> dict:
     us = 1e-6
     return {"start": 1.0, "end": 1.0 + 120 * us, "poll": [1.0 + 60 * us, 1.0 + (100 + shift) * us],
             "gpu_done": 1.0 + 140 * us, "calibration_us": 3.0 + shift,
-            "launches": [{"name": "count", "host": 1.0 + 5 * us, "gpu": [1.0 + 8 * us, 1.0 + 20 * us]},
+            "launches": [{"name": "count", "host": 1.0 + 5 * us, "driver": 4 * us, "gpu": [1.0 + 8 * us, 1.0 + 20 * us]},
                          {"name": "signal_and_wait", "host": 1.0 + 30 * us, "gpu": [1.0 + 32 * us, 1.0 + 40 * us]},
                          {"name": "receive_count", "host": 1.0 + 50 * us, "gpu": [1.0 + 52 * us, 1.0 + 60 * us]},
                          {"name": "receive_copy", "host": 1.0 + 110 * us, "gpu": [1.0 + 112 * us, 1.0 + 135 * us]}]}
@@ -39,6 +39,7 @@ def test_the_kernel_rows_give_each_kernels_gpu_idle_before_it_from_the_poll_afte
     assert rows[1]["gap_us"] == pytest.approx(12) and rows[2]["gap_us"] == pytest.approx(12)
     assert rows[3]["gap_us"] == pytest.approx(12), "the receive copy waits for the host from the poll's end (100 us)"
     assert rows[3]["host_us"] == pytest.approx(110) and rows[3]["gpu_end_us"] == pytest.approx(135)
+    assert rows[0]["driver_us"] == pytest.approx(4) and "driver_us" not in rows[1]
 
 
 def test_the_summary_takes_medians_and_the_text_has_a_column_per_rank():
@@ -102,6 +103,7 @@ def test_one_timed_call_through_the_recorder_notes_launches_and_the_poll_and_res
     assert record["poll"] is not None and record["start"] <= record["poll"][0] <= record["poll"][1] <= record["end"]
     first = record["launches"][0]
     assert record["start"] <= first["host"] and first["gpu"][0] <= first["gpu"][1] <= record["gpu_done"]
+    assert 0 <= first["driver"] < record["end"] - record["start"]
     phases = timeline.call_phases(record)
     assert set(phases) == {"call", "enqueue", "poll", "after_poll", "gpu_done"}
     recorder.restore()
