@@ -18,7 +18,7 @@ Phases (us from the call's start, p50 over the timed calls; ``rank`` per rank an
 return), ``call`` (start to return), ``gpu_done`` (start to the GPU's end), and per kernel in launch order
 ``<i>:<name>`` host launch time, the driver call's own time (``driver``: a launch slowed by MPS or the driver,
 not by Python), GPU start and end, and the GPU idle before it (``gap``). Writes ``DIR/rank{r}.json``
-(every call's raw times) and, on rank 0, ``DIR/timeline.json`` (the summary of every rank) and ``DIR/timeline.txt``
+(every call's raw times) and, on rank 0 (with each rank's call start after rank 0's, ``start skew``), ``DIR/timeline.json`` (the summary of every rank) and ``DIR/timeline.txt``
 (the tables).
 """
 from __future__ import annotations
@@ -54,14 +54,20 @@ def call_phases(call: Mapping[str, Any]) -> Dict[str, float]:
 def kernel_rows(call: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """Per launch of one call's record (``launches``: ``name``, ``host`` (when it was launched, s), ``driver`` (the
     ``cuLaunchKernel`` call's own seconds, or None), ``gpu`` (``[start, end]`` on the host clock, s, or None)), in
-    launch order: its name, host launch time, driver call time, GPU start and end and the GPU idle before it (``gap``, from the previous kernel's end, or from the poll's end for the first kernel
+    launch order: its name, host launch time, the host's Python time before it (from the previous launch's driver
+    call or the call's start, the poll's wait left out: ``python_us``), driver call time, GPU start and end and the
+    GPU idle before it (``gap``, from the previous kernel's end, or from the poll's end for the first kernel
     launched after the poll), in us from the call's start."""
     start, poll = call["start"], call.get("poll")
-    rows, previous_end = [], None
+    rows, previous_end, host_free = [], None, start
     for i, launch in enumerate(call["launches"]):
         row: Dict[str, Any] = {"kernel": f"{i}:{launch['name']}", "host_us": (launch["host"] - start) * 1e6}
+        waited = 0.0 if poll is None or not host_free <= poll[0] <= launch["host"] else poll[1] - poll[0]
+        row["python_us"] = max(0.0, (launch["host"] - host_free - waited) * 1e6)
+        host_free = launch["host"]
         if launch.get("driver") is not None:
             row["driver_us"] = launch["driver"] * 1e6
+            host_free += launch["driver"]
         gpu = launch.get("gpu")
         if gpu is not None:
             row["gpu_start_us"], row["gpu_end_us"] = (gpu[0] - start) * 1e6, (gpu[1] - start) * 1e6
@@ -74,6 +80,12 @@ def kernel_rows(call: Mapping[str, Any]) -> List[Dict[str, Any]]:
             previous_end = gpu[1] if previous_end is None else max(previous_end, gpu[1])
         rows.append(row)
     return rows
+
+
+def start_skew(starts: Sequence[Sequence[float]]) -> List[Optional[float]]:
+    """Per rank, the p50 over calls of its call's start minus rank 0's (us; ``starts[r][i]``: rank ``r``'s start of
+    call ``i`` on the host clock, which every rank of a host shares)."""
+    return [_median([(a - b) * 1e6 for a, b in zip(mine, starts[0])]) for mine in starts]
 
 
 def _median(values: Sequence[float]) -> Optional[float]:
@@ -108,14 +120,18 @@ def _us(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def format_summary(title: str, per_rank: Sequence[Mapping[str, Any]]) -> List[str]:
-    """The text of one point and op: a phase table (one column per rank) and a kernel table (per kernel position:
-    host launch / GPU start / GPU end / gap per rank), p50 us from the call's start."""
+def format_summary(title: str, per_rank: Sequence[Mapping[str, Any]],
+                   skew: Optional[Sequence[Optional[float]]] = None) -> List[str]:
+    """The text of one point and op: a phase table (one column per rank; ``skew``: each rank's call start after rank
+    0's, :func:`start_skew`) and a kernel table (per kernel position: host launch / Python before it / driver call /
+    GPU start / GPU end / GPU gap per rank), p50 us from the call's start."""
     lines = [f"== {title} (p50 us from the call's start; {per_rank[0]['calls'] if per_rank else 0} calls; "
              "calibration p50/max " + ", ".join(
                  f"r{r}: {_us(s['calibration_us']['p50'])}/{_us(s['calibration_us']['max'])}"
                  for r, s in enumerate(per_rank)) + ")"]
     lines.append(f"  {'phase':<12}" + "".join(f"{'rank ' + str(r):>12}" for r in range(len(per_rank))))
+    if skew is not None:
+        lines.append(f"  {'start skew':<12}" + "".join(f"{_us(v):>12}" for v in skew))
     for phase in PHASE_ORDER:
         if any(phase in s["phases_us"] for s in per_rank):
             lines.append(f"  {phase:<12}" + "".join(f"{_us(s['phases_us'].get(phase)):>12}" for s in per_rank))
@@ -123,15 +139,15 @@ def format_summary(title: str, per_rank: Sequence[Mapping[str, Any]]) -> List[st
     for s in per_rank:
         kernels += [k for k in s["kernels_us"] if k not in kernels]
     if kernels:
-        lines.append(f"  {'kernel':<28}" + "".join(f"{'r' + str(r) + ' launch/driver/start/end/gap':>40}"
+        lines.append(f"  {'kernel':<28}" + "".join(f"{'r' + str(r) + ' launch/python/driver/start/end/gap':>46}"
                                                    for r in range(len(per_rank))))
         for kernel in kernels:
             cells = []
             for s in per_rank:
                 k = s["kernels_us"].get(kernel, {})
-                cells.append("/".join(_us(k.get(f)) for f in ("host_us", "driver_us", "gpu_start_us", "gpu_end_us",
-                                                               "gap_us")))
-            lines.append(f"  {kernel[:28]:<28}" + "".join(f"{c:>40}" for c in cells))
+                cells.append("/".join(_us(k.get(f)) for f in ("host_us", "python_us", "driver_us", "gpu_start_us",
+                                                               "gpu_end_us", "gap_us")))
+            lines.append(f"  {kernel[:28]:<28}" + "".join(f"{c:>46}" for c in cells))
     return lines
 
 
@@ -254,9 +270,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          num_max_tokens_per_rank=max(tokens), backend="nvshmem", num_sms=args.num_sms)
     recorder = _Recorder(cupy, buf._backend.runner, raw)
     raw_calls: Dict[str, Any] = {}
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     summary: Dict[str, Any] = {"ranks": comm.size, "rank": comm.rank, "num_sms": buf.num_sms,
-                               "device": cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode(),
-                               "expand": args.expand, "points": {}}
+                               "device": name.decode() if isinstance(name, bytes) else str(name),
+                               "cpus": len(os.sched_getaffinity(0)), "expand": args.expand, "points": {}}
     try:
         for t in tokens:
             idx = cupy.asarray(uniform_routing(t, args.experts, args.topk, seed=(0, comm.rank)).topk_idx)
@@ -278,11 +295,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(args.out, f"rank{comm.rank}.json"), "w") as f:
         json.dump({"summary": summary, "calls": raw_calls}, f)
     every = comm.gather(summary, root=0)
+    starts = comm.gather({key: [c["start"] for c in records] for key, records in raw_calls.items()}, root=0)
     if comm.rank == 0:
-        lines = [f"eager timeline: {comm.size} rank(s), {summary['device']}, num_sms {summary['num_sms']}, "
-                 f"{'expand' if args.expand else 'compact'}, H {args.hidden}, top-{args.topk} of {args.experts}"]
         for key in summary["points"]:
-            lines += format_summary(key, [s["points"][key] for s in every])
+            skew = start_skew([s[key] for s in starts])
+            for r, s in enumerate(every):
+                s["points"][key]["start_skew_us"] = skew[r]
+        lines = [f"eager timeline: {comm.size} rank(s), {summary['device']}, num_sms {summary['num_sms']}, "
+                 f"{'expand' if args.expand else 'compact'}, H {args.hidden}, top-{args.topk} of {args.experts}; "
+                 f"CPUs each rank may run on: {[s['cpus'] for s in every]}, MPS: "
+                 f"{'CUDA_MPS_PIPE_DIRECTORY' in os.environ}"]
+        for key in summary["points"]:
+            lines += format_summary(key, [s["points"][key] for s in every],
+                                    [s["points"][key]["start_skew_us"] for s in every])
         text = "\n".join(lines)
         print(text, flush=True)
         with open(os.path.join(args.out, "timeline.txt"), "w") as f:

@@ -40,6 +40,8 @@ def test_the_kernel_rows_give_each_kernels_gpu_idle_before_it_from_the_poll_afte
     assert rows[3]["gap_us"] == pytest.approx(12), "the receive copy waits for the host from the poll's end (100 us)"
     assert rows[3]["host_us"] == pytest.approx(110) and rows[3]["gpu_end_us"] == pytest.approx(135)
     assert rows[0]["driver_us"] == pytest.approx(4) and "driver_us" not in rows[1]
+    assert rows[0]["python_us"] == pytest.approx(5) and rows[1]["python_us"] == pytest.approx(21)  # 30 - 5 - 4
+    assert rows[3]["python_us"] == pytest.approx(20), "from 50 us to 110 us, the poll's 40 us left out"
 
 
 def test_the_summary_takes_medians_and_the_text_has_a_column_per_rank():
@@ -47,8 +49,10 @@ def test_the_summary_takes_medians_and_the_text_has_a_column_per_rank():
     assert summary["calls"] == 3 and summary["phases_us"]["poll"] == pytest.approx(45)
     assert summary["calibration_us"] == {"p50": 8.0, "max": 11.0}
     assert summary["kernels_us"]["3:receive_copy"]["gap_us"] == pytest.approx(7)  # 12, 7, 4 after polls of 100-108
-    lines = timeline.format_summary("tokens=128 new_sync", [summary, summary])
+    lines = timeline.format_summary("tokens=128 new_sync", [summary, summary], [0.0, 7.5])
     assert lines[0].startswith("== tokens=128 new_sync") and "rank 1" in lines[1]
+    assert lines[2].split() == ["start", "skew", "0.0", "7.5"]
+    assert timeline.start_skew([[1.0, 2.0], [1.000010, 2.000004]]) == pytest.approx([0.0, 7.0])
     assert any(line.split()[0] == "poll" and line.split()[1:] == ["45.0", "45.0"] for line in lines), lines
     assert any(line.strip().startswith("3:receive_copy") for line in lines), lines
 
