@@ -162,3 +162,29 @@ def test_a_prepared_shape_never_takes_a_capture_and_refuses_unsigned_ids_there_a
     got, want = buf.dispatch(x, unsigned), buf.dispatch(x, unsigned.astype(np.int64))
     assert be.prepared.replayed == replayed
     assert_same_dispatch("unsigned ids", want, got)
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
+def test_a_cpu_sync_replay_waits_for_nothing_and_the_next_call_raises_its_timeout(prepared, monkeypatch):
+    """``docs/design.md``, "The eager path": a replay with ``cpu_sync=True`` takes its counts from its handle and
+    does not poll; a peer its GPU wait missed is raised by the next call (``ep_comm.TimeoutError`` naming it)."""
+    buf = _buffer(prepared)
+    x = np.ones((3, SMALL_GEO.hidden), np.float32)
+    out = buf.dispatch(x, SMALL_IDX)
+    for _ in range(2):
+        buf.dispatch(x, handle=out.handle)
+    be = buf._backend
+    transport, exchange = be.transport, be.transport.exchange
+
+    def missing_a_peer(*args):
+        exchange(*args)
+        transport.missing = [0]  # what the GPU wait records when a peer does not come within timeout_s
+
+    monkeypatch.setattr(transport, "exchange", missing_a_peer)
+    polls, replayed = be.device.polls, be.prepared.replayed
+    replay = buf.dispatch(x, handle=out.handle)
+    assert be.device.polls == polls, "no poll"
+    assert be.prepared.replayed == replayed + prepared
+    np.testing.assert_array_equal(replay.handle.num_recv_tokens_per_expert, out.handle.num_recv_tokens_per_expert)
+    with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
+        buf.combine(replay.recv_x, replay.handle)
