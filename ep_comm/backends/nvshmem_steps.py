@@ -34,8 +34,9 @@ POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound
 # How a host poll waits (StepRunner._poll): it checks the marker (one event query, ~0.5 us) back to back for
 # POLL_SPIN_S, then yields the core between checks (os.sched_yield, ~0.5 us when nothing else runs) until POLL_YIELD_S,
 # and only then sleeps, from POLL_NAP_S doubling up to POLL_NAP_MAX_S: a sleep wakes up to one timer slack late
-# (time.sleep(0) takes ~57 us with Linux's default 50 us slack), which only a long wait can afford.
-POLL_SPIN_S = 50e-6
+# (time.sleep(0) takes ~57 us with Linux's default 50 us slack), which only a long wait can afford. The spin covers
+# a prefill step's wait (a yield on a busy core may give it away for a scheduler slice; DeepEP's host spins throughout).
+POLL_SPIN_S = 200e-6
 POLL_YIELD_S = 20e-3
 POLL_NAP_S, POLL_NAP_MAX_S = 50e-6, 1e-3
 
