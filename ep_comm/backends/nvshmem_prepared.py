@@ -92,8 +92,9 @@ class PreparedCalls:
         self._ndarray = ctx.xp.ndarray
         self._placement = ctx.device.placement
         self._entries: Dict[tuple, _Entry] = {}
-        self._exact: Dict[tuple, tuple] = {}  # exact output shapes -> (recarving, copy key or None, scratch weights)
-        self._exact_copies: set = set()  # the copy keys recorded for exact shapes (at most _MAX_EXACT_COPIES)
+        # (entry's first key, options, exact output shapes) -> (recarving, (send key, copy key), scratch weights)
+        self._exact: Dict[tuple, tuple] = {}
+        self._exact_copies: set = set()  # the recorded-call keys of exact shapes (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
     # ----------------------------------------------------------------- dispatch
@@ -213,7 +214,7 @@ class PreparedCalls:
         depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``; otherwise
         the entry's key) and the receive copy (its grid and array shapes). A key is None past ``_MAX_EXACT_COPIES``
         shapes: that piece launches pre-bound."""
-        key = (width, entry.options, entry.weighted, exact)
+        key = (entry.keys[0], width, entry.options, entry.weighted, exact)  # keys[0]: payload, ids' dtype, ...
         held = self._exact.get(key)
         if held is not None:
             carving, keys, scratch = held
