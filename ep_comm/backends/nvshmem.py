@@ -30,10 +30,11 @@ own partials too (``combine_expand_kernel`` computes them).
 
 Everything is enqueued on the caller's current stream (``CupyDevice``), with Numba's
 CUDA-array-interface stream sync off during our launches: every array we pass was made on, or
-handed in for, that same stream. The host waits only where ``cpu_sync=True`` needs it: a dispatch
-reads its row counts (one synchronisation), a combine reports a timeout. With ``cpu_sync=False``
+handed in for, that same stream. The host waits only where ``cpu_sync=True`` needs it, by polling a
+progress marker (no stream synchronisation): a new routing reads its row counts, a combine reports a
+timeout; a replay takes its counts from its handle and waits for nothing. With ``cpu_sync=False``
 nothing waits on the host: outputs have the contract's worst-case rows, the true counts stay on the
-device, and a timeout is reported by the next call.
+device, and a timeout is reported by the next call (as for a replay).
 
 The backend gets its transport (``ep_comm.transport.nvshmem.NvshmemTransport``) and device
 (``CupyDevice``) from :meth:`NvshmemBackend.open`; the tests give it a loopback transport and a

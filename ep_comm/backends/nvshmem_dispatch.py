@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -171,12 +171,13 @@ class NvshmemDispatch:
         return self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum,
                                                         recv.num_unaligned_per_expert), counts, None, self.place_mode)
 
-    def received_counts(self) -> tuple:
+    def received_counts(self, marker: Any = None) -> tuple:
         """``(received rows, expanded rows, aligned counts [L])`` as host ints, from the mapped record of this
-        step's receive count, after one poll; the routing error of any rank's bad verdict instead."""
+        step's receive count, after one poll of ``marker`` (a ``device.progress()`` taken after the receive count;
+        None: one taken now); the routing error of any rank's bad verdict instead."""
         runner = self.runner
         step = runner.steps.latest
-        runner.check_arrival(self.device.progress(), "dispatch")
+        runner.check_arrival(self.device.progress() if marker is None else marker, "dispatch")
         error = runner.verdict(step)
         if error is not None:
             raise error
@@ -190,8 +191,7 @@ class NvshmemDispatch:
         them."""
         h, request = request.handle, self._contiguous_request(request)
         if request.cpu_sync:
-            counts = (int(h.num_recv_tokens), int(h.num_expanded_tokens),
-                      [int(c) for c in _host(h.num_recv_tokens_per_expert)])
+            counts = host_counts(h)
         else:
             counts = self.handle_value(h, "device_counts", _device_counts)
         outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
@@ -212,10 +212,11 @@ class NvshmemDispatch:
 
     def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool,
                         stream: Any) -> DispatchOutput:
-        """The receive half of a replay, on ``stream``: the rows into the ``outputs`` allocated before the send."""
+        """The receive half of a replay, on ``stream``: the rows into the ``outputs`` allocated before the send. No host
+        wait, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The eager path"); the outcome of
+        the wait is raised by the next call."""
         h = request.handle
         self.runner.wait("dispatch", hooked, with_counts=False)
-        arrived = self.device.progress() if request.cpu_sync else None
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
         layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
@@ -223,8 +224,6 @@ class NvshmemDispatch:
         out = self._receive(stream, request, h.routing, layout, counts, h.recv_src_metadata,
                             kernel_launches.PLACE_CACHED, outputs=outputs,
                             skip_source=-1 if request.expand else self.rank)
-        if arrived is not None:
-            self.runner.check_arrival(arrived, "dispatch")
         return out
 
     def handle_value(self, h: EPHandle, name: str, derive: Any) -> Any:
@@ -326,8 +325,17 @@ def copy_recorded_metadata(metadata: Array, recorded: Array) -> None:
     metadata[:m] = recorded[:m]
 
 
-def _host(values: Any) -> Sequence:
-    """A host sequence of a host list or a device array."""
+def host_counts(h: EPHandle) -> tuple:
+    """``(received rows, expanded rows, aligned counts [L] as a new list)`` of handle ``h`` as host values, for the exact
+    outputs of a ``cpu_sync=True`` replay: a ``cpu_sync`` handle holds them on the host (no device read, one list
+    copy: each handle owns its list); a ``cpu_sync=False`` one on the device (three reads, which wait for the stream)."""
+    if h.cpu_sync:
+        return int(h.num_recv_tokens), int(h.num_expanded_tokens), list(h.num_recv_tokens_per_expert)
+    return int(h.num_recv_tokens), int(h.num_expanded_tokens), _host(h.num_recv_tokens_per_expert).tolist()
+
+
+def _host(values: Any) -> Any:
+    """A host array of a device array (a NumPy array as it is)."""
     return values.get() if hasattr(values, "get") else values
 
 

@@ -20,7 +20,10 @@ deferred verdict to check, a rank missing or an abort record seen takes the gene
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem_combine import (
@@ -36,6 +39,7 @@ from ep_comm.backends.nvshmem_dispatch import (
     _send_psum,
     cached_send_roots,
     copy_recorded_metadata,
+    host_counts,
     receive_copy_key,
     send_roots,
 )
@@ -45,9 +49,21 @@ from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.launching import kernel_launches
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
+# exact output shapes of cpu_sync=True calls kept per Buffer (cleared when full), and receive copies recorded for
+# them (each exact shape's grid and array shapes are its own); past that many, an exact copy launches pre-bound
+_MAX_EXACT, _MAX_EXACT_COPIES = 256, 256
+# a compact new routing with cpu_sync=True returns views of worst-case outputs (its copy enqueued before the poll)
+# only where those take at most this many bytes (decode shapes); larger ones (R * max_tokens rows at prefill, many
+# ranks) allocate the exact outputs after the poll, as the general path does
+_VIEWS_MAX_BYTES = 64 << 20
 _DISPATCH, _COMBINE = STEP_KINDS["dispatch"], STEP_KINDS["combine"]
 
 Identity = Tuple[Any, ...]
+
+
+def _bytes(shapes: Any) -> int:
+    """The bytes of arrays of ``(shape, dtype)`` ``shapes``."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
 
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
@@ -88,6 +104,9 @@ class PreparedCalls:
         self._ndarray = ctx.xp.ndarray
         self._placement = ctx.device.placement
         self._entries: Dict[tuple, _Entry] = {}
+        # (entry's first key, options, exact output shapes) -> (recarving, (send key, copy key), scratch weights)
+        self._exact: Dict[tuple, tuple] = {}
+        self._exact_copies: set = set()  # the recorded-call keys of exact shapes (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
     # ----------------------------------------------------------------- dispatch
@@ -133,10 +152,11 @@ class PreparedCalls:
                     or type(alignment) is not int):
                 return None
             return "new", idx.shape, x.shape, weights_shape, expand, alignment, zero_padding, cpu_sync
-        if idx is not None or cpu_sync or type(handle) is not EPHandle:
+        # a cpu_sync=True replay of a cpu_sync=False handle reads its counts from the device: the general path's
+        if idx is not None or type(handle) is not EPHandle or (cpu_sync and not handle.cpu_sync):
             return None
         return ("cached", x.shape, weights_shape, handle.topk_weights is None, handle.num_tokens, handle.expand,
-                handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype)
+                handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype, cpu_sync)
 
     def _may_learn(self, rows: Any, inputs: Tuple[Any, ...], ids: Any) -> bool:
         """Whether the call just made may be prepared: no profiling, no capture, payload ``rows`` that the kernels
@@ -164,9 +184,9 @@ class PreparedCalls:
         options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
         count = dispatcher.count_carving(h.num_tokens, idx.dtype) if new else None
         outputs, scratch, copy_key = None, None, None
-        if not h.cpu_sync:
-            shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
-            arrays, block = dispatcher.carve_outputs(shapes, None)
+        shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
+        if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
+            arrays, block = dispatcher.carve_outputs(shapes, None)  # worst-case outputs
             outputs = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
                 (arrays[2],) if weighted else ()))
             scratch = None if weighted else arrays[2]
@@ -201,10 +221,62 @@ class PreparedCalls:
         weights = views[3] if entry.weighted else entry.scratch
         return block, (views[0], views[1], weights, views[2])
 
+    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> Tuple[Array, tuple, tuple]:
+        """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), (send key, copy key))``: new
+        outputs of the exact shapes of ``exact`` (received rows, expanded rows) for a ``cpu_sync=True`` call of
+        ``entry``, carved by a recarving kept per shape, and the recorded-call keys of the pieces whose launches
+        depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``; otherwise
+        the entry's key) and the receive copy (its grid and array shapes). A key is None past ``_MAX_EXACT_COPIES``
+        shapes: that piece launches pre-bound."""
+        key = (entry.keys[0], width, entry.options, entry.weighted, exact)  # keys[0]: payload, ids' dtype, ...
+        held = self._exact.get(key)
+        if held is not None:
+            carving, keys, scratch = held
+            block, views = carving.new()
+            return block, (views[0], views[1], views[3] if entry.weighted else scratch, views[2]), keys
+        dispatcher = self._dispatcher
+        expand, alignment = entry.options[:2]
+        arrays, block = dispatcher.carve_outputs(
+            dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact), None)
+        send_key = entry.keys[0]
+        if entry.count is None and not expand:  # a compact replay: its scatter's recv_x has the exact shape
+            send_key = self._exact_key(send_key[:-1] + (arrays[0].shape,))
+        keys = (send_key, self._exact_key(receive_copy_key(entry.options, arrays[0], entry.weighted)
+                                          + (arrays[3].shape[0],)))
+        if len(self._exact) >= _MAX_EXACT:
+            self._exact.clear()
+        carving = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
+            (arrays[2],) if entry.weighted else ()))
+        self._exact[key] = (carving, keys, None if entry.weighted else arrays[2])
+        return block, arrays, keys
+
+    def _exact_key(self, key: tuple) -> Optional[tuple]:
+        """``key``, a recorded-call key of an exact output shape, or None when ``_MAX_EXACT_COPIES`` such keys were
+        recorded already (recorded calls are kept for good: their number is bounded here)."""
+        if key not in self._exact_copies:
+            if len(self._exact_copies) >= _MAX_EXACT_COPIES:
+                return None
+            self._exact_copies.add(key)
+        return key
+
+    def _copy(self, key: Any, on: Any, stream: Any, psums: Tuple[Array, Array], block: Array, arrays: tuple,
+              options: tuple) -> None:
+        """The receive copy, on ``stream``, into ``arrays`` carved from ``block``: the recorded call of ``key``, or a
+        pre-bound launch when ``key`` is None."""
+        copy = functools.partial(self._dispatcher.receive_copy, stream, psums[0], psums[1], arrays, options)
+        if key is None:
+            copy()
+        else:
+            self._runner.recorded.run(key, on, (psums[0], psums[1], block), copy)
+
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
-        """A dispatch of a new routing: count and scatter, signal and wait, receive count; then ``cpu_sync``: one
-        poll, the verdicts, exact outputs and their receive copy; else the recorded copy into worst-case outputs."""
+        """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
+        the handle. ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll (it reads the
+        counts on the device), then one poll, the verdicts, and the outputs are the exact rows of those (views);
+        ``cpu_sync`` expand: one poll, the verdicts, exact outputs (carved as kept per shape) and their copy (recorded
+        per shape); else the recorded copy into worst-case outputs. After the poll: no loop over ranks or experts (the
+        counts per expert are one ``tolist`` of the mapped record)."""
         dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
@@ -219,11 +291,17 @@ class PreparedCalls:
         runner.recorded.run(entry.keys[1], on, (recv_block,),
                             functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
         if cpu_sync:
-            num_recv, num_expanded, aligned = dispatcher.received_counts()
-            shapes = dispatcher.output_shapes(x.shape[1], expand, alignment, weights is not None,
-                                              (num_recv, num_expanded))
-            arrays, out_block = dispatcher.carve_outputs(shapes, None)
-            dispatcher.receive_copy(stream, rank_psum, expert_psum, arrays, entry.options)
+            marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
+            if entry.outputs is None:  # exact outputs after the poll (expand, or compact past _VIEWS_MAX_BYTES)
+                num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
+                out_block, arrays, keys = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+                self._copy(keys[1], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
+            else:
+                out_block, arrays = self._outputs(entry)
+                self._copy(entry.keys[2], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
+                num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
+                n = num_recv
+                arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
         else:
             runner.defer_verdict()
             out_block, arrays = self._outputs(entry)
@@ -235,27 +313,40 @@ class PreparedCalls:
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
-        """A ``cpu_sync=False`` replay of handle ``h``: worst-case outputs first, the recorded slots' scatter (in
-        compact mode this rank's own rows straight into ``recv_x``), signal and wait, the receive copy."""
+        """A replay of handle ``h``: outputs first (worst-case shapes; ``cpu_sync``: the exact shapes the handle
+        gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``), signal and
+        wait, the receive copy. No poll, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The
+        eager path"); the outcome of the wait is the next call's to raise."""
         dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
-        num_recv, num_expanded, aligned = dispatcher.handle_value(h, "device_counts", _device_counts)
-        out_block, arrays = self._outputs(entry)
+        if cpu_sync:
+            num_recv, num_expanded, aligned = host_counts(h)
+            out_block, arrays, (send_key, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+        else:
+            num_recv, num_expanded, aligned = dispatcher.handle_value(h, "device_counts", _device_counts)
+            out_block, arrays = self._outputs(entry)
+            send_key, copy_key = entry.keys[0], entry.keys[2]
         psum = h.psum_num_recv_tokens_per_rank
         if entry.options[0]:
             local = None
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
         else:
             local = (arrays[0], psum)
-        runner.recorded.run(entry.keys[0], on, cached_send_roots(h, x, weights, local, out_block),
-                            functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                              kernel_launches.SLOT_CACHED, local))
+        scatter = functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                    kernel_launches.SLOT_CACHED, local)
+        if send_key is None:
+            scatter()
+        else:
+            runner.recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), scatter)
         transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum), with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
         expert_psum = h.psum_num_recv_tokens_per_expert
-        runner.recorded.run(entry.keys[2], on, (psum, expert_psum, out_block),
-                            functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options))
+        copy = functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options)
+        if copy_key is None:
+            copy()
+        else:
+            runner.recorded.run(copy_key, on, (psum, expert_psum, out_block), copy)
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)

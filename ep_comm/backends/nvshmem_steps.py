@@ -10,6 +10,7 @@ numbers, and the deferred routing verdict of a ``cpu_sync=False`` dispatch. What
 from __future__ import annotations
 
 import functools
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,11 +25,20 @@ from ep_comm.backends.profile import Profile
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.checks import routing_error, verdicts_clean
 from ep_comm.contract.geometry import Geometry
-from ep_comm.contract.symmetric import record_verdict_words, record_verdicts, record_words
+from ep_comm.contract.protocol import RECORD_VERDICTS, VERDICT_WORDS
+from ep_comm.contract.symmetric import record_verdicts, record_words
 from ep_comm.errors import RoutingError
 from ep_comm.launching.kernel_launches import Kernels
 
 POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound) plus this for the work before them
+# How a host poll waits (StepRunner._poll): it checks the marker (one event query, ~0.5 us) back to back for
+# POLL_SPIN_S, then yields the core between checks (os.sched_yield, ~0.5 us when nothing else runs) until POLL_YIELD_S,
+# and only then sleeps, from POLL_NAP_S doubling up to POLL_NAP_MAX_S: a sleep wakes up to one timer slack late
+# (time.sleep(0) takes ~57 us with Linux's default 50 us slack), which only a long wait can afford. The spin covers
+# a prefill step's wait (a yield on a busy core may give it away for a scheduler slice; DeepEP's host spins throughout).
+POLL_SPIN_S = 200e-6
+POLL_YIELD_S = 20e-3
+POLL_NAP_S, POLL_NAP_MAX_S = 50e-6, 1e-3
 
 
 class StepRunner:
@@ -51,6 +61,7 @@ class StepRunner:
         self.profile = Profile(profiling, device)
         self.steps = Steps(rank, timeout_s, transport)
         self.record_host, self.record = device.mapped_int64(record_words(geo.num_ranks, geo.experts_per_rank), 0)
+        self._verdict_words = slice(RECORD_VERDICTS, RECORD_VERDICTS + VERDICT_WORDS * geo.num_ranks)  # in the record
         self.unchecked: Optional[Tuple[Any, str]] = None
 
     @contextmanager
@@ -149,24 +160,41 @@ class StepRunner:
         """Poll until the GPU reached ``marker`` (``device.progress()`` taken after the step's wait: the work
         enqueued after it runs on meanwhile), then raise on a peer's abort record or a timeout: one poll, no
         stream synchronisation."""
-        with self.profile.phase(what, "host sync"):
+        if self.profile.enabled:
+            with self.profile.phase(what, "host sync"):
+                self._poll(marker, what)
+        else:
             self._poll(marker, what)
-        self._after_host_wait(what)
+        self.steps.after_wait(what, *self.transport.wait_state())  # _after_host_wait, one Python call less
 
     def _poll(self, marker: Any, what: str) -> None:
-        """Spin until the GPU reached ``marker`` (``device.progress()``); its waits are bounded by ``timeout_s``, so
-        past ``timeout_s + POLL_SLACK_S`` the step is given up (``ep_comm.TimeoutError``: the stream's earlier work
-        never finished, or a kernel hangs)."""
+        """Spin until the GPU reached ``marker`` (``device.progress()``), waking within a microsecond or two of it:
+        back to back for ``POLL_SPIN_S``, then yielding the core between checks until ``POLL_YIELD_S``, then sleeping
+        (``POLL_NAP_S`` doubling up to ``POLL_NAP_MAX_S``) so that a long wait does not burn a core. The GPU's waits
+        are bounded by ``timeout_s``, so past ``timeout_s + POLL_SLACK_S`` the step is given up
+        (``ep_comm.TimeoutError`` naming the missing ranks; else the stream's earlier work never finished, or a kernel
+        hangs)."""
         reached = self.device.reached
         if reached(marker):
             return
-        deadline = time.perf_counter() + self.timeout_s + POLL_SLACK_S
+        clock = time.perf_counter
+        start = clock()
+        spin_until, yield_until = start + POLL_SPIN_S, start + POLL_YIELD_S
+        while clock() < spin_until:
+            if reached(marker):
+                return
+        deadline, nap = start + self.timeout_s + POLL_SLACK_S, POLL_NAP_S
         while not reached(marker):
-            if time.perf_counter() > deadline:
+            now = clock()
+            if now > deadline:
                 missing = self.transport.wait_state()[0]
                 raise self.steps.timed_out(what, missing) if missing else self.steps.stalled(
                     what, self.timeout_s + POLL_SLACK_S)
-            time.sleep(0)
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                time.sleep(nap)
+                nap = min(2 * nap, POLL_NAP_MAX_S)
 
     def defer_verdict(self) -> None:
         """A ``cpu_sync=False`` new routing: its verdicts are checked by the next call (after a poll of the progress
@@ -190,8 +218,7 @@ class StepRunner:
         """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
         None when all are clean."""
         geo = self.geo
-        words = record_verdict_words(self.record_host, geo.num_ranks)
-        if verdicts_clean(words, geo.num_experts):
+        if verdicts_clean(self.record_host[self._verdict_words].tolist(), geo.num_experts):
             return None
         return routing_error(record_verdicts(self.record_host, geo.num_ranks), geo.num_experts, step)
 

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ep_comm.contract.choices import PAYLOAD_DTYPES, TRANSPORTS
 from ep_comm.contract.fp8 import BLOCK as FP8_BLOCK
 from ep_comm.contract.geometry import Geometry
-from ep_comm.contract.protocol import ID_CLAMP
+from ep_comm.contract.protocol import ID_CLAMP, VERDICT_WORDS
 from ep_comm.errors import RoutingError
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -152,11 +152,12 @@ def verdict_of(words: Sequence[int]) -> Tuple[int, int]:
     return int(words[0]) - 1, int(words[1]) - 1
 
 
-def verdicts_clean(words: Any, num_experts: int) -> bool:
-    """Whether every rank's verdict words (a NumPy int64 ``[R, VERDICT_WORDS]`` of :func:`verdict_words`) are
-    clean: no id at or past ``num_experts``, no repeated row (:func:`routing_error`'s rule read on the encoded
-    words: two array reductions on the hot path, no decoding; the error itself decodes them)."""
-    return int(words[:, 0].max(initial=0)) <= num_experts and not words[:, 1].any()
+def verdicts_clean(words: Sequence[int], num_experts: int) -> bool:
+    """Whether every rank's verdict words (a flat host list, ``VERDICT_WORDS`` per rank, of :func:`verdict_words`,
+    e.g. one ``tolist()`` of the mapped record's) are clean: no id at or past ``num_experts``, no repeated row
+    (:func:`routing_error`'s rule read on the encoded words: two builtin reductions on the hot path, no decoding; the
+    error itself decodes them)."""
+    return max(words[0::VERDICT_WORDS], default=0) <= num_experts and not any(words[1::VERDICT_WORDS])
 
 
 def routing_error(verdicts: Sequence[Tuple[int, int]], num_experts: int, step: str) -> Optional[RoutingError]:

@@ -26,7 +26,8 @@ ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ful
 
 @dataclass
 class Counts:
-    """One call's counts; ``events`` is the order of launches ("launch <kernel>") and allocations ("alloc <what>")."""
+    """One call's counts; ``events`` is the order of launches ("launch <kernel>"), allocations ("alloc <what>") and
+    polls ("poll")."""
 
     launches: int = 0
     allocations: int = 0
@@ -96,7 +97,7 @@ class LaunchCounter:
         patch = self._patch
         patch(prebound.PreboundKernel, "__call__", stub)
         patch(be.device, "synchronize", self._counted("syncs", lambda: None))
-        patch(be.device, "reached", self._counted("polls", lambda marker: True))
+        patch(be.device, "reached", self._poll)
         read = self._counted("reads", np.array)
         patch(host, "to_host", read)
         patch(nvshmem_backend, "to_host", read)
@@ -130,6 +131,13 @@ class LaunchCounter:
             self._noted.append(kernel)
         if self._counts is not None and not self._inside:
             self._counts.launch(kernel)
+
+    def _poll(self, marker: Any) -> bool:
+        """``device.reached``, counted and noted in the events as "poll" (the GPU is done at once here)."""
+        if self._counts is not None:
+            self._counts.polls += 1
+            self._counts.events.append("poll")
+        return True
 
     def _counted(self, what: str, function: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -28,6 +28,9 @@ LAUNCHES = {"new": (6, 7), "cached": (3, 4), "combine": (2, 3)}
 # frames) 132 / 101 / 92
 PYTHON_CALLS = {"new": 42, "cached": 35, "combine": 28}
 PAIR_CALLS = {"cached": 60, "new": 90}  # the issue's budgets (tools/host_pairs.py measures the same pairs)
+# cpu_sync=True calls of a prepared shape: measured 50 / 34-35 / 32 (a new routing's poll, verdict and counts read; a
+# replay as its cpu_sync=False twin, no poll; a combine's poll); before issue 47 (c0b50a8) 90-99 / 131-141 / 36
+PYTHON_CALLS_SYNC = {"new": 53, "cached": 38, "combine": 35}
 
 
 @pytest.fixture(params=[False, True], ids=["compact", "expand"], scope="module")
@@ -70,7 +73,8 @@ def test_an_eager_call_enqueues_its_chain_without_waiting_on_the_stream(counted,
     counter, ops, expand, _ = counted
     counts = _count(counter, ops, f"{kind} cpu_sync={sync}")
     assert counts.syncs == 0 and counts.reads == 0, counts.events
-    assert counts.polls == (1 if sync else 0), "one poll where the contract needs host numbers, else none"
+    # one poll where the contract needs host numbers; a replay has them from its handle (docs/design.md)
+    assert counts.polls == (1 if sync and kind != "cached" else 0), counts.events
     assert counts.launches <= LAUNCHES[kind][expand], counts.events
     assert counts.allocations_before_first_launch <= 1, counts.events
     assert counts.allocations <= 2, counts.events
@@ -87,6 +91,28 @@ def test_python_calls_of_the_cpu_sync_false_path(counted, kind):
     counter, ops, _, _ = counted
     ops["cached cpu_sync=True"]()
     assert counter.python_calls(ops[f"{kind} cpu_sync=False"]) <= PYTHON_CALLS[kind]
+
+
+@pytest.mark.parametrize("kind", ["new", "cached", "combine"])
+def test_python_calls_of_the_cpu_sync_true_path(counted, kind):
+    counter, ops, _, buf = counted
+    ops["cached cpu_sync=True"]()
+    replayed = buf._backend.prepared.replayed
+    assert counter.python_calls(ops[f"{kind} cpu_sync=True"]) <= PYTHON_CALLS_SYNC[kind]
+    assert buf._backend.prepared.replayed == replayed + 1, "the call took the prepared path"
+
+
+def test_after_the_poll_of_a_new_routing_only_the_exact_outputs_and_their_copy_remain(counted):
+    """A new routing with ``cpu_sync=True``: compact, the receive copy (into worst-case outputs) is enqueued before
+    the poll and nothing is launched or allocated after it; expand, the exact outputs (one allocation) and their
+    receive copy (two launches) come after it, nothing else."""
+    counter, ops, expand, _ = counted
+    events = _count(counter, ops, "new cpu_sync=True").events
+    after = events[events.index("poll") + 1:]
+    if expand:
+        assert [e.split()[0] for e in after] == ["alloc", "launch", "launch"], events
+    else:
+        assert after == [], events
 
 
 def test_the_counter_sees_a_stream_sync_and_an_extra_launch(counted, monkeypatch):

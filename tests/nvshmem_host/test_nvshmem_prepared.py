@@ -15,9 +15,15 @@ def _buffer(prepared: bool, use_puts: bool = False, profile: bool = False) -> bu
     return simulated_buffer(prepared, use_puts, profile)
 
 
+# SMALL_IDX's shape with a token that picks no expert: the same prepared shape, fewer rows received (other exact
+# output shapes with cpu_sync=True)
+FEWER_ROWS_IDX = np.array([[0, 1, -1], [-1, -1, -1], [4, 5, 3]], np.int64)
+
+
 def _calls(buf, expand: bool, weighted: bool) -> list:
-    """The outputs of a fixed sequence of eager calls: new routings (cpu_sync False, then True), replays and
-    combines, each shape twice (the second call of a shape is the prepared one)."""
+    """The outputs of a fixed sequence of eager calls: new routings (cpu_sync False, then True), replays (cpu_sync
+    False and True) and combines, each shape twice (the second call of a shape is the prepared one), then a routing
+    of the same shape receiving fewer rows (exact outputs of other shapes with cpu_sync=True) and its replays."""
     rng = np.random.default_rng(7)
     xs = [rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32) for _ in range(4)]
     weights = rng.random((3, SMALL_GEO.num_topk)).astype(np.float32) if weighted else None
@@ -27,10 +33,17 @@ def _calls(buf, expand: bool, weighted: bool) -> list:
         for x in xs[:2]:
             out = buf.dispatch(x, SMALL_IDX, weights, cpu_sync=sync, **options)
             outs += [out, buf.combine(out.recv_x, out.handle)]
-    first = outs[0]
-    for x in xs[2:]:
-        out = buf.dispatch(x, handle=first.handle, cpu_sync=False)
-        outs += [out, buf.combine(out.recv_x * 2, out.handle)]
+    first, synced = outs[0], outs[4]
+    for handle in (first.handle, synced.handle):
+        for sync in (False, True):
+            for x in xs[2:]:
+                out = buf.dispatch(x, handle=handle, cpu_sync=sync)
+                outs += [out, buf.combine(out.recv_x * 2, out.handle)]
+    for x in xs:
+        out = buf.dispatch(x, FEWER_ROWS_IDX, weights, cpu_sync=True, **options)
+        outs += [out, buf.combine(out.recv_x, out.handle)]
+        out = buf.dispatch(x * 3, handle=out.handle, cpu_sync=True)
+        outs += [out, buf.combine(out.recv_x, out.handle)]
     return outs
 
 
@@ -49,7 +62,10 @@ def test_the_prepared_path_gives_the_bytes_of_the_general_path(expand, weighted)
     general, prepared = _buffer(False), _buffer(True)
     want, got = _calls(general, expand, weighted), _calls(prepared, expand, weighted)
     _assert_same_outputs(want, got)
-    assert prepared._backend.prepared.replayed >= 8 and general._backend.prepared.replayed == 0
+    # every call but the first of each shape (new routings 6, their combines 6 (two shapes of y), replays 4 (a
+    # cpu_sync=True replay of a cpu_sync=False handle is the general path's), their combines 8; with fewer rows: 4 new
+    # routings, 3 combines (another y), 4 replays, 4 combines)
+    assert prepared._backend.prepared.replayed == 39 and general._backend.prepared.replayed == 0
     assert prepared._backend.runner.steps.seq == general._backend.runner.steps.seq
 
 
@@ -135,3 +151,29 @@ def test_a_prepared_shape_never_takes_a_capture_and_refuses_unsigned_ids_there_a
     got, want = buf.dispatch(x, unsigned), buf.dispatch(x, unsigned.astype(np.int64))
     assert be.prepared.replayed == replayed
     assert_same_dispatch("unsigned ids", want, got)
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
+def test_a_cpu_sync_replay_waits_for_nothing_and_the_next_call_raises_its_timeout(prepared, monkeypatch):
+    """``docs/design.md``, "The eager path": a replay with ``cpu_sync=True`` takes its counts from its handle and
+    does not poll; a peer its GPU wait missed is raised by the next call (``ep_comm.TimeoutError`` naming it)."""
+    buf = _buffer(prepared)
+    x = np.ones((3, SMALL_GEO.hidden), np.float32)
+    out = buf.dispatch(x, SMALL_IDX)
+    for _ in range(2):
+        buf.dispatch(x, handle=out.handle)
+    be = buf._backend
+    transport, exchange = be.transport, be.transport.exchange
+
+    def missing_a_peer(*args):
+        exchange(*args)
+        transport.missing = [0]  # what the GPU wait records when a peer does not come within timeout_s
+
+    monkeypatch.setattr(transport, "exchange", missing_a_peer)
+    polls, replayed = be.device.polls, be.prepared.replayed
+    replay = buf.dispatch(x, handle=out.handle)
+    assert be.device.polls == polls, "no poll"
+    assert be.prepared.replayed == replayed + prepared
+    np.testing.assert_array_equal(replay.handle.num_recv_tokens_per_expert, out.handle.num_recv_tokens_per_expert)
+    with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
+        buf.combine(replay.recv_x, replay.handle)
