@@ -20,6 +20,7 @@ from typing import Callable
 from numba import cuda
 
 from ep_comm.kernels.numba_internals import set_source_stamp
+from ep_comm.kernels.switches import CACHE_SUFFIX
 
 PACKAGE_DIR = Path(__file__).parent
 PACKAGE_ROOT = PACKAGE_DIR.parent  # ep_comm/
@@ -39,10 +40,13 @@ def sources_digest(package_root: Path = PACKAGE_ROOT) -> str:
 
 
 SOURCES_DIGEST = sources_digest()
+# what cache entries are keyed on: the digest, and the debug switches back to older kernels when any is set
+CACHE_STAMP = SOURCES_DIGEST + CACHE_SUFFIX
 
 
 def kernel(fn: Callable) -> Callable:
-    """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`SOURCES_DIGEST`.
+    """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`CACHE_STAMP` (:data:`SOURCES_DIGEST`, plus
+    the ``ep_comm.kernels.switches`` set, if any).
 
     ``fn`` must be defined in this package: the digest does not cover other files. The simulator
     has no cache; a Numba without the (private) stamp falls back to its own keying.
@@ -52,5 +56,5 @@ def kernel(fn: Callable) -> Callable:
         raise ValueError(f"fn={fn.__qualname__} is defined in {source}: @kernel caches only kernels defined in "
                          f"{PACKAGE_DIR} (the cache key covers that package's files only)")
     dispatcher = cuda.jit(cache=True)(fn)
-    set_source_stamp(dispatcher, SOURCES_DIGEST)
+    set_source_stamp(dispatcher, CACHE_STAMP)
     return dispatcher

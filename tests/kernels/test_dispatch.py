@@ -42,6 +42,22 @@ def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     assert not to_host(world.kernels._work.counters).any() and not to_host(world.kernels._work.ticket).any()
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_decode_count_on_many_blocks(xp, deterministic):
+    """The decode cut (``count_min_warps``): one unit per count warp, over several blocks whose shared histograms
+    meet in the last block; the same counts, words and stable slots as the reference (and so as one block)."""
+    world = kernel_world(xp, seed=7, ranks=2, experts=64, topk=8, tokens=(128, 96), max_tokens=128, masked=0.05)
+    k = world.kernels = Kernels(xp, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, num_blocks=8,
+                                warps_per_block=4, recv_rows_per_unit=16)
+    num_units, units_per_warp = k.token_cut(128)
+    assert (num_units, units_per_warp) == (32, 1) and k._blocks_for(num_units, k.num_blocks) == 8
+    assert Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, count_min_warps=0).token_cut(128) \
+        == (32, 4)  # the old cut: 8 warps, one block
+    check_count(world, deterministic)
+    assert not to_host(k._work.counters).any() and not to_host(k._work.ticket).any()
+    run_dispatch(world, deterministic=deterministic, expand=False)
+
+
 def test_indices_must_fit_32_bits():
     with pytest.raises(ValueError, match=r"num_ranks \* num_max_tokens_per_rank \* \(num_topk \+ 2\) = 1024 \* "
                                          r"131072 \* \(6 \+ 2\) = 1073741824: must be below 2\*\*30"):

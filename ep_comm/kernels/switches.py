@@ -1,0 +1,42 @@
+"""Debug-only switches back to the kernels as they were before issue 46, so that one GPU call can measure each
+change before and after (``tools/measure_kernels46.sh``).
+
+``EP_COMM_KERNEL_LEGACY`` is a comma-separated list of change names (:data:`CHANGES`), read once at import:
+
+- ``count_cut``: the count walks ``count_tokens_per_warp`` tokens per warp (8 warps, one block, four warp steps each
+  at decode) instead of one unit per warp once that leaves the count fewer than ``count_min_warps`` warps;
+- ``one_fence``: every thread fences before the last-block ticket and before a host-mapped record's tag, instead
+  of one thread after a block barrier;
+- ``warp_fold``: the routing check folds every thread's ``(top, first)`` by shared atomics, instead of a warp
+  shuffle fold and one shared atomic per warp;
+- ``bounds``: the prefill row kernels (scatter, combine reduce) compile without launch bounds.
+
+Device-side switches are compile-time constants (Numba freezes module globals), so they are part of the on-disk
+cache key (:data:`CACHE_SUFFIX`, ``ep_comm/kernels/jit.py``): a kernel compiled under one setting is never
+loaded under another. Unset (the default), every change is in.
+"""
+from __future__ import annotations
+
+import os
+
+CHANGES = ("count_cut", "one_fence", "warp_fold", "bounds")
+ENV = "EP_COMM_KERNEL_LEGACY"
+
+
+def _read(text: str) -> frozenset:
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - set(CHANGES))
+    if unknown:
+        raise ValueError(f"{ENV}={text!r}: unknown change(s) {unknown}; known: {', '.join(CHANGES)}")
+    return names
+
+
+LEGACY = _read(os.environ.get(ENV, ""))
+CACHE_SUFFIX = ("+legacy:" + ",".join(sorted(LEGACY))) if LEGACY else ""
+
+
+def legacy(name: str) -> bool:
+    """Whether change ``name`` (one of :data:`CHANGES`) is switched back to its old form."""
+    if name not in CHANGES:
+        raise ValueError(f"unknown change {name!r}; known: {', '.join(CHANGES)}")
+    return name in LEGACY
