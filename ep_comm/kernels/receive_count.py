@@ -22,7 +22,7 @@ from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.routing_check import bad_verdict
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.ticket import block_totals
+from ep_comm.kernels.ticket import ONE_FENCE, block_totals
 from ep_comm.kernels.units import lane_entry, lane_place, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, lane_id, warp_scan
 
@@ -76,14 +76,20 @@ def publish_record(record, tag, totals, words, aligned):
     """Write the record (int64 ``[record_words(R, L)]``, host-mapped on a GPU; ``ep_comm.contract.symmetric``): N and M
     from ``totals [2]``, every source's verdict words from ``words [R, 1 + L + VERDICT_WORDS]``, the ``aligned [L]``
     counts, then, after a system fence, ``tag`` (the step number) last, so that a host that sees the tag sees
-    the rest. Call from all threads of one block, once ``totals`` and ``aligned`` are written and synced."""
+    the rest. Call from all threads of one block, once ``totals`` and ``aligned`` are written and synced.
+
+    The block's threads meet at a barrier and one thread fences, then writes the tag (``ticket.py``'s pattern:
+    one system fence per block, not one per thread; ``EP_COMM_KERNEL_LEGACY=one_fence`` fences in every thread)."""
     w = RECORD_N + cuda.threadIdx.x
     while w < record.shape[0]:
         record[w] = record_word(w, totals, words, aligned)
         w = np.int32(w + cuda.blockDim.x)
-    cuda.threadfence_system()
+    if not ONE_FENCE:
+        cuda.threadfence_system()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
+        if ONE_FENCE:
+            cuda.threadfence_system()  # every thread's record words, ordered before it by the barrier
         record[RECORD_TAG] = tag
 
 
