@@ -23,6 +23,7 @@ from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
 from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
@@ -72,7 +73,7 @@ def own_rows(rank_psum, my_rank):
     return first, rank_psum[my_rank] - first
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_scatter` (compact): one warp per piece of ``span``
     words (even) of a row; the rows whose source is ``my_rank`` are skipped (not given a warp)."""

@@ -13,6 +13,7 @@ from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, 
 from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.vector import load_pair, store_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, lane_id
@@ -72,7 +73,7 @@ def add_buffer_terms(acc, rows, order, j0, j1, w, w2, end):
         add_bf16_term(acc, rows[order[j], order[num_topk + j]], w, w2, end)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, y, own_from_y,
                                rank_psum, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
@@ -164,7 +165,7 @@ def add_term_group(acc, loaded, scales, group, count, scaled):
                 add_scaled_bf16_word(acc, p * BF16_PER_WORD, loaded[t * BF16_WORDS + p], scales[group + t], scaled)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def combine_expand_bf16_kernel(y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
                                span, rows):
     """:func:`combine_expand_kernel` for bfloat16 ``y`` and rows, 16 bytes per lane access.

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from numba import cuda
 
-from ep_comm.kernels.numba_internals import set_source_stamp
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM, set_source_stamp
 from ep_comm.kernels.switches import CACHE_SUFFIX
 
 PACKAGE_DIR = Path(__file__).parent
@@ -44,17 +44,22 @@ SOURCES_DIGEST = sources_digest()
 CACHE_STAMP = SOURCES_DIGEST + CACHE_SUFFIX
 
 
-def kernel(fn: Callable) -> Callable:
+def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None) -> Any:
     """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`CACHE_STAMP` (:data:`SOURCES_DIGEST`, plus
-    the ``ep_comm.kernels.switches`` set, if any).
+    the ``ep_comm.kernels.switches`` set, if any). ``@kernel(max_registers=N)``: registers per thread capped at
+    ``N`` (None: no cap), so that more blocks fit on an SM (ignored by the simulator).
 
     ``fn`` must be defined in this package: the digest does not cover other files. The simulator
     has no cache; a Numba without the (private) stamp falls back to its own keying.
     """
+    if fn is None:
+        return lambda f: kernel(f, max_registers=max_registers)
     source = Path(fn.__code__.co_filename).resolve()
     if source.parent != PACKAGE_DIR.resolve():
         raise ValueError(f"fn={fn.__qualname__} is defined in {source}: @kernel caches only kernels defined in "
                          f"{PACKAGE_DIR} (the cache key covers that package's files only)")
-    dispatcher = cuda.jit(cache=True)(fn)
+    # the simulator's jit takes no register cap (and has no registers)
+    options = {} if max_registers is None or ENABLE_CUDASIM else {"max_registers": max_registers}
+    dispatcher = cuda.jit(cache=True, **options)(fn)
     set_source_stamp(dispatcher, CACHE_STAMP)
     return dispatcher

@@ -22,6 +22,7 @@ from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.receive_count import align_up, lane_local_expert
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import lane_place, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import WARP, copy_row, global_warp, lane_id, stable_bucket_slots
 
@@ -155,7 +156,7 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
         mark_padding(recv_topk_idx, recv_weight_bits, expert_psum, alignment)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def receive_rows_kernel(rank_psum, rows_by_parity, step, zero_padding, expert_psum, alignment, recv_src_metadata,
                         recv_x, wide, span):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, expand mode: the payload rows, one warp
@@ -215,7 +216,7 @@ def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, s
         write_row_origin(recv_src_metadata, row, src, slot, token, max_tokens)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
                            recv_src_metadata, recv_x, wide, span, skip_source):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, compact mode: the whole receive in one

@@ -26,6 +26,7 @@ from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.payload import write_row_piece
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
 from ep_comm.kernels.warp import (
     FULL_MASK,
@@ -103,7 +104,7 @@ def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, sourc
         write_row_piece(rows[rank][parity, src_rank, slot], source, t, begin, end, wide)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
                    mode, num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
                    metas, direct, recv_x, recv_psum):
@@ -151,7 +152,7 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
         unit = np.int32(unit + num_warps)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
                         ahead, span, slot_idx, rows, metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by

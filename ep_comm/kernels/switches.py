@@ -9,7 +9,10 @@ change before and after (``tools/measure_kernels46.sh``).
   of one thread after a block barrier;
 - ``warp_fold``: the routing check folds every thread's ``(top, first)`` by shared atomics, instead of a warp
   shuffle fold and one shared atomic per warp;
-- ``bounds``: the prefill row kernels (scatter, combine reduce) compile without launch bounds.
+- ``bounds``: the row kernels (scatter, receive copy, combine send and reduce) compile without a register cap.
+
+``EP_COMM_KERNEL_MAX_REGISTERS=N`` (debug) sets that cap (:data:`ROW_MAX_REGISTERS`, default 128: two blocks of
+256 threads per SM) to ``N`` registers per thread: 80 gives three such blocks, 64 four.
 
 Device-side switches are compile-time constants (Numba freezes module globals), so they are part of the on-disk
 cache key (:data:`CACHE_SUFFIX`, ``ep_comm/kernels/jit.py``): a kernel compiled under one setting is never
@@ -32,7 +35,13 @@ def _read(text: str) -> frozenset:
 
 
 LEGACY = _read(os.environ.get(ENV, ""))
-CACHE_SUFFIX = ("+legacy:" + ",".join(sorted(LEGACY))) if LEGACY else ""
+REGISTERS_ENV = "EP_COMM_KERNEL_MAX_REGISTERS"
+DEFAULT_ROW_MAX_REGISTERS = 128
+_REGISTERS = os.environ.get(REGISTERS_ENV, "").strip()
+# registers per thread of the row kernels (None: no cap), compiled in (numba-cuda's max_registers)
+ROW_MAX_REGISTERS = None if "bounds" in LEGACY else int(_REGISTERS or DEFAULT_ROW_MAX_REGISTERS)
+CACHE_SUFFIX = (("+legacy:" + ",".join(sorted(LEGACY))) if LEGACY else "") + \
+    (f"+registers:{_REGISTERS}" if _REGISTERS else "")
 
 
 def legacy(name: str) -> bool:

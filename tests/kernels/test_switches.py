@@ -20,3 +20,9 @@ def test_unset_switches_keep_the_cache_key():
 
     assert switches.CACHE_SUFFIX == ("" if not switches.LEGACY else switches.CACHE_SUFFIX)
     assert CACHE_STAMP == SOURCES_DIGEST + switches.CACHE_SUFFIX
+
+
+def test_row_kernels_are_capped_at_128_registers_by_default():
+    if switches.LEGACY or switches._REGISTERS:
+        pytest.skip("switches set in the environment")
+    assert switches.ROW_MAX_REGISTERS == switches.DEFAULT_ROW_MAX_REGISTERS == 128
