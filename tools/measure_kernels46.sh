@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Issue 46, each kernel change before and after in one GPU call: `tools/measure_kernels46.sh [OUT_DIR]` from the repo
+# root (after `source .device-kit/setup.sh`). Every variant switches changes back with the debug switches of
+# ep_comm/kernels/switches.py and compiles into its own Numba cache (NUMBA_CACHE_DIR=OUT_DIR/cache/VARIANT: the
+# variants' cache keys differ, and one index file per kernel would otherwise be rewritten by each).
+#
+# Variants (VARIANTS="..." picks some; default: all):
+#   old           every change switched back (the kernels of c0b50a8)
+#   new           every change in
+#   no_<change>   every change in but <change> (count_cut, one_fence, warp_fold, bounds): that change's share
+#   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
+# Stages (STAGES="..."; default: "warm time profile"):
+#   warm     compile every variant at once, each in its own process (CPU-bound; one short bench run each)
+#   time     python -m ep_comm.bench.kernels at T=128 (decode) and T=4096 (prefill) per variant, CUDA events
+#   profile  python -m ep_comm.bench.kernel_profile (ncu: time, DRAM %, occupancy, registers) at decode and prefill,
+#            for PROFILE_VARIANTS (default: "old new")
+# Then tools/compare_kernels46.py prints one table per shape (kernel x variant, p50 us) and the profiles side by side.
+set -euo pipefail
+OUT=${1:-results/kernels46}
+ALL=count_cut,one_fence,warp_fold,bounds
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64"}
+PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
+STAGES=${STAGES:-"warm time profile"}
+ITERS=${ITERS:-50}
+mkdir -p "$OUT"
+
+legacy_of() {
+  case "$1" in
+    old) echo "$ALL" ;;
+    new|regs80|regs64) echo "" ;;
+    no_*) echo "${1#no_}" ;;
+    *) echo "unknown variant $1" >&2; exit 2 ;;
+  esac
+}
+registers_of() {
+  case "$1" in regs80) echo 80 ;; regs64) echo 64 ;; *) echo "" ;; esac
+}
+run_as() {  # run_as VARIANT COMMAND...: the command with the variant's switches and cache
+  local v=$1; shift
+  env EP_COMM_KERNEL_LEGACY="$(legacy_of "$v")" EP_COMM_KERNEL_MAX_REGISTERS="$(registers_of "$v")" \
+      NUMBA_CACHE_DIR="$OUT/cache/$v" "$@"
+}
+
+if [[ " $STAGES " == *" warm "* ]]; then
+  echo "== warm: compiling $VARIANTS"
+  pids=()
+  for v in $VARIANTS; do
+    run_as "$v" python -m ep_comm.bench.kernels --tokens 128 --iters 1 --warmup 1 > "$OUT/warm_$v.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || echo "a warm-up run failed (exit $?): see $OUT/warm_*.log"; done
+fi
+
+if [[ " $STAGES " == *" time "* ]]; then
+  for v in $VARIANTS; do
+    for t in 128 4096; do
+      echo "== time: $v T=$t"
+      run_as "$v" python -m ep_comm.bench.kernels --tokens "$t" --iters "$ITERS" --out "$OUT/kernels_${v}_T$t.json" \
+        > "$OUT/kernels_${v}_T$t.log" 2>&1 || echo "failed: see $OUT/kernels_${v}_T$t.log"
+    done
+  done
+fi
+
+if [[ " $STAGES " == *" profile "* ]]; then
+  for v in $PROFILE_VARIANTS; do
+    for config in deepseek_v3_decode deepseek_v3_prefill; do
+      echo "== profile: $v $config"
+      run_as "$v" python -m ep_comm.bench.kernel_profile --config "$config" --out "$OUT/profile_$v" \
+        > "$OUT/profile_${v}_$config.log" 2>&1 || echo "failed: see $OUT/profile_${v}_$config.log"
+    done
+  done
+fi
+
+python tools/compare_kernels46.py "$OUT"
