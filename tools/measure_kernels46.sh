@@ -9,6 +9,8 @@
 #   new           every change in
 #   no_<change>   every change in but <change> (count_cut, one_fence, warp_fold, bounds): that change's share
 #   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
+#   count1024     every change in, the count one unit per warp at prefill too (EP_COMM_COUNT_MIN_WARPS=1024; host
+#                 side only: it shares new's cache)
 # Stages (STAGES="..."; default: "warm time profile"):
 #   warm     compile every variant at once, each in its own process (CPU-bound; one short bench run each)
 #   time     python -m ep_comm.bench.kernels at T=128 (decode) and T=4096 (prefill) per variant, CUDA events
@@ -18,7 +20,7 @@
 set -euo pipefail
 OUT=${1:-results/kernels46}
 ALL=count_cut,one_fence,warp_fold,bounds
-VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64"}
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64 count1024"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 STAGES=${STAGES:-"warm time profile"}
 ITERS=${ITERS:-50}
@@ -27,7 +29,7 @@ mkdir -p "$OUT"
 legacy_of() {
   case "$1" in
     old) echo "$ALL" ;;
-    new|regs80|regs64) echo "" ;;
+    new|regs80|regs64|count1024) echo "" ;;
     no_*) echo "${1#no_}" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
@@ -35,16 +37,23 @@ legacy_of() {
 registers_of() {
   case "$1" in regs80) echo 80 ;; regs64) echo 64 ;; *) echo "" ;; esac
 }
+cache_of() {
+  case "$1" in count1024) echo new ;; *) echo "$1" ;; esac
+}
+count_warps_of() {
+  case "$1" in count1024) echo 1024 ;; *) echo "" ;; esac
+}
 run_as() {  # run_as VARIANT COMMAND...: the command with the variant's switches and cache
   local v=$1; shift
   env EP_COMM_KERNEL_LEGACY="$(legacy_of "$v")" EP_COMM_KERNEL_MAX_REGISTERS="$(registers_of "$v")" \
-      NUMBA_CACHE_DIR="$OUT/cache/$v" "$@"
+      EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" NUMBA_CACHE_DIR="$OUT/cache/$(cache_of "$v")" "$@"
 }
 
 if [[ " $STAGES " == *" warm "* ]]; then
   echo "== warm: compiling $VARIANTS"
   pids=()
   for v in $VARIANTS; do
+    [[ "$(cache_of "$v")" == "$v" ]] || continue  # compiled by the variant whose cache it shares
     run_as "$v" python -m ep_comm.bench.kernels --tokens 128 --iters 1 --warmup 1 > "$OUT/warm_$v.log" 2>&1 &
     pids+=($!)
   done

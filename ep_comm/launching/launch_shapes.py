@@ -103,6 +103,10 @@ class KeptViews:
         return held[1]
 
 
+# debug knob for measurements, read once: EP_COMM_COUNT_MIN_WARPS=N overrides every LaunchShapes' count_min_warps
+# (e.g. 1024: one unit per count warp at prefill too, 128 blocks at T=4096 on 132 SMs)
+_COUNT_MIN_WARPS = int(os.environ.get("EP_COMM_COUNT_MIN_WARPS", "0") or 0)
+
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
 
@@ -180,7 +184,8 @@ class LaunchShapes:
     (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
     tokens on as few blocks as that needs, but at least ``count_min_warps`` warps while there are that many
     units (default 64: at decode one warp per unit, each a single warp step; 0 or the debug switch
-    ``EP_COMM_KERNEL_LEGACY=count_cut``: ``count_tokens_per_warp`` alone). Received rows are cut into units of about
+    ``EP_COMM_KERNEL_LEGACY=count_cut``: ``count_tokens_per_warp`` alone; ``EP_COMM_COUNT_MIN_WARPS=N``, a
+    debug knob, overrides it everywhere). Received rows are cut into units of about
     ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
     stable expand placement scans its per-unit counts once per local expert; the receive count
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
@@ -204,7 +209,7 @@ class LaunchShapes:
         self.num_ranks, self.num_experts, self.num_topk, self.max_tokens = num_ranks, num_experts, num_topk, max_tokens
         self.num_blocks, self.warps_per_block = num_blocks, warps_per_block
         self.count_tokens_per_warp, self.recv_rows_per_unit = count_tokens_per_warp, recv_rows_per_unit
-        self.count_min_warps = 0 if legacy("count_cut") else count_min_warps
+        self.count_min_warps = 0 if legacy("count_cut") else _COUNT_MIN_WARPS or count_min_warps
         self.num_units = num_blocks * warps_per_block
         self.recv_units = recv_units or num_blocks
         self.recv_count_warps_per_block = recv_count_warps_per_block or 2 * warps_per_block
