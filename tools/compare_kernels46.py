@@ -3,7 +3,7 @@
 Per shape (T=128, T=4096): one row per kernel measurement of ``python -m ep_comm.bench.kernels``, one column per
 variant (GPU p50 us, CUDA events), the last column ``new`` over ``old``. Then, per config, the ncu profiles
 (``python -m ep_comm.bench.kernel_profile``) of each profiled variant side by side: time us, DRAM %, occupancy %,
-registers.
+registers; then the tail of each chain run's report (whole ops, graph replays).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-ORDER = ("old", "new", "no_count_cut", "no_one_fence", "no_warp_fold", "no_bounds", "regs80", "regs64", "count1024")
+ORDER = ("old", "new", "no_count_cut", "no_one_fence", "no_warp_fold", "no_bounds", "regs80", "regs64", "count1024",
+         "pdl")
 
 
 def _rank(variant: str) -> int:
@@ -63,9 +64,18 @@ def profile_tables(out: Path) -> List[str]:
     return lines
 
 
+def chain_reports(out: Path) -> List[str]:
+    """The last lines of each chain run's log (the bench's own report), variant by variant."""
+    lines: List[str] = []
+    for path in sorted(out.glob("chain_*.log"), key=lambda p: (p.name.split("_deepseek")[0], p.name)):
+        tail = path.read_text(errors="replace").strip().splitlines()[-24:]
+        lines += [f"\n{path.name}:"] + [f"  {t}" for t in tail]
+    return lines
+
+
 def main(out_dir: str) -> None:
     out = Path(out_dir)
-    lines = kernel_tables(out) + profile_tables(out)
+    lines = kernel_tables(out) + profile_tables(out) + chain_reports(out)
     print("\n".join(lines) if lines else f"no results under {out}")
 
 

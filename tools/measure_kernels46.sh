@@ -11,17 +11,24 @@
 #   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
 #   count1024     every change in, the count one unit per warp at prefill too (EP_COMM_COUNT_MIN_WARPS=1024; host
 #                 side only: it shares new's cache)
+#   pdl           every change in, plus programmatic dependent launch (EP_COMM_KERNEL_PDL=1): it only shows in a
+#                 chain of launches, so give it to CHAIN_VARIANTS
 # Stages (STAGES="..."; default: "warm time profile"):
 #   warm     compile every variant at once, each in its own process (CPU-bound; one short bench run each)
 #   time     python -m ep_comm.bench.kernels at T=128 (decode) and T=4096 (prefill) per variant, CUDA events
 #   profile  python -m ep_comm.bench.kernel_profile (ncu: time, DRAM %, occupancy, registers) at decode and prefill,
 #            for PROFILE_VARIANTS (default: "old new")
+#   chain    the whole ops, one rank, graph replays: $CHAIN_CMD --config CONFIG --json ... at decode and prefill for
+#            CHAIN_VARIANTS (default: "old new pdl"; not in the default STAGES: add it, e.g. STAGES="warm chain",
+#            and list pdl in VARIANTS so that it is compiled in the warm stage)
 # Then tools/compare_kernels46.py prints one table per shape (kernel x variant, p50 us) and the profiles side by side.
 set -euo pipefail
 OUT=${1:-results/kernels46}
 ALL=count_cut,one_fence,warp_fold,bounds
 VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64 count1024"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
+CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
+CHAIN_CMD=${CHAIN_CMD:-"python -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}
 STAGES=${STAGES:-"warm time profile"}
 ITERS=${ITERS:-50}
 mkdir -p "$OUT"
@@ -29,7 +36,7 @@ mkdir -p "$OUT"
 legacy_of() {
   case "$1" in
     old) echo "$ALL" ;;
-    new|regs80|regs64|count1024) echo "" ;;
+    new|regs80|regs64|count1024|pdl) echo "" ;;
     no_*) echo "${1#no_}" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
@@ -43,10 +50,14 @@ cache_of() {
 count_warps_of() {
   case "$1" in count1024) echo 1024 ;; *) echo "" ;; esac
 }
+pdl_of() {
+  case "$1" in pdl) echo 1 ;; *) echo "" ;; esac
+}
 run_as() {  # run_as VARIANT COMMAND...: the command with the variant's switches and cache
   local v=$1; shift
   env EP_COMM_KERNEL_LEGACY="$(legacy_of "$v")" EP_COMM_KERNEL_MAX_REGISTERS="$(registers_of "$v")" \
-      EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" NUMBA_CACHE_DIR="$OUT/cache/$(cache_of "$v")" "$@"
+      EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" EP_COMM_KERNEL_PDL="$(pdl_of "$v")" \
+      NUMBA_CACHE_DIR="$OUT/cache/$(cache_of "$v")" "$@"
 }
 
 if [[ " $STAGES " == *" warm "* ]]; then
@@ -76,6 +87,17 @@ if [[ " $STAGES " == *" profile "* ]]; then
       echo "== profile: $v $config"
       run_as "$v" python -m ep_comm.bench.kernel_profile --config "$config" --out "$OUT/profile_$v" \
         > "$OUT/profile_${v}_$config.log" 2>&1 || echo "failed: see $OUT/profile_${v}_$config.log"
+    done
+  done
+fi
+
+if [[ " $STAGES " == *" chain "* ]]; then
+  for v in $CHAIN_VARIANTS; do
+    for config in deepseek_v3_decode deepseek_v3_prefill; do
+      echo "== chain: $v $config"
+      # shellcheck disable=SC2086
+      run_as "$v" $CHAIN_CMD --config "$config" --json "$OUT/chain_${v}_$config.json" \
+        > "$OUT/chain_${v}_$config.log" 2>&1 || echo "failed: see $OUT/chain_${v}_$config.log"
     done
   done
 fi

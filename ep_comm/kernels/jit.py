@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from numba import cuda
 
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM, set_source_stamp
-from ep_comm.kernels.switches import CACHE_SUFFIX
+from ep_comm.kernels.switches import CACHE_SUFFIX, PDL
 
 PACKAGE_DIR = Path(__file__).parent
 PACKAGE_ROOT = PACKAGE_DIR.parent  # ep_comm/
@@ -47,7 +47,8 @@ CACHE_STAMP = SOURCES_DIGEST + CACHE_SUFFIX
 def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None) -> Any:
     """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`CACHE_STAMP` (:data:`SOURCES_DIGEST`, plus
     the ``ep_comm.kernels.switches`` set, if any). ``@kernel(max_registers=N)``: registers per thread capped at
-    ``N`` (None: no cap), so that more blocks fit on an SM (ignored by the simulator).
+    ``N`` (None: no cap), so that more blocks fit on an SM (ignored by the simulator). Every such kernel starts
+    with :func:`ep_comm.kernels.pdl.pdl_enter` (``programmatic_launch`` on the dispatcher tells the launcher).
 
     ``fn`` must be defined in this package: the digest does not cover other files. The simulator
     has no cache; a Numba without the (private) stamp falls back to its own keying.
@@ -62,4 +63,7 @@ def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None
     options = {} if max_registers is None or ENABLE_CUDASIM else {"max_registers": max_registers}
     dispatcher = cuda.jit(cache=True, **options)(fn)
     set_source_stamp(dispatcher, CACHE_STAMP)
+    # every kernel here starts with pdl_enter (kernels/pdl.py): with EP_COMM_KERNEL_PDL=1 its pre-bound launches
+    # may use programmatic dependent launch (ep_comm/_launcher/raw.py)
+    dispatcher.programmatic_launch = PDL
     return dispatcher

@@ -20,6 +20,7 @@ from numba import cuda, int32
 from ep_comm.contract.protocol import RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.routing_check import bad_verdict
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.ticket import ONE_FENCE, block_totals
@@ -161,6 +162,7 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
     :func:`receive_place_kernel` repeats from the same arguments.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     words = counts_by_parity[step_parity(step, 0)]
     meta = meta_by_parity[step_parity(step, 0)]
     num_ranks = words.shape[0]
@@ -220,6 +222,7 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
     """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_count`, compact mode: one block, which reads only
     the ``[R, 1 + L + 2]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     words = counts_by_parity[step_parity(step, 0)]
     num_ranks = words.shape[0]
     num_local = unaligned.shape[0]

@@ -19,6 +19,7 @@ from numba import cuda, int64
 
 from ep_comm.contract.protocol import ID_CLAMP
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.switches import legacy
 from ep_comm.kernels.ticket import last_block_to_arrive
 from ep_comm.kernels.warp import FULL_MASK, WARP, lane_id, lanes_below, match_any
@@ -123,6 +124,7 @@ def routing_check_kernel(topk_idx, acc, ticket, out, fold):
     """``topk_idx [T, K]`` any signed int; ``acc`` int64[2] holding :data:`ACC_INIT` between launches;
     ``ticket`` uint32[1]; ``out`` int64[2] := (largest id or -1, first repeated row or -1), or with
     ``fold`` the elementwise maximum of ``out`` and those."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     block_check = cuda.shared.array(2, int64)
     start_check(block_check)
     cuda.syncthreads()

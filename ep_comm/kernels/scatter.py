@@ -25,6 +25,7 @@ from ep_comm.kernels.expert_ids import routed_expert
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.payload import write_row_piece
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
@@ -115,6 +116,7 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
     Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
     writes the rows and meta rows next. ``direct``, ``recv_x [N_out, W]`` words and ``recv_psum [R]``: see
     :func:`copy_payload` (``recv_x`` and ``recv_psum`` are not read without ``direct``)."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     num_ranks = len(rows)
@@ -159,6 +161,7 @@ def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weig
     it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.
     ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]

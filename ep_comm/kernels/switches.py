@@ -14,6 +14,9 @@ change before and after (``tools/measure_kernels46.sh``).
 ``EP_COMM_KERNEL_MAX_REGISTERS=N`` (debug) sets that cap (:data:`ROW_MAX_REGISTERS`, default 128: two blocks of
 256 threads per SM) to ``N`` registers per thread: 80 gives three such blocks, 64 four.
 
+``EP_COMM_KERNEL_PDL=1`` (debug, off by default) compiles programmatic dependent launch into every kernel and
+launches them with it (``ep_comm/kernels/pdl.py``, ``ep_comm/_launcher/raw.py``).
+
 Device-side switches are compile-time constants (Numba freezes module globals), so they are part of the on-disk
 cache key (:data:`CACHE_SUFFIX`, ``ep_comm/kernels/jit.py``): a kernel compiled under one setting is never
 loaded under another. Unset (the default), every change is in.
@@ -40,8 +43,9 @@ DEFAULT_ROW_MAX_REGISTERS = 128
 _REGISTERS = os.environ.get(REGISTERS_ENV, "").strip()
 # registers per thread of the row kernels (None: no cap), compiled in (numba-cuda's max_registers)
 ROW_MAX_REGISTERS = None if "bounds" in LEGACY else int(_REGISTERS or DEFAULT_ROW_MAX_REGISTERS)
+PDL = os.environ.get("EP_COMM_KERNEL_PDL", "").strip() == "1"
 CACHE_SUFFIX = (("+legacy:" + ",".join(sorted(LEGACY))) if LEGACY else "") + \
-    (f"+registers:{_REGISTERS}" if _REGISTERS else "")
+    (f"+registers:{_REGISTERS}" if _REGISTERS else "") + ("+pdl" if PDL else "")
 
 
 def legacy(name: str) -> bool:
