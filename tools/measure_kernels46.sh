@@ -9,6 +9,7 @@
 #   new           every change in
 #   no_<change>   every change in but <change> (count_cut, one_fence, warp_fold, bounds): that change's share
 #   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
+#   reduce64      every change in, the bf16 combine reduce alone capped at 64 registers (four blocks per SM)
 #   count1024     every change in, the count one unit per warp at prefill too (EP_COMM_COUNT_MIN_WARPS=1024; host
 #                 side only: it shares new's cache)
 #   pdl           every change in, plus programmatic dependent launch (EP_COMM_KERNEL_PDL=1): it only shows in a
@@ -25,7 +26,7 @@
 set -euo pipefail
 OUT=${1:-results/kernels46}
 ALL=count_cut,one_fence,warp_fold,bounds
-VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64 count1024"}
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64 reduce64 count1024"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
 CHAIN_CMD=${CHAIN_CMD:-"python -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}
@@ -36,7 +37,7 @@ mkdir -p "$OUT"
 legacy_of() {
   case "$1" in
     old) echo "$ALL" ;;
-    new|regs80|regs64|count1024|pdl) echo "" ;;
+    new|regs80|regs64|reduce64|count1024|pdl) echo "" ;;
     no_*) echo "${1#no_}" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
@@ -50,12 +51,16 @@ cache_of() {
 count_warps_of() {
   case "$1" in count1024) echo 1024 ;; *) echo "" ;; esac
 }
+reduce_registers_of() {
+  case "$1" in reduce64) echo 64 ;; *) echo "" ;; esac
+}
 pdl_of() {
   case "$1" in pdl) echo 1 ;; *) echo "" ;; esac
 }
 run_as() {  # run_as VARIANT COMMAND...: the command with the variant's switches and cache
   local v=$1; shift
   env EP_COMM_KERNEL_LEGACY="$(legacy_of "$v")" EP_COMM_KERNEL_MAX_REGISTERS="$(registers_of "$v")" \
+      EP_COMM_KERNEL_REDUCE_MAX_REGISTERS="$(reduce_registers_of "$v")" \
       EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" EP_COMM_KERNEL_PDL="$(pdl_of "$v")" \
       NUMBA_CACHE_DIR="$OUT/cache/$(cache_of "$v")" "$@"
 }

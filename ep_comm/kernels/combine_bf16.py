@@ -14,7 +14,7 @@ from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.switches import ROW_MAX_REGISTERS
+from ep_comm.kernels.switches import REDUCE_MAX_REGISTERS, ROW_MAX_REGISTERS
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.vector import load_pair, store_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, lane_id
@@ -74,7 +74,7 @@ def add_buffer_terms(acc, rows, order, j0, j1, w, w2, end):
         add_bf16_term(acc, rows[order[j], order[num_topk + j]], w, w2, end)
 
 
-@kernel(max_registers=ROW_MAX_REGISTERS)
+@kernel(max_registers=REDUCE_MAX_REGISTERS)
 def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, y, own_from_y,
                                rank_psum, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.

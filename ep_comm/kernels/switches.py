@@ -13,6 +13,9 @@ change before and after (``tools/measure_kernels46.sh``).
 
 ``EP_COMM_KERNEL_MAX_REGISTERS=N`` (debug) sets that cap (:data:`ROW_MAX_REGISTERS`, default 128: two blocks of
 256 threads per SM) to ``N`` registers per thread: 80 gives three such blocks, 64 four.
+``EP_COMM_KERNEL_REDUCE_MAX_REGISTERS=N`` (debug) sets the bfloat16 combine reduce's alone
+(:data:`REDUCE_MAX_REGISTERS`, default: the row kernels' cap; ptxas 13.0 fits it in 61 registers without spilling
+at 64, where the copy kernels spill).
 
 ``EP_COMM_KERNEL_PDL=1`` (debug, off by default) compiles programmatic dependent launch into every kernel and
 launches them with it (``ep_comm/kernels/pdl.py``, ``ep_comm/_launcher/raw.py``).
@@ -43,9 +46,12 @@ DEFAULT_ROW_MAX_REGISTERS = 128
 _REGISTERS = os.environ.get(REGISTERS_ENV, "").strip()
 # registers per thread of the row kernels (None: no cap), compiled in (numba-cuda's max_registers)
 ROW_MAX_REGISTERS = None if "bounds" in LEGACY else int(_REGISTERS or DEFAULT_ROW_MAX_REGISTERS)
+_REDUCE_REGISTERS = os.environ.get("EP_COMM_KERNEL_REDUCE_MAX_REGISTERS", "").strip()
+REDUCE_MAX_REGISTERS = None if "bounds" in LEGACY else int(_REDUCE_REGISTERS or ROW_MAX_REGISTERS or 0) or None
 PDL = os.environ.get("EP_COMM_KERNEL_PDL", "").strip() == "1"
 CACHE_SUFFIX = (("+legacy:" + ",".join(sorted(LEGACY))) if LEGACY else "") + \
-    (f"+registers:{_REGISTERS}" if _REGISTERS else "") + ("+pdl" if PDL else "")
+    (f"+registers:{_REGISTERS}" if _REGISTERS else "") + \
+    (f"+reduce-registers:{_REDUCE_REGISTERS}" if _REDUCE_REGISTERS else "") + ("+pdl" if PDL else "")
 
 
 def legacy(name: str) -> bool:
