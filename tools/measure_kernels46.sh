@@ -29,9 +29,10 @@ ALL=count_cut,one_fence,warp_fold,bounds
 VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64 reduce64 count1024"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
-CHAIN_CMD=${CHAIN_CMD:-"python -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}
+CHAIN_CMD=${CHAIN_CMD:-"${PYTHON:-python3} -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}
 STAGES=${STAGES:-"warm time profile"}
 ITERS=${ITERS:-50}
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 
 legacy_of() {
@@ -70,7 +71,7 @@ if [[ " $STAGES " == *" warm "* ]]; then
   pids=()
   for v in $VARIANTS; do
     [[ "$(cache_of "$v")" == "$v" ]] || continue  # compiled by the variant whose cache it shares
-    run_as "$v" python -m ep_comm.bench.kernels --tokens 128 --iters 1 --warmup 1 > "$OUT/warm_$v.log" 2>&1 &
+    run_as "$v" "$PY" -m ep_comm.bench.kernels --tokens 128 --iters 1 --warmup 1 > "$OUT/warm_$v.log" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || echo "a warm-up run failed (exit $?): see $OUT/warm_*.log"; done
@@ -80,7 +81,7 @@ if [[ " $STAGES " == *" time "* ]]; then
   for v in $VARIANTS; do
     for t in 128 4096; do
       echo "== time: $v T=$t"
-      run_as "$v" python -m ep_comm.bench.kernels --tokens "$t" --iters "$ITERS" --out "$OUT/kernels_${v}_T$t.json" \
+      run_as "$v" "$PY" -m ep_comm.bench.kernels --tokens "$t" --iters "$ITERS" --out "$OUT/kernels_${v}_T$t.json" \
         > "$OUT/kernels_${v}_T$t.log" 2>&1 || echo "failed: see $OUT/kernels_${v}_T$t.log"
     done
   done
@@ -90,7 +91,7 @@ if [[ " $STAGES " == *" profile "* ]]; then
   for v in $PROFILE_VARIANTS; do
     for config in deepseek_v3_decode deepseek_v3_prefill; do
       echo "== profile: $v $config"
-      run_as "$v" python -m ep_comm.bench.kernel_profile --config "$config" --out "$OUT/profile_$v" \
+      run_as "$v" "$PY" -m ep_comm.bench.kernel_profile --config "$config" --out "$OUT/profile_$v" \
         > "$OUT/profile_${v}_$config.log" 2>&1 || echo "failed: see $OUT/profile_${v}_$config.log"
     done
   done
@@ -107,4 +108,4 @@ if [[ " $STAGES " == *" chain "* ]]; then
   done
 fi
 
-python tools/compare_kernels46.py "$OUT"
+"$PY" tools/compare_kernels46.py "$OUT"
