@@ -7,7 +7,7 @@
 # Variants (VARIANTS="..." picks some; default: all):
 #   old           every change switched back (the kernels of c0b50a8)
 #   new           every change in
-#   no_<change>   every change in but <change> (count_cut, one_fence, warp_fold, bounds): that change's share
+#   no_<change>   every change in but <change> (count_cut, one_fence, warp_fold, recv_loads, bounds): its share
 #   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
 #   reduce64      every change in, the bf16 combine reduce alone capped at 64 registers (four blocks per SM)
 #   count1024     every change in, the count one unit per warp at prefill too (EP_COMM_COUNT_MIN_WARPS=1024; host
@@ -25,8 +25,8 @@
 # Then tools/compare_kernels46.py prints one table per shape (kernel x variant, p50 us) and the profiles side by side.
 set -euo pipefail
 OUT=${1:-results/kernels46}
-ALL=count_cut,one_fence,warp_fold,bounds
-VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_bounds regs80 regs64 reduce64 count1024"}
+ALL=count_cut,one_fence,warp_fold,recv_loads,bounds
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds regs80 regs64 reduce64 count1024"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
 CHAIN_CMD=${CHAIN_CMD:-"${PYTHON:-python3} -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}

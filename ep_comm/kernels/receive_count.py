@@ -23,9 +23,12 @@ from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.routing_check import bad_verdict
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import legacy
 from ep_comm.kernels.ticket import ONE_FENCE, block_totals
 from ep_comm.kernels.units import lane_entry, lane_place, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, lane_id, warp_scan
+
+RECV_LOADS = not legacy("recv_loads")  # a compile-time constant of the kernels
 
 
 @cuda.jit(device=True)
@@ -216,6 +219,28 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
         e = np.int32(e + cuda.blockDim.x // WARP)
 
 
+@cuda.jit(device=True)
+def column_sum(words, column, sources):
+    """``words[0, column] + ... + words[sources - 1, column]``: four loads before their adds, so that a sum over up
+    to four sources costs one memory round trip, not one per source (``EP_COMM_KERNEL_LEGACY=recv_loads``: one
+    load, one add, source by source)."""
+    total = np.int64(0)
+    if not RECV_LOADS:
+        for s in range(sources):
+            total += words[s, column]
+        return total
+    last = sources - 1  # loads past it reread the last source (no branch around a load), and add nothing
+    s = 0
+    while s < sources:
+        a = words[s, column]
+        b = words[min(s + 1, last), column]
+        c = words[min(s + 2, last), column]
+        d = words[min(s + 3, last), column]
+        total += a + (b if s + 1 < sources else 0) + (c if s + 2 < sources else 0) + (d if s + 3 < sources else 0)
+        s += 4
+    return total
+
+
 @kernel
 def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
                                totals, record):
@@ -231,9 +256,7 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
     sources = 0 if bad else num_ranks
     e = cuda.threadIdx.x
     while e < num_local:
-        count = 0
-        for s in range(sources):
-            count += words[s, 1 + e]
+        count = column_sum(words, 1 + e, sources)
         size = align_up(count, alignment)
         unaligned[e] = count
         aligned[e] = size

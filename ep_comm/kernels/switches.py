@@ -9,6 +9,8 @@ change before and after (``tools/measure_kernels46.sh``).
   of one thread after a block barrier;
 - ``warp_fold``: the routing check folds every thread's ``(top, first)`` by shared atomics, instead of a warp
   shuffle fold and one shared atomic per warp;
+- ``recv_loads``: the compact receive count sums each local expert's count words source by source (one memory round
+  trip per source) instead of four sources' loads at a time;
 - ``bounds``: the row kernels (scatter, receive copy, combine send and reduce) compile without a register cap.
 
 ``EP_COMM_KERNEL_MAX_REGISTERS=N`` (debug) sets that cap (:data:`ROW_MAX_REGISTERS`, default 128: two blocks of
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-CHANGES = ("count_cut", "one_fence", "warp_fold", "bounds")
+CHANGES = ("count_cut", "one_fence", "warp_fold", "recv_loads", "bounds")
 ENV = "EP_COMM_KERNEL_LEGACY"
 
 

@@ -58,6 +58,17 @@ def test_decode_count_on_many_blocks(xp, deterministic):
     run_dispatch(world, deterministic=deterministic, expand=False)
 
 
+def test_column_sum_over_any_number_of_sources():
+    from ep_comm.kernels.numba_internals import ENABLE_CUDASIM
+    from ep_comm.kernels.receive_count import column_sum
+
+    if not ENABLE_CUDASIM:
+        pytest.skip("a device function: called from Python in the simulator only")
+    words = np.arange(9 * 5, dtype=np.int64).reshape(9, 5)
+    for n in range(10):
+        assert column_sum(words, 2, n) == words[:n, 2].sum()
+
+
 def test_indices_must_fit_32_bits():
     with pytest.raises(ValueError, match=r"num_ranks \* num_max_tokens_per_rank \* \(num_topk \+ 2\) = 1024 \* "
                                          r"131072 \* \(6 \+ 2\) = 1073741824: must be below 2\*\*30"):
@@ -100,7 +111,9 @@ def test_zero_tokens_everywhere(xp):
     (2, 12, (10, 13), 2, 1),
     (3, 12, (10, 13, 0), 1, None),  # a source with zero rows
     (3, 12, (10, 13, 7), 4, 0),
-], ids=["1-rank", "1-rank-empty", "2-ranks-35-local", "2-ranks-missing", "3-ranks-zero-rows", "3-ranks-missing"])
+    (6, 12, (3, 5, 0, 7, 2, 4), 2, None),  # the per-expert sums load four sources at a time: one and a half steps
+], ids=["1-rank", "1-rank-empty", "2-ranks-35-local", "2-ranks-missing", "3-ranks-zero-rows", "3-ranks-missing",
+        "6-ranks"])
 def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks, experts, tokens, alignment,
                                                           missing):
     """Compact mode counts from the ``[R, 1 + L]`` count words alone, in one single-block launch: rank psum,
