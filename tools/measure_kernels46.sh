@@ -12,6 +12,8 @@
 #   reduce64      every change in, the bf16 combine reduce alone capped at 64 registers (four blocks per SM)
 #   count1024     every change in, the count one unit per warp at prefill too (EP_COMM_COUNT_MIN_WARPS=1024; host
 #                 side only: it shares new's cache)
+#   count16x1     every change in, the count at decode on one block of 16 warps, two warp steps each, no
+#                 cross-block combine (EP_COMM_COUNT_MIN_WARPS=16 EP_COMM_COUNT_BLOCK_WARPS=16; shares new's cache)
 #   pdl           every change in, plus programmatic dependent launch (EP_COMM_KERNEL_PDL=1): it only shows in a
 #                 chain of launches, so give it to CHAIN_VARIANTS
 # Stages (STAGES="..."; default: "warm time profile"):
@@ -26,7 +28,7 @@
 set -euo pipefail
 OUT=${1:-results/kernels46}
 ALL=count_cut,one_fence,warp_fold,recv_loads,bounds
-VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds regs80 regs64 reduce64 count1024"}
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds regs80 regs64 reduce64 count1024 count16x1"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
 CHAIN_CMD=${CHAIN_CMD:-"${PYTHON:-python3} -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}
@@ -38,7 +40,7 @@ mkdir -p "$OUT"
 legacy_of() {
   case "$1" in
     old) echo "$ALL" ;;
-    new|regs80|regs64|reduce64|count1024|pdl) echo "" ;;
+    new|regs80|regs64|reduce64|count1024|count16x1|pdl) echo "" ;;
     no_*) echo "${1#no_}" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
@@ -47,10 +49,13 @@ registers_of() {
   case "$1" in regs80) echo 80 ;; regs64) echo 64 ;; *) echo "" ;; esac
 }
 cache_of() {
-  case "$1" in count1024) echo new ;; *) echo "$1" ;; esac
+  case "$1" in count1024|count16x1) echo new ;; *) echo "$1" ;; esac
 }
 count_warps_of() {
-  case "$1" in count1024) echo 1024 ;; *) echo "" ;; esac
+  case "$1" in count1024) echo 1024 ;; count16x1) echo 16 ;; *) echo "" ;; esac
+}
+count_block_warps_of() {
+  case "$1" in count16x1) echo 16 ;; *) echo "" ;; esac
 }
 reduce_registers_of() {
   case "$1" in reduce64) echo 64 ;; *) echo "" ;; esac
@@ -62,7 +67,8 @@ run_as() {  # run_as VARIANT COMMAND...: the command with the variant's switches
   local v=$1; shift
   env EP_COMM_KERNEL_LEGACY="$(legacy_of "$v")" EP_COMM_KERNEL_MAX_REGISTERS="$(registers_of "$v")" \
       EP_COMM_KERNEL_REDUCE_MAX_REGISTERS="$(reduce_registers_of "$v")" \
-      EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" EP_COMM_KERNEL_PDL="$(pdl_of "$v")" \
+      EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" EP_COMM_COUNT_BLOCK_WARPS="$(count_block_warps_of "$v")" \
+      EP_COMM_KERNEL_PDL="$(pdl_of "$v")" \
       NUMBA_CACHE_DIR="$OUT/cache/$(cache_of "$v")" "$@"
 }
 

@@ -106,6 +106,9 @@ class KeptViews:
 # debug knob for measurements, read once: EP_COMM_COUNT_MIN_WARPS=N overrides every LaunchShapes' count_min_warps
 # (e.g. 1024: one unit per count warp at prefill too, 128 blocks at T=4096 on 132 SMs)
 _COUNT_MIN_WARPS = int(os.environ.get("EP_COMM_COUNT_MIN_WARPS", "0") or 0)
+# and EP_COMM_COUNT_BLOCK_WARPS=N every LaunchShapes' count_warps_per_block (e.g. 16 with EP_COMM_COUNT_MIN_WARPS=16:
+# the decode count on one block of 16 warps, two warp steps each, no cross-block combine)
+_COUNT_BLOCK_WARPS = int(os.environ.get("EP_COMM_COUNT_BLOCK_WARPS", "0") or 0)
 
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
@@ -185,7 +188,8 @@ class LaunchShapes:
     tokens on as few blocks as that needs, but at least ``count_min_warps`` warps while there are that many
     units (default 64: at decode one warp per unit, each a single warp step; 0 or the debug switch
     ``EP_COMM_KERNEL_LEGACY=count_cut``: ``count_tokens_per_warp`` alone; ``EP_COMM_COUNT_MIN_WARPS=N``, a
-    debug knob, overrides it everywhere). Received rows are cut into units of about
+    debug knob, overrides it everywhere), in blocks of ``count_warps_per_block`` warps (default:
+    ``warps_per_block``; at most 16, ``EP_COMM_COUNT_BLOCK_WARPS`` overrides it). Received rows are cut into units of about
     ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
     stable expand placement scans its per-unit counts once per local expert; the receive count
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
@@ -200,7 +204,7 @@ class LaunchShapes:
     def __init__(self, *, num_ranks: int, num_experts: int, num_topk: int, max_tokens: int, num_blocks: int = 264,
                  warps_per_block: int = 8, recv_units: int = 0, stream_blocks: int = 0,
                  count_tokens_per_warp: int = 16, recv_rows_per_unit: int = 32, recv_count_warps_per_block: int = 0,
-                 split_warps: int = 0, count_min_warps: int = 64):
+                 split_warps: int = 0, count_min_warps: int = 64, count_warps_per_block: int = 0):
         if not 1 <= num_topk <= WARP:
             raise ValueError(f"num_topk={num_topk}: the kernels handle 1..{WARP} entries per token")
         if warps_per_block < 2:
@@ -210,6 +214,9 @@ class LaunchShapes:
         self.num_blocks, self.warps_per_block = num_blocks, warps_per_block
         self.count_tokens_per_warp, self.recv_rows_per_unit = count_tokens_per_warp, recv_rows_per_unit
         self.count_min_warps = 0 if legacy("count_cut") else _COUNT_MIN_WARPS or count_min_warps
+        self.count_warps_per_block = _COUNT_BLOCK_WARPS or count_warps_per_block or warps_per_block
+        if not 1 <= self.count_warps_per_block <= 16:  # the count uses up to 92 registers: 512 threads fit an SM
+            raise ValueError(f"count_warps_per_block={self.count_warps_per_block}: must be 1..16")
         self.num_units = num_blocks * warps_per_block
         self.recv_units = recv_units or num_blocks
         self.recv_count_warps_per_block = recv_count_warps_per_block or 2 * warps_per_block

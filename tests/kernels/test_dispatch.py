@@ -58,6 +58,30 @@ def test_decode_count_on_many_blocks(xp, deterministic):
     run_dispatch(world, deterministic=deterministic, expand=False)
 
 
+def test_decode_count_on_one_wide_block(xp, monkeypatch):
+    """``count_warps_per_block``: the decode count on one block of 16 warps (two warp steps each, no cross-block
+    combine), the scatter on the same cut: the reference's counts and stable slots."""
+    world = kernel_world(xp, seed=8, ranks=2, experts=64, topk=8, tokens=(128, 64), max_tokens=128, masked=0.05)
+    k = world.kernels = Kernels(xp, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, num_blocks=8,
+                                warps_per_block=4, recv_rows_per_unit=16, count_min_warps=16, count_warps_per_block=16)
+    from ep_comm.kernels.count import count_kernel
+
+    shapes, launch = [], k._launch
+
+    def spy(kernel, stream, shared_bytes=0, blocks=0, warps_per_block=0):
+        if kernel is count_kernel:
+            shapes.append((blocks, warps_per_block))
+        return launch(kernel, stream, shared_bytes, blocks, warps_per_block)
+
+    monkeypatch.setattr(k, "_launch", spy)
+    assert k.token_cut(128) == (32, 2)
+    check_count(world, deterministic=True)
+    assert shapes[0] == (1, 16)
+    run_dispatch(world, deterministic=True, expand=False)
+    with pytest.raises(ValueError, match="count_warps_per_block=17"):
+        Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, count_warps_per_block=17)
+
+
 def test_column_sum_over_any_number_of_sources():
     from ep_comm.kernels.numba_internals import ENABLE_CUDASIM
     from ep_comm.kernels.receive_count import column_sum
