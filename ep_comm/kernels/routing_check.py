@@ -98,8 +98,10 @@ def grid_check(block_check, acc):
     sync), resetting ``acc`` to :data:`ACC_INIT` (a grid of one block: its own, ``acc`` untouched).
     Returns ``(largest id or -1, first repeated row or -1)``. Call from all threads of the block."""
     if cuda.threadIdx.x == 0 and cuda.gridDim.x > 1:
-        block_check[0] = cuda.atomic.exch(acc, 0, np.int64(-1))
-        block_check[1] = cuda.atomic.exch(acc, 1, NO_ROW)
+        top = cuda.atomic.exch(acc, 0, np.int64(-1))
+        first = cuda.atomic.exch(acc, 1, NO_ROW)  # before either store: both atomics in flight together
+        block_check[0] = top
+        block_check[1] = first
     cuda.syncthreads()
     first = block_check[1]
     return block_check[0], first if first < NO_ROW else np.int64(-1)
