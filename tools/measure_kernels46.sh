@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 46, each kernel change before and after in one GPU call: `tools/measure_kernels46.sh [OUT_DIR]` from the repo
 # root (after `source .device-kit/setup.sh`). Every variant switches changes back with the debug switches of
-# ep_comm/kernels/switches.py and compiles into its own Numba cache (NUMBA_CACHE_DIR=OUT_DIR/cache/VARIANT: the
-# variants' cache keys differ, and one index file per kernel would otherwise be rewritten by each).
+# ep_comm/kernels/switches.py and compiles into its own Numba cache (NUMBA_CACHE_DIR=CACHE_ROOT/VARIANT, CACHE_ROOT
+# default OUT_DIR/cache: the variants' cache keys differ, and one index file per kernel would otherwise be rewritten
+# by each). On the device tool, give OUT_DIR=$OUT and CACHE_ROOT=results/kernels46-cache (ignored by git, so kept on a
+# warm machine between calls, and not sent back).
 #
 # Variants (VARIANTS="..." picks some; default: all):
 #   old           every change switched back (the kernels of c0b50a8)
@@ -35,6 +37,7 @@ CHAIN_CMD=${CHAIN_CMD:-"${PYTHON:-python3} -m ep_comm.bench --backend nvshmem --
 STAGES=${STAGES:-"warm time profile"}
 ITERS=${ITERS:-50}
 PY=${PYTHON:-python3}
+CACHE_ROOT=${CACHE_ROOT:-$OUT/cache}
 mkdir -p "$OUT"
 
 legacy_of() {
@@ -63,13 +66,15 @@ reduce_registers_of() {
 pdl_of() {
   case "$1" in pdl) echo 1 ;; *) echo "" ;; esac
 }
+for v in $VARIANTS $PROFILE_VARIANTS $CHAIN_VARIANTS; do legacy_of "$v" > /dev/null; done  # unknown: exit 2
+
 run_as() {  # run_as VARIANT COMMAND...: the command with the variant's switches and cache
   local v=$1; shift
   env EP_COMM_KERNEL_LEGACY="$(legacy_of "$v")" EP_COMM_KERNEL_MAX_REGISTERS="$(registers_of "$v")" \
       EP_COMM_KERNEL_REDUCE_MAX_REGISTERS="$(reduce_registers_of "$v")" \
       EP_COMM_COUNT_MIN_WARPS="$(count_warps_of "$v")" EP_COMM_COUNT_BLOCK_WARPS="$(count_block_warps_of "$v")" \
       EP_COMM_KERNEL_PDL="$(pdl_of "$v")" \
-      NUMBA_CACHE_DIR="$OUT/cache/$(cache_of "$v")" "$@"
+      NUMBA_CACHE_DIR="$CACHE_ROOT/$(cache_of "$v")" "$@"
 }
 
 if [[ " $STAGES " == *" warm "* ]]; then
