@@ -150,7 +150,11 @@ class PreboundKernel:
         if chosen is None:
             return None
         binding = _ArgBinding(*chosen, key, getattr(self.dispatcher, "__name__", repr(self.dispatcher)))
-        return None if binding.block() is None else binding
+        if binding.block() is None:
+            return None
+        if getattr(self.dispatcher, "programmatic_launch", False):  # compiled with griddepcontrol (kernels/pdl.py)
+            raw.allow_programmatic(binding.function)
+        return binding
 
     def _stream(self, stream: Any) -> CUstream:
         """The driver handle of a Numba stream (0: the default stream), kept with its source."""

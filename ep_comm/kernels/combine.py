@@ -22,7 +22,9 @@ from numba import cuda, float32, int32
 from ep_comm.kernels.convert import add_rn, load_f32, mul_rn, store_f32
 from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, count_lanes, global_warp, lane_id, lanes_below
 
@@ -72,10 +74,11 @@ def own_rows(rank_psum, my_rank):
     return first, rank_psum[my_rank] - first
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def combine_copy_kernel(y_words, wide, recv_src_metadata, rank_psum, my_rank, step, ahead, span, rows):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_scatter` (compact): one warp per piece of ``span``
     words (even) of a row; the rows whose source is ``my_rank`` are skipped (not given a warp)."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     words = y_words.shape[1]
@@ -125,6 +128,7 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
                           rows):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_scatter` (expand); dynamic shared memory: ``[warps * K]``
     int32 then ``[warps * K]`` float32."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     hidden = y.shape[1]
@@ -183,6 +187,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
     Each token's row is cut into pieces of ``span`` elements (a multiple of ``SPAN * 32``), one warp per
     (token, piece): every element still sums its terms in the same order.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     hidden = out.shape[1]

@@ -12,7 +12,9 @@ from ep_comm.kernels.combine import gather_terms, order_reached_ranks, own_rows,
 from ep_comm.kernels.convert import add_rn, bf16_bits_to_f32, f32_to_bf16_bits, mul_rn
 from ep_comm.kernels.index32 import quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import REDUCE_MAX_REGISTERS, ROW_MAX_REGISTERS
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.vector import load_pair, store_pair
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, lane_id
@@ -72,7 +74,7 @@ def add_buffer_terms(acc, rows, order, j0, j1, w, w2, end):
         add_bf16_term(acc, rows[order[j], order[num_topk + j]], w, w2, end)
 
 
-@kernel
+@kernel(max_registers=REDUCE_MAX_REGISTERS)
 def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, y, own_from_y,
                                rank_psum, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
@@ -88,6 +90,7 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     loops over the buffer's terms, not chosen per term inside one loop: that choice made the kernel
     126.6 us at 4096 tokens against 76.4 us without it (H200, same data); with the split it is 101.3 us.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     rows = rows_by_parity[step_parity(step, 0)]
     num_tokens, num_topk = slot_idx.shape
     words = out.shape[1]
@@ -164,7 +167,7 @@ def add_term_group(acc, loaded, scales, group, count, scaled):
                 add_scaled_bf16_word(acc, p * BF16_PER_WORD, loaded[t * BF16_WORDS + p], scales[group + t], scaled)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def combine_expand_bf16_kernel(y_words, weights, has_weights, recv_src_metadata, rank_psum, my_rank, step, ahead,
                                span, rows):
     """:func:`combine_expand_kernel` for bfloat16 ``y`` and rows, 16 bytes per lane access.
@@ -178,6 +181,7 @@ def combine_expand_bf16_kernel(y_words, weights, has_weights, recv_src_metadata,
     are issued before its adds, so a lane keeps up to 8 16-byte loads in flight. Dynamic shared
     memory as :func:`combine_expand_kernel`.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     words = y_words.shape[1]

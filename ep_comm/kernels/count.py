@@ -20,6 +20,7 @@ from numba import cuda, int32, int64
 from ep_comm.kernels.expert_ids import as_expert
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.routing_check import (
     NO_ROW,
     fold_check,
@@ -109,6 +110,7 @@ def count_kernel(topk_idx, experts_per_rank, num_units, units_per_warp, stable, 
     Stable mode leaves ``unit_counts[u, r]``: rank-r tokens of ``u``'s group before ``u``, and
     ``group_counts[g, r]``: rank-r tokens before group ``g`` (exclusive scan over groups).
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_ranks = tokens_per_rank.shape[0]
     num_experts = tokens_per_expert.shape[0]
     smem = cuda.shared.array(0, int32)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from numba import cuda
 
-from ep_comm.kernels.numba_internals import set_source_stamp
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM, set_source_stamp
+from ep_comm.kernels.switches import CACHE_SUFFIX, PDL
 
 PACKAGE_DIR = Path(__file__).parent
 PACKAGE_ROOT = PACKAGE_DIR.parent  # ep_comm/
@@ -39,18 +40,30 @@ def sources_digest(package_root: Path = PACKAGE_ROOT) -> str:
 
 
 SOURCES_DIGEST = sources_digest()
+# what cache entries are keyed on: the digest, and the debug switches back to older kernels when any is set
+CACHE_STAMP = SOURCES_DIGEST + CACHE_SUFFIX
 
 
-def kernel(fn: Callable) -> Callable:
-    """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`SOURCES_DIGEST`.
+def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None) -> Any:
+    """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`CACHE_STAMP` (:data:`SOURCES_DIGEST`, plus
+    the ``ep_comm.kernels.switches`` set, if any). ``@kernel(max_registers=N)``: registers per thread capped at
+    ``N`` (None: no cap), so that more blocks fit on an SM (ignored by the simulator). Every such kernel starts
+    with :func:`ep_comm.kernels.pdl.pdl_enter` (``programmatic_launch`` on the dispatcher tells the launcher).
 
     ``fn`` must be defined in this package: the digest does not cover other files. The simulator
     has no cache; a Numba without the (private) stamp falls back to its own keying.
     """
+    if fn is None:
+        return lambda f: kernel(f, max_registers=max_registers)
     source = Path(fn.__code__.co_filename).resolve()
     if source.parent != PACKAGE_DIR.resolve():
         raise ValueError(f"fn={fn.__qualname__} is defined in {source}: @kernel caches only kernels defined in "
                          f"{PACKAGE_DIR} (the cache key covers that package's files only)")
-    dispatcher = cuda.jit(cache=True)(fn)
-    set_source_stamp(dispatcher, SOURCES_DIGEST)
+    # the simulator's jit takes no register cap (and has no registers)
+    options = {} if max_registers is None or ENABLE_CUDASIM else {"max_registers": max_registers}
+    dispatcher = cuda.jit(cache=True, **options)(fn)
+    set_source_stamp(dispatcher, CACHE_STAMP)
+    # every kernel here starts with pdl_enter (kernels/pdl.py): with EP_COMM_KERNEL_PDL=1 its pre-bound launches
+    # may use programmatic dependent launch (ep_comm/_launcher/raw.py)
+    dispatcher.programmatic_launch = PDL
     return dispatcher

@@ -20,8 +20,10 @@ from numba import cuda
 
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.receive_count import align_up, lane_local_expert
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import lane_place, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import WARP, copy_row, global_warp, lane_id, stable_bucket_slots
 
@@ -122,6 +124,7 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
     Rows are cut into ``units_for(N, rows_per_unit, max_units)`` units: the cut of
     :func:`receive_count_kernel` in stable mode, any other cut else.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     meta = meta_by_parity[step_parity(step, 0)]
     num_ranks = rank_psum.shape[0]
     max_tokens = meta.shape[1]
@@ -155,7 +158,7 @@ def receive_place_kernel(rank_psum, meta_by_parity, step, mode, rows_per_unit, m
         mark_padding(recv_topk_idx, recv_weight_bits, expert_psum, alignment)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def receive_rows_kernel(rank_psum, rows_by_parity, step, zero_padding, expert_psum, alignment, recv_src_metadata,
                         recv_x, wide, span):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, expand mode: the payload rows, one warp
@@ -164,6 +167,7 @@ def receive_rows_kernel(rank_psum, rows_by_parity, step, zero_padding, expert_ps
     Runs after :func:`receive_place_kernel`, whose metadata says where each row goes. ``wide``: rows
     move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     rows = rows_by_parity[step_parity(step, 0)]
     max_tokens = rows.shape[1]
     num_topk = recv_src_metadata.shape[1] - 2
@@ -215,7 +219,7 @@ def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, s
         write_row_origin(recv_src_metadata, row, src, slot, token, max_tokens)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
                            recv_src_metadata, recv_x, wide, span, skip_source):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, compact mode: the whole receive in one
@@ -226,6 +230,7 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
     before the piece's copy so that those loads overlap the payload's. Then the grid marks the tail
     past ``N``. ``wide``: rows move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     rows = rows_by_parity[step_parity(step, 0)]
     meta = meta_by_parity[step_parity(step, 0)]
     max_tokens = meta.shape[1]

@@ -20,11 +20,15 @@ from numba import cuda, int32
 from ep_comm.contract.protocol import RECORD_N, RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.routing_check import bad_verdict
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.ticket import block_totals
+from ep_comm.kernels.switches import legacy
+from ep_comm.kernels.ticket import ONE_FENCE, block_totals
 from ep_comm.kernels.units import lane_entry, lane_place, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import FULL_MASK, WARP, global_warp, lane_id, warp_scan
+
+RECV_LOADS = not legacy("recv_loads")  # a compile-time constant of the kernels
 
 
 @cuda.jit(device=True)
@@ -76,14 +80,20 @@ def publish_record(record, tag, totals, words, aligned):
     """Write the record (int64 ``[record_words(R, L)]``, host-mapped on a GPU; ``ep_comm.contract.symmetric``): N and M
     from ``totals [2]``, every source's verdict words from ``words [R, 1 + L + VERDICT_WORDS]``, the ``aligned [L]``
     counts, then, after a system fence, ``tag`` (the step number) last, so that a host that sees the tag sees
-    the rest. Call from all threads of one block, once ``totals`` and ``aligned`` are written and synced."""
+    the rest. Call from all threads of one block, once ``totals`` and ``aligned`` are written and synced.
+
+    The block's threads meet at a barrier and one thread fences, then writes the tag (``ticket.py``'s pattern:
+    one system fence per block, not one per thread; ``EP_COMM_KERNEL_LEGACY=one_fence`` fences in every thread)."""
     w = RECORD_N + cuda.threadIdx.x
     while w < record.shape[0]:
         record[w] = record_word(w, totals, words, aligned)
         w = np.int32(w + cuda.blockDim.x)
-    cuda.threadfence_system()
+    if not ONE_FENCE:
+        cuda.threadfence_system()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
+        if ONE_FENCE:
+            cuda.threadfence_system()  # every thread's record words, ordered before it by the barrier
         record[RECORD_TAG] = tag
 
 
@@ -155,6 +165,7 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
     The received rows are cut into ``units_for(N, rows_per_unit, max_units)`` units, a cut that
     :func:`receive_place_kernel` repeats from the same arguments.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     words = counts_by_parity[step_parity(step, 0)]
     meta = meta_by_parity[step_parity(step, 0)]
     num_ranks = words.shape[0]
@@ -208,12 +219,35 @@ def receive_count_kernel(counts_by_parity, meta_by_parity, step, alignment, stab
         e = np.int32(e + cuda.blockDim.x // WARP)
 
 
+@cuda.jit(device=True)
+def column_sum(words, column, sources):
+    """``words[0, column] + ... + words[sources - 1, column]``: four loads before their adds, so that a sum over up
+    to four sources costs one memory round trip, not one per source (``EP_COMM_KERNEL_LEGACY=recv_loads``: one
+    load, one add, source by source)."""
+    total = np.int64(0)
+    if not RECV_LOADS:
+        for s in range(sources):
+            total += words[s, column]
+        return total
+    last = sources - 1  # loads past it reread the last source (no branch around a load), and add nothing
+    s = 0
+    while s < sources:
+        a = words[s, column]
+        b = words[min(s + 1, last), column]
+        c = words[min(s + 2, last), column]
+        d = words[min(s + 3, last), column]
+        total += a + (b if s + 1 < sources else 0) + (c if s + 2 < sources else 0) + (d if s + 3 < sources else 0)
+        s += 4
+    return total
+
+
 @kernel
 def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
                                totals, record):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_count`, compact mode: one block, which reads only
     the ``[R, 1 + L + 2]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
     """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     words = counts_by_parity[step_parity(step, 0)]
     num_ranks = words.shape[0]
     num_local = unaligned.shape[0]
@@ -222,9 +256,7 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
     sources = 0 if bad else num_ranks
     e = cuda.threadIdx.x
     while e < num_local:
-        count = 0
-        for s in range(sources):
-            count += words[s, 1 + e]
+        count = column_sum(words, 1 + e, sources)
         size = align_up(count, alignment)
         unaligned[e] = count
         aligned[e] = size

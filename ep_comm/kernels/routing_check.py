@@ -4,8 +4,9 @@ The count kernel checks its routing while it counts (``count.py``); ``routing_ch
 check in a launch of its own, for the argument check of ``Buffer.dispatch`` (one device read instead of a
 dozen array operations).
 
-Each thread keeps its own ``(top, first)``, a block folds them in shared memory (:func:`fold_check`), one
-global atomic per block goes into a persistent accumulator, and the last block to arrive (``ticket.py``)
+Each thread keeps its own ``(top, first)``, a block folds them by warp shuffles and in shared memory
+(:func:`fold_check`), one global atomic per block goes into a persistent accumulator, and the last block to
+arrive (``ticket.py``)
 takes the grid's result out and resets the accumulator for the next launch (:func:`grid_check`). A grid
 of one block keeps its result in shared memory and leaves the accumulator alone. With ``fold`` the
 result is folded into ``out`` (the larger of each) instead: a sticky record for checks that nobody reads
@@ -18,11 +19,14 @@ from numba import cuda, int64
 
 from ep_comm.contract.protocol import ID_CLAMP
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
+from ep_comm.kernels.switches import legacy
 from ep_comm.kernels.ticket import last_block_to_arrive
-from ep_comm.kernels.warp import lanes_below, match_any
+from ep_comm.kernels.warp import FULL_MASK, WARP, lane_id, lanes_below, match_any
 
 NO_ROW = np.int64(1) << np.int64(62)  # "no repeated row yet": above any token index
 ACC_INIT = (-1, int(NO_ROW))  # what the accumulator holds between launches
+WARP_FOLD = not legacy("warp_fold")  # a compile-time constant of the kernels
 
 
 @cuda.jit(device=True)
@@ -58,14 +62,29 @@ def start_check(block_check):
 
 
 @cuda.jit(device=True)
+def warp_fold(top, first):
+    """``(largest top, smallest first)`` over the lanes of the warp, on every lane: five xor-shuffle steps of each
+    (int64: two 32-bit shuffles a step). Call with all lanes of the warp."""
+    offset = WARP // 2
+    while offset > 0:
+        top = max(top, cuda.shfl_xor_sync(FULL_MASK, top, offset))
+        first = min(first, cuda.shfl_xor_sync(FULL_MASK, first, offset))
+        offset //= 2
+    return top, first
+
+
+@cuda.jit(device=True)
 def fold_check(top, first, block_check, acc):
     """Fold this thread's largest id ``top`` and first repeated row ``first`` (:data:`NO_ROW`: none) into the
     block's ``block_check``, sync the block, then (more than one block) fold the block's into the grid's
     accumulator ``acc`` (int64 ``[2]``, global): before the last-block ticket, whose fence orders it.
-    Call from all threads of the block."""
-    if top >= 0:
+    Each warp folds its lanes' by shuffles first and lane 0 adds the warp's (two shared atomics per warp, not per
+    thread; ``EP_COMM_KERNEL_LEGACY=warp_fold``: per thread). Call from all threads of the block (whole warps)."""
+    if WARP_FOLD:
+        top, first = warp_fold(top, first)
+    if top >= 0 and (not WARP_FOLD or lane_id() == 0):
         cuda.atomic.max(block_check, 0, top)
-    if first < NO_ROW:
+    if first < NO_ROW and (not WARP_FOLD or lane_id() == 0):
         cuda.atomic.min(block_check, 1, first)
     cuda.syncthreads()
     if cuda.threadIdx.x == 0 and cuda.gridDim.x > 1:
@@ -79,8 +98,10 @@ def grid_check(block_check, acc):
     sync), resetting ``acc`` to :data:`ACC_INIT` (a grid of one block: its own, ``acc`` untouched).
     Returns ``(largest id or -1, first repeated row or -1)``. Call from all threads of the block."""
     if cuda.threadIdx.x == 0 and cuda.gridDim.x > 1:
-        block_check[0] = cuda.atomic.exch(acc, 0, np.int64(-1))
-        block_check[1] = cuda.atomic.exch(acc, 1, NO_ROW)
+        top = cuda.atomic.exch(acc, 0, np.int64(-1))
+        first = cuda.atomic.exch(acc, 1, NO_ROW)  # before either store: both atomics in flight together
+        block_check[0] = top
+        block_check[1] = first
     cuda.syncthreads()
     first = block_check[1]
     return block_check[0], first if first < NO_ROW else np.int64(-1)
@@ -105,6 +126,7 @@ def routing_check_kernel(topk_idx, acc, ticket, out, fold):
     """``topk_idx [T, K]`` any signed int; ``acc`` int64[2] holding :data:`ACC_INIT` between launches;
     ``ticket`` uint32[1]; ``out`` int64[2] := (largest id or -1, first repeated row or -1), or with
     ``fold`` the elementwise maximum of ``out`` and those."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     block_check = cuda.shared.array(2, int64)
     start_check(block_check)
     cuda.syncthreads()

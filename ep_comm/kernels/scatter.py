@@ -25,7 +25,9 @@ from ep_comm.kernels.expert_ids import routed_expert
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.payload import write_row_piece
+from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import lane_entry, lane_place, row_piece, unit_range
 from ep_comm.kernels.warp import (
     FULL_MASK,
@@ -103,7 +105,7 @@ def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, sourc
         write_row_piece(rows[rank][parity, src_rank, slot], source, t, begin, end, wide)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
                    mode, num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
                    metas, direct, recv_x, recv_psum):
@@ -114,6 +116,7 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
     Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
     writes the rows and meta rows next. ``direct``, ``recv_x [N_out, W]`` words and ``recv_psum [R]``: see
     :func:`copy_payload` (``recv_x`` and ``recv_psum`` are not read without ``direct``)."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     num_ranks = len(rows)
@@ -151,13 +154,14 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
         unit = np.int32(unit + num_warps)
 
 
-@kernel
+@kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
                         ahead, span, slot_idx, rows, metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
     it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.
     ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_tokens, num_topk = topk_idx.shape
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]

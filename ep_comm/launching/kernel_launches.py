@@ -145,9 +145,9 @@ class Kernels(LaunchShapes):
             block = self.xp.empty(self.send_words(num_tokens), np.int32)
         out = self.send_layout(block, num_tokens)
         num_units, units_per_warp = self.token_cut(num_tokens)
-        count_warps = -(-num_units // units_per_warp)
-        blocks, work = self._blocks_for(count_warps, self.num_blocks), self._work
-        self._launch(count_kernel, stream, 4 * (e + r + self.warps_per_block * r), blocks)(
+        count_warps, warps = -(-num_units // units_per_warp), self.count_warps_per_block
+        blocks, work = max(1, min(self.num_blocks, -(-count_warps // warps))), self._work
+        self._launch(count_kernel, stream, 4 * (e + r + warps * r), blocks, warps)(
             topk_idx, self.num_local, num_units, units_per_warp, stable, work.counters, work.ticket, work.check_acc,
             work.send_units, work.send_groups, work.rank_cursor, out.num_tokens_per_rank,
             out.num_tokens_per_expert, out.rank_psum, out.expert_psum, out.is_token_in_rank, out.count_words,

@@ -21,6 +21,7 @@ from ep_comm.contract.arrays import Array
 from ep_comm.contract.protocol import VERDICT_WORDS
 from ep_comm.contract.symmetric import record_words
 from ep_comm.kernels.routing_check import ACC_INIT
+from ep_comm.kernels.switches import legacy
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import WARP
 
@@ -102,6 +103,13 @@ class KeptViews:
         return held[1]
 
 
+# debug knob for measurements, read once: EP_COMM_COUNT_MIN_WARPS=N overrides every LaunchShapes' count_min_warps
+# (e.g. 1024: one unit per count warp at prefill too, 128 blocks at T=4096 on 132 SMs)
+_COUNT_MIN_WARPS = int(os.environ.get("EP_COMM_COUNT_MIN_WARPS", "0") or 0)
+# and EP_COMM_COUNT_BLOCK_WARPS=N every LaunchShapes' count_warps_per_block (e.g. 16 with EP_COMM_COUNT_MIN_WARPS=16:
+# the decode count on one block of 16 warps, two warp steps each, no cross-block combine)
+_COUNT_BLOCK_WARPS = int(os.environ.get("EP_COMM_COUNT_BLOCK_WARPS", "0") or 0)
+
 # debugging escape hatch, read once: EP_COMM_NUMBA_LAUNCH=1 launches every kernel through Numba's dispatcher
 NUMBA_LAUNCH_ONLY = os.environ.get("EP_COMM_NUMBA_LAUNCH", "0") == "1"
 
@@ -141,13 +149,18 @@ def _row_pieces(rows: int, n: int, quantum: int, split_warps: int, warps_per_blo
 
 
 @functools.lru_cache(maxsize=4096)
-def _token_cut(num_tokens: int, num_topk: int, num_units: int, count_tokens_per_warp: int) -> tuple[int, int]:
-    """:meth:`Kernels.token_cut` of a Kernels with ``num_topk``, ``num_units`` and ``count_tokens_per_warp``
-    (remembered, as :func:`_row_pieces`)."""
+def _token_cut(num_tokens: int, num_topk: int, num_units: int, count_tokens_per_warp: int,
+               count_min_warps: int) -> tuple[int, int]:
+    """:meth:`Kernels.token_cut` of a Kernels with ``num_topk``, ``num_units``, ``count_tokens_per_warp`` and
+    ``count_min_warps`` (remembered, as :func:`_row_pieces`)."""
     step = WARP // num_topk
     per_unit = -(-max(num_tokens, 1) // num_units)
     per_unit = -(-per_unit // step) * step
-    return units_for(num_tokens, per_unit, num_units), max(1, count_tokens_per_warp // per_unit)
+    units = units_for(num_tokens, per_unit, num_units)
+    units_per_warp = max(1, count_tokens_per_warp // per_unit)
+    if count_min_warps > 0:  # few tokens (decode): fewer units per count warp, down to one
+        units_per_warp = max(1, min(units_per_warp, units // count_min_warps))
+    return units, units_per_warp
 
 
 INDEX_LIMIT = 2**30
@@ -172,7 +185,11 @@ class LaunchShapes:
     ``num_blocks`` x ``warps_per_block`` warps run each kernel at most. Tokens are cut into up to
     one unit per warp, each a whole number of warp steps (``32 // K`` tokens), for the scatter
     (count and scatter agree on the cut); the count runs one warp per ``count_tokens_per_warp``
-    tokens on as few blocks as that needs. Received rows are cut into units of about
+    tokens on as few blocks as that needs, but at least ``count_min_warps`` warps while there are that many
+    units (default 64: at decode one warp per unit, each a single warp step; 0 or the debug switch
+    ``EP_COMM_KERNEL_LEGACY=count_cut``: ``count_tokens_per_warp`` alone; ``EP_COMM_COUNT_MIN_WARPS=N``, a
+    debug knob, overrides it everywhere), in blocks of ``count_warps_per_block`` warps (default:
+    ``warps_per_block``; at most 16, ``EP_COMM_COUNT_BLOCK_WARPS`` overrides it). Received rows are cut into units of about
     ``recv_rows_per_unit`` rows, at most ``recv_units`` (default: ``num_blocks``), because the
     stable expand placement scans its per-unit counts once per local expert; the receive count
     runs on blocks of ``recv_count_warps_per_block`` warps (default: ``2 * warps_per_block``),
@@ -187,7 +204,7 @@ class LaunchShapes:
     def __init__(self, *, num_ranks: int, num_experts: int, num_topk: int, max_tokens: int, num_blocks: int = 264,
                  warps_per_block: int = 8, recv_units: int = 0, stream_blocks: int = 0,
                  count_tokens_per_warp: int = 16, recv_rows_per_unit: int = 32, recv_count_warps_per_block: int = 0,
-                 split_warps: int = 0):
+                 split_warps: int = 0, count_min_warps: int = 64, count_warps_per_block: int = 0):
         if not 1 <= num_topk <= WARP:
             raise ValueError(f"num_topk={num_topk}: the kernels handle 1..{WARP} entries per token")
         if warps_per_block < 2:
@@ -196,6 +213,10 @@ class LaunchShapes:
         self.num_ranks, self.num_experts, self.num_topk, self.max_tokens = num_ranks, num_experts, num_topk, max_tokens
         self.num_blocks, self.warps_per_block = num_blocks, warps_per_block
         self.count_tokens_per_warp, self.recv_rows_per_unit = count_tokens_per_warp, recv_rows_per_unit
+        self.count_min_warps = 0 if legacy("count_cut") else _COUNT_MIN_WARPS or count_min_warps
+        self.count_warps_per_block = _COUNT_BLOCK_WARPS or count_warps_per_block or warps_per_block
+        if not 1 <= self.count_warps_per_block <= 16:  # the count uses up to 92 registers: 512 threads fit an SM
+            raise ValueError(f"count_warps_per_block={self.count_warps_per_block}: must be 1..16")
         self.num_units = num_blocks * warps_per_block
         self.recv_units = recv_units or num_blocks
         self.recv_count_warps_per_block = recv_count_warps_per_block or 2 * warps_per_block
@@ -229,7 +250,7 @@ class LaunchShapes:
     def token_cut(self, num_tokens: int) -> tuple[int, int]:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
         consecutive units one count warp walks."""
-        return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp)
+        return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp, self.count_min_warps)
 
     def send_words(self, num_tokens: int) -> int:
         """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""

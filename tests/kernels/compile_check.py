@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, typeof
 
 from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
-from ep_comm.kernels.jit import SOURCES_DIGEST
+from ep_comm.kernels.jit import CACHE_STAMP
 from ep_comm.kernels.numba_internals import source_stamp
 from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.kernel_launches import PLACE_STABLE, SLOT_STABLE, Kernels
@@ -87,7 +87,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         for kernel, args in record_all(dtype):
-            assert source_stamp(kernel) == SOURCES_DIGEST, f"{kernel} is not cached by sources"
+            assert source_stamp(kernel) == CACHE_STAMP, f"{kernel} is not cached by sources"
             ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
             name = kernel.py_func.__name__
             if name.startswith("scatter"):  # the form of its row source (its first argument, ep_comm.kernels.payload)

@@ -87,6 +87,25 @@ def test_warp_collectives_are_real_instructions(ptx_dir):
         assert instruction in ptx
 
 
+def test_the_routing_check_folds_by_warp_shuffles(ptx_dir):
+    """The count and the routing check fold their lanes' verdicts by xor shuffles (one shared atomic per warp)."""
+    from ep_comm.kernels.switches import legacy
+
+    if legacy("warp_fold"):
+        pytest.skip("EP_COMM_KERNEL_LEGACY=warp_fold")
+    for name in ("count_kernel", "routing_check_kernel"):
+        assert "shfl.sync.bfly" in (ptx_dir / f"{name}.bfloat16.ptx").read_text(), name
+
+
+def test_no_programmatic_launch_unless_asked(ptx_dir):
+    from ep_comm.kernels.switches import PDL
+
+    if PDL:
+        pytest.skip("EP_COMM_KERNEL_PDL=1")
+    for path in ptx_dir.glob("*.ptx"):
+        assert "griddepcontrol" not in path.read_text(), path.name
+
+
 def test_index_division_is_32_bit(ptx_dir):
     """No 64-bit ``div``/``rem`` in any kernel (some 70 SASS instructions each): index quotients go through
     ``ep_comm/kernels/index32.py`` and stride loops add their step to an int32 index."""

@@ -42,6 +42,57 @@ def test_count_matches_reference_and_leaves_workspace_clean(xp, case):
     assert not to_host(world.kernels._work.counters).any() and not to_host(world.kernels._work.ticket).any()
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_decode_count_on_many_blocks(xp, deterministic):
+    """The decode cut (``count_min_warps``): one unit per count warp, over several blocks whose shared histograms
+    meet in the last block; the same counts, words and stable slots as the reference (and so as one block)."""
+    world = kernel_world(xp, seed=7, ranks=2, experts=64, topk=8, tokens=(128, 96), max_tokens=128, masked=0.05)
+    k = world.kernels = Kernels(xp, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, num_blocks=8,
+                                warps_per_block=4, recv_rows_per_unit=16)
+    num_units, units_per_warp = k.token_cut(128)
+    assert (num_units, units_per_warp) == (32, 1) and k._blocks_for(num_units, k.num_blocks) == 8
+    assert Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, count_min_warps=0).token_cut(128) \
+        == (32, 4)  # the old cut: 8 warps, one block
+    check_count(world, deterministic)
+    assert not to_host(k._work.counters).any() and not to_host(k._work.ticket).any()
+    run_dispatch(world, deterministic=deterministic, expand=False)
+
+
+def test_decode_count_on_one_wide_block(xp, monkeypatch):
+    """``count_warps_per_block``: the decode count on one block of 16 warps (two warp steps each, no cross-block
+    combine), the scatter on the same cut: the reference's counts and stable slots."""
+    world = kernel_world(xp, seed=8, ranks=2, experts=64, topk=8, tokens=(128, 64), max_tokens=128, masked=0.05)
+    k = world.kernels = Kernels(xp, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, num_blocks=8,
+                                warps_per_block=4, recv_rows_per_unit=16, count_min_warps=16, count_warps_per_block=16)
+    from ep_comm.kernels.count import count_kernel
+
+    shapes, launch = [], k._launch
+
+    def spy(kernel, stream, shared_bytes=0, blocks=0, warps_per_block=0):
+        if kernel is count_kernel:
+            shapes.append((blocks, warps_per_block))
+        return launch(kernel, stream, shared_bytes, blocks, warps_per_block)
+
+    monkeypatch.setattr(k, "_launch", spy)
+    assert k.token_cut(128) == (32, 2)
+    check_count(world, deterministic=True)
+    assert shapes[0] == (1, 16)
+    run_dispatch(world, deterministic=True, expand=False)
+    with pytest.raises(ValueError, match="count_warps_per_block=17"):
+        Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=128, count_warps_per_block=17)
+
+
+def test_column_sum_over_any_number_of_sources():
+    from ep_comm.kernels.numba_internals import ENABLE_CUDASIM
+    from ep_comm.kernels.receive_count import column_sum
+
+    if not ENABLE_CUDASIM:
+        pytest.skip("a device function: called from Python in the simulator only")
+    words = np.arange(9 * 5, dtype=np.int64).reshape(9, 5)
+    for n in range(10):
+        assert column_sum(words, 2, n) == words[:n, 2].sum()
+
+
 def test_indices_must_fit_32_bits():
     with pytest.raises(ValueError, match=r"num_ranks \* num_max_tokens_per_rank \* \(num_topk \+ 2\) = 1024 \* "
                                          r"131072 \* \(6 \+ 2\) = 1073741824: must be below 2\*\*30"):
@@ -84,7 +135,9 @@ def test_zero_tokens_everywhere(xp):
     (2, 12, (10, 13), 2, 1),
     (3, 12, (10, 13, 0), 1, None),  # a source with zero rows
     (3, 12, (10, 13, 7), 4, 0),
-], ids=["1-rank", "1-rank-empty", "2-ranks-35-local", "2-ranks-missing", "3-ranks-zero-rows", "3-ranks-missing"])
+    (6, 12, (3, 5, 0, 7, 2, 4), 2, None),  # the per-expert sums load four sources at a time: one and a half steps
+], ids=["1-rank", "1-rank-empty", "2-ranks-35-local", "2-ranks-missing", "3-ranks-zero-rows", "3-ranks-missing",
+        "6-ranks"])
 def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks, experts, tokens, alignment,
                                                           missing):
     """Compact mode counts from the ``[R, 1 + L]`` count words alone, in one single-block launch: rank psum,

@@ -115,7 +115,8 @@ class World:
         self.local = self.num_experts // self.num_ranks
         self.kernels = kl.Kernels(self.xp, num_ranks=self.num_ranks, num_experts=self.num_experts,
                                num_topk=self.num_topk, max_tokens=self.max_tokens, num_blocks=3, warps_per_block=2,
-                               count_tokens_per_warp=16, recv_rows_per_unit=4)  # several groups and units
+                               count_tokens_per_warp=16, recv_rows_per_unit=4,  # several groups and units
+                               count_min_warps=0)  # count groups of several units (test_dispatch: the decode cut)
         self.sym = SymmetricLayout(self.num_ranks, self.max_tokens, self.hidden, self.num_topk, self.dtype.itemsize,
                                    self.local)
         self.buffers = [self.xp.zeros(self.sym.total_bytes, np.uint8) for _ in range(self.num_ranks)]
