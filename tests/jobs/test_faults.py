@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
-from helpers.mpirun import launcher, run_job
+from helpers.mpirun import launcher, mpiexec_version, run_job
 from helpers.options import current
 
 JOB = Path(__file__).parents[1] / "faults" / "fault_job.py"  # tests/faults
@@ -38,7 +37,7 @@ FORWARDED = [(scenario, 4, 2) for scenario in ("skip", "late", "stop", "kill", "
 def keep_survivors_flags() -> List[str]:
     """The launcher flags that keep the other ranks running when one is killed: MPICH hydra's
     ``-disable-auto-cleanup``, Open MPI's ``--enable-recovery``."""
-    version = subprocess.run([launcher(1, {})[0], "--version"], capture_output=True, text=True).stdout
+    version = mpiexec_version(launcher(1, {})[0])
     if "HYDRA" in version.upper():
         return ["-disable-auto-cleanup"]
     if "OPEN MPI" in version.upper() or "OPENRTE" in version.upper():  # Open MPI 4 says "mpiexec (OpenRTE) 4.1"
