@@ -27,6 +27,8 @@ SHIELDED_JOB = JOB.with_name("shielded.py")  # the same job as the child of a sh
 TIMEOUT_S = 3.0
 SLACK_S = 2.0  # the bound: survivors out of close within timeout_s + 2 s
 JOB_LIMIT_S = 90  # the hard outer timeout of one job
+# under pytest-xdist (.ci/run) the fault jobs run one at a time, on one worker (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("faults")
 SURVIVOR_WAIT_S = 20  # how long the survivors of a kill may outlive the launcher
 CASES = [("skip", 2), ("late", 2), ("late", 3), ("stop", 2), ("kill", 2), ("late_close", 2)]
 # (scenario, ranks, ranks per node): forwarded, 4 ranks as 2 nodes, 6 as 2 and 8 as 4

@@ -23,6 +23,8 @@ from helpers.options import SessionOptions, current
 
 SUITE = Path(__file__).parents[1] / "mpi"  # tests/mpi
 JOB_TIMEOUT_S = 600
+# under pytest-xdist (.ci/run) these jobs run one at a time, on one worker, started first (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("multirank")
 # (ranks, ranks per node) of the jobs that run NODE_SUITES in virtual nodes, flat and forwarded (issues 31 and 39)
 VIRTUAL_NODES = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]
 NODE_SUITES = ["test_contract.py", "test_randomized.py", "test_errors.py", "test_recv_hook.py", "test_fp8_dispatch.py"]
@@ -62,7 +64,8 @@ def run_suites(num_ranks: int, options: SessionOptions, paths: List[Path], tmp_p
     """Run the collective suites ``paths`` with ``options`` on every rank of an ``mpirun -n num_ranks`` job; every
     rank's result must show tests passed and none failed."""
     env = dict(os.environ, UCX_LOG_LEVEL="error", PYTHONUNBUFFERED="1")
-    cmd = launcher(num_ranks, env) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi",
+    cmd = launcher(num_ranks, env) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                      "--with-mpi",
                                       *options.pytest_args(), f"--junitxml={rank_results.pattern(tmp_path)}",
                                       *map(str, paths)]
     job = run_job(cmd, env, JOB_TIMEOUT_S)
