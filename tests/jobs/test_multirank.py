@@ -23,16 +23,19 @@ from helpers.options import SessionOptions, current
 
 SUITE = Path(__file__).parents[1] / "mpi"  # tests/mpi
 JOB_TIMEOUT_S = 600
-# under pytest-xdist (.ci/run) these jobs run one at a time, on one worker, started first (tests/conftest.py)
-pytestmark = pytest.mark.xdist_group("multirank")
+# Under pytest-xdist (.ci/run, --dist loadgroup) the jobs of one group run one after another on one worker: two
+# groups of about the same length (on 2 cores), so that at most two jobs run at once
+GROUP_A, GROUP_B = pytest.mark.xdist_group("multirank_a"), pytest.mark.xdist_group("multirank_b")
 # (ranks, ranks per node) of the jobs that run NODE_SUITES in virtual nodes, flat and forwarded (issues 31 and 39)
-VIRTUAL_NODES = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)]
+VIRTUAL_NODES = [pytest.param(4, 2, marks=GROUP_B), pytest.param(6, 2, marks=GROUP_A),
+                 pytest.param(6, 3, marks=GROUP_B), pytest.param(8, 2, marks=GROUP_B),
+                 pytest.param(8, 4, marks=GROUP_A)]
 NODE_SUITES = ["test_contract.py", "test_randomized.py", "test_errors.py", "test_recv_hook.py", "test_fp8_dispatch.py"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "num_ranks" in metafunc.fixturenames:
-        metafunc.parametrize("num_ranks", current().job_sizes)
+        metafunc.parametrize("num_ranks", [pytest.param(n, marks=GROUP_A) for n in current().job_sizes])
 
 
 def job_output(job: subprocess.CompletedProcess) -> str:
@@ -52,7 +55,7 @@ def test_suites_in_virtual_nodes(ranks, scaleup_ranks, forwarding, session_optio
     run_suites(ranks, options, [SUITE / name for name in NODE_SUITES], tmp_path)
 
 
-@pytest.mark.parametrize("ranks", [6, 8])
+@pytest.mark.parametrize("ranks", [pytest.param(6, marks=GROUP_A), pytest.param(8, marks=GROUP_B)])
 def test_forwarding_suite_at_more_ranks(ranks, session_options, tmp_path):
     """``test_forwarding`` at the job sizes of more nodes (the contract suite's jobs run it up to 4 ranks)."""
     if session_options.backend != "mpi":
