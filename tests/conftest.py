@@ -13,7 +13,8 @@ them unless they are named on the command line (then pytest-mpi skips them, sayi
 this process, so they are no skips of its own.
 
 Without a GPU the kernels run in the Numba CUDA simulator, chosen here before anything imports
-``numba.cuda``, with its warp intrinsics installed once for every test (``helpers.cudasim_warp``).
+``numba.cuda``, with its warp intrinsics installed once for every test (``helpers.cudasim_warp``; in the sessions
+under ``mpirun`` only once a test module imported ``numba.cuda``).
 """
 from pathlib import Path
 from typing import Tuple
@@ -25,7 +26,7 @@ from hypothesis import settings
 
 from ep_comm.contract.choices import TRANSPORTS
 
-cudasim_warp.use_without_gpu()  # before any test module imports numba.cuda (none of the imports above does)
+cudasim_warp.select_without_gpu()  # before any test module imports numba.cuda (none of the imports above does)
 
 settings.register_profile("ci", max_examples=150, deadline=None, database=None)
 settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=20)
@@ -66,6 +67,15 @@ def pytest_configure(config: pytest.Config) -> None:
     xmlpath = getattr(config.option, "xmlpath", None)
     if xmlpath:
         config.option.xmlpath = rank_results.rank_path(xmlpath, rank_results.rank_from_environment())
+    if not config.getoption("--with-mpi", default=False):
+        cudasim_warp.use_without_gpu()  # a session under mpirun imports Numba only if its tests do (below)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """In a session under ``mpirun`` (``--with-mpi``): the simulator's intrinsics once a test module has imported
+    ``numba.cuda`` (the collective suites on the mpi backend never do, and their ranks skip Numba's import)."""
+    cudasim_warp.install_if_imported()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import sys
 import threading
 import time
 
@@ -23,6 +24,7 @@ HAVE_GPU = shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidi
 WARP = 32
 _TIMEOUT_S = 60.0
 _state_lock = threading.Lock()
+_installed = False  # whether use_without_gpu ran
 
 
 class _Warp:
@@ -200,10 +202,24 @@ def install() -> None:
 def use_without_gpu() -> bool:
     """Without a GPU, select the simulator (unless ``NUMBA_ENABLE_CUDASIM`` is set already) and, if
     ``numba.cuda`` is then the simulator, :func:`install` the intrinsics. Returns whether it is."""
-    if not HAVE_GPU:
-        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    global _installed
+    _installed = True
+    select_without_gpu()
     from ep_comm.kernels.numba_internals import ENABLE_CUDASIM
 
     if ENABLE_CUDASIM:
         install()
     return ENABLE_CUDASIM
+
+
+def select_without_gpu() -> None:
+    """Without a GPU, select the simulator (unless ``NUMBA_ENABLE_CUDASIM`` is set already); imports nothing."""
+    if not HAVE_GPU:
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+def install_if_imported() -> None:
+    """:func:`use_without_gpu` once ``numba.cuda`` has been imported (nothing before: no Numba import for a session
+    that never needs it, such as a rank of the collective suites on the mpi backend)."""
+    if not _installed and "numba.cuda" in sys.modules:
+        use_without_gpu()

@@ -7,6 +7,7 @@ the test run.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -19,6 +20,11 @@ import pytest
 
 # Variables forwarded to the ranks under Open MPI (MPICH passes the whole environment on by itself).
 FORWARD_PREFIXES = ("EP_COMM_", "NVSHMEM_", "NCCL_", "NUMBA_", "CUDA_", "PYTHON", "UCX_", "LD_LIBRARY_PATH")
+# MPICH's progress engine spins while a rank waits in a collective; with more ranks than cores (the 4..8-rank jobs on
+# a 2-core machine) the spinning ranks take the CPU from the rank they wait for. Throttled, a rank that found nothing
+# to do for a while sleeps 1 us between polls. Given to every job unless its environment sets them (Open MPI and
+# commands that are no MPI job ignore them).
+OVERSUBSCRIBED = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "256"}
 
 
 def mpiexec() -> str:
@@ -38,11 +44,17 @@ def launcher(num_ranks: int, env: Mapping[str, str]) -> List[str]:
     """``mpiexec -n num_ranks`` with the flags Open MPI needs: oversubscription (several ranks per core or
     GPU), ``--allow-run-as-root`` as root, and ``-x NAME`` for each variable of ``env`` the ranks need."""
     cmd = [mpiexec(), "-n", str(num_ranks)]
-    version = subprocess.run([cmd[0], "--version"], capture_output=True, text=True).stdout
+    version = mpiexec_version(cmd[0])
     if "Open MPI" in version or "OpenRTE" in version:
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
         cmd += [a for name in sorted(env) if name.startswith(FORWARD_PREFIXES) for a in ("-x", name)]
     return cmd
+
+
+@functools.lru_cache(maxsize=None)
+def mpiexec_version(path: str) -> str:
+    """``path --version``'s output (asked once per session)."""
+    return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
 
 
 def run_job(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
@@ -51,7 +63,7 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
 
     Args:
         cmd: the command line (usually ``launcher(...)`` followed by the ranks' command).
-        env: its environment.
+        env: its environment (plus ``OVERSUBSCRIBED``'s variables where it does not set them).
         timeout_s: hard limit; past it the job's whole process group (mpiexec and every rank it started) is
             killed and the calling test fails with the output so far.
         cwd: its working directory (None: this process's).
@@ -59,8 +71,8 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
     Returns:
         The finished process (any exit status; the caller asserts on it).
     """
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env={**OVERSUBSCRIBED, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
-from helpers.mpirun import launcher, run_job
+from helpers.mpirun import launcher, mpiexec_version, run_job
 from helpers.options import current
 
 JOB = Path(__file__).parents[1] / "faults" / "fault_job.py"  # tests/faults
@@ -28,6 +27,8 @@ SHIELDED_JOB = JOB.with_name("shielded.py")  # the same job as the child of a sh
 TIMEOUT_S = 3.0
 SLACK_S = 2.0  # the issue's bound: survivors out of close within timeout_s + 2 s
 JOB_LIMIT_S = 90  # the hard outer timeout of one job
+# under pytest-xdist (.ci/run) the fault jobs run one at a time, on one worker (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("faults")
 SURVIVOR_WAIT_S = 20  # how long the survivors of a kill may outlive the launcher
 CASES = [("skip", 2), ("late", 2), ("late", 3), ("stop", 2), ("kill", 2), ("late_close", 2)]
 # (scenario, ranks, ranks per node): forwarded, 4 ranks as 2 nodes, 6 as 2 and 8 as 4
@@ -38,7 +39,7 @@ FORWARDED = [(scenario, 4, 2) for scenario in ("skip", "late", "stop", "kill", "
 def keep_survivors_flags() -> List[str]:
     """The launcher flags that keep the other ranks running when one is killed: MPICH hydra's
     ``-disable-auto-cleanup``, Open MPI's ``--enable-recovery``."""
-    version = subprocess.run([launcher(1, {})[0], "--version"], capture_output=True, text=True).stdout
+    version = mpiexec_version(launcher(1, {})[0])
     if "HYDRA" in version.upper():
         return ["-disable-auto-cleanup"]
     if "OPEN MPI" in version.upper() or "OPENRTE" in version.upper():  # Open MPI 4 says "mpiexec (OpenRTE) 4.1"
