@@ -2,7 +2,8 @@
 
 Off unless ``EP_COMM_KERNEL_PDL=1`` (``ep_comm.kernels.switches.PDL``, read once, a compile-time constant and part of
 the kernel cache key): then :func:`pdl_enter`, the first statement of every kernel of this package, lets the next
-kernel in the stream launch as soon as every block of this one has started (``griddepcontrol.launch_dependents``),
+kernel in the stream launch as soon as every block of this one has started (PTX ``griddepcontrol``, its
+``launch_dependents`` form),
 and waits until the kernels this one depends on have finished and their writes are visible
 (``griddepcontrol.wait``) before any memory access. The host side launches such kernels with the programmatic
 stream serialization attribute (``ep_comm._launcher.raw``), so that the launch latency and prologue of each kernel
@@ -21,7 +22,8 @@ from ep_comm.kernels.switches import PDL
 
 
 def launch_dependents():
-    """``griddepcontrol.launch_dependents``: the next kernel may launch once every block of this one got here."""
+    """PTX ``griddepcontrol`` (``launch_dependents``): the next kernel may launch once every block of this one got
+    here."""
 
 
 def wait_for_prerequisites():
