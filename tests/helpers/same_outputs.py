@@ -46,3 +46,15 @@ def assert_same_as_eager(first, eager, eager_sum, captured, captured_sum) -> Non
     np.testing.assert_array_equal(captured.recv_x[:rows], eager.recv_x[:rows])
     np.testing.assert_array_equal(captured.recv_topk_idx, eager.recv_topk_idx)
     np.testing.assert_array_equal(captured_sum.x, eager_sum.x)
+
+
+def assert_same_outputs(want: list, got: list) -> None:
+    """Two sequences of dispatch and combine outputs (the reference's and the one checked) agree call by call, byte
+    for byte (:func:`assert_same_dispatch`; a combine's ``x`` and ``topk_weights``)."""
+    assert len(want) == len(got), f"{len(got)} outputs, want {len(want)}"
+    for i, (a, b) in enumerate(zip(want, got)):
+        if hasattr(a, "handle"):
+            assert_same_dispatch(f"call {i}", a, b)
+        else:
+            assert_same(f"call {i} x", a.x, b.x)
+            assert_same(f"call {i} topk_weights", a.topk_weights, b.topk_weights)

@@ -4,7 +4,7 @@ fake GPU with the kernels in the CUDA simulator: the same calls give the same by
 import numpy as np
 import pytest
 from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, launch_log, simulated_buffer
-from helpers.same_outputs import assert_same, assert_same_dispatch
+from helpers.same_outputs import assert_same_dispatch, assert_same_outputs
 
 import ep_comm.buffer as buffer_module
 from ep_comm.errors import RoutingError
@@ -47,21 +47,12 @@ def _calls(buf, expand: bool, weighted: bool) -> list:
     return outs
 
 
-def _assert_same_outputs(general: list, prepared: list) -> None:
-    for i, (a, b) in enumerate(zip(general, prepared)):
-        if hasattr(a, "handle"):
-            assert_same_dispatch(f"call {i}", a, b)
-        else:
-            assert_same(f"call {i} x", a.x, b.x)
-            assert_same(f"call {i} topk_weights", a.topk_weights, b.topk_weights)
-
-
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
 def test_the_prepared_path_gives_the_bytes_of_the_general_path(expand, weighted):
     general, prepared = _buffer(False), _buffer(True)
     want, got = _calls(general, expand, weighted), _calls(prepared, expand, weighted)
-    _assert_same_outputs(want, got)
+    assert_same_outputs(want, got)
     # every call but the first of each shape (new routings 6, their combines 6 (two shapes of y), replays 4 (a
     # cpu_sync=True replay of a cpu_sync=False handle is the general path's), their combines 8; with fewer rows: 4 new
     # routings, 3 combines (another y), 4 replays, 4 combines)
@@ -71,7 +62,7 @@ def test_the_prepared_path_gives_the_bytes_of_the_general_path(expand, weighted)
 
 def test_the_prepared_path_over_puts_gives_the_bytes_of_the_general_path():
     general, prepared = _buffer(False, use_puts=True), _buffer(True, use_puts=True)
-    _assert_same_outputs(_calls(general, False, True), _calls(prepared, False, True))
+    assert_same_outputs(_calls(general, False, True), _calls(prepared, False, True))
     assert prepared._backend.prepared.replayed >= 8
 
 
