@@ -8,6 +8,7 @@ only the host's call sequence is real. Recorded calls are replayed as the GPU re
 """
 from __future__ import annotations
 
+import gc
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -177,7 +178,9 @@ class LaunchCounter:
     def python_calls(self, call: Callable[[], Any]) -> int:
         """Python function calls made inside ``call()`` (``sys.setprofile``; C functions not counted), minus those
         of this counter's own wrappers and of NumPy's ``ndarray.ctypes`` (a NumPy array's data pointer, which a
-        CuPy array has as an attribute, ``.data.ptr``): neither exists on a GPU."""
+        CuPy array has as an attribute, ``.data.ptr``): neither exists on a GPU. The cyclic garbage collector is run
+        before and kept off during ``call()``: a collection that frees an earlier call's objects runs their weakref
+        callbacks (``HandleChecks``' handles) inside whatever call it interrupts, calls that are not this call's own."""
         calls = [0]
         own = {self._counted.__code__, self._outermost.__code__, self.launch.__code__, Counts.launch.__code__}
 
@@ -186,9 +189,14 @@ class LaunchCounter:
             if event == "call" and code.co_name != "wrapper" and code not in own and code.co_filename != _CTYPES:
                 calls[0] += 1
 
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         sys.setprofile(profile)
         try:
             call()
         finally:
             sys.setprofile(None)
+            if collecting:
+                gc.enable()
         return calls[0]
