@@ -196,8 +196,8 @@ class Kernels(LaunchShapes):
             recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
                 received per source (on the device).
 
-        When rows are cut into pieces (few tokens), the slots are assigned first (not with
-        ``SLOT_CACHED``) and a second launch copies the rows, one warp per piece. The launches do not
+        With few tokens (fewer token units than ``scatter_full_units``) or rows cut into pieces, the slots are
+        assigned first (not with ``SLOT_CACHED``) and a second launch copies the rows, one warp per row or piece. The launches do not
         depend on whether ``recv_x`` is given (a flag argument of the same kernels).
         """
         direct = recv_x is not None
@@ -216,14 +216,15 @@ class Kernels(LaunchShapes):
         rows, metas = tuple(rows), tuple(metas)
         wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
-        pieces = span < row_words  # few tokens: slots by unit first, then the rows by pieces
+        # few tokens (a grid not full of units) or long rows in pieces: slots by unit first, then rows by warps
+        by_rows = span < row_words or num_units < self.scatter_full_units
         rows_from = (source, row_words, wide)
-        if mode != SLOT_CACHED or not pieces:
+        if mode != SLOT_CACHED or not by_rows:
             self._launch(scatter_kernel, stream, blocks=self._blocks_for(num_units, self.num_blocks))(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 mode, num_units, units_per_warp, self._work.rank_cursor, self._work.send_units, self._work.send_groups,
-                slot_idx, not pieces, rows, metas, direct, *local)
-        if pieces:
+                slot_idx, not by_rows, rows, metas, direct, *local)
+        if by_rows:
             self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 span, slot_idx, rows, metas, direct, *local)

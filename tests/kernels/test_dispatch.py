@@ -263,25 +263,28 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
 POISON = 0xA5  # every byte of the symmetric buffers before a direct replay
 
 
-@pytest.mark.parametrize("ranks, dtype, hidden, tokens, split_warps, worst_case", [
-    (1, "bfloat16", 20, (10,), 0, False),  # whole rows, every row local
-    (2, "float32", 20, (10, 13), 0, True),  # whole rows, worst-case outputs (cpu_sync=False)
-    (3, "float16", 11, (10, 13, 0), 0, False),  # whole rows, 16-bit words, a source without tokens
-    (1, "float32", 1100, (4,), 64, False),  # 550 wide words in pieces of 512 and 38
-    (2, "float16", 601, (5, 3), 64, True),  # 601 16-bit words in pieces of 256
-    (3, "bfloat16", 2600, (5, 3, 1), 64, False),  # 650 wide words in pieces of 512 and 138
-], ids=["1-bf16-rows", "2-f32-rows-worst", "3-f16-rows", "1-f32-pieces", "2-f16-pieces-worst", "3-bf16-pieces"])
+@pytest.mark.parametrize("ranks, dtype, hidden, tokens, split_warps, by_units, worst_case", [
+    (1, "bfloat16", 20, (10,), 0, True, False),  # whole rows by the unit kernel, every row local
+    (2, "float32", 20, (10, 13), 0, True, True),  # the same, worst-case outputs (cpu_sync=False)
+    (3, "float16", 11, (10, 13, 0), 0, True, False),  # the same, 16-bit words, a source without tokens
+    (2, "float32", 20, (10, 13), 0, False, True),  # whole rows by the rows kernel (few tokens), worst-case outputs
+    (1, "float32", 1100, (4,), 64, False, False),  # 550 wide words in pieces of 512 and 38
+    (2, "float16", 601, (5, 3), 64, False, True),  # 601 16-bit words in pieces of 256
+    (3, "bfloat16", 2600, (5, 3, 1), 64, False, False),  # 650 wide words in pieces of 512 and 138
+], ids=["1-bf16-rows", "2-f32-rows-worst", "3-f16-rows", "2-f32-rows-kernel-worst", "1-f32-pieces",
+        "2-f16-pieces-worst", "3-bf16-pieces"])
 def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, monkeypatch, ranks, dtype, hidden,
-                                                                          tokens, split_warps, worst_case):
-    """A cached compact dispatch with its outputs allocated before the send: the scatter (whole rows, or
-    pieces at few tokens) writes the payload of the rows a rank sends to itself straight into its
-    ``recv_x`` and leaves region ``[parity, me]`` of its own rows untouched (poisoned here), the receive
-    copies only the other sources' payload; every output stays bit for bit the reference."""
+                                                                          tokens, split_warps, by_units, worst_case):
+    """A cached compact dispatch with its outputs allocated before the send: the scatter (whole rows by the unit
+    kernel, or by the rows kernel at few tokens, whole or in pieces) writes the payload of the rows a rank sends to
+    itself straight into its ``recv_x`` and leaves region ``[parity, me]`` of its own rows untouched (poisoned
+    here), the receive copies only the other sources' payload; every output stays bit for bit the reference."""
     from ep_comm.kernels.receive import receive_compact_kernel
     from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
 
     world = kernel_world(xp, seed=31, ranks=ranks, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps
+    world.kernels.scatter_full_units = 1 if by_units else world.kernels.scatter_full_units
     sent, first = run_dispatch(world, deterministic=False, expand=False)
     rng = np.random.default_rng(32)
     world.x = [random_payload(rng, x.shape, x.dtype) for x in world.x]
@@ -294,7 +297,7 @@ def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, mo
     world.send(1, deterministic=False, cached=[item.slot_idx for item in sent],
                direct=[(out[0], got.counts.rank_psum) for out, got in zip(outputs, first)])
     senders = sum(t > 0 for t in tokens)
-    assert launched == [scatter_rows_kernel if split_warps else scatter_kernel] * senders
+    assert launched == [scatter_kernel if by_units else scatter_rows_kernel] * senders
     assert all(args[-3] is True for _, args in launches)  # direct
     for d in range(world.num_ranks):
         assert (to_host(world.views[d].rows[1, d]).view(np.uint8) == POISON).all()
