@@ -173,14 +173,15 @@ class RecordedCalls:
         (the launches through ``Kernels``, on the same stream) and records it.
 
         Args:
-            key: what the launches' scalars and grids depend on besides the roots' layout (options, modes).
+            key: what the launches' scalars and grids depend on besides the roots' layout (options, modes); None:
+                a call not to be recorded (it runs ``path()``).
             on: the stream (``raw.stream(handle)``).
             roots: the call's per-call arrays, in the same order at every call of ``key``: every array the call is
                 given or makes that its launches read or write (any other array a launch takes is held as
                 long-lived by the recorded call).
             path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
         """
-        if not self.enabled:
+        if not self.enabled or key is None:
             path()
             return
         pointers = [r.data.ptr for r in roots]

@@ -14,7 +14,7 @@ import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem_steps import NvshmemContext
-from ep_comm.contract.arrays import Array
+from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
 from ep_comm.launching import kernel_launches
@@ -331,12 +331,7 @@ def host_counts(h: EPHandle) -> tuple:
     copy: each handle owns its list); a ``cpu_sync=False`` one on the device (three reads, which wait for the stream)."""
     if h.cpu_sync:
         return int(h.num_recv_tokens), int(h.num_expanded_tokens), list(h.num_recv_tokens_per_expert)
-    return int(h.num_recv_tokens), int(h.num_expanded_tokens), _host(h.num_recv_tokens_per_expert).tolist()
-
-
-def _host(values: Any) -> Any:
-    """A host array of a device array (a NumPy array as it is)."""
-    return values.get() if hasattr(values, "get") else values
+    return int(h.num_recv_tokens), int(h.num_expanded_tokens), to_host(h.num_recv_tokens_per_expert).tolist()
 
 
 def _device_counts(xp: Any, h: EPHandle) -> tuple:

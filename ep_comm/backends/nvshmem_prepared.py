@@ -66,6 +66,13 @@ def _bytes(shapes: Any) -> int:
     return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
 
+def _carved(carving: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, Tuple[Array, ...]]:
+    """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))``: new outputs from ``carving``
+    (``PreparedCalls._output_carving``), the weights ``scratch`` where none are carved."""
+    block, views = carving.new()
+    return block, (views[0], views[1], views[3] if weighted else scratch, views[2])
+
+
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     """What the argument checks of an input array depend on: ``(type, shape, dtype, strides, data pointer modulo 16,
     GPU)`` (``placement``: the device's ``(pointer, GPU)`` of an array)."""
@@ -187,8 +194,7 @@ class PreparedCalls:
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes, None)  # worst-case outputs
-            outputs = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
-                (arrays[2],) if weighted else ()))
+            outputs = self._output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
         if new:
@@ -215,11 +221,10 @@ class PreparedCalls:
         missing, seen = self._ctx.transport.wait_state()
         return not (missing or seen)
 
-    def _outputs(self, entry: _Entry) -> Tuple[Array, Tuple[Array, ...]]:
-        """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))`` of worst-case shapes."""
-        block, views = entry.outputs.new()
-        weights = views[3] if entry.weighted else entry.scratch
-        return block, (views[0], views[1], weights, views[2])
+    def _output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
+        """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
+        carved from ``block``; the weights only where given (else a scratch array outside the block)."""
+        return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
 
     def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> Tuple[Array, tuple, tuple]:
         """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), (send key, copy key))``: new
@@ -232,8 +237,7 @@ class PreparedCalls:
         held = self._exact.get(key)
         if held is not None:
             carving, keys, scratch = held
-            block, views = carving.new()
-            return block, (views[0], views[1], views[3] if entry.weighted else scratch, views[2]), keys
+            return (*_carved(carving, entry.weighted, scratch), keys)
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
         arrays, block = dispatcher.carve_outputs(
@@ -245,9 +249,8 @@ class PreparedCalls:
                                           + (arrays[3].shape[0],)))
         if len(self._exact) >= _MAX_EXACT:
             self._exact.clear()
-        carving = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
-            (arrays[2],) if entry.weighted else ()))
-        self._exact[key] = (carving, keys, None if entry.weighted else arrays[2])
+        self._exact[key] = (self._output_carving(block, arrays, entry.weighted), keys,
+                            None if entry.weighted else arrays[2])
         return block, arrays, keys
 
     def _exact_key(self, key: tuple) -> Optional[tuple]:
@@ -261,13 +264,10 @@ class PreparedCalls:
 
     def _copy(self, key: Any, on: Any, stream: Any, psums: Tuple[Array, Array], block: Array, arrays: tuple,
               options: tuple) -> None:
-        """The receive copy, on ``stream``, into ``arrays`` carved from ``block``: the recorded call of ``key``, or a
-        pre-bound launch when ``key`` is None."""
-        copy = functools.partial(self._dispatcher.receive_copy, stream, psums[0], psums[1], arrays, options)
-        if key is None:
-            copy()
-        else:
-            self._runner.recorded.run(key, on, (psums[0], psums[1], block), copy)
+        """The receive copy, on ``stream``, into ``arrays`` carved from ``block``: the recorded call of ``key`` (None:
+        launched pre-bound, not recorded)."""
+        self._runner.recorded.run(key, on, (psums[0], psums[1], block), functools.partial(
+            self._dispatcher.receive_copy, stream, psums[0], psums[1], arrays, options))
 
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
@@ -297,14 +297,14 @@ class PreparedCalls:
                 out_block, arrays, keys = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
                 self._copy(keys[1], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
             else:
-                out_block, arrays = self._outputs(entry)
+                out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
                 self._copy(entry.keys[2], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
                 num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
                 n = num_recv
                 arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
         else:
             runner.defer_verdict()
-            out_block, arrays = self._outputs(entry)
+            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
             runner.recorded.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
                                 functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
                                                   entry.options))
@@ -325,7 +325,7 @@ class PreparedCalls:
             out_block, arrays, (send_key, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
             num_recv, num_expanded, aligned = dispatcher.handle_value(h, "device_counts", _device_counts)
-            out_block, arrays = self._outputs(entry)
+            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
             send_key, copy_key = entry.keys[0], entry.keys[2]
         psum = h.psum_num_recv_tokens_per_rank
         if entry.options[0]:
@@ -333,20 +333,14 @@ class PreparedCalls:
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
         else:
             local = (arrays[0], psum)
-        scatter = functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                    kernel_launches.SLOT_CACHED, local)
-        if send_key is None:
-            scatter()
-        else:
-            runner.recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), scatter)
+        runner.recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block),
+                            functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                              kernel_launches.SLOT_CACHED, local))
         transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum), with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
         expert_psum = h.psum_num_recv_tokens_per_expert
-        copy = functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options)
-        if copy_key is None:
-            copy()
-        else:
-            runner.recorded.run(copy_key, on, (psum, expert_psum, out_block), copy)
+        runner.recorded.run(copy_key, on, (psum, expert_psum, out_block),
+                            functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options))
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)
