@@ -81,7 +81,7 @@ def roots_layout(roots: Sequence[Any], pointers: Sequence[int]) -> tuple:
     """What a replay keeps of the recorded roots besides their pointers ``pointers``: per root its shape, byte
     strides, dtype and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on
     these make the same launches with the same words but for the roots' data pointers."""
-    return tuple((r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers))
+    return tuple([(r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers)])  # no generator frames
 
 
 def _spans(roots: Sequence[Any]) -> List[Tuple[int, int, int]]:
@@ -167,30 +167,32 @@ class RecordedCalls:
         self._calls: Dict[Hashable, Any] = {}
         self.built = 0  # calls recorded so far (a first call at a new shape records one)
 
-    def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[[], None]) -> None:
+    def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[..., None], *args: Any) -> None:
         """One call of shape ``key`` over ``roots``: launch the call recorded for ``key`` and the roots' layout
-        (:func:`roots_layout`) again with the roots' pointers on stream ``on``; the first such call runs ``path()``
-        (the launches through ``Kernels``, on the same stream) and records it.
+        (:func:`roots_layout`) again with the roots' pointers on stream ``on``; the first such call runs
+        ``path(*args)`` (the launches through ``Kernels``, on the same stream) and records it (``args``: no
+        ``functools.partial`` to build at every call of a recorded one).
 
         Args:
             key: what the launches' scalars and grids depend on besides the roots' layout (options, modes); None:
-                a call not to be recorded (it runs ``path()``).
+                a call not to be recorded (it runs ``path(*args)``).
             on: the stream (``raw.stream(handle)``).
             roots: the call's per-call arrays, in the same order at every call of ``key``: every array the call is
                 given or makes that its launches read or write (any other array a launch takes is held as
                 long-lived by the recorded call).
             path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
+            args: ``path``'s arguments.
         """
         if not self.enabled or key is None:
-            path()
+            path(*args)
             return
         pointers = [r.data.ptr for r in roots]
         shape_key = self.shape_key(key, roots, pointers)
         recorded = self._calls.get(shape_key)
         if recorded is None:
-            self._calls[shape_key] = self._record(roots, path)
+            self._calls[shape_key] = self._record(roots, path, args)
         elif recorded is _UNRECORDABLE:
-            path()
+            path(*args)
         else:
             recorded(on, pointers)
 
@@ -205,15 +207,15 @@ class RecordedCalls:
         recorded)."""
         return {key: None if recorded is _UNRECORDABLE else len(recorded) for key, recorded in self._calls.items()}
 
-    def _record(self, roots: Sequence[Any], path: Callable[[], None]) -> Any:
-        """Run ``path`` recording its launches; its recorded call, or ``_UNRECORDABLE``."""
+    def _record(self, roots: Sequence[Any], path: Callable[..., None], args: tuple) -> Any:
+        """Run ``path(*args)`` recording its launches; its recorded call, or ``_UNRECORDABLE``."""
         allocated: List[Any] = []
         with recording() as seen:
             if self._allocations is None:
-                path()
+                path(*args)
             else:
                 with self._allocations(allocated):
-                    path()
+                    path(*args)
         recorded = None if allocated else record_call(seen, roots)
         if recorded is None:
             return _UNRECORDABLE

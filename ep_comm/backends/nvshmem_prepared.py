@@ -110,6 +110,7 @@ class PreparedCalls:
         self._ctx, self._runner, self._dispatcher, self._combiner = ctx, ctx.runner, dispatcher, combiner
         self._ndarray = ctx.xp.ndarray
         self._placement = ctx.device.placement
+        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: the step flushes its staged rows
         self._entries: Dict[tuple, _Entry] = {}
         # (entry's first key, options, exact output shapes) -> (recarving, (send key, copy key), scratch weights)
         self._exact: Dict[tuple, tuple] = {}
@@ -262,13 +263,6 @@ class PreparedCalls:
             self._exact_copies.add(key)
         return key
 
-    def _copy(self, key: Any, on: Any, stream: Any, psums: Tuple[Array, Array], block: Array, arrays: tuple,
-              options: tuple) -> None:
-        """The receive copy, on ``stream``, into ``arrays`` carved from ``block``: the recorded call of ``key`` (None:
-        launched pre-bound, not recorded)."""
-        self._runner.recorded.run(key, on, (psums[0], psums[1], block), functools.partial(
-            self._dispatcher.receive_copy, stream, psums[0], psums[1], arrays, options))
-
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
@@ -277,37 +271,33 @@ class PreparedCalls:
         ``cpu_sync`` expand: one poll, the verdicts, exact outputs (carved as kept per shape) and their copy (recorded
         per shape); else the recorded copy into worst-case outputs. After the poll: no loop over ranks or experts (the
         counts per expert are one ``tolist`` of the mapped record)."""
-        dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
+        dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
                 aligned, num_recv, num_expanded) = entry.count.new()
-        runner.recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights),
-                            functools.partial(dispatcher.count_and_scatter, stream, idx, x, weights, send_block))
-        # the transport's flush holds the puts test and calls the psum only with puts; untimed, as the general path's
-        # _flush is without profiling (a profiling Buffer never prepares a shape)
-        transport.flush(stream, lambda: send_psum, with_meta=True)
-        transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
+        recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights), dispatcher.count_and_scatter, stream, idx,
+                     x, weights, send_block)
+        if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
+            self._ctx.transport.flush(stream, lambda: send_psum, with_meta=True)
+        self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         expand, alignment = entry.options[:2]
-        runner.recorded.run(entry.keys[1], on, (recv_block,),
-                            functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
+        recorded.run(entry.keys[1], on, (recv_block,), dispatcher.receive_count, stream, recv_block, expand, alignment)
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
-            if entry.outputs is None:  # exact outputs after the poll (expand, or compact past _VIEWS_MAX_BYTES)
-                num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-                out_block, arrays, keys = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
-                self._copy(keys[1], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
-            else:
-                out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
-                self._copy(entry.keys[2], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
-                num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-                n = num_recv
-                arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
         else:
             runner.defer_verdict()
+        if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
+            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
+            out_block, arrays, (_, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+        else:
             out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
-            runner.recorded.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
-                                functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
-                                                  entry.options))
+            copy_key = entry.keys[2]
+        recorded.run(copy_key, on, (rank_psum, expert_psum, out_block), dispatcher.receive_copy, stream, rank_psum,
+                     expert_psum, arrays, entry.options)
+        if cpu_sync and entry.outputs is not None:  # the copy is enqueued: the poll, then the exact rows (views)
+            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
+            n = num_recv
+            arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
@@ -317,7 +307,7 @@ class PreparedCalls:
         gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``), signal and
         wait, the receive copy. No poll, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The
         eager path"); the outcome of the wait is the next call's to raise."""
-        dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
+        dispatcher, runner, transport, recorded = self._dispatcher, self._runner, self._ctx.transport, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
@@ -333,14 +323,15 @@ class PreparedCalls:
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
         else:
             local = (arrays[0], psum)
-        runner.recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block),
-                            functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                              kernel_launches.SLOT_CACHED, local))
-        transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum), with_meta=True)
+        recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), dispatcher.scatter, stream, x,
+                     h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED, local)
+        if self._puts:
+            transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
+                            with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
         expert_psum = h.psum_num_recv_tokens_per_expert
-        runner.recorded.run(copy_key, on, (psum, expert_psum, out_block),
-                            functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options))
+        recorded.run(copy_key, on, (psum, expert_psum, out_block), dispatcher.receive_copy, stream, psum, expert_psum,
+                     arrays, entry.options)
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)
@@ -390,14 +381,13 @@ class PreparedCalls:
         handle."""
         ctx, runner, combiner = self._ctx, self._runner, self._combiner
         stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, None),
-                            functools.partial(combiner.send, stream, h, y, None))
-        ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
+        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, None), combiner.send, stream, h, y, None)
+        if self._puts:
+            ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
         ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
         arrived = ctx.device.progress() if h.cpu_sync else None
         block, (x,) = entry.outputs.new()
-        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()),
-                            functools.partial(combiner.reduce, stream, h, y, x, None, ()))
+        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()), combiner.reduce, stream, h, y, x, None, ())
         if arrived is not None:
             runner.check_arrival(arrived, "combine")
         return CombineOutput(x, None)

@@ -66,13 +66,16 @@ class ReplayedCalls:
         self._plans: dict = {}
         self.built = 0
 
-    def run(self, key: Any, on: Any, roots: Any, path: Callable[[], None]) -> None:
+    def run(self, key: Any, on: Any, roots: Any, path: Callable[..., None], *args: Any) -> None:
+        if key is None:  # a call not to be recorded: launched pre-bound
+            path(*args)
+            return
         pointers = [root.ctypes.data for root in roots]
         shape_key = RecordedCalls.shape_key(key, roots, pointers)
         kernels = self._plans.get(shape_key)
         if kernels is None:
             with self._counter.noting() as noted:
-                path()
+                path(*args)
             self._plans[shape_key] = tuple(noted)
             self.built += 1
             return

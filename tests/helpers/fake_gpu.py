@@ -206,13 +206,13 @@ class RootCheckingCalls(RecordedCalls):
         super().__init__(enabled=False)
         self.layouts = {}
 
-    def run(self, key, on, roots, path):
+    def run(self, key, on, roots, path, *args):
         if key is None:  # a call not to be recorded: nothing is replayed
-            return super().run(key, on, roots, path)
+            return super().run(key, on, roots, path, *args)
         pointers = [_pointer(r) for r in roots]
         shape_key = self.shape_key(key, roots, pointers)  # the production lookup: a key it misses shows here
         with prebound.recording() as seen:
-            super().run(key, on, roots, path)
+            super().run(key, on, roots, path, *args)
         spans = [_span(r, p) for r, p in zip(roots, pointers)]
         made = tuple((config, _words(args, spans)) for _, config, args in seen)
         first = self.layouts.setdefault(shape_key, made)
