@@ -195,7 +195,7 @@ class HostDevice:
 
 class RootCheckingCalls(RecordedCalls):
     """The simulator's recorded calls, in check mode: every call runs its launches (nothing is recorded), and each is
-    held to the first call of its key and roots' layout (``recorded_calls.roots_layout``, as on a GPU). A replay on a
+    held to the first call of its key and roots' layout (``RecordedCalls.shape_key``, as on a GPU). A replay on a
     GPU keeps every word of the first call's parameter blocks but the roots' data pointers, so each later call must
     make the same launches (kernel, grid, block, shared bytes) with the same words: the same scalars; for every array
     argument the same shape, strides and dtype and, inside a root, the same root and byte offset from the root's data
