@@ -205,6 +205,16 @@ def read_status(words: Sequence[int], num_ranks: int) -> WaitOutcome:
     return WaitOutcome(int(words[STATUS_SEQ]), missing, [r for r, w in enumerate(posted) if w])
 
 
+def status_state(words: Sequence[int], num_ranks: int) -> Tuple[List[int], bool]:
+    """``(ranks any wait gave up on (sticky), whether the last finished wait saw a posted abort record)`` of the words
+    of a status record (:func:`read_status`'s): a clean record, every call's case, is told by two reads without
+    decoding the rest."""
+    if not words[STATUS_MISSING] and not any(words[STATUS_FLAGS + num_ranks:STATUS_FLAGS + 2 * num_ranks]):
+        return [], False
+    outcome = read_status(words, num_ranks)
+    return outcome.missing_ranks, bool(outcome.aborted_ranks)
+
+
 def mapped_int64(count: int, device: Optional[int] = None, fill: int = 0) -> Tuple[np.ndarray, object]:
     """``(host, device)`` views of ``count`` int64 words of pinned host memory mapped into CUDA device
     ``device`` (None: the current one), set to ``fill``: kernels write them with plain stores and the
@@ -225,7 +235,3 @@ class WaitStatus:
     def __init__(self, num_ranks: int, device: Optional[int] = None):
         self.num_ranks = num_ranks
         self.host, self.device = mapped_int64(STATUS_FLAGS + 2 * num_ranks, device)
-
-    def read(self) -> WaitOutcome:
-        """The record as the device last wrote it (no synchronisation)."""
-        return read_status(self.host.tolist(), self.num_ranks)
