@@ -49,8 +49,9 @@ from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.launching import kernel_launches
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
-# exact output shapes of cpu_sync=True calls kept per Buffer (cleared when full), and receive copies recorded for
-# them (each exact shape's grid and array shapes are its own); past that many, an exact copy launches pre-bound
+# exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and receive copies recorded for
+# them per Buffer (each exact shape's grid and array shapes are its own); past that many, an exact copy launches
+# pre-bound
 _MAX_EXACT, _MAX_EXACT_COPIES = 256, 256
 # a compact new routing with cpu_sync=True returns views of worst-case outputs (its copy enqueued before the poll)
 # only where those take at most this many bytes (decode shapes); larger ones (R * max_tokens rows at prefill, many
@@ -84,7 +85,7 @@ class _Entry:
     """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
     its carvings and options (set by the builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted")
+    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted", "exact")
 
     def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
                  scratch: Optional[Array], options: tuple, weighted: bool):
@@ -95,6 +96,8 @@ class _Entry:
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
         self.weighted = weighted
+        # (received rows, expanded rows) -> (recarving, (send key, copy key), scratch weights) of cpu_sync=True calls
+        self.exact: Dict[Tuple[int, int], tuple] = {}
 
 
 class PreparedCalls:
@@ -112,8 +115,6 @@ class PreparedCalls:
         self._placement = ctx.device.placement
         self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: the step flushes its staged rows
         self._entries: Dict[tuple, _Entry] = {}
-        # (entry's first key, options, exact output shapes) -> (recarving, (send key, copy key), scratch weights)
-        self._exact: Dict[tuple, tuple] = {}
         self._exact_copies: set = set()  # the recorded-call keys of exact shapes (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
@@ -233,9 +234,9 @@ class PreparedCalls:
         ``entry``, carved by a recarving kept per shape, and the recorded-call keys of the pieces whose launches
         depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``; otherwise
         the entry's key) and the receive copy (its grid and array shapes). A key is None past ``_MAX_EXACT_COPIES``
-        shapes: that piece launches pre-bound."""
-        key = (entry.keys[0], width, entry.options, entry.weighted, exact)  # keys[0]: payload, ids' dtype, ...
-        held = self._exact.get(key)
+        shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the entry's): a known shape
+        costs one lookup of its two row counts, all that runs between a poll and the copy."""
+        held = entry.exact.get(exact)
         if held is not None:
             carving, keys, scratch = held
             return (*_carved(carving, entry.weighted, scratch), keys)
@@ -248,10 +249,10 @@ class PreparedCalls:
             send_key = self._exact_key(send_key[:-1] + (arrays[0].shape,))
         keys = (send_key, self._exact_key(receive_copy_key(entry.options, arrays[0], entry.weighted)
                                           + (arrays[3].shape[0],)))
-        if len(self._exact) >= _MAX_EXACT:
-            self._exact.clear()
-        self._exact[key] = (self._output_carving(block, arrays, entry.weighted), keys,
-                            None if entry.weighted else arrays[2])
+        if len(entry.exact) >= _MAX_EXACT:
+            entry.exact.clear()
+        entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
+                              None if entry.weighted else arrays[2])
         return block, arrays, keys
 
     def _exact_key(self, key: tuple) -> Optional[tuple]:
