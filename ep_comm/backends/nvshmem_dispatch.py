@@ -30,6 +30,7 @@ class NvshmemDispatch:
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
         self.profile, self.capture = ctx.runner.profile, ctx.runner.capture
         self.deterministic = ctx.deterministic
+        self._record_shape = (ctx.geo.num_ranks, ctx.geo.experts_per_rank)  # how received_counts reads the record
         # the receive placement of a new routing: stable (deterministic) or atomic
         self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
@@ -181,7 +182,7 @@ class NvshmemDispatch:
         error = runner.verdict(step)
         if error is not None:
             raise error
-        return record_counts(runner.record_host, self.geo.num_ranks, self.geo.experts_per_rank)
+        return record_counts(runner.record_host, *self._record_shape)
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:

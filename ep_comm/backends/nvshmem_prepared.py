@@ -315,7 +315,8 @@ class PreparedCalls:
             num_recv, num_expanded, aligned = host_counts(h)
             out_block, arrays, (send_key, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
-            num_recv, num_expanded, aligned = dispatcher.handle_value(h, "device_counts", _device_counts)
+            held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
+            num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
             out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
             send_key, copy_key = entry.keys[0], entry.keys[2]
         psum = h.psum_num_recv_tokens_per_rank
