@@ -140,7 +140,10 @@ class HostDevice:
 
     @staticmethod
     def carve(shapes):
-        """``CupyDevice.carve``: every array a view of one block, each on 128 bytes."""
+        """``CupyDevice.carve``: one array itself, or every array a view of one block, each on 128 bytes."""
+        if len(shapes) == 1:
+            array = np.empty(*shapes[0])
+            return [array], array
         offsets, total = [], 0
         for shape, dtype in shapes:
             offsets.append(total)
@@ -155,9 +158,12 @@ class HostDevice:
             base = block.__array_interface__["data"][0]
             self._block = (block.shape, block.dtype)
             self._views = tuple((v.shape, v.dtype, v.__array_interface__["data"][0] - base, v.strides) for v in views)
+            self._whole = len(views) == 1 and views[0] is block
 
         def new(self):
             block = np.empty(*self._block)
+            if self._whole:
+                return block, [block]
             return block, [np.ndarray(shape, dtype, buffer=block, offset=at, strides=strides)
                            for shape, dtype, at, strides in self._views]
 

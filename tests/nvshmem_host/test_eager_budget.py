@@ -24,15 +24,16 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # own partials), met except by a new routing at decode, whose scatter is two launches (slots, then row pieces)
 LAUNCHES = {"new": (6, 7), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared), each recorded call looked up as on the
-# GPU (RecordedCalls.shape_key): measured 48 / 38-39 / 31 (issue 47: no partial per recorded call, no flush call
-# without puts, the roots' layout in the lookup's own frame, a replay's device counts read from its handle; before:
-# 59 / 49-50 / 40-42); at 635f594 (the general path, lookups not counted) 132 / 101 / 92
-PYTHON_CALLS = {"new": 48, "cached": 39, "combine": 31}
-PAIR_CALLS = {"cached": 69, "new": 83}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
-# cpu_sync=True calls of a prepared shape: measured 56-57 / 40-41 / 37 (a new routing's poll, verdict and counts read;
+# GPU (RecordedCalls.shape_key): measured 48 / 38-39 / 30 (issue 47: no partial per recorded call, no flush call
+# without puts, the roots' layout in the lookup's own frame, a replay's device counts read from its handle, a
+# combine's one output made as itself; before: 59 / 49-50 / 40-42); at 635f594 (the general path, lookups not
+# counted) 132 / 101 / 92
+PYTHON_CALLS = {"new": 48, "cached": 39, "combine": 30}
+PAIR_CALLS = {"cached": 68, "new": 82}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
+# cpu_sync=True calls of a prepared shape: measured 56-57 / 40-41 / 36 (a new routing's poll, verdict and counts read;
 # a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 69 / 49-50 / 46-48; before issue 47
 # (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 57, "cached": 41, "combine": 37}
+PYTHON_CALLS_SYNC = {"new": 57, "cached": 41, "combine": 36}
 
 
 @pytest.fixture(params=[False, True], ids=["compact", "expand"], scope="module")
