@@ -7,7 +7,7 @@ Python calls counted as ``tests/nvshmem_host/test_eager_budget.py`` counts them 
 which leaves no verdict to check), microseconds over a loop of the call alone. The nvshmem backend runs over the fake GPU of
 ``helpers.fake_gpu`` at an H200's launch shape under ``helpers.eager_counts.LaunchCounter``: no kernel runs, launch
 plans are replayed as on the GPU. Prints, per pair, Python function calls, kernel launches, allocations and host
-microseconds (best of several repeats). A measurement, never a pass/fail test (the budgets are
+microseconds of CPU time (best of several repeats). A measurement, never a pass/fail test (the budgets are
 ``tests/nvshmem_host/test_eager_budget.py``)::
 
     python tools/host_pairs.py [--pairs 2000] [--repeats 5] [--ops]
@@ -93,13 +93,14 @@ def _ops(expand: bool, backend) -> dict:
 
 
 def _best_us(call, calls: int, repeats: int) -> float:
-    """Microseconds per ``call()``, the best over ``repeats`` loops of ``calls`` calls."""
+    """Microseconds of this process's CPU time per ``call()`` (``time.process_time``: what other processes on a
+    shared machine take is left out), the best over ``repeats`` loops of ``calls`` calls."""
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(calls):
             call()
-        best = min(best, (time.perf_counter() - start) / calls)
+        best = min(best, (time.process_time() - start) / calls)
     return best * 1e6
 
 
