@@ -351,45 +351,53 @@ class PreparedCalls:
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any) -> CombineOutput:
-        """``Buffer.combine`` without weights, bias or a hook: prepared when its shape was seen with a ``y`` of the
-        same identity and ``handle`` passed the handle check, else ``general(...)``."""
-        if type(y) is not self._ndarray or type(handle) is not EPHandle:
-            return general(y, handle, None, None, False)
-        key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype)
+    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any,
+                weights: Any) -> CombineOutput:
+        """``Buffer.combine`` without bias or a hook: prepared when its shape was seen with a ``y`` and ``topk_weights``
+        ``weights`` (or None) of the same identity and ``handle`` passed the handle check, else ``general(...)``."""
+        nd = self._ndarray
+        if type(y) is not nd or type(handle) is not EPHandle or (weights is not None and type(weights) is not nd):
+            return general(y, handle, weights, None, False)
+        key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype,
+               None if weights is None else weights.shape)
         entry = self._entries.get(key)
         if entry is None:
-            out = general(y, handle, None, None, False)
-            if self._may_learn(y, (), None):
-                self._learn_combine(key, y, handle)
+            out = general(y, handle, weights, None, False)
+            # float32 weights only: the general path takes others through a conversion, which the prepared one skips
+            if self._may_learn(y, (weights,), None) and (weights is None or weights.dtype == np.float32):
+                self._learn_combine(key, y, weights, handle)
             return out
         checked.check(handle, "dispatch")
-        if identity(y, self._placement) != entry.inputs[0] or not self._enter("combine", handle.cpu_sync):
-            return general(y, handle, None, None, False)
-        out = self._runner.steps.run("combine", False, self._combine, entry, y, handle)
+        place = self._placement
+        if (identity(y, place) != entry.inputs[0]
+                or (weights is not None and identity(weights, place) != entry.inputs[1])
+                or not self._enter("combine", handle.cpu_sync)):
+            return general(y, handle, weights, None, False)
+        out = self._runner.steps.run("combine", False, self._combine, entry, y, handle, weights)
         self.replayed += 1
         return out
 
-    def _learn_combine(self, key: tuple, y: Array, h: EPHandle) -> None:
-        """Keep the entry of a combine's shape (no weights, no bias) after its general call."""
-        device = self._ctx.device
-        arrays, block = device.carve(self._combiner.combine_shapes(h, False))
-        keys = (combine_send_key(h, y, None), reduce_key(h, y, False, ()))
-        self._entries[key] = _Entry((identity(y, self._placement),), keys, None,
-                                    device.recarving(block, arrays), None, (), False)
+    def _learn_combine(self, key: tuple, y: Array, weights: Optional[Array], h: EPHandle) -> None:
+        """Keep the entry of a combine's shape (no bias; float32 ``weights`` or None) after its general call."""
+        device, weighted = self._ctx.device, weights is not None
+        arrays, block = device.carve(self._combiner.combine_shapes(h, weighted))
+        keys = (combine_send_key(h, y, weights), reduce_key(h, y, weighted, ()))
+        inputs = (identity(y, self._placement), None if weights is None else identity(weights, self._placement))
+        self._entries[key] = _Entry(inputs, keys, None, device.recarving(block, arrays), None, (), weighted)
 
-    def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle) -> CombineOutput:
-        """A combine: the rows back, signal and wait, the reduce into a new ``x``; one poll for a ``cpu_sync``
-        handle."""
+    def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle, weights: Optional[Array]) -> CombineOutput:
+        """A combine: the rows (and ``weights``) back, signal and wait, the reduce into a new ``x`` (and the gathered
+        weights); one poll for a ``cpu_sync`` handle."""
         ctx, runner, combiner = self._ctx, self._runner, self._combiner
         stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, None), combiner.send, stream, h, y, None)
+        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, weights), combiner.send, stream, h, y, weights)
         if self._puts:
-            ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
+            ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
         ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
         arrived = ctx.device.progress() if h.cpu_sync else None
-        block, (x,) = entry.outputs.new()
-        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()), combiner.reduce, stream, h, y, x, None, ())
+        block, outputs = entry.outputs.new()
+        x, back = outputs[0], outputs[1] if entry.weighted else None
+        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()), combiner.reduce, stream, h, y, x, back, ())
         if arrived is not None:
             runner.check_arrival(arrived, "combine")
-        return CombineOutput(x, None)
+        return CombineOutput(x, back)

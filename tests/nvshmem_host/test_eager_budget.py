@@ -34,6 +34,9 @@ PAIR_CALLS = {"cached": 68, "new": 82}  # tools/host_pairs.py measures the same 
 # a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 69 / 49-50 / 46-48; before issue 47
 # (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
 PYTHON_CALLS_SYNC = {"new": 57, "cached": 41, "combine": 36}
+# a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 33
+# with a cpu_sync=False handle, 39 with a cpu_sync=True one
+WEIGHTED_COMBINE_CALLS = {False: 33, True: 39}
 
 
 @pytest.fixture(params=[False, True], ids=["compact", "expand"], scope="module")
@@ -185,3 +188,27 @@ def test_python_calls_of_the_prepared_pairs(counted):
         replayed = buf._backend.prepared.replayed
         assert counter.python_calls(pair) <= budget
         assert buf._backend.prepared.replayed == replayed + 2, "both calls of the pair took the prepared path"
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_python_calls_of_a_combine_given_weights(counted, sync):
+    """A combine with ``topk_weights`` (float32, the received rows' shape) takes the prepared path, with two launches
+    more than without (the weights sent back, then gathered) and no other allocation."""
+    counter, ops, expand, buf = counted
+    x, idx, _ = ops["pair inputs"]
+    out = buf.dispatch(x, idx, expand=expand, cpu_sync=sync)
+    rows = out.handle.num_out_rows
+    weights = np.ones((rows,) if expand else (rows, GEO.num_topk), np.float32)
+
+    def combine():
+        return buf.combine(out.recv_x, out.handle, topk_weights=weights)
+
+    combine(), combine()
+    ops["cached cpu_sync=True"]()
+    replayed = buf._backend.prepared.replayed
+    counts = counter.count(combine)
+    assert buf._backend.prepared.replayed == replayed + 1, "the call took the prepared path"
+    assert counts.syncs == 0 and counts.reads == 0 and counts.allocations <= 1, counts.events
+    assert counts.launches <= LAUNCHES["combine"][expand] + 2, counts.events
+    ops["cached cpu_sync=True"]()
+    assert counter.python_calls(combine) <= WEIGHTED_COMBINE_CALLS[sync]
