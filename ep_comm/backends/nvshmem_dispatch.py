@@ -14,7 +14,7 @@ import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem_steps import NvshmemContext
-from ep_comm.contract.arrays import Array
+from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
 from ep_comm.launching import kernel_launches
@@ -30,6 +30,7 @@ class NvshmemDispatch:
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
         self.profile, self.capture = ctx.runner.profile, ctx.runner.capture
         self.deterministic = ctx.deterministic
+        self._record_shape = (ctx.geo.num_ranks, ctx.geo.experts_per_rank)  # how received_counts reads the record
         # the receive placement of a new routing: stable (deterministic) or atomic
         self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
@@ -181,7 +182,7 @@ class NvshmemDispatch:
         error = runner.verdict(step)
         if error is not None:
             raise error
-        return record_counts(runner.record_host, self.geo.num_ranks, self.geo.experts_per_rank)
+        return record_counts(runner.record_host, *self._record_shape)
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:
@@ -331,12 +332,7 @@ def host_counts(h: EPHandle) -> tuple:
     copy: each handle owns its list); a ``cpu_sync=False`` one on the device (three reads, which wait for the stream)."""
     if h.cpu_sync:
         return int(h.num_recv_tokens), int(h.num_expanded_tokens), list(h.num_recv_tokens_per_expert)
-    return int(h.num_recv_tokens), int(h.num_expanded_tokens), _host(h.num_recv_tokens_per_expert).tolist()
-
-
-def _host(values: Any) -> Any:
-    """A host array of a device array (a NumPy array as it is)."""
-    return values.get() if hasattr(values, "get") else values
+    return int(h.num_recv_tokens), int(h.num_expanded_tokens), to_host(h.num_recv_tokens_per_expert).tolist()
 
 
 def _device_counts(xp: Any, h: EPHandle) -> tuple:
