@@ -15,6 +15,9 @@ import pytest
 from ptx_stats import wide_divisions
 
 HERE = Path(__file__).parent
+# under pytest-xdist (.ci/run) every test of this module on one worker: the module fixture compiles every kernel
+# (about a minute of CPU), once per worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("compile")
 
 
 @pytest.fixture(scope="module")
