@@ -131,8 +131,9 @@ class NvshmemDispatch:
 
     def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
         """On ``stream``: count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then
-        scatter ``x`` with its ``weights`` at the slots the count assigned."""
-        stable = self.deterministic
+        scatter ``x`` with its ``weights`` at the slots the count assigned (stable ones where ``Kernels.send_stable``
+        says so)."""
+        stable = self.kernels.send_stable(idx.shape[0], self.deterministic)
         with self.profile.phase("dispatch", "count"):
             send = self.kernels.count(idx, stable=stable, stream=stream, block=send_block)
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC

@@ -196,9 +196,10 @@ class Kernels(LaunchShapes):
             recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
                 received per source (on the device).
 
-        When rows are cut into pieces (few tokens), the slots are assigned first (not with
-        ``SLOT_CACHED``) and a second launch copies the rows, one warp per piece. The launches do not
-        depend on whether ``recv_x`` is given (a flag argument of the same kernels).
+        When rows are cut into pieces (few tokens), one warp per piece copies the rows; with ``SLOT_STABLE`` and
+        :meth:`slots_with_rows` those warps take their slots themselves (one launch), else the slots are assigned
+        first (not with ``SLOT_CACHED``) in a launch of their own. The launches do not depend on whether ``recv_x``
+        is given (a flag argument of the same kernels).
         """
         direct = recv_x is not None
         if direct != (recv_psum is not None) or (direct and mode != SLOT_CACHED):
@@ -216,17 +217,18 @@ class Kernels(LaunchShapes):
         rows, metas = tuple(rows), tuple(metas)
         wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
-        pieces = span < row_words  # few tokens: slots by unit first, then the rows by pieces
-        rows_from = (source, row_words, wide)
-        if mode != SLOT_CACHED or not pieces:
+        pieces = span < row_words  # few tokens: the rows by pieces, their slots by unit first or on the way
+        own_slots = pieces and mode == SLOT_STABLE and self.slots_with_rows(x.shape[0])
+        rows_from, units = (source, row_words, wide), (self._work.send_units, self._work.send_groups)
+        if not pieces or not (mode == SLOT_CACHED or own_slots):
             self._launch(scatter_kernel, stream, blocks=self._blocks_for(num_units, self.num_blocks))(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                mode, num_units, units_per_warp, self._work.rank_cursor, self._work.send_units, self._work.send_groups,
-                slot_idx, not pieces, rows, metas, direct, *local)
+                mode, num_units, units_per_warp, self._work.rank_cursor, *units, slot_idx, not pieces, rows, metas,
+                direct, *local)
         if pieces:
             self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                span, slot_idx, rows, metas, direct, *local)
+                span, slot_idx, rows, metas, direct, *local, own_slots, num_units, units_per_warp, *units)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool, stream: Any, block: Optional[Array] = None,

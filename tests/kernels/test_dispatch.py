@@ -10,6 +10,7 @@ from world import MAX_TOKENS, World, kernel_world, random_payload, routing_verdi
 
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
+from ep_comm.launching import launch_shapes
 from ep_comm.launching.kernel_launches import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
 
 
@@ -201,26 +202,68 @@ def test_random_routings(xp, seed, ranks, topk, alignment, deterministic):
 
 
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 2600), ("float16", 2601)])
-def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden):
-    """Few tokens with long rows (650 wide words, or 2601 narrow ones): the scatter assigns slots by
-    unit, then one warp per piece of a row copies it (the last piece shorter); atomic, stable and
-    cached dispatches stay bit for bit the reference."""
+@pytest.mark.parametrize("own_slots", [True, False], ids=["slots-in-rows", "slots-first"])
+def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden, own_slots):
+    """Few tokens with long rows (650 wide words, or 2601 narrow ones): one warp per piece of a row copies it (the
+    last piece shorter), each taking its entry's stable slot itself (one launch), or with
+    ``EP_COMM_KERNEL_LEGACY=slots_in_rows`` after a launch that assigns slots by unit (atomic ones without
+    ``deterministic``); stable, any-order and cached dispatches stay bit for bit the reference."""
     from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
 
+    if not own_slots:
+        monkeypatch.setattr(launch_shapes, "legacy", lambda name: name == "slots_in_rows")
     world = kernel_world(xp, seed=17, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
     world.kernels.split_warps = 64
     launched = spy_launches(monkeypatch)
     run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
     sent, first = run_dispatch(world, deterministic=False, expand=False, parity=0)
-    assert launched.count(scatter_kernel) == launched.count(scatter_rows_kernel) == 2 * world.num_ranks
+    slot_launches = 0 if own_slots else 2 * world.num_ranks
+    assert launched.count(scatter_kernel) == slot_launches
+    assert launched.count(scatter_rows_kernel) == 2 * world.num_ranks
     for buf in world.buffers:
         buf[...] = 0
     world.send(1, deterministic=False, cached=[item.slot_idx for item in sent])
-    assert launched.count(scatter_kernel) == 2 * world.num_ranks and launched.count(scatter_rows_kernel) == 3 * world.num_ranks
+    assert launched.count(scatter_kernel) == slot_launches
+    assert launched.count(scatter_rows_kernel) == 3 * world.num_ranks
     for d in range(world.num_ranks):
         again = world.receive(d, 1, expand=False, alignment=1, zero_padding=False, deterministic=False,
                               cached=first[d])
         check_compact(world, d, again, world.expected_compact(d, sent))
+
+
+def decode_world(xp) -> World:
+    """Two ranks of 40 and 27 tokens with rows of 301 16-bit words cut into two pieces, on a token cut of one warp step
+    per unit (16 tokens, top-2) and two units per count group: 3 units in 2 groups at T=40."""
+    world = kernel_world(xp, seed=41, ranks=2, experts=8, topk=2, dtype="float16", hidden=301, tokens=(40, 27),
+                         max_tokens=40, masked=0.1)
+    world.kernels = Kernels(xp, num_ranks=2, num_experts=8, num_topk=2, max_tokens=40, num_blocks=2, warps_per_block=2,
+                            count_tokens_per_warp=32, count_min_warps=0, recv_rows_per_unit=4, split_warps=160)
+    return world
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_row_pieces_take_their_stable_slots_across_units_and_groups(xp, monkeypatch, deterministic):
+    """Decode's scatter in one launch: every piece's warp takes its entry's stable slot from its unit's start in its
+    count group and the group's start (units after the first of a group, groups after the first), with or without
+    ``deterministic``; the slots and every byte of the symmetric buffers are those of the two launches before
+    (``EP_COMM_KERNEL_LEGACY=slots_in_rows``: slots by unit, then the row pieces; stable ones there too), and the
+    received outputs the reference's."""
+    from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
+
+    new = decode_world(xp)
+    assert new.kernels.token_cut(40) == (3, 2) and new.kernels.slots_with_rows(40)
+    launched = spy_launches(monkeypatch)
+    sent = run_dispatch(new, deterministic=deterministic, expand=False)[0]
+    assert scatter_kernel not in launched and launched.count(scatter_rows_kernel) == 2
+    monkeypatch.setattr(launch_shapes, "legacy", lambda name: name == "slots_in_rows")
+    old = decode_world(xp)
+    assert not old.kernels.slots_with_rows(40)
+    before = run_dispatch(old, deterministic=True, expand=False)[0]
+    assert launched.count(scatter_kernel) == 2
+    for a, b in zip(sent, before):
+        np.testing.assert_array_equal(a.slot_idx, b.slot_idx)
+    for a, b in zip(new.buffers, old.buffers):
+        np.testing.assert_array_equal(to_host(a), to_host(b))
 
 
 @pytest.mark.parametrize("dtype, hidden, tokens, split_warps, wide, cut", [
