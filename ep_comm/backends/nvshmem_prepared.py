@@ -191,6 +191,8 @@ class PreparedCalls:
                 (arrays[2],) if weighted else ()))
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
+            if new and dispatcher.counts_in_copy(h.expand, h.cpu_sync):
+                copy_key += ("counted",)
         if new:
             keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
                     copy_key)
@@ -288,8 +290,10 @@ class PreparedCalls:
         transport.flush(stream, lambda: send_psum, with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         expand, alignment = entry.options[:2]
-        runner.recorded.run(entry.keys[1], on, (recv_block,),
-                            functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
+        counted = dispatcher.counts_in_copy(expand, cpu_sync)  # the copy's launch counts too
+        if not counted:
+            runner.recorded.run(entry.keys[1], on, (recv_block,),
+                                functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
             if entry.outputs is None:  # exact outputs after the poll (expand, or compact past _VIEWS_MAX_BYTES)
@@ -303,11 +307,12 @@ class PreparedCalls:
                 n = num_recv
                 arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
         else:
-            runner.defer_verdict()
             out_block, arrays = self._outputs(entry)
-            runner.recorded.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
+            runner.recorded.run(entry.keys[2], on, (recv_block, out_block) if counted else (rank_psum, expert_psum,
+                                                                                            out_block),
                                 functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
-                                                  entry.options))
+                                                  entry.options, recv_block if counted else None))
+            runner.defer_verdict()  # after the launch that writes the record
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 

@@ -11,7 +11,7 @@ from world import MAX_TOKENS, World, kernel_world, random_payload, routing_verdi
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
 from ep_comm.launching import launch_shapes
-from ep_comm.launching.kernel_launches import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
+from ep_comm.launching.kernel_launches import PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, Kernels
 
 
 def check_count(world: World, deterministic: bool) -> None:
@@ -168,6 +168,42 @@ def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks
         np.testing.assert_array_equal(to_host(got.expert_psum), want.psum_per_expert)
         np.testing.assert_array_equal(to_host(got.totals), [len(keep), want.num_expanded_tokens])
     assert launched == [receive_count_words_kernel] * ranks
+
+
+@pytest.mark.parametrize("ranks, experts, tokens, alignment, bad", [
+    (1, 4, (9,), 2, None),
+    (3, 12, (10, 13, 0), 4, None),  # a source with zero rows
+    (2, 70, (40, 1), 8, None),  # 35 local experts: more than a warp
+    (3, 12, (10, 13, 7), 1, 1),  # a bad verdict: nothing is received
+], ids=["1-rank", "3-ranks", "2-ranks-35-local", "3-ranks-bad-verdict"])
+def test_a_compact_receive_counts_in_its_copy(xp, monkeypatch, ranks, experts, tokens, alignment, bad):
+    """``Kernels.receive_counted``, the compact receive count and copy of a new routing in one launch: its counts, its
+    record and its worst-case outputs are every byte those of ``receive_count`` then ``receive_copy``."""
+    from ep_comm.contract.symmetric import record_words
+    from ep_comm.kernels.receive import receive_counted_compact_kernel
+
+    world = kernel_world(xp, seed=33, ranks=ranks, experts=experts, topk=3, tokens=tokens, masked=0.2, max_tokens=40)
+    world.send(1, deterministic=True)
+    if bad is not None:
+        words = ref.send_count_words(ref.dispatch_layout(world.topk[bad], experts, ranks))
+        world.exchange_counts(1, bad, words, (experts + 2, 0))
+    k, step = world.kernels, world.step(1)
+    for d in range(ranks):
+        view = world.views[d]
+        before, after = (world.outputs(expand=False, alignment=alignment, worst_case=True, num_rows=0,
+                                       num_expanded=0) for _ in range(2))
+        records = [xp.full(record_words(ranks, world.local), -5, np.int64) for _ in range(2)]
+        counts = k.receive_count(view.counts, view.meta, step, alignment=alignment, expand=False, stable=True,
+                                 record=records[0], stream=0)
+        k.receive_copy(counts.rank_psum, view.rows, view.meta, step, *before, expand=False, mode=PLACE_STABLE,
+                       expert_psum=counts.expert_psum, alignment=alignment, zero_padding=False, stream=0)
+        launched = spy_launches(monkeypatch)
+        got = k.receive_counted(view.counts, view.rows, view.meta, step, *after, alignment=alignment,
+                                record=records[1], stream=0)
+        assert launched == [receive_counted_compact_kernel]
+        for a, b in zip((*counts, *before, records[0]), (*got, *after, records[1])):
+            np.testing.assert_array_equal(to_host(a).view(np.uint8), to_host(b).view(np.uint8))
+        assert (int(to_host(got.totals)[0]) == 0) == (bad is not None or not sum(tokens))
 
 
 @pytest.mark.parametrize("expand", [False, True])
