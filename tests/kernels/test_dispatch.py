@@ -277,6 +277,21 @@ def decode_world(xp) -> World:
     return world
 
 
+def test_stable_slots_where_the_row_pieces_take_them(monkeypatch):
+    """``slots_with_rows``: at most ``split_warps // 2`` entries (their rows are cut) and units of one warp step at
+    most; there a new routing counts for stable slots whatever ``deterministic`` says (``send_stable``), not at
+    prefill, nor with ``EP_COMM_KERNEL_LEGACY=slots_in_rows``."""
+    k = Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=4096)  # 2112 units, split_warps 4224
+    assert k.slots_with_rows(128) and k.send_stable(128, False)  # decode: 1024 entries
+    assert k.slots_with_rows(264) and not k.slots_with_rows(265)  # 2112 entries, then 2120
+    assert not k.slots_with_rows(0) and not k.send_stable(4096, False) and k.send_stable(4096, True)
+    few_units = Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=64, num_blocks=1, warps_per_block=2,
+                        split_warps=1000)
+    assert few_units.slots_with_rows(8) and not few_units.slots_with_rows(9)  # 2 units: 4 tokens each, then 5
+    monkeypatch.setattr(launch_shapes, "legacy", lambda name: name == "slots_in_rows")
+    assert not k.slots_with_rows(128) and not k.send_stable(128, False) and k.send_stable(128, True)
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_row_pieces_take_their_stable_slots_across_units_and_groups(xp, monkeypatch, deterministic):
     """Decode's scatter in one launch: every piece's warp takes its entry's stable slot from its unit's start in its
