@@ -199,8 +199,8 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
 
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
-                        ahead, span, slot_idx, rows, metas, direct, recv_x, recv_psum, own_slots, num_units,
-                        units_per_warp, unit_counts, group_counts):
+                        ahead, span, own_slots, num_units, units_per_warp, unit_counts, group_counts, slot_idx, rows,
+                        metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
     it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.

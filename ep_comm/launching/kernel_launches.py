@@ -230,7 +230,7 @@ class Kernels(LaunchShapes):
         if pieces:
             self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                span, slot_idx, rows, metas, direct, *local, own_slots, num_units, units_per_warp, *units)
+                span, own_slots, num_units, units_per_warp, *units, slot_idx, rows, metas, direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool, stream: Any, block: Optional[Array] = None,
