@@ -199,6 +199,8 @@ class PreparedCalls:
             outputs = self._output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
+            if new and dispatcher.counts_in_copy(h.expand, h.cpu_sync):
+                copy_key += ("counted",)
         if new:
             keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
                     copy_key)
@@ -282,20 +284,24 @@ class PreparedCalls:
             self._ctx.transport.flush(stream, lambda: send_psum, with_meta=True)
         self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         expand, alignment = entry.options[:2]
-        recorded.run(entry.keys[1], on, (recv_block,), dispatcher.receive_count, stream, recv_block, expand, alignment)
+        counted = dispatcher.counts_in_copy(expand, cpu_sync)  # the copy's launch counts too
+        if not counted:
+            recorded.run(entry.keys[1], on, (recv_block,), dispatcher.receive_count, stream, recv_block, expand,
+                         alignment)
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
-        else:
-            runner.defer_verdict()
         if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
             out_block, arrays, (_, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
             out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
             copy_key = entry.keys[2]
-        recorded.run(copy_key, on, (rank_psum, expert_psum, out_block), dispatcher.receive_copy, stream, rank_psum,
-                     expert_psum, arrays, entry.options)
-        if cpu_sync and entry.outputs is not None:  # the copy is enqueued: the poll, then the exact rows (views)
+        roots = (recv_block, out_block) if counted else (rank_psum, expert_psum, out_block)
+        recorded.run(copy_key, on, roots, dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
+                     entry.options, recv_block if counted else None)
+        if not cpu_sync:
+            runner.defer_verdict()  # after the launch that writes the record
+        elif entry.outputs is not None:  # the copy is enqueued: the poll, then the exact rows (views)
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
             n = num_recv
             arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])

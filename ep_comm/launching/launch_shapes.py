@@ -258,6 +258,21 @@ class LaunchShapes:
         consecutive units one count warp walks."""
         return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp, self.count_min_warps)
 
+    def slots_with_rows(self, num_tokens: int) -> bool:
+        """Whether a stable scatter of ``num_tokens`` tokens whose rows are cut into pieces takes its slots in the
+        rows' launch (``scatter_rows_kernel``'s ``own_slots``, one launch instead of two): so few tokens that their
+        rows are cut (``split_warps`` at least two pieces per entry) and every unit of :meth:`token_cut` one warp
+        step at most; not with the debug switch ``EP_COMM_KERNEL_LEGACY=slots_in_rows``."""
+        entries, step = num_tokens * self.num_topk, WARP // self.num_topk
+        return (not legacy("slots_in_rows") and 0 < entries <= self.split_warps // 2
+                and -(-num_tokens // self.num_units) <= step)
+
+    def send_stable(self, num_tokens: int, deterministic: bool) -> bool:
+        """Whether a new routing of ``num_tokens`` tokens counts and scatters with stable slots: ``deterministic``
+        asks for them, and where :meth:`slots_with_rows` holds they cost one launch less than atomic ones (any
+        order being allowed, the stable one is as good)."""
+        return deterministic or self.slots_with_rows(num_tokens)
+
     def send_words(self, num_tokens: int) -> int:
         """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""
         return self._ids_at(num_tokens) + 2 * num_tokens * self.num_topk
