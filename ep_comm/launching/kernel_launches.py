@@ -198,7 +198,7 @@ class Kernels(LaunchShapes):
             recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
                 received per source (on the device).
 
-        With few tokens (fewer token units than ``scatter_full_units``) or rows cut into pieces, one warp per row or
+        With few tokens (fewer token units than ``scatter_min_units``) or rows cut into pieces, one warp per row or
         piece copies the rows; with ``SLOT_STABLE`` and :meth:`slots_with_rows` those warps take their slots themselves
         (one launch), else the slots are assigned first (not with ``SLOT_CACHED``) in a launch of their own. The
         launches do not depend on whether ``recv_x`` is given (a flag argument of the same kernels).
@@ -219,9 +219,9 @@ class Kernels(LaunchShapes):
         rows, metas = tuple(rows), tuple(metas)
         wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
-        # few tokens (a grid not full of units) or long rows in pieces: the rows by warps, their slots by unit first
+        # few tokens (a grid mostly without units) or long rows in pieces: the rows by warps, their slots by unit first
         # or on the way
-        by_rows = span < row_words or num_units < self.scatter_full_units
+        by_rows = span < row_words or num_units < self.scatter_min_units
         own_slots = by_rows and mode == SLOT_STABLE and self.slots_with_rows(x.shape[0])
         rows_from, units = (source, row_words, wide), (self._work.send_units, self._work.send_groups)
         if not by_rows or not (mode == SLOT_CACHED or own_slots):

@@ -198,10 +198,10 @@ class LaunchShapes:
     ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
     NVLink busy; they cut rows into pieces when rows are few, about ``split_warps`` pieces in all
     (default: ``2 * num_blocks * warps_per_block``), one warp per piece. The scatter copies rows in its unit
-    kernel only when the token cut gives at least ``scatter_full_units`` units (default: ``num_blocks *
-    warps_per_block``, a full grid); with fewer tokens its units only assign slots and the rows kernel copies
-    the rows, one warp per row or piece (at decode on a few SMs, e.g. 128 tokens on 24 SMs, the unit kernel
-    would copy every row on 32 warps). ValueError for a ``num_topk`` the
+    kernel only when the token cut gives at least ``scatter_min_units`` units (default: a quarter of ``num_blocks *
+    warps_per_block``); with fewer tokens its units only assign slots and the rows kernel copies the rows, one warp
+    per row or piece (at decode on a few SMs, e.g. 128 tokens on 24 SMs, the unit kernel would copy every row on 32
+    warps; at prefill the unit kernel, a quarter of the grid or more, is the faster). ValueError for a ``num_topk`` the
     kernels cannot handle, fewer than 2 warps per block, or indices past 32 bits (:func:`check_index_range`).
     """
 
@@ -209,7 +209,7 @@ class LaunchShapes:
                  warps_per_block: int = 8, recv_units: int = 0, stream_blocks: int = 0,
                  count_tokens_per_warp: int = 16, recv_rows_per_unit: int = 32, recv_count_warps_per_block: int = 0,
                  split_warps: int = 0, count_min_warps: int = 64, count_warps_per_block: int = 0,
-                 scatter_full_units: int = 0):
+                 scatter_min_units: int = 0):
         if not 1 <= num_topk <= WARP:
             raise ValueError(f"num_topk={num_topk}: the kernels handle 1..{WARP} entries per token")
         if warps_per_block < 2:
@@ -227,7 +227,7 @@ class LaunchShapes:
         self.recv_count_warps_per_block = recv_count_warps_per_block or 2 * warps_per_block
         self.stream_blocks = stream_blocks or 4 * num_blocks
         self.split_warps = split_warps or 2 * self.num_units
-        self.scatter_full_units = scatter_full_units or self.num_units
+        self.scatter_min_units = scatter_min_units or max(1, self.num_units // 4)
         self.threads = warps_per_block * WARP
         self.num_local = num_experts // num_ranks
         # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)

@@ -378,7 +378,7 @@ def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, mo
 
     world = kernel_world(xp, seed=31, ranks=ranks, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps
-    world.kernels.scatter_full_units = 1 if by_units else world.kernels.scatter_full_units
+    world.kernels.scatter_min_units = 1 if by_units else 10**6  # the unit kernel's rows, or the rows kernel's
     sent, first = run_dispatch(world, deterministic=False, expand=False)
     rng = np.random.default_rng(32)
     world.x = [random_payload(rng, x.shape, x.dtype) for x in world.x]

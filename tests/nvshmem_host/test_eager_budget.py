@@ -28,14 +28,15 @@ LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared), each recorded call looked up as on the
 # GPU (RecordedCalls.shape_key): measured 48 / 38-39 / 30 (issue 47: no partial per recorded call, no flush call
 # without puts, the roots' layout in the lookup's own frame, a replay's device counts read from its handle, a
-# combine's one output made as itself; before: 59 / 49-50 / 40-42); at 635f594 (the general path, lookups not
+# combine's one output made as itself; 49 for an expand new routing since issue 46's count_in_copy choice; before: 59 / 49-50 /
+# 40-42); at 635f594 (the general path, lookups not
 # counted) 132 / 101 / 92
-PYTHON_CALLS = {"new": 48, "cached": 39, "combine": 30}
-PAIR_CALLS = {"cached": 68, "new": 82}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
+PYTHON_CALLS = {"new": 49, "cached": 39, "combine": 30}
+PAIR_CALLS = {"cached": 68, "new": 83}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
 # cpu_sync=True calls of a prepared shape: measured 56-57 / 40-41 / 36 (a new routing's poll, verdict and counts read;
 # a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 69 / 49-50 / 46-48; before issue 47
 # (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 57, "cached": 41, "combine": 36}
+PYTHON_CALLS_SYNC = {"new": 58, "cached": 41, "combine": 36}
 # a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 33
 # with a cpu_sync=False handle, 39 with a cpu_sync=True one
 WEIGHTED_COMBINE_CALLS = {False: 33, True: 39}
