@@ -52,6 +52,7 @@ def record_all(dtype: np.dtype) -> list:
     k.check_routing(topk.astype(np.int32), stream=0)
     k.check_routing(topk, into=np.full(2, -1, np.int64), stream=0)
     k.count(topk, stable=True, stream=0)
+    k.scatter_min_units = 1  # few tokens: the unit kernel copies the rows only when told to (the rows kernel below)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
               src_rank=0, step=step, mode=SLOT_STABLE, stream=0)
     k.receive_count(views[0].counts, views[0].meta, step, alignment=2, expand=False, stable=False, stream=0)
