@@ -29,9 +29,11 @@ The forwarder's writes depend on the slots (dispatch) or the token ids (combine)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple, Tuple
 
 import numpy as np
 
+from ep_comm.contract.arrays import Array
 from ep_comm.contract.layout import align_up
 from ep_comm.contract.symmetric import SymmetricLayout
 
@@ -112,3 +114,33 @@ def slot_order(slots: np.ndarray) -> np.ndarray:
     order the rows arrived in. Returns int64 row indices."""
     sent = np.nonzero(slots >= 0)[0]
     return sent[np.argsort(slots[sent], kind="stable")]
+
+
+class InboxViews(NamedTuple):
+    """Typed views of one rank's forwarding inbox (:class:`ForwardInbox` byte layout), as the GPU kernels take them
+    (``ep_comm.kernels.forward``)."""
+
+    signal: Array  # [R] int64
+    header: Array  # [2, R, HEADER_WORDS] int64
+    counts: Array  # [2, R, count_words] int64
+    rows: Array  # [2, R, max_tokens, row_bytes // word] words
+    meta: Array  # [2, R, max_tokens, relay_words] int32
+
+
+def inbox_views(buffer: Array, inbox: ForwardInbox, word: np.dtype) -> InboxViews:
+    """Typed views of the inbox in a flat uint8 buffer of ``inbox.total_bytes`` (the symmetric buffer first);
+    rows as ``word``."""
+    sym, r = inbox.sym, inbox.sym.num_ranks
+
+    def region(offset: int, nbytes: int, dtype: np.dtype, shape: Tuple[int, ...]) -> Array:
+        return buffer[offset: offset + nbytes].view(dtype).reshape(shape)
+
+    rows_shape = (2, r, sym.max_tokens, sym.row_bytes // np.dtype(word).itemsize)
+    return InboxViews(
+        signal=region(inbox.signal_offset, 8 * r, np.dtype(np.int64), (r,)),
+        header=region(inbox.header_offset, 16 * r * HEADER_WORDS, np.dtype(np.int64), (2, r, HEADER_WORDS)),
+        counts=region(inbox.counts_offset, 16 * r * sym.count_words, np.dtype(np.int64), (2, r, sym.count_words)),
+        rows=region(inbox.rows_offset, 2 * r * sym.max_tokens * sym.row_bytes, np.dtype(word), rows_shape),
+        meta=region(inbox.meta_offset, 8 * r * sym.max_tokens * inbox.relay_words, np.dtype(np.int32),
+                    (2, r, sym.max_tokens, inbox.relay_words)),
+    )

@@ -34,11 +34,13 @@ import numpy as np
 from ep_comm._launcher.device_arrays import wide_rows
 from ep_comm._launcher.prebound import prebound_kernel
 from ep_comm.contract.arrays import Array
+from ep_comm.contract.forward_inbox import InboxViews
 from ep_comm.contract.fp8 import packed_row_bytes
 from ep_comm.contract.symmetric import payload_rows, payload_words
 from ep_comm.kernels.combine import SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
 from ep_comm.kernels.combine_bf16 import BF16_PASSES, combine_expand_bf16_kernel, combine_reduce_bf16_kernel
 from ep_comm.kernels.count import count_kernel
+from ep_comm.kernels.forward import node_reduce_kernel, relay_kernel
 from ep_comm.kernels.receive import (
     PLACE_ATOMIC,
     PLACE_CACHED,
@@ -397,3 +399,35 @@ class Kernels(LaunchShapes):
         self._launch(combine_reduce_kernel, stream, shared, blocks)(
             elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, y_elements, from_y, psum,
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)
+
+    def relay(self, inbox: InboxViews, senders: Array, rows: Sequence[Array], metas: Sequence[Array],
+              counts: Sequence[Array], *, node_first: int, step: Array, stream: Any, ahead: int = 1) -> None:
+        """The forwarder's dispatch relay (``ep_comm.kernels.forward.relay_kernel``): each row of the dispatch inbox
+        blocks of ``senders`` (int32 ``[n]`` on the device, the ranks this rank forwards for) into the ranks of this
+        node where its meta row names a slot, at ``[parity, sender, slot]`` of ``rows``/``metas`` (every rank's
+        ``SymmetricViews.rows``/``.meta``, peer views), and each block's count words into ``counts`` (every rank's
+        ``SymmetricViews.counts``) when its header says they were sent. ``inbox``: this rank's
+        :func:`~ep_comm.contract.forward_inbox.inbox_views`; ``node_first``: the first rank of this node; the parity
+        is that of step ``step[0] + ahead`` (the relay runs before the step's signal advances the counter)."""
+        rows, words = tuple(rows), inbox.rows.shape[3]
+        wide = wide_rows(inbox.rows) and self._wide(rows)
+        span, blocks = self._row_pieces(senders.shape[0] * self.max_tokens, words, _copy_step(wide))
+        self._launch(relay_kernel, stream, blocks=blocks)(
+            inbox.rows, inbox.meta, inbox.header, inbox.counts, senders, node_first, self.num_local, step, ahead,
+            span, wide, rows, tuple(metas), tuple(counts))
+
+    def node_reduce(self, inbox: InboxViews, sources: Array, rows: Sequence[Array], metas: Sequence[Array], *,
+                    my_rank: int, dtype: np.dtype, hidden: int, step: Array, stream: Any, ahead: int = 1) -> None:
+        """The forwarder's node reduce of a forwarded combine (``ep_comm.kernels.forward.node_reduce_kernel``): for
+        each of ``sources`` (int32 ``[n]`` on the device, the ranks this rank forwards for) and each of its tokens
+        held by a rank of this node (the combine inbox blocks ``node * S + j``), the float32 sum from 0 of their
+        partials (``hidden`` elements) in ascending rank, rounded to ``dtype`` (the payload's), into ``rows[source]`` at
+        ``[parity, my_rank, token]`` (every rank's ``SymmetricViews.rows``), and its meta row (token, -1 ids, the
+        owners' weight bits) into ``metas[source]``; parity as in :meth:`relay`."""
+        rows = tuple(rows)
+        elements = self._fixed(("payload", dtype), rows, lambda: tuple(payload_rows(v, dtype) for v in rows))
+        inbox_elements, is_bf16 = _payload(payload_rows(inbox.rows, dtype))
+        blocks = self._blocks_for(sources.shape[0] * (inbox.meta.shape[3] - 1 - 2 * self.num_topk) * self.max_tokens,
+                                  self.stream_blocks)
+        self._launch(node_reduce_kernel, stream, blocks=blocks)(
+            inbox_elements, inbox.meta, inbox.header, is_bf16, hidden, sources, step, ahead, my_rank, elements, tuple(metas))

@@ -1,0 +1,210 @@
+"""The forwarder's kernels of node-aware forwarding on the GPU (``Buffer(forwarding=True)`` with several nodes;
+docs/design.md, "Forwarding on nvshmem"): they read this rank's forwarding inbox and store onward, with no host
+step between the inbox wait and the step's signal, so that a forwarded step is captured in a CUDA graph.
+
+The inbox (``ep_comm.contract.forward_inbox``) is viewed as ``rows [2, R, max_tokens, W]`` (payload words or
+elements), ``meta [2, R, max_tokens, relay_words]`` int32, ``header [2, R, 2]`` int64 and ``counts [2, R,
+count_words]`` int64, block ``node * S + j`` (``S`` ranks per node). On the GPU a dispatch block is indexed by
+source token (row ``t`` is token ``t``, every ``t`` below the header's row count carries a meta row, slots -1 where
+the token is not sent); a combine block holds a rank's partials in its slot order, as the flat combine sends them.
+
+* :func:`relay_kernel` (dispatch): every inbox row into each rank ``j`` of this node that its meta names a slot of,
+  at region ``[parity, sender, slot]``, with the meta row of the flat scatter (``ep_comm.kernels.scatter``:
+  source token, rank ``j``'s local expert ids, the weight bits as sent) and the count words of rank ``j``.
+* :func:`node_reduce_kernel` (combine): per source forwarded for and token, the float32 sum from 0 of the partials
+  of the node's ranks holding it, ascending rank, rounded to the payload dtype (``ep_comm.contract.reduce.node_sum``),
+  into the source at ``[parity, this rank, token]``, with the meta row ``(token, -1 * K, each entry's weight from
+  the rank owning its expert)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32
+
+from ep_comm.kernels.combine import SPAN, add_span, clear_span, store_span
+from ep_comm.kernels.index32 import divmod32, quotient32
+from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.pdl import pdl_enter
+from ep_comm.kernels.step_counter import step_parity
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS
+from ep_comm.kernels.units import row_piece
+from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, global_warp, lane_id, pop_lowest
+
+
+@cuda.jit(device=True)
+def relay_meta_row(dst_meta, src_meta, token, rank, experts_per_rank, num_topk, lane):
+    """The flat scatter's meta row of ``rank`` (``dst_meta [1 + 2K]`` int32) from an inbox meta row ``src_meta``
+    (global expert ids, -1 = none): the token, ``rank``'s local ids (-1 off it), the weight bits as they are."""
+    if lane == 0:
+        dst_meta[0] = token
+    if lane < num_topk:
+        expert = np.int64(src_meta[1 + lane])
+        on_rank = expert >= 0 and quotient32(expert, experts_per_rank) == rank
+        dst_meta[1 + lane] = expert - rank * experts_per_rank if on_rank else -1
+        dst_meta[1 + num_topk + lane] = src_meta[1 + num_topk + lane]
+
+
+@cuda.jit(device=True)
+def relay_counts(inbox_header, inbox_counts, senders, node_first, node_size, parity, counts, item, lane):
+    """Work item ``item < len(senders) * node_size`` of the count words: those of sender ``senders[item // S]``
+    for rank ``j = item % S`` of this node into that rank's counts ``[parity, sender]``, when the block has them
+    (a new routing; header word 1)."""
+    index, j = divmod32(item, node_size)
+    sender = senders[index]
+    block = quotient32(sender, node_size) * node_size
+    if inbox_header[parity, block, 1] != 0:
+        words = inbox_counts.shape[2]
+        for w in range(lane, words, WARP):
+            counts[node_first + j][parity, sender, w] = inbox_counts[parity, block + j, w]
+
+
+@kernel(max_registers=ROW_MAX_REGISTERS)
+def relay_kernel(inbox_rows, inbox_meta, inbox_header, inbox_counts, senders, node_first, experts_per_rank, step,
+                 ahead, span, wide, rows, metas, counts):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.relay`. One warp per (sender, token, piece of ``span`` words); the
+    warp of a row's first piece writes its meta rows; the first ``len(senders) * S`` warps also copy the count
+    words (:func:`relay_counts`). ``senders`` int32 ``[n]``: the ranks this rank forwards for (one per other
+    node); ``rows``/``metas``/``counts``: every rank's symmetric views (peer views), only this node's written."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    parity = step_parity(step, ahead)
+    max_tokens, words = inbox_rows.shape[2], inbox_rows.shape[3]
+    meta_words = metas[0].shape[3]
+    node_size = inbox_meta.shape[3] - meta_words  # the slot columns of an inbox meta row
+    num_topk = (meta_words - 1) // 2
+    pieces = quotient32(words + span - 1, span)
+    lane = lane_id()
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < len(senders) * node_size:
+        relay_counts(inbox_header, inbox_counts, senders, node_first, node_size, parity, counts, item, lane)
+        item = np.int32(item + num_warps)
+    item = np.int32(global_warp()[0])
+    while item < len(senders) * max_tokens * pieces:
+        entry, begin, end = row_piece(item, pieces, span, words)
+        index, token = divmod32(entry, max_tokens)
+        sender = senders[index]
+        block = quotient32(sender, node_size) * node_size
+        if token < inbox_header[parity, block, 0]:
+            src_meta = inbox_meta[parity, block, token]
+            for j in range(node_size):
+                slot = src_meta[meta_words + j]
+                if slot >= 0:
+                    dst = node_first + j
+                    copy_row(rows[dst][parity, sender, slot][begin:end], inbox_rows[parity, block, token][begin:end],
+                             end - begin, wide)
+                    if begin == 0:
+                        relay_meta_row(metas[dst][parity, sender, slot], src_meta, token, dst, experts_per_rank,
+                                       num_topk, lane)
+        cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)
+
+
+@cuda.jit(device=True)
+def find_token(meta, count, token):
+    """The row ``i < count`` of ``meta [max_tokens, >= 1]`` (a combine inbox block) whose word 0 is ``token``, or -1;
+    all lanes of a warp, the same answer in each."""
+    lane = lane_id()
+    first = np.int32(0)
+    while first < count:
+        i = first + lane
+        hits = ballot(i < count and meta[min(i, count - 1), 0] == token)
+        if hits != 0:
+            return first + pop_lowest(hits)[0]
+        first = np.int32(first + WARP)
+    return np.int32(-1)
+
+
+@cuda.jit(device=True)
+def held_slots(inbox_meta, inbox_header, parity, node_block, node_size, first_holder, slot, token):
+    """Lane ``j``'s slot of ``token`` in block ``node_block + j`` (-1: rank ``j`` does not hold it), for ``j`` from
+    ``first_holder`` on (whose slot is ``slot``); -1 on every lane when a rank below ``first_holder`` holds it
+    (that rank's warp sums the token). Returns ``(owner, lane's slot)``."""
+    lane = lane_id()
+    for j in range(first_holder):
+        block = node_block + j
+        if find_token(inbox_meta[parity, block], inbox_header[parity, block, 0], token) >= 0:
+            return False, np.int32(-1)
+    mine = np.int32(slot) if lane == first_holder else np.int32(-1)
+    for j in range(first_holder + 1, node_size):
+        block = node_block + j
+        found = find_token(inbox_meta[parity, block], inbox_header[parity, block, 0], token)
+        if lane == j:
+            mine = found
+    return True, mine
+
+
+@cuda.jit(device=True)
+def owned_weight_bits(inbox_meta, parity, node_block, node_size, mine, num_topk):
+    """Lane ``k``'s weight bits of entry ``k`` from the holder whose local id there is >= 0, 0 where none is
+    (``mine``: each lane ``j``'s slot, as :func:`held_slots` gives it)."""
+    lane = lane_id()
+    bits = np.int32(0)
+    for j in range(node_size):
+        slot = cuda.shfl_sync(FULL_MASK, mine, j)
+        if slot >= 0 and lane < num_topk:
+            row = inbox_meta[parity, node_block + j, slot]
+            if row[1 + lane] >= 0:
+                bits = row[1 + num_topk + lane]
+    return bits
+
+
+@cuda.jit(device=True)
+def sum_held(out, hidden, inbox_rows, parity, node_block, node_size, first_holder, mine, is_bf16):
+    """``out[:hidden] =`` the float32 sum from 0 of the rows lane ``j`` names (``mine``, :func:`held_slots`) in
+    block ``node_block + j``, ``j`` ascending from ``first_holder``, rounded to the payload dtype. Every lane runs
+    every pass (the shuffles of the slots stay converged); elements past ``hidden`` are neither read nor written."""
+    acc = cuda.local.array(SPAN, float32)
+    vals = cuda.local.array(SPAN, float32)
+    row, lane = out[:hidden], lane_id()
+    for first in range(0, hidden, SPAN * WARP):
+        h = first + lane
+        clear_span(acc)
+        for j in range(first_holder, node_size):
+            held = cuda.shfl_sync(FULL_MASK, mine, j)
+            if held >= 0:
+                add_span(acc, vals, inbox_rows[parity, node_block + j, held][:hidden], h, is_bf16, np.float32(1.0),
+                         False)
+        store_span(row, h, acc, is_bf16)
+
+
+@cuda.jit(device=True)
+def write_sum_meta(meta, token, bits, num_topk):
+    """The meta row of a node sum (``meta [1 + 2K]`` int32): the token, -1 ids, lane ``k``'s weight bits."""
+    lane = lane_id()
+    if lane == 0:
+        meta[0] = token
+    if lane < num_topk:
+        meta[1 + lane] = -1
+        meta[1 + num_topk + lane] = bits
+
+
+@kernel
+def node_reduce_kernel(inbox_rows, inbox_meta, inbox_header, rows_is_bf16, hidden, sources, step, ahead, my_rank, rows,
+                       metas):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.node_reduce`. One warp per (source, rank ``j`` of this
+    node, row of ``j``'s block); the warp of a token's lowest holder sums it (:func:`held_slots`, :func:`sum_held`),
+    the others skip it. ``inbox_rows [2, R, max_tokens, >= hidden]`` and ``rows[r] [2, R, max_tokens, >= hidden]``
+    payload elements (bfloat16 as uint16 with ``rows_is_bf16``); ``sources`` int32 ``[n]``: the ranks forwarded
+    for."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    parity = step_parity(step, ahead)
+    max_tokens = inbox_rows.shape[2]
+    num_topk = (metas[0].shape[3] - 1) // 2
+    node_size = inbox_meta.shape[3] - metas[0].shape[3]
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < len(sources) * node_size * max_tokens:
+        pair, slot = divmod32(item, max_tokens)
+        index, holder = divmod32(pair, node_size)
+        src = sources[index]
+        node_block = quotient32(src, node_size) * node_size
+        if slot < inbox_header[parity, node_block + holder, 0]:
+            token = inbox_meta[parity, node_block + holder, slot, 0]
+            owner, mine = held_slots(inbox_meta, inbox_header, parity, node_block, node_size, holder, slot, token)
+            if owner:
+                sum_held(rows[src][parity, my_rank, token], hidden, inbox_rows, parity, node_block, node_size, holder,
+                         mine, rows_is_bf16)
+                write_sum_meta(metas[src][parity, my_rank, token], token,
+                               owned_weight_bits(inbox_meta, parity, node_block, node_size, mine, num_topk), num_topk)
+        cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)

@@ -1,0 +1,91 @@
+"""The forwarder's inbox on the GPU, filled on the host as the senders would (docs/design.md, "Forwarding on
+nvshmem"), for the relay and node-reduce kernels (``ep_comm.kernels.forward``) in a simulated ``world.World``
+split into nodes of ``S`` ranks. The inbox of each rank lives in a buffer of its own (``ForwardInbox.total_bytes``,
+the symmetric part unused)."""
+from __future__ import annotations
+
+import numpy as np
+from world import World, routing_verdict, with_verdict
+
+from ep_comm.contract import layout as ref
+from ep_comm.contract.forward_inbox import ForwardInbox, InboxViews, inbox_views
+from ep_comm.contract.symmetric import word_dtype
+from ep_comm.contract.topology import Topology
+
+
+def inboxes(world: World, scaleup_ranks: int) -> list:
+    """Every rank's zeroed :class:`InboxViews` for ``world`` in nodes of ``scaleup_ranks``."""
+    inbox = ForwardInbox(world.sym, scaleup_ranks)
+    word = word_dtype(world.hidden, world.dtype.itemsize)
+    return [inbox_views(world.xp.zeros(inbox.total_bytes, np.uint8), inbox, word) for _ in range(world.num_ranks)]
+
+
+def forwarded_for(topology: Topology, rank: int) -> list:
+    """The ranks ``rank`` forwards for: its forwarders in the other nodes (``Topology.forwarder`` is symmetric)."""
+    mine = topology.node_of(rank)
+    return [topology.forwarder(rank, node) for node in range(topology.num_nodes) if node != mine]
+
+
+def _relay_meta(world: World, s: int, slot_idx: np.ndarray, node_ranks: range) -> np.ndarray:
+    """int32 ``[T_s, 1 + 2K + S]``: source ``s``'s dispatch inbox meta rows for a node (token, global ids with -1
+    for none, weight bits or 0, the slot in each rank of the node or -1)."""
+    topk = world.topk[s]
+    tokens, k = topk.shape
+    meta = np.full((tokens, 1 + 2 * k + len(node_ranks)), -1, np.int32)
+    meta[:, 0] = np.arange(tokens)
+    meta[:, 1: 1 + k] = np.where(topk >= 0, topk, -1)
+    meta[:, 1 + k: 1 + 2 * k] = 0 if world.w[s] is None else world.w[s].view(np.int32)
+    ranks = ref.entry_ranks(topk, world.local)
+    for j, dst in enumerate(node_ranks):
+        t, col = np.nonzero((ranks == dst) & (slot_idx >= 0))
+        meta[t, 1 + 2 * k + j] = slot_idx[t, col] - s * world.max_tokens
+    return meta
+
+
+def fill_dispatch_inboxes(world: World, boxes: list, topology: Topology, sent: list, parity: int) -> None:
+    """What every sender puts into its forwarders' inboxes for a new routing (``sent[s].slot_idx``, the slots of
+    the flat scatter): block ``node(s) * S`` of forwarder ``f`` holds row ``t`` = token ``t`` of ``s`` where it
+    goes to a rank of ``f``'s node, a meta row for every token, the header ``(T_s, 1)``, and in block
+    ``node(s) * S + j`` the count words of rank ``j`` of the node."""
+    for f, box in enumerate(boxes):
+        node_ranks = topology.node_ranks(topology.node_of(f))
+        for s in forwarded_for(topology, f):
+            block = topology.node_of(s) * topology.scaleup_ranks
+            meta = _relay_meta(world, s, sent[s].slot_idx, node_ranks)
+            sent_rows = (meta[:, -len(node_ranks):] >= 0).any(axis=1)
+            rows = np.asarray(world.x[s]).view(box.rows.dtype)
+            box.meta[parity, block, : len(meta)] = world.xp.asarray(meta)
+            box.rows[parity, block, np.nonzero(sent_rows)[0], : rows.shape[1]] = world.xp.asarray(rows[sent_rows])
+            box.header[parity, block] = world.xp.asarray(np.array([len(meta), 1], np.int64))
+            words = with_verdict(ref.send_count_words(ref.dispatch_layout(world.topk[s], world.num_experts,
+                                                                          world.num_ranks)), routing_verdict(world.topk[s]))
+            box.counts[parity, block: block + len(node_ranks)] = world.xp.asarray(words[node_ranks.start:
+                                                                                        node_ranks.stop])
+
+
+def clear_remote_regions(world: World, topology: Topology, parity: int) -> None:
+    """Zero, in every rank, the rows, meta rows and count words of ``parity`` from the ranks of other nodes:
+    what the relay is to write."""
+    for d, view in enumerate(world.views):
+        for s in range(world.num_ranks):
+            if not topology.in_reach(d, s):
+                view.rows[parity, s] = 0
+                view.meta[parity, s] = 0
+                view.counts[parity, s] = 0
+
+
+def fill_combine_inbox(box: InboxViews, parity: int, block: int, tokens: np.ndarray, meta: np.ndarray,
+                       partials: np.ndarray, xp) -> None:
+    """A rank's combine partials for one source into a forwarder's inbox block, in the given (slot) order:
+    ``tokens [n]`` source tokens, ``meta [n, 2K]`` int32 local ids then weight bits, ``partials [n, H]`` payload."""
+    n = len(tokens)
+    box.header[parity, block] = xp.asarray(np.array([n, 0], np.int64))
+    box.meta[parity, block, :n, 0] = xp.asarray(tokens.astype(np.int32))
+    box.meta[parity, block, :n, 1: 1 + meta.shape[1]] = xp.asarray(meta)
+    words = np.ascontiguousarray(partials).view(box.rows.dtype)
+    box.rows[parity, block, :n, : words.shape[1]] = xp.asarray(words)
+
+
+def device_ranks(world: World, ranks: list):
+    """int32 ``[n]`` on the device."""
+    return world.xp.asarray(np.array(ranks, np.int32))
