@@ -362,7 +362,7 @@ class Kernels(LaunchShapes):
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
                        my_rank: int, stream: Any, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,
-                       recv_rank_psum: Optional[Array] = None) -> None:
+                       recv_rank_psum: Optional[Array] = None, node_size: int = 0) -> None:
         """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
 
         ``rows``: this rank's ``[2, R, max_tokens, ...]`` rows, read at the parity of ``step`` (words or payload
@@ -371,6 +371,8 @@ class Kernels(LaunchShapes):
         dtype) and ``recv_rank_psum`` (int32 ``[R]``, the dispatch's inclusive psum of rows per source):
         this rank's own partials are then read from ``y`` (row ``recv_rank_psum[my_rank - 1] + slot``),
         as :meth:`combine_scatter` did not copy them; expand mode gives neither (they are in ``rows``).
+        ``node_size`` (a forwarded combine: ranks per node; 0 = flat): the ranks of another node give one term, at
+        the place of its first rank, row ``token`` of its forwarder's region (:meth:`node_reduce` wrote it).
         """
         if (y is None) != (recv_rank_psum is None):
             raise ValueError(f"y is {'None' if y is None else 'given'} but recv_rank_psum is "
@@ -384,20 +386,21 @@ class Kernels(LaunchShapes):
         # without y (expand) the kernels get a stand-in of y's array type, never read: a block of rows
         from_y = y is not None
         psum = recv_rank_psum if from_y else self._work.rank_cursor
+        node_size = node_size or self.num_ranks
         if out_bf16 and not terms:  # the common case, 16 bytes per access when every row array allows it
             out_words = payload_words(out)
             y_words = payload_words(y) if from_y else self._fixed("first block", rows, lambda: rows[0, 0])
             if wide_rows(out_words, y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
                 self._launch(combine_reduce_bf16_kernel, stream, shared, blocks)(
-                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, y_words, from_y, psum, out_words, span)
+                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_words, from_y, psum, out_words, span)
                 return
         padded = terms + [(self._work.no_bias, False)] * (2 - len(terms))
         span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
         elements = self._fixed(("payload", out.dtype), rows, lambda: payload_rows(rows, out.dtype))
         y_elements = _payload(y)[0] if from_y else self._fixed("first block", elements, lambda: elements[0, 0])
         self._launch(combine_reduce_kernel, stream, shared, blocks)(
-            elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, y_elements, from_y, psum,
+            elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_elements, from_y, psum,
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)
 
     def relay(self, inbox: InboxViews, senders: Array, rows: Sequence[Array], metas: Sequence[Array],

@@ -74,16 +74,47 @@ def clear_remote_regions(world: World, topology: Topology, parity: int) -> None:
                 view.counts[parity, s] = 0
 
 
-def fill_combine_inbox(box: InboxViews, parity: int, block: int, tokens: np.ndarray, meta: np.ndarray,
-                       partials: np.ndarray, xp) -> None:
-    """A rank's combine partials for one source into a forwarder's inbox block, in the given (slot) order:
-    ``tokens [n]`` source tokens, ``meta [n, 2K]`` int32 local ids then weight bits, ``partials [n, H]`` payload."""
+def fill_combine_meta(box: InboxViews, parity: int, block: int, tokens: np.ndarray, meta: np.ndarray, xp) -> None:
+    """The header and meta rows of a rank's combine partials for one source in a forwarder's inbox block, in the
+    given (slot) order: ``tokens [n]`` source tokens, ``meta [n, <= 2K]`` int32 local ids, then weight bits."""
     n = len(tokens)
     box.header[parity, block] = xp.asarray(np.array([n, 0], np.int64))
     box.meta[parity, block, :n, 0] = xp.asarray(tokens.astype(np.int32))
     box.meta[parity, block, :n, 1: 1 + meta.shape[1]] = xp.asarray(meta)
+
+
+def fill_combine_inbox(box: InboxViews, parity: int, block: int, tokens: np.ndarray, meta: np.ndarray,
+                       partials: np.ndarray, xp) -> None:
+    """:func:`fill_combine_meta`, and the partials ``[n, H]`` (payload) as the block's rows."""
+    fill_combine_meta(box, parity, block, tokens, meta, xp)
     words = np.ascontiguousarray(partials).view(box.rows.dtype)
-    box.rows[parity, block, :n, : words.shape[1]] = xp.asarray(words)
+    box.rows[parity, block, :len(tokens), : words.shape[1]] = xp.asarray(words)
+
+
+def toward_block(region, block: int, num_ranks: int, xp):
+    """A ``[2, R, max_tokens, ...]`` view of an inbox region (``rows`` or ``meta``) in which ``[parity, r, slot]`` is
+    ``[parity, block, slot]`` for every ``r`` (a zero stride on the rank axis): the combine's send kernels, which
+    write ``[parity, my_rank, slot]`` of each source's view, then write into the forwarder's block."""
+    part = region[:, block]
+    return xp.lib.stride_tricks.as_strided(part, shape=(2, num_ranks) + part.shape[1:],
+                                           strides=(part.strides[0], 0) + part.strides[1:])
+
+
+def combine_views(world: World, boxes: list, topology: Topology, me: int) -> tuple:
+    """``(rows, metas)`` per source, as rank ``me``'s combine sends: a source of its node's own symmetric views, a
+    source of another node the block ``node(source) * S + local(me)`` of that source's forwarder in ``me``'s node
+    (:func:`toward_block`)."""
+    rows, metas = [], []
+    for src in range(world.num_ranks):
+        if topology.in_reach(me, src):
+            rows.append(world.views[src].rows)
+            metas.append(world.views[src].meta)
+            continue
+        box = boxes[topology.forwarder(src, topology.node_of(me))]
+        block = topology.node_of(src) * topology.scaleup_ranks + topology.local_index(me)
+        rows.append(toward_block(box.rows, block, world.num_ranks, world.xp))
+        metas.append(toward_block(box.meta, block, world.num_ranks, world.xp))
+    return rows, metas
 
 
 def device_ranks(world: World, ranks: list):

@@ -6,15 +6,21 @@ rank's symmetric buffer byte for byte as the flat scatter and count exchange lea
 words), so the receive kernels read the flat path's bytes. Node reduce: the rows a forwarder writes into a source
 are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever the order the
 partials sit in, with each entry's weight from the rank owning its expert (``mpi_forwarding.gather_owned_weights``).
+A whole forwarded compact combine (the flat send kernels writing a remote source's partials into its forwarder's
+inbox, the node reduce, the source's reduce and weight gather with nodes) is ``ep_comm.testing.forwarded`` bit for
+bit; the inbox's meta rows and headers, which no kernel writes yet, are filled on the host.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from dispatch_checks import run_dispatch
 from forward_checks import (
     clear_remote_regions,
+    combine_views,
     device_ranks,
     fill_combine_inbox,
+    fill_combine_meta,
     fill_dispatch_inboxes,
     forwarded_for,
     inboxes,
@@ -22,10 +28,13 @@ from forward_checks import (
 from world import bits, kernel_world, random_payload
 
 from ep_comm.backends.mpi_forwarding import gather_owned_weights
+from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
 from ep_comm.contract.reduce import node_sum
 from ep_comm.contract.symmetric import payload_rows
 from ep_comm.contract.topology import Topology
+from ep_comm.launching import weight_return
+from ep_comm.testing.forwarded import Forwarded, forwarded_combine
 
 PARITY = 1
 
@@ -103,3 +112,66 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
         np.testing.assert_array_equal(meta[:, 0], tokens)
         np.testing.assert_array_equal(meta[:, 1: 1 + k], -1)
         np.testing.assert_array_equal(meta[:, 1 + k:], weights.view(np.int32))
+
+
+def _send_partials(world, boxes, topology, d: int, received, y, step) -> None:
+    """Rank ``d``'s compact combine send, forwarded: rows and weights through :func:`combine_views`; the header and
+    the token and id words of each forwarder's block filled on the host."""
+    k, xp, got = world.kernels, world.xp, received[d]
+    metadata = xp.asarray(got.recv_src_metadata)
+    rows, metas = combine_views(world, boxes, topology, d)
+    k.combine_scatter(world.device_payload(y), metadata, got.counts.rank_psum, rows, my_rank=d, step=step,
+                      expand=False, stream=0)
+    weight_return.send_weights(lambda kernel, blocks, threads: k.launcher(kernel, blocks, threads, stream=0),
+                               xp.asarray(got.recv_topk_weights.view(np.int32)), False, metadata,
+                               got.counts.rank_psum, metas, my_rank=d, step=step, ahead=0, max_blocks=4)
+    for src in range(world.num_ranks):
+        if topology.in_reach(d, src):
+            continue
+        mine = got.recv_src_metadata[:, 0] // world.max_tokens == src
+        block = topology.node_of(src) * topology.scaleup_ranks + topology.local_index(d)
+        fill_combine_meta(boxes[topology.forwarder(src, topology.node_of(d))], 0, block,
+                          got.recv_src_metadata[mine, 0] % world.max_tokens, got.recv_topk_idx[mine].astype(np.int32),
+                          xp)
+
+
+@pytest.mark.parametrize("ranks, scaleup, dtype, hidden", [
+    (4, 2, "bfloat16", 40),  # the wide bfloat16 reduce
+    (6, 3, "float32", 20),
+    (6, 2, "float16", 24),  # 3 nodes
+])
+def test_forwarded_compact_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidden):
+    world = kernel_world(xp, seed=70 + ranks + scaleup, ranks=ranks, experts=2 * ranks, topk=3, hidden=hidden,
+                         dtype=dtype, tokens=(10, 13, 0, 7, 9, 5)[:ranks], masked=0.2, nowhere=1)
+    topology = Topology.of(ranks, scaleup)
+    sent, received = run_dispatch(world, deterministic=False, expand=False)  # parity 1; the combine's is 0
+    rng = np.random.default_rng(ranks + scaleup)
+    ys = [random_payload(rng, (got.recv_src_metadata.shape[0], hidden), world.dtype) for got in received]
+    boxes, step, k = inboxes(world, scaleup), world.step(0), world.kernels
+    for d in range(ranks):
+        _send_partials(world, boxes, topology, d, received, ys[d], step)
+    for f, box in enumerate(boxes):
+        k.node_reduce(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
+                      [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden, step=step, ahead=0,
+                      stream=0)
+    for s in range(ranks):
+        tokens = world.topk[s].shape[0]
+        partials = []
+        for d, got in enumerate(received):
+            rows = np.zeros((tokens, hidden), world.dtype)
+            mine = got.recv_src_metadata[:, 0] // world.max_tokens == s
+            rows[got.recv_src_metadata[mine, 0] % world.max_tokens] = ys[d][mine]
+            partials.append(rows)
+        reached = ref.is_token_in_rank(world.topk[s], world.num_experts, ranks)
+        out = xp.full((tokens, hidden), 3, world.device_payload(world.x[s]).dtype)
+        slot_idx, topk = xp.asarray(sent[s].slot_idx), world.dev(world.topk[s])
+        k.combine_reduce(world.views[s].rows, step, slot_idx, topk, out, my_rank=s, y=world.device_payload(ys[s]),
+                         recv_rank_psum=received[s].counts.rank_psum, node_size=scaleup, stream=0)
+        want = forwarded_combine(partials, reached, Forwarded(s, scaleup))
+        np.testing.assert_array_equal(bits(to_host(out)), bits(want), err_msg=f"source {s}")
+        weight_bits = xp.full((tokens, world.num_topk), 7, np.int32)
+        weight_return.gather_weights(lambda kernel, blocks, threads: k.launcher(kernel, blocks, threads, stream=0),
+                                     world.views[s].meta, step, slot_idx, topk, weight_bits,
+                                     experts_per_rank=world.local, my_rank=s, max_blocks=4, node_size=scaleup)
+        np.testing.assert_array_equal(to_host(weight_bits).view(np.float32),
+                                      np.where(world.topk[s] >= 0, world.w[s], 0), err_msg=f"source {s}")
