@@ -8,6 +8,9 @@ count_words]`` int64, block ``node * S + j`` (``S`` ranks per node). On the GPU 
 source token (row ``t`` is token ``t``, every ``t`` below the header's row count carries a meta row, slots -1 where
 the token is not sent); a combine block holds a rank's partials in its slot order, as the flat combine sends them.
 
+* :func:`inbox_send_kernel` (dispatch, on the sender): per other node, every token's meta row and the rows of the
+  tokens going to a rank there into the block ``node(sender) * S`` of that node's forwarder (its staging block where
+  the forwarder is reached through puts), and the block's header.
 * :func:`relay_kernel` (dispatch): every inbox row into each rank ``j`` of this node that its meta names a slot of,
   at region ``[parity, sender, slot]``, with the meta row of the flat scatter (``ep_comm.kernels.scatter``:
   source token, rank ``j``'s local expert ids, the weight bits as sent) and the count words of rank ``j``.
@@ -22,13 +25,92 @@ import numpy as np
 from numba import cuda, float32
 
 from ep_comm.kernels.combine import SPAN, add_span, clear_span, store_span
+from ep_comm.kernels.expert_ids import routed_expert
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
+from ep_comm.kernels.payload import write_row_piece
 from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, global_warp, lane_id, pop_lowest
+
+
+@cuda.jit(device=True)
+def rank_slot(slot_idx, topk_idx, t, rank, experts_per_rank, num_experts, src_base):
+    """Token ``t``'s slot in ``rank`` (its entry on ``rank`` that holds one in ``slot_idx``, as the scatter recorded
+    it), or -1; all lanes of a warp, the same answer in each."""
+    lane = lane_id()
+    num_topk = topk_idx.shape[1]
+    slot = np.int32(slot_idx[t, lane]) if lane < num_topk else np.int32(-1)
+    mine = False
+    if slot >= 0:
+        expert = routed_expert(topk_idx, t, lane, num_experts)
+        mine = expert >= 0 and quotient32(expert, experts_per_rank) == rank
+    hits = ballot(mine)
+    if hits == 0:
+        return np.int32(-1)
+    return np.int32(cuda.shfl_sync(FULL_MASK, slot, pop_lowest(hits)[0]) - src_base)
+
+
+@cuda.jit(device=True)
+def write_inbox_meta(meta, topk_idx, weight_bits, has_weights, t, num_experts, slot):
+    """An inbox meta row of token ``t`` (``meta [1 + 2K + S]`` int32): the token, its global ids (-1: none), its
+    weight bits (0 without weights), lane ``j``'s ``slot`` in rank ``j`` of the node."""
+    lane = lane_id()
+    num_topk = topk_idx.shape[1]
+    if lane == 0:
+        meta[0] = t
+    if lane < num_topk:
+        expert = routed_expert(topk_idx, t, lane, num_experts)
+        meta[1 + lane] = expert if expert >= 0 else -1
+        meta[1 + num_topk + lane] = weight_bits[t, lane] if has_weights else 0
+    if lane < meta.shape[0] - 1 - 2 * num_topk:
+        meta[1 + 2 * num_topk + lane] = slot
+
+
+@kernel(max_registers=ROW_MAX_REGISTERS)
+def inbox_send_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, slot_idx, experts_per_rank,
+                      src_rank, new_routing, step, ahead, span, rows, metas, headers):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.inbox_send`. ``rows``/``metas``/``headers``: per node,
+    the forwarder's block (``[2, max_tokens, W]`` words, ``[2, max_tokens, relay_words]`` int32, ``[2, 2]`` int64;
+    this rank's own node's entry is not written). One warp per (node, token, piece of ``span`` words); the warp of a
+    row's first piece writes its meta row; the first warps write the headers ``(T, new_routing)``."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    parity = step_parity(step, ahead)
+    num_tokens, num_topk = topk_idx.shape
+    num_nodes = len(rows)
+    node_size = metas[0].shape[2] - 1 - 2 * num_topk
+    num_experts = experts_per_rank * num_nodes * node_size
+    my_node = quotient32(src_rank, node_size)
+    src_base = src_rank * rows[0].shape[1]
+    pieces = quotient32(row_words + span - 1, span)
+    lane = lane_id()
+    item, num_warps = global_warp()
+    item = np.int32(item)
+    while item < num_nodes:
+        if item != my_node and lane == 0:
+            headers[item][parity, 0] = num_tokens
+            headers[item][parity, 1] = new_routing
+        item = np.int32(item + num_warps)
+    item = np.int32(global_warp()[0])
+    while item < num_nodes * num_tokens * pieces:
+        entry, begin, end = row_piece(item, pieces, span, row_words)
+        node, t = divmod32(entry, num_tokens)
+        if node != my_node:
+            sent = False
+            slot = np.int32(-1)
+            for j in range(node_size):
+                found = rank_slot(slot_idx, topk_idx, t, node * node_size + j, experts_per_rank, num_experts, src_base)
+                sent = sent or found >= 0
+                if lane == j:
+                    slot = found
+            if sent:
+                write_row_piece(rows[node][parity, t], source, t, begin, end, wide)
+            if begin == 0:
+                write_inbox_meta(metas[node][parity, t], topk_idx, weight_bits, has_weights, t, num_experts, slot)
+        cuda.syncwarp(FULL_MASK)
+        item = np.int32(item + num_warps)
 
 
 @cuda.jit(device=True)

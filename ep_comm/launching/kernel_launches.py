@@ -40,7 +40,7 @@ from ep_comm.contract.symmetric import payload_rows, payload_words
 from ep_comm.kernels.combine import SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
 from ep_comm.kernels.combine_bf16 import BF16_PASSES, combine_expand_bf16_kernel, combine_reduce_bf16_kernel
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.forward import node_reduce_kernel, relay_kernel
+from ep_comm.kernels.forward import inbox_send_kernel, node_reduce_kernel, relay_kernel
 from ep_comm.kernels.receive import (
     PLACE_ATOMIC,
     PLACE_CACHED,
@@ -402,6 +402,26 @@ class Kernels(LaunchShapes):
         self._launch(combine_reduce_kernel, stream, shared, blocks)(
             elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_elements, from_y, psum,
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)
+
+    def inbox_send(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
+                   rows: Sequence[Array], metas: Sequence[Array], headers: Sequence[Array], *, src_rank: int,
+                   new_routing: bool, step: Array, stream: Any, ahead: int = 1) -> None:
+        """A forwarded dispatch's send to the other nodes (``ep_comm.kernels.forward.inbox_send_kernel``): per node
+        ``n`` other than this rank's, the block ``node(src_rank) * S`` of its forwarder, ``rows[n]`` ``[2,
+        max_tokens, W]`` words (the inbox's, or a staging block's), ``metas[n]`` ``[2, max_tokens, relay_words]``
+        int32 and ``headers[n]`` ``[2, 2]`` int64 (this node's entries: any arrays of those kinds, not written): row
+        ``t`` = token ``t`` of ``x`` where it goes to a rank of ``n``, a meta row for every token (token, global ids,
+        weight bits, its slot in each rank of ``n`` from ``slot_idx``, as :meth:`scatter` recorded or replayed
+        them), and the header ``(T, new_routing)``; parity of step ``step[0] + ahead``. ``x``, ``topk_idx``,
+        ``topk_weights``: as in :meth:`scatter` (FP8 rows included)."""
+        weights = self._work.no_weights if topk_weights is None else topk_weights.view(np.int32)
+        source, row_words = self._row_source(x)
+        rows = tuple(rows)
+        wide = wide_rows(source[0]) and self._wide(rows)
+        span, blocks = self._row_pieces(len(rows) * x.shape[0], row_words, _copy_step(wide))
+        self._launch(inbox_send_kernel, stream, blocks=blocks)(
+            source, row_words, wide, topk_idx, weights, topk_weights is not None, slot_idx, self.num_local, src_rank,
+            new_routing, step, ahead, span, rows, tuple(metas), tuple(headers))
 
     def relay(self, inbox: InboxViews, senders: Array, rows: Sequence[Array], metas: Sequence[Array],
               counts: Sequence[Array], *, node_first: int, step: Array, stream: Any, ahead: int = 1) -> None:

@@ -1,6 +1,6 @@
-"""The forwarder's inbox on the GPU, filled on the host as the senders would (docs/design.md, "Forwarding on
-nvshmem"), for the relay and node-reduce kernels (``ep_comm.kernels.forward``) in a simulated ``world.World``
-split into nodes of ``S`` ranks. The inbox of each rank lives in a buffer of its own (``ForwardInbox.total_bytes``,
+"""The forwarding inbox on the GPU (docs/design.md, "Forwarding on nvshmem") in a simulated ``world.World`` split
+into nodes of ``S`` ranks: filled by the senders' kernels where they exist, on the host where they do not yet (the
+count words, a combine block's header and meta words), and what the design says a dispatch block holds. The inbox of each rank lives in a buffer of its own (``ForwardInbox.total_bytes``,
 the symmetric part unused)."""
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def forwarded_for(topology: Topology, rank: int) -> list:
     return [topology.forwarder(rank, node) for node in range(topology.num_nodes) if node != mine]
 
 
-def _relay_meta(world: World, s: int, slot_idx: np.ndarray, node_ranks: range) -> np.ndarray:
-    """int32 ``[T_s, 1 + 2K + S]``: source ``s``'s dispatch inbox meta rows for a node (token, global ids with -1
-    for none, weight bits or 0, the slot in each rank of the node or -1)."""
+def designed_meta(world: World, s: int, slot_idx: np.ndarray, node_ranks: range) -> np.ndarray:
+    """int32 ``[T_s, 1 + 2K + S]``: source ``s``'s dispatch inbox meta rows for a node as the design states them
+    (token, global ids with -1 for none, weight bits or 0, the slot in each rank of the node or -1)."""
     topk = world.topk[s]
     tokens, k = topk.shape
     meta = np.full((tokens, 1 + 2 * k + len(node_ranks)), -1, np.int32)
@@ -42,21 +42,25 @@ def _relay_meta(world: World, s: int, slot_idx: np.ndarray, node_ranks: range) -
     return meta
 
 
-def fill_dispatch_inboxes(world: World, boxes: list, topology: Topology, sent: list, parity: int) -> None:
-    """What every sender puts into its forwarders' inboxes for a new routing (``sent[s].slot_idx``, the slots of
-    the flat scatter): block ``node(s) * S`` of forwarder ``f`` holds row ``t`` = token ``t`` of ``s`` where it
-    goes to a rank of ``f``'s node, a meta row for every token, the header ``(T_s, 1)``, and in block
-    ``node(s) * S + j`` the count words of rank ``j`` of the node."""
+def send_to_inboxes(world: World, boxes: list, topology: Topology, sent: list, parity: int) -> None:
+    """Every sender's ``Kernels.inbox_send`` (a new routing) into the blocks ``node(s) * S`` of its forwarders, with
+    the slots its scatter recorded (``sent[s].slot_idx``)."""
+    for s in range(world.num_ranks):
+        block = topology.node_of(s) * topology.scaleup_ranks
+        targets = [boxes[topology.forwarder(s, node)] for node in range(topology.num_nodes)]
+        world.kernels.inbox_send(world.device_payload(world.x[s]), world.dev(world.topk[s]), world.dev(world.w[s]),
+                                 world.dev(sent[s].slot_idx), [box.rows[:, block] for box in targets],
+                                 [box.meta[:, block] for box in targets], [box.header[:, block] for box in targets],
+                                 src_rank=s, new_routing=True, step=world.step(parity), ahead=0, stream=0)
+
+
+def fill_dispatch_counts(world: World, boxes: list, topology: Topology, parity: int) -> None:
+    """The count words every sender puts into its forwarders' inboxes (the transport's part): block
+    ``node(s) * S + j`` of forwarder ``f`` holds those of rank ``j`` of ``f``'s node, with ``s``'s verdict."""
     for f, box in enumerate(boxes):
         node_ranks = topology.node_ranks(topology.node_of(f))
         for s in forwarded_for(topology, f):
             block = topology.node_of(s) * topology.scaleup_ranks
-            meta = _relay_meta(world, s, sent[s].slot_idx, node_ranks)
-            sent_rows = (meta[:, -len(node_ranks):] >= 0).any(axis=1)
-            rows = np.asarray(world.x[s]).view(box.rows.dtype)
-            box.meta[parity, block, : len(meta)] = world.xp.asarray(meta)
-            box.rows[parity, block, np.nonzero(sent_rows)[0], : rows.shape[1]] = world.xp.asarray(rows[sent_rows])
-            box.header[parity, block] = world.xp.asarray(np.array([len(meta), 1], np.int64))
             words = with_verdict(ref.send_count_words(ref.dispatch_layout(world.topk[s], world.num_experts,
                                                                           world.num_ranks)), routing_verdict(world.topk[s]))
             box.counts[parity, block: block + len(node_ranks)] = world.xp.asarray(words[node_ranks.start:

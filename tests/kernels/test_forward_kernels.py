@@ -1,7 +1,8 @@
 """The forwarder's kernels (``ep_comm.kernels.forward``) in the simulator, against the flat path and the mpi
 backend's reference arithmetic.
 
-Relay: with every sender's inbox blocks filled as the design says, the relay on every forwarder leaves every
+Inbox send: every sender's kernel writes the dispatch blocks the design states (meta rows of every token, the rows
+of the tokens sent into the node, the header). Relay: after the senders' inbox sends (and their count words), the relay on every forwarder leaves every
 rank's symmetric buffer byte for byte as the flat scatter and count exchange leave it (rows, meta rows, count
 words), so the receive kernels read the flat path's bytes. Node reduce: the rows a forwarder writes into a source
 are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever the order the
@@ -18,12 +19,14 @@ from dispatch_checks import run_dispatch
 from forward_checks import (
     clear_remote_regions,
     combine_views,
+    designed_meta,
     device_ranks,
     fill_combine_inbox,
     fill_combine_meta,
-    fill_dispatch_inboxes,
+    fill_dispatch_counts,
     forwarded_for,
     inboxes,
+    send_to_inboxes,
 )
 from world import bits, kernel_world, random_payload
 
@@ -53,7 +56,8 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
     flat = [to_host(b).copy() for b in world.buffers]
     clear_remote_regions(world, topology, PARITY)
     boxes = inboxes(world, scaleup)
-    fill_dispatch_inboxes(world, boxes, topology, sent, PARITY)
+    send_to_inboxes(world, boxes, topology, sent, PARITY)
+    fill_dispatch_counts(world, boxes, topology, PARITY)
     for f, box in enumerate(boxes):
         world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
                             [v.meta for v in world.views], [v.counts for v in world.views],
@@ -61,6 +65,29 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
                             ahead=0, stream=0)
     for d in range(ranks):
         np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
+
+
+@pytest.mark.parametrize("ranks, scaleup, tokens, dtype, hidden", [
+    (4, 2, (10, 13, 0, 7), "bfloat16", 40),
+    (6, 3, (8, 0, 11, 4, 6, 9), "float16", 20),  # a padded row (40 of 48 bytes)
+    (6, 2, (5, 7, 6, 4, 8, 3), "float32", 24),  # 3 nodes
+])
+def test_inbox_send_writes_the_designed_blocks(xp, ranks, scaleup, tokens, dtype, hidden):
+    world = kernel_world(xp, seed=40 + ranks + scaleup, ranks=ranks, experts=4 * ranks, topk=3, tokens=tokens,
+                         dtype=dtype, hidden=hidden, masked=0.2, weights=scaleup != 3)
+    topology = Topology.of(ranks, scaleup)
+    sent = world.send(PARITY, deterministic=False)
+    boxes = inboxes(world, scaleup)
+    send_to_inboxes(world, boxes, topology, sent, PARITY)
+    for f, box in enumerate(boxes):
+        for s in forwarded_for(topology, f):
+            block, n = topology.node_of(s) * scaleup, len(world.topk[s])
+            meta = designed_meta(world, s, sent[s].slot_idx, topology.node_ranks(topology.node_of(f)))
+            np.testing.assert_array_equal(to_host(box.header[PARITY, block]), [n, 1])
+            np.testing.assert_array_equal(to_host(box.meta[PARITY, block, :n]), meta, err_msg=f"{s} -> {f}")
+            sent_rows = (meta[:, 1 + 2 * world.num_topk:] >= 0).any(axis=1)
+            rows = payload_rows(to_host(box.rows[PARITY, block, :n]), world.dtype)[:, :hidden]
+            np.testing.assert_array_equal(bits(rows[sent_rows].view(world.dtype)), bits(world.x[s][sent_rows]))
 
 
 def _partials(rng, world, tokens: int, holders: int) -> tuple:
