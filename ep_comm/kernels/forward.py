@@ -14,6 +14,9 @@ the token is not sent); a combine block holds a rank's partials in its slot orde
 * :func:`relay_kernel` (dispatch): every inbox row into each rank ``j`` of this node that its meta names a slot of,
   at region ``[parity, sender, slot]``, with the meta row of the flat scatter (``ep_comm.kernels.scatter``:
   source token, rank ``j``'s local expert ids, the weight bits as sent) and the count words of rank ``j``.
+* :func:`combine_meta_kernel` (combine, on each rank): the header and the token and id words of the meta rows of its
+  partials for the sources of other nodes, in the blocks of their forwarders (the send kernels write the rows and
+  weight bits there through the same views).
 * :func:`node_reduce_kernel` (combine): per source forwarded for and token, the float32 sum from 0 of the partials
   of the node's ranks holding it, ascending rank, rounded to the payload dtype (``ep_comm.contract.reduce.node_sum``),
   into the source at ``[parity, this rank, token]``, with the meta row ``(token, -1 * K, each entry's weight from
@@ -73,25 +76,27 @@ def write_inbox_meta(meta, topk_idx, weight_bits, has_weights, t, num_experts, s
 def inbox_send_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, slot_idx, experts_per_rank,
                       src_rank, new_routing, step, ahead, span, rows, metas, headers):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.inbox_send`. ``rows``/``metas``/``headers``: per node,
-    the forwarder's block (``[2, max_tokens, W]`` words, ``[2, max_tokens, relay_words]`` int32, ``[2, 2]`` int64;
-    this rank's own node's entry is not written). One warp per (node, token, piece of ``span`` words); the warp of a
-    row's first piece writes its meta row; the first warps write the headers ``(T, new_routing)``."""
+    the forwarder's inbox (``[2, R, max_tokens, W]`` words, ``[2, R, max_tokens, relay_words]`` int32, ``[2, R, 2]``
+    int64), written in block ``node(src_rank) * S``; this rank's own node's entry is not written. One warp per (node,
+    token, piece of ``span`` words); the warp of a row's first piece writes its meta row; the first warps write the
+    headers ``(T, new_routing)``."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     num_tokens, num_topk = topk_idx.shape
     num_nodes = len(rows)
-    node_size = metas[0].shape[2] - 1 - 2 * num_topk
+    node_size = metas[0].shape[3] - 1 - 2 * num_topk
     num_experts = experts_per_rank * num_nodes * node_size
     my_node = quotient32(src_rank, node_size)
-    src_base = src_rank * rows[0].shape[1]
+    src_base = src_rank * rows[0].shape[2]
+    block = my_node * node_size
     pieces = quotient32(row_words + span - 1, span)
     lane = lane_id()
     item, num_warps = global_warp()
     item = np.int32(item)
     while item < num_nodes:
         if item != my_node and lane == 0:
-            headers[item][parity, 0] = num_tokens
-            headers[item][parity, 1] = new_routing
+            headers[item][parity, block, 0] = num_tokens
+            headers[item][parity, block, 1] = new_routing
         item = np.int32(item + num_warps)
     item = np.int32(global_warp()[0])
     while item < num_nodes * num_tokens * pieces:
@@ -106,9 +111,10 @@ def inbox_send_kernel(source, row_words, wide, topk_idx, weight_bits, has_weight
                 if lane == j:
                     slot = found
             if sent:
-                write_row_piece(rows[node][parity, t], source, t, begin, end, wide)
+                write_row_piece(rows[node][parity, block, t], source, t, begin, end, wide)
             if begin == 0:
-                write_inbox_meta(metas[node][parity, t], topk_idx, weight_bits, has_weights, t, num_experts, slot)
+                write_inbox_meta(metas[node][parity, block, t], topk_idx, weight_bits, has_weights, t, num_experts,
+                                 slot)
         cuda.syncwarp(FULL_MASK)
         item = np.int32(item + num_warps)
 
@@ -143,9 +149,9 @@ def relay_counts(inbox_header, inbox_counts, senders, node_first, node_size, par
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def relay_kernel(inbox_rows, inbox_meta, inbox_header, inbox_counts, senders, node_first, experts_per_rank, step,
                  ahead, span, wide, rows, metas, counts):
-    """See :func:`ep_comm.launching.kernel_launches.Kernels.relay`. One warp per (sender, token, piece of ``span`` words); the
-    warp of a row's first piece writes its meta rows; the first ``len(senders) * S`` warps also copy the count
-    words (:func:`relay_counts`). ``senders`` int32 ``[n]``: the ranks this rank forwards for (one per other
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.relay`. One warp per (sender, token, piece of ``span``
+    words); the warp of a row's first piece writes its meta rows; the first ``len(senders) * S`` warps also copy the
+    count words (:func:`relay_counts`). ``senders`` int32 ``[n]``: the ranks this rank forwards for (one per other
     node); ``rows``/``metas``/``counts``: every rank's symmetric views (peer views), only this node's written."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
@@ -179,6 +185,37 @@ def relay_kernel(inbox_rows, inbox_meta, inbox_header, inbox_counts, senders, no
                                        num_topk, lane)
         cuda.syncwarp(FULL_MASK)
         item = np.int32(item + num_warps)
+
+
+@kernel
+def combine_meta_kernel(recv_src_metadata, ids, rank_psum, my_rank, node_size, step, ahead, metas, headers):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_meta`. One thread per (received row, top-k entry),
+    then one per source: for a source of another node, word 0 (the source token) and word ``1 + k`` (``ids[row, k]``,
+    -1 where negative) of the row's meta row ``metas[src][parity, my_rank, slot]``, and ``headers[src][parity,
+    my_rank] = (rows from src, 0)``. ``recv_src_metadata [N, 2 + K]`` int32 and ``rank_psum [R]`` int32 from the
+    dispatch; ``ids [N, K]`` (any int: >= 0 where this rank owns the entry)."""
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    parity = step_parity(step, ahead)
+    num_ranks = rank_psum.shape[0]
+    num_topk = ids.shape[1]
+    max_tokens = metas[0].shape[2]
+    my_node = quotient32(my_rank, node_size)
+    num_entries = rank_psum[num_ranks - 1] * num_topk
+    start = cuda.grid(1)
+    for j in range(start, num_entries + num_ranks, cuda.gridsize(1)):
+        if j >= num_entries:
+            src = j - num_entries
+            if quotient32(src, node_size) != my_node:
+                headers[src][parity, my_rank, 0] = rank_psum[src] - (rank_psum[src - 1] if src > 0 else 0)
+                headers[src][parity, my_rank, 1] = 0
+            continue
+        row, k = divmod32(j, num_topk)
+        src = quotient32(recv_src_metadata[row, 0], max_tokens)
+        if quotient32(src, node_size) != my_node:
+            meta = metas[src][parity, my_rank, recv_src_metadata[row, 1] - src * max_tokens]
+            if k == 0:
+                meta[0] = recv_src_metadata[row, 0] - src * max_tokens
+            meta[1 + k] = ids[row, k] if ids[row, k] >= 0 else -1
 
 
 @cuda.jit(device=True)

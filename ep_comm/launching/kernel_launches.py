@@ -40,7 +40,7 @@ from ep_comm.contract.symmetric import payload_rows, payload_words
 from ep_comm.kernels.combine import SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
 from ep_comm.kernels.combine_bf16 import BF16_PASSES, combine_expand_bf16_kernel, combine_reduce_bf16_kernel
 from ep_comm.kernels.count import count_kernel
-from ep_comm.kernels.forward import inbox_send_kernel, node_reduce_kernel, relay_kernel
+from ep_comm.kernels.forward import combine_meta_kernel, inbox_send_kernel, node_reduce_kernel, relay_kernel
 from ep_comm.kernels.receive import (
     PLACE_ATOMIC,
     PLACE_CACHED,
@@ -393,7 +393,8 @@ class Kernels(LaunchShapes):
             if wide_rows(out_words, y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
                 self._launch(combine_reduce_bf16_kernel, stream, shared, blocks)(
-                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_words, from_y, psum, out_words, span)
+                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_words, from_y, psum,
+                    out_words, span)
                 return
         padded = terms + [(self._work.no_bias, False)] * (2 - len(terms))
         span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
@@ -407,12 +408,13 @@ class Kernels(LaunchShapes):
                    rows: Sequence[Array], metas: Sequence[Array], headers: Sequence[Array], *, src_rank: int,
                    new_routing: bool, step: Array, stream: Any, ahead: int = 1) -> None:
         """A forwarded dispatch's send to the other nodes (``ep_comm.kernels.forward.inbox_send_kernel``): per node
-        ``n`` other than this rank's, the block ``node(src_rank) * S`` of its forwarder, ``rows[n]`` ``[2,
-        max_tokens, W]`` words (the inbox's, or a staging block's), ``metas[n]`` ``[2, max_tokens, relay_words]``
-        int32 and ``headers[n]`` ``[2, 2]`` int64 (this node's entries: any arrays of those kinds, not written): row
-        ``t`` = token ``t`` of ``x`` where it goes to a rank of ``n``, a meta row for every token (token, global ids,
-        weight bits, its slot in each rank of ``n`` from ``slot_idx``, as :meth:`scatter` recorded or replayed
-        them), and the header ``(T, new_routing)``; parity of step ``step[0] + ahead``. ``x``, ``topk_idx``,
+        ``n`` other than this rank's, the block ``node(src_rank) * S`` of its forwarder's inbox: ``rows[n]`` ``[2, R,
+        max_tokens, W]`` words (its :class:`~ep_comm.contract.forward_inbox.InboxViews` ``rows``, or a staging view of
+        that shape), ``metas[n]`` ``[2, R, max_tokens, relay_words]`` int32 and ``headers[n]`` ``[2, R, 2]`` int64
+        (C-contiguous, as the compiled row copies need; this node's entries: any arrays of those kinds, not
+        written): row ``t`` = token ``t`` of ``x`` where it goes to a rank of ``n``, a meta row for every token
+        (token, global ids, weight bits, its slot in each rank of ``n`` from ``slot_idx``, as :meth:`scatter`
+        recorded or replayed them), and the header ``(T, new_routing)``; parity of step ``step[0] + ahead``. ``x``, ``topk_idx``,
         ``topk_weights``: as in :meth:`scatter` (FP8 rows included)."""
         weights = self._work.no_weights if topk_weights is None else topk_weights.view(np.int32)
         source, row_words = self._row_source(x)
@@ -439,6 +441,22 @@ class Kernels(LaunchShapes):
             inbox.rows, inbox.meta, inbox.header, inbox.counts, senders, node_first, self.num_local, step, ahead,
             span, wide, rows, tuple(metas), tuple(counts))
 
+    def combine_meta(self, recv_src_metadata: Array, ids: Array, rank_psum: Array, metas: Sequence[Array],
+                     headers: Sequence[Array], *, my_rank: int, node_size: int, step: Array, stream: Any,
+                     ahead: int = 1) -> None:
+        """A forwarded combine's meta words for the forwarders (``ep_comm.kernels.forward.combine_meta_kernel``): for
+        each received row from a source of another node (nodes of ``node_size``), its source token and ``ids``
+        (``[N, K]``: compact, the dispatch's ``recv_topk_idx``; expand, ``recv_src_metadata[:, 2:]``: >= 0 where
+        this rank owns the entry) into ``metas[src][parity, my_rank, slot]``, and the rows from each such source into
+        ``headers[src][parity, my_rank]`` (``[2, R, 2]`` int64 views). ``metas``/``headers``: per source, views of the
+        forwarder's inbox block in which every rank index is the block (a zero stride); the entries of this node's
+        sources are not written. The rows and weight bits go through :meth:`combine_scatter` and
+        ``ep_comm.launching.weight_return.send_weights`` with the same views."""
+        work = recv_src_metadata.shape[0] * ids.shape[1] + self.num_ranks
+        blocks = max(1, min(self.num_blocks, -(-work // self.threads)))
+        self._launch(combine_meta_kernel, stream, blocks=blocks)(
+            recv_src_metadata, ids, rank_psum, my_rank, node_size, step, ahead, tuple(metas), tuple(headers))
+
     def node_reduce(self, inbox: InboxViews, sources: Array, rows: Sequence[Array], metas: Sequence[Array], *,
                     my_rank: int, dtype: np.dtype, hidden: int, step: Array, stream: Any, ahead: int = 1) -> None:
         """The forwarder's node reduce of a forwarded combine (``ep_comm.kernels.forward.node_reduce_kernel``): for
@@ -453,4 +471,5 @@ class Kernels(LaunchShapes):
         blocks = self._blocks_for(sources.shape[0] * (inbox.meta.shape[3] - 1 - 2 * self.num_topk) * self.max_tokens,
                                   self.stream_blocks)
         self._launch(node_reduce_kernel, stream, blocks=blocks)(
-            inbox_elements, inbox.meta, inbox.header, is_bf16, hidden, sources, step, ahead, my_rank, elements, tuple(metas))
+            inbox_elements, inbox.meta, inbox.header, is_bf16, hidden, sources, step, ahead, my_rank, elements,
+            tuple(metas))

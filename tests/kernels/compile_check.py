@@ -72,10 +72,12 @@ def record_all(dtype: np.dtype) -> list:
     inbox = ForwardInbox(sym, 1)  # two nodes of one rank: each rank forwards for the other
     box = inbox_views(np.zeros(inbox.total_bytes, np.uint8), inbox, word_dtype(H, dtype.itemsize))
     others = np.ones(1, np.int32)
-    k.inbox_send(x, topk, np.zeros((T, K), np.float32), slot_idx, [box.rows[:, 0]] * 2, [box.meta[:, 0]] * 2,
-                 [box.header[:, 0]] * 2, src_rank=0, new_routing=True, step=step, stream=0)
+    k.inbox_send(x, topk, np.zeros((T, K), np.float32), slot_idx, [box.rows] * 2, [box.meta] * 2, [box.header] * 2,
+                 src_rank=0, new_routing=True, step=step, stream=0)
     k.relay(box, others, [v.rows for v in views], [v.meta for v in views], [v.counts for v in views], node_first=0,
             step=step, stream=0)
+    k.combine_meta(np.zeros((R * T, 2 + K), np.int32), np.zeros((R * T, K), np.int64), counts.rank_psum,
+                   [box.meta] * 2, [box.header] * 2, my_rank=0, node_size=1, step=step, stream=0)
     k.node_reduce(box, others, [v.rows for v in views], [v.meta for v in views], my_rank=0, dtype=dtype, hidden=H,
                   step=step, stream=0)
     long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows

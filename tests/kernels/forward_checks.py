@@ -1,7 +1,7 @@
-"""The forwarding inbox on the GPU (docs/design.md, "Forwarding on nvshmem") in a simulated ``world.World`` split
-into nodes of ``S`` ranks: filled by the senders' kernels where they exist, on the host where they do not yet (the
-count words, a combine block's header and meta words), and what the design says a dispatch block holds. The inbox of each rank lives in a buffer of its own (``ForwardInbox.total_bytes``,
-the symmetric part unused)."""
+"""The forwarding inbox on the GPU (docs/design.md, "Forwarding on nvshmem") in a simulated ``world.World`` split into
+nodes of ``S`` ranks: filled by the senders' kernels, but for the count words (the transport's part, on the host
+here), and what the design says a dispatch block holds. The inbox of each rank lives in a buffer of its own
+(``ForwardInbox.total_bytes``, the symmetric part unused)."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,11 +46,10 @@ def send_to_inboxes(world: World, boxes: list, topology: Topology, sent: list, p
     """Every sender's ``Kernels.inbox_send`` (a new routing) into the blocks ``node(s) * S`` of its forwarders, with
     the slots its scatter recorded (``sent[s].slot_idx``)."""
     for s in range(world.num_ranks):
-        block = topology.node_of(s) * topology.scaleup_ranks
         targets = [boxes[topology.forwarder(s, node)] for node in range(topology.num_nodes)]
         world.kernels.inbox_send(world.device_payload(world.x[s]), world.dev(world.topk[s]), world.dev(world.w[s]),
-                                 world.dev(sent[s].slot_idx), [box.rows[:, block] for box in targets],
-                                 [box.meta[:, block] for box in targets], [box.header[:, block] for box in targets],
+                                 world.dev(sent[s].slot_idx), [box.rows for box in targets],
+                                 [box.meta for box in targets], [box.header for box in targets],
                                  src_rank=s, new_routing=True, step=world.step(parity), ahead=0, stream=0)
 
 
@@ -61,8 +60,8 @@ def fill_dispatch_counts(world: World, boxes: list, topology: Topology, parity: 
         node_ranks = topology.node_ranks(topology.node_of(f))
         for s in forwarded_for(topology, f):
             block = topology.node_of(s) * topology.scaleup_ranks
-            words = with_verdict(ref.send_count_words(ref.dispatch_layout(world.topk[s], world.num_experts,
-                                                                          world.num_ranks)), routing_verdict(world.topk[s]))
+            layout = ref.dispatch_layout(world.topk[s], world.num_experts, world.num_ranks)
+            words = with_verdict(ref.send_count_words(layout), routing_verdict(world.topk[s]))
             box.counts[parity, block: block + len(node_ranks)] = world.xp.asarray(words[node_ranks.start:
                                                                                         node_ranks.stop])
 
@@ -96,7 +95,7 @@ def fill_combine_inbox(box: InboxViews, parity: int, block: int, tokens: np.ndar
 
 
 def toward_block(region, block: int, num_ranks: int, xp):
-    """A ``[2, R, max_tokens, ...]`` view of an inbox region (``rows`` or ``meta``) in which ``[parity, r, slot]`` is
+    """A ``[2, R, ...]`` view of an inbox region (``rows``, ``meta`` or ``header``) in which ``[parity, r, slot]`` is
     ``[parity, block, slot]`` for every ``r`` (a zero stride on the rank axis): the combine's send kernels, which
     write ``[parity, my_rank, slot]`` of each source's view, then write into the forwarder's block."""
     part = region[:, block]
@@ -105,20 +104,22 @@ def toward_block(region, block: int, num_ranks: int, xp):
 
 
 def combine_views(world: World, boxes: list, topology: Topology, me: int) -> tuple:
-    """``(rows, metas)`` per source, as rank ``me``'s combine sends: a source of its node's own symmetric views, a
-    source of another node the block ``node(source) * S + local(me)`` of that source's forwarder in ``me``'s node
-    (:func:`toward_block`)."""
-    rows, metas = [], []
+    """``(rows, metas, headers)`` per source, as rank ``me``'s combine sends: a source of its node's own symmetric
+    views (and its own inbox header, not written), a source of another node the block ``node(source) * S +
+    local(me)`` of that source's forwarder in ``me``'s node (:func:`toward_block`)."""
+    rows, metas, headers = [], [], []
     for src in range(world.num_ranks):
         if topology.in_reach(me, src):
             rows.append(world.views[src].rows)
             metas.append(world.views[src].meta)
+            headers.append(boxes[me].header)
             continue
         box = boxes[topology.forwarder(src, topology.node_of(me))]
         block = topology.node_of(src) * topology.scaleup_ranks + topology.local_index(me)
         rows.append(toward_block(box.rows, block, world.num_ranks, world.xp))
         metas.append(toward_block(box.meta, block, world.num_ranks, world.xp))
-    return rows, metas
+        headers.append(toward_block(box.header, block, world.num_ranks, world.xp))
+    return rows, metas, headers
 
 
 def device_ranks(world: World, ranks: list):

@@ -1,16 +1,15 @@
-"""The forwarder's kernels (``ep_comm.kernels.forward``) in the simulator, against the flat path and the mpi
-backend's reference arithmetic.
+"""The forwarder's kernels (``ep_comm.kernels.forward``) in the simulator, against the flat path and the mpi backend's
+reference arithmetic.
 
-Inbox send: every sender's kernel writes the dispatch blocks the design states (meta rows of every token, the rows
-of the tokens sent into the node, the header). Relay: after the senders' inbox sends (and their count words), the relay on every forwarder leaves every
-rank's symmetric buffer byte for byte as the flat scatter and count exchange leave it (rows, meta rows, count
-words), so the receive kernels read the flat path's bytes. Node reduce: the rows a forwarder writes into a source
-are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever the order the
-partials sit in, with each entry's weight from the rank owning its expert (``mpi_forwarding.gather_owned_weights``).
-A whole forwarded compact combine (the flat send kernels writing a remote source's partials into its forwarder's
-inbox, the node reduce, the source's reduce and weight gather with nodes) is ``ep_comm.testing.forwarded`` bit for
-bit; the inbox's meta rows and headers, which no kernel writes yet, are filled on the host.
-"""
+Inbox send: every sender's kernel writes the dispatch blocks the design states (meta rows of every token, the rows of
+the tokens sent into the node, the header). Relay: after the senders' inbox sends (and their count words), the relay on
+every forwarder leaves every rank's symmetric buffer byte for byte as the flat scatter and count exchange leave it
+(rows, meta rows, count words), so the receive kernels read the flat path's bytes. Node reduce: the rows a forwarder
+writes into a source are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever
+the order the partials sit in, with each entry's weight from the rank owning its expert
+(``mpi_forwarding.gather_owned_weights``). A whole forwarded compact combine (the flat send kernels and the meta kernel
+writing a remote source's partials into its forwarder's inbox, the node reduce, the source's reduce and weight gather
+with nodes) is ``ep_comm.testing.forwarded`` bit for bit, every piece written by its kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +21,6 @@ from forward_checks import (
     designed_meta,
     device_ranks,
     fill_combine_inbox,
-    fill_combine_meta,
     fill_dispatch_counts,
     forwarded_for,
     inboxes,
@@ -142,24 +140,17 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
 
 
 def _send_partials(world, boxes, topology, d: int, received, y, step) -> None:
-    """Rank ``d``'s compact combine send, forwarded: rows and weights through :func:`combine_views`; the header and
-    the token and id words of each forwarder's block filled on the host."""
+    """Rank ``d``'s compact combine send, forwarded: rows, weights and meta words through :func:`combine_views`."""
     k, xp, got = world.kernels, world.xp, received[d]
     metadata = xp.asarray(got.recv_src_metadata)
-    rows, metas = combine_views(world, boxes, topology, d)
+    rows, metas, headers = combine_views(world, boxes, topology, d)
     k.combine_scatter(world.device_payload(y), metadata, got.counts.rank_psum, rows, my_rank=d, step=step,
                       expand=False, stream=0)
     weight_return.send_weights(lambda kernel, blocks, threads: k.launcher(kernel, blocks, threads, stream=0),
                                xp.asarray(got.recv_topk_weights.view(np.int32)), False, metadata,
                                got.counts.rank_psum, metas, my_rank=d, step=step, ahead=0, max_blocks=4)
-    for src in range(world.num_ranks):
-        if topology.in_reach(d, src):
-            continue
-        mine = got.recv_src_metadata[:, 0] // world.max_tokens == src
-        block = topology.node_of(src) * topology.scaleup_ranks + topology.local_index(d)
-        fill_combine_meta(boxes[topology.forwarder(src, topology.node_of(d))], 0, block,
-                          got.recv_src_metadata[mine, 0] % world.max_tokens, got.recv_topk_idx[mine].astype(np.int32),
-                          xp)
+    k.combine_meta(metadata, xp.asarray(got.recv_topk_idx), got.counts.rank_psum, metas, headers, my_rank=d,
+                   node_size=topology.scaleup_ranks, step=step, ahead=0, stream=0)
 
 
 @pytest.mark.parametrize("ranks, scaleup, dtype, hidden", [
