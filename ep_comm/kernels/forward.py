@@ -201,21 +201,22 @@ def combine_meta_kernel(recv_src_metadata, ids, rank_psum, my_rank, node_size, s
     max_tokens = metas[0].shape[2]
     my_node = quotient32(my_rank, node_size)
     num_entries = rank_psum[num_ranks - 1] * num_topk
-    start = cuda.grid(1)
-    for j in range(start, num_entries + num_ranks, cuda.gridsize(1)):
+    j, stride = np.int32(cuda.grid(1)), np.int32(cuda.gridsize(1))
+    while j < num_entries + num_ranks:  # an int32 index: no 64-bit division for the trip count
         if j >= num_entries:
             src = j - num_entries
             if quotient32(src, node_size) != my_node:
                 headers[src][parity, my_rank, 0] = rank_psum[src] - (rank_psum[src - 1] if src > 0 else 0)
                 headers[src][parity, my_rank, 1] = 0
-            continue
-        row, k = divmod32(j, num_topk)
-        src = quotient32(recv_src_metadata[row, 0], max_tokens)
-        if quotient32(src, node_size) != my_node:
-            meta = metas[src][parity, my_rank, recv_src_metadata[row, 1] - src * max_tokens]
-            if k == 0:
-                meta[0] = recv_src_metadata[row, 0] - src * max_tokens
-            meta[1 + k] = ids[row, k] if ids[row, k] >= 0 else -1
+        else:
+            row, k = divmod32(j, num_topk)
+            src = quotient32(recv_src_metadata[row, 0], max_tokens)
+            if quotient32(src, node_size) != my_node:
+                meta = metas[src][parity, my_rank, recv_src_metadata[row, 1] - src * max_tokens]
+                if k == 0:
+                    meta[0] = recv_src_metadata[row, 0] - src * max_tokens
+                meta[1 + k] = ids[row, k] if ids[row, k] >= 0 else -1
+        j = np.int32(j + stride)
 
 
 @cuda.jit(device=True)
