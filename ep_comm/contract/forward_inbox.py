@@ -25,6 +25,10 @@ forwarder's node for the rank forwarded for in ``node``, in slot order, their me
 
 The forwarder's writes depend on the slots (dispatch) or the token ids (combine) alone, never on arrival order
 (:func:`slot_order`).
+
+That is the mpi backend's use of the layout. The GPU kernels (``ep_comm.kernels.forward``, :func:`inbox_views`) index
+a dispatch block by source token instead (row ``t`` is token ``t``, a meta row for every token below the header's
+row count, slots -1 where not sent): docs/design.md, "Forwarding on nvshmem".
 """
 from __future__ import annotations
 
