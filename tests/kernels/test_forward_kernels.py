@@ -107,6 +107,7 @@ def _partials(rng, world, tokens: int, holders: int) -> tuple:
     (4, 2, "bfloat16", 40),
     (4, 2, "float32", 300),  # several passes of SPAN * 32 elements
     (6, 3, "float16", 20),
+    (6, 3, "float32", 40),  # three holders: the order of the adds shows in float32
     (6, 2, "bfloat16", 24),  # 3 nodes: two sources per forwarder
 ])
 def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
