@@ -231,9 +231,8 @@ class Buffer:
             TypeError: an argument of the wrong type, on this rank before anything is sent.
         """
         prepared = self._prepared
-        if prepared is not None and self._pending is None and topk_weights is None and bias is None and \
-                return_recv_hook is False:
-            return prepared.combine(self._combine, self._checked_handles, y, handle)
+        if prepared is not None and self._pending is None and bias is None and return_recv_hook is False:
+            return prepared.combine(self._combine, self._checked_handles, y, handle, topk_weights)
         return self._combine(y, handle, topk_weights, bias, return_recv_hook)
 
     @holds_captured_memory

@@ -4,7 +4,7 @@ per-rank result files of the pytest sessions inside ``mpirun`` jobs.
 Options (also session fixtures): ``--backend mpi|nvshmem`` (the backend of the collective suites),
 ``--transport stores|puts`` (the nvshmem backend's transport), ``--ranks 1,2,4`` (job sizes of the
 multi-rank tests), ``--scaleup-ranks N`` and ``--forwarding`` (the collective suites' Buffers in virtual nodes of
-``N`` ranks, flat or forwarded). Hypothesis profiles: ``ci`` (the default) and ``gpu`` (fewer examples), chosen with
+``N`` ranks, flat or forwarded). Hypothesis profiles: ``ci`` (the default), ``gpu`` and ``nodes`` (fewer examples), chosen with
 ``--hypothesis-profile``.
 
 ``tests/mpi`` holds collective suites marked ``pytest.mark.mpi``: ``tests/jobs/test_multirank.py`` runs them with
@@ -30,6 +30,9 @@ cudasim_warp.select_without_gpu()  # before any test module imports numba.cuda (
 
 settings.register_profile("ci", max_examples=150, deadline=None, database=None)
 settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=20)
+# the randomized suite in virtual nodes (tests/jobs/test_multirank.py: ten jobs of 4..8 ranks on top of the one-node
+# jobs at 1..4 ranks, which keep ci's 150)
+settings.register_profile("nodes", parent=settings.get_profile("ci"), max_examples=50)
 settings.load_profile("ci")  # --hypothesis-profile, applied by Hypothesis's plugin after this, overrides it
 
 

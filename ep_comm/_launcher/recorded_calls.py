@@ -12,7 +12,7 @@ parameter block with every slot filled; for each array parameter that lies insid
 A replay keeps every other word of the recorded parameter blocks: shapes, strides, scalars, grids, and the
 kernel specialisation that Numba chose for each array's dtype and layout. So a recorded call is looked up by
 the caller's key (its scalars and options) *and* the layout of its roots: shape, byte strides, dtype and the
-data pointer modulo 16 of each (:func:`roots_layout`), computed here from the roots themselves, so that no
+data pointer modulo 16 of each (:meth:`RecordedCalls.shape_key`), computed here from the roots themselves, so that no
 caller can leave one out (``docs/design.md``, "Recorded calls", states the rule). A root may have any strides
 (a transposed or strided view): its byte span runs from its lowest to its highest element.
 
@@ -31,7 +31,7 @@ from ep_comm._launcher import raw
 from ep_comm._launcher.param_blocks import ParamBlock, _ArraySlot, _TupleSlot, array_fields
 from ep_comm._launcher.prebound import Recorded, recording
 
-__all__ = ["RecordedCall", "RecordedCalls", "record_call", "roots_layout"]
+__all__ = ["RecordedCall", "RecordedCalls", "record_call"]
 
 _DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
@@ -75,13 +75,6 @@ class RecordedCall:
                 words[_DATA] = roots[root] + offset
             raw.launch(launch.function, launch.grid, launch.block, launch.shared, on, launch.params.address,
                        launch.name)
-
-
-def roots_layout(roots: Sequence[Any], pointers: Sequence[int]) -> tuple:
-    """What a replay keeps of the recorded roots besides their pointers ``pointers``: per root its shape, byte
-    strides, dtype and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on
-    these make the same launches with the same words but for the roots' data pointers."""
-    return tuple((r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers))
 
 
 def _spans(roots: Sequence[Any]) -> List[Tuple[int, int, int]]:
@@ -167,52 +160,57 @@ class RecordedCalls:
         self._calls: Dict[Hashable, Any] = {}
         self.built = 0  # calls recorded so far (a first call at a new shape records one)
 
-    def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[[], None]) -> None:
+    def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[..., None], *args: Any) -> None:
         """One call of shape ``key`` over ``roots``: launch the call recorded for ``key`` and the roots' layout
-        (:func:`roots_layout`) again with the roots' pointers on stream ``on``; the first such call runs ``path()``
-        (the launches through ``Kernels``, on the same stream) and records it.
+        (:meth:`shape_key`) again with the roots' pointers on stream ``on``; the first such call runs
+        ``path(*args)`` (the launches through ``Kernels``, on the same stream) and records it (``args``: no
+        ``functools.partial`` to build at every call of a recorded one).
 
         Args:
-            key: what the launches' scalars and grids depend on besides the roots' layout (options, modes).
+            key: what the launches' scalars and grids depend on besides the roots' layout (options, modes); None:
+                a call not to be recorded (it runs ``path(*args)``).
             on: the stream (``raw.stream(handle)``).
             roots: the call's per-call arrays, in the same order at every call of ``key``: every array the call is
                 given or makes that its launches read or write (any other array a launch takes is held as
                 long-lived by the recorded call).
             path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
+            args: ``path``'s arguments.
         """
-        if not self.enabled:
-            path()
+        if not self.enabled or key is None:
+            path(*args)
             return
         pointers = [r.data.ptr for r in roots]
         shape_key = self.shape_key(key, roots, pointers)
         recorded = self._calls.get(shape_key)
         if recorded is None:
-            self._calls[shape_key] = self._record(roots, path)
+            self._calls[shape_key] = self._record(roots, path, args)
         elif recorded is _UNRECORDABLE:
-            path()
+            path(*args)
         else:
             recorded(on, pointers)
 
     @staticmethod
     def shape_key(key: Hashable, roots: Sequence[Any], pointers: Sequence[int]) -> Hashable:
         """What a recorded call is looked up by: the caller's ``key`` and the layout of its ``roots`` (at
-        ``pointers``)."""
-        return key, roots_layout(roots, pointers)
+        ``pointers``), what a replay keeps of them besides their pointers: per root its shape, byte strides, dtype
+        and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on these make
+        the same launches with the same words but for the roots' data pointers."""
+        return key, tuple([(r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers)])
 
     def launch_counts(self) -> Dict[Hashable, Optional[int]]:
         """Per ``(call key, roots' layout)`` seen, the launches of its recorded call (None: its calls cannot be
         recorded)."""
         return {key: None if recorded is _UNRECORDABLE else len(recorded) for key, recorded in self._calls.items()}
 
-    def _record(self, roots: Sequence[Any], path: Callable[[], None]) -> Any:
-        """Run ``path`` recording its launches; its recorded call, or ``_UNRECORDABLE``."""
+    def _record(self, roots: Sequence[Any], path: Callable[..., None], args: tuple) -> Any:
+        """Run ``path(*args)`` recording its launches; its recorded call, or ``_UNRECORDABLE``."""
         allocated: List[Any] = []
         with recording() as seen:
             if self._allocations is None:
-                path()
+                path(*args)
             else:
                 with self._allocations(allocated):
-                    path()
+                    path(*args)
         recorded = None if allocated else record_call(seen, roots)
         if recorded is None:
             return _UNRECORDABLE

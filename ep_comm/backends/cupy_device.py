@@ -27,18 +27,22 @@ class Recarving:
     """New arrays laid out as given views of one block: :meth:`new` allocates a block of the same shape and dtype
     and returns ``(block, views)`` at the same offsets, shapes, dtypes and strides (``cupy.ndarray(memptr=...)``:
     no slicing). The block is a root of the recorded calls it is passed to, whose key holds its layout: it is made
-    as the general path makes it."""
+    as the general path makes it. A single view that is the block itself (:meth:`CupyDevice.carve` of one array)
+    is the new block again: one array made, not two."""
 
-    __slots__ = ("_block", "_views")
+    __slots__ = ("_block", "_views", "_whole")
 
     def __init__(self, block: Any, views: Sequence[Any]):
         base = block.data.ptr
         self._block = (block.shape, block.dtype)
         self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
+        self._whole = len(views) == 1 and views[0] is block
 
     def new(self) -> Tuple[Any, List[Any]]:
         """``(block, views)``: one allocation."""
         block = cupy.empty(*self._block)
+        if self._whole:
+            return block, [block]
         memory = block.data
         return block, [cupy.ndarray(shape, dtype, memptr=memory + at, strides=strides)
                        for shape, dtype, at, strides in self._views]

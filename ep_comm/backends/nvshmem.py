@@ -14,7 +14,7 @@ deterministic mode. The data path is ``ep_comm.launching.kernel_launches.Kernels
    (``ep_comm.transport.signals``);
 4. ``receive_count`` (new routing; in compact mode from the count words alone) and ``receive_copy``
    into the outputs (after a compact replay without the payload of the rows from ``me``, already in
-   place).
+   place); a compact new routing with ``cpu_sync=False`` does both in one launch (``Kernels.receive_counted``).
 
 Every step's signal advances the device step counter (``ep_comm.kernels.step_counter``): the kernels read
 the step number and buffer parity from it, not from the host (the senders, before the signal, one

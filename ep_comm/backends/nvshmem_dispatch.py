@@ -14,7 +14,7 @@ import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem_steps import NvshmemContext
-from ep_comm.contract.arrays import Array
+from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
 from ep_comm.launching import kernel_launches
@@ -30,6 +30,7 @@ class NvshmemDispatch:
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
         self.profile, self.capture = ctx.runner.profile, ctx.runner.capture
         self.deterministic = ctx.deterministic
+        self._record_shape = (ctx.geo.num_ranks, ctx.geo.experts_per_rank)  # how received_counts reads the record
         # the receive placement of a new routing: stable (deterministic) or atomic
         self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
@@ -131,8 +132,9 @@ class NvshmemDispatch:
 
     def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
         """On ``stream``: count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then
-        scatter ``x`` with its ``weights`` at the slots the count assigned."""
-        stable = self.deterministic
+        scatter ``x`` with its ``weights`` at the slots the count assigned (stable ones where ``Kernels.send_stable``
+        says so)."""
+        stable = self.kernels.send_stable(idx.shape[0], self.deterministic)
         with self.profile.phase("dispatch", "count"):
             send = self.kernels.count(idx, stable=stable, stream=stream, block=send_block)
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
@@ -155,21 +157,33 @@ class NvshmemDispatch:
         """The receive half of a dispatch of a new routing, on ``stream``: counts (into ``block``, int32
         ``[recv_words]``, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
         routing error of any rank's bad verdict (every rank raises it here, in step), else the exact outputs; without
-        it the next call checks the verdicts."""
+        it the next call checks the verdicts, and a compact receive counts in its copy's launch
+        (``Kernels.receive_counted``)."""
         expand, alignment = request.expand, request.expert_alignment
         self.runner.wait("dispatch", hooked, with_counts=True)
-        self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
-                                 functools.partial(self.receive_count, stream, block, expand, alignment))
+        counted = block if self.counts_in_copy(expand, request.cpu_sync) else None
+        if counted is None:
+            self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
+                                     functools.partial(self.receive_count, stream, block, expand, alignment))
         recv = self.kernels.receive_layout(block)
-        if request.stats is not None:
-            _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
         if request.cpu_sync:
             counts = self.received_counts()
         else:
-            self.runner.defer_verdict()
-            counts = (recv.totals[0], recv.totals[1], recv.num_aligned_per_expert)
-        return self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum,
-                                                        recv.num_unaligned_per_expert), counts, None, self.place_mode)
+            # 0-d views, as the prepared path's (count_carving): filled by a launch yet to come when the copy counts
+            counts = (recv.totals[:1].reshape(()), recv.totals[1:].reshape(()), recv.num_aligned_per_expert)
+        out = self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
+                            counts, None, self.place_mode, counted=counted)
+        if not request.cpu_sync:
+            self.runner.defer_verdict()  # after the launch that writes the record
+        if request.stats is not None:
+            _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
+        return out
+
+    def counts_in_copy(self, expand: bool, cpu_sync: bool) -> bool:
+        """Whether a new routing's receive counts in its copy's launch (:meth:`receive_copy`'s ``counted``): compact,
+        into worst-case outputs (``cpu_sync=False``: no host poll wants the counts before the copy), unless switched
+        back (``Kernels.counted_copy``)."""
+        return not (expand or cpu_sync) and self.kernels.counted_copy
 
     def received_counts(self, marker: Any = None) -> tuple:
         """``(received rows, expanded rows, aligned counts [L])`` as host ints, from the mapped record of this
@@ -181,7 +195,7 @@ class NvshmemDispatch:
         error = runner.verdict(step)
         if error is not None:
             raise error
-        return record_counts(runner.record_host, self.geo.num_ranks, self.geo.experts_per_rank)
+        return record_counts(runner.record_host, *self._record_shape)
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:
@@ -239,7 +253,7 @@ class NvshmemDispatch:
 
     def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
                  recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
-                 skip_source: int = -1) -> DispatchOutput:
+                 skip_source: int = -1, counted: Optional[Array] = None) -> DispatchOutput:
         """Allocate the outputs (unless given), copy the received rows into them (on ``stream``), and make the handle.
 
         ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
@@ -247,16 +261,19 @@ class NvshmemDispatch:
         ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
         reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
         ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded call."""
+        (compact only), or -1; ``counted``: the receive count's block (int32 ``[recv_words]``, whose views ``layout``
+        are) when the copy also counts (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes)
+        the copy is a recorded call."""
         rank_psum, expert_psum, unaligned = layout
         arrays, block = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
         options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
-        receive_copy = functools.partial(self.receive_copy, stream, rank_psum, expert_psum, arrays, options)
+        receive_copy = functools.partial(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
         if request.cpu_sync:  # exact output shapes change from call to call: not recorded
             receive_copy()
         else:
-            self.runner.run_recorded(receive_copy_key(options, arrays[0], request.topk_weights is not None),
-                                     (rank_psum, expert_psum, block), receive_copy)
+            key = receive_copy_key(options, arrays[0], request.topk_weights is not None)
+            roots = (rank_psum, expert_psum, block) if counted is None else (counted, block)
+            self.runner.run_recorded(key if counted is None else key + ("counted",), roots, receive_copy)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
                             int(arrays[0].shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
@@ -265,14 +282,24 @@ class NvshmemDispatch:
         with_weights = request.topk_weights is not None
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
 
-    def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple) -> None:
+    def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple,
+                     counted: Optional[Array] = None) -> None:
         """The received rows, on ``stream``, into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights,
-        recv_src_metadata``); ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``."""
+        recv_src_metadata``); ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``.
+        ``counted``: a compact new routing's receive count block (int32 ``[recv_words]``, ``rank_psum`` and
+        ``expert_psum`` its views), which this launch fills as :meth:`receive_count` would, with the runner's record
+        (``Kernels.receive_counted``); None: the counts were made before."""
         expand, alignment, zero_padding, mode, skip_source = options
+        ctx, step = self.ctx, self.transport.step
         with self.profile.phase("dispatch", "receive_copy"):
-            self.kernels.receive_copy(rank_psum, self.ctx.own_rows, self.ctx.own_meta, self.transport.step, *arrays,
-                                      expand=expand, mode=mode, expert_psum=expert_psum, alignment=alignment,
-                                      zero_padding=zero_padding, stream=stream, skip_source=skip_source)
+            if counted is not None:
+                self.kernels.receive_counted(ctx.own_counts, ctx.own_rows, ctx.own_meta, step, *arrays,
+                                             alignment=alignment, stream=stream, block=counted,
+                                             record=self.runner.record)
+                return
+            self.kernels.receive_copy(rank_psum, ctx.own_rows, ctx.own_meta, step, *arrays, expand=expand, mode=mode,
+                                      expert_psum=expert_psum, alignment=alignment, zero_padding=zero_padding,
+                                      stream=stream, skip_source=skip_source)
 
     def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``request``
@@ -331,12 +358,7 @@ def host_counts(h: EPHandle) -> tuple:
     copy: each handle owns its list); a ``cpu_sync=False`` one on the device (three reads, which wait for the stream)."""
     if h.cpu_sync:
         return int(h.num_recv_tokens), int(h.num_expanded_tokens), list(h.num_recv_tokens_per_expert)
-    return int(h.num_recv_tokens), int(h.num_expanded_tokens), _host(h.num_recv_tokens_per_expert).tolist()
-
-
-def _host(values: Any) -> Any:
-    """A host array of a device array (a NumPy array as it is)."""
-    return values.get() if hasattr(values, "get") else values
+    return int(h.num_recv_tokens), int(h.num_expanded_tokens), to_host(h.num_recv_tokens_per_expert).tolist()
 
 
 def _device_counts(xp: Any, h: EPHandle) -> tuple:

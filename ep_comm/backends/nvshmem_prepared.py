@@ -49,8 +49,9 @@ from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.launching import kernel_launches
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
-# exact output shapes of cpu_sync=True calls kept per Buffer (cleared when full), and receive copies recorded for
-# them (each exact shape's grid and array shapes are its own); past that many, an exact copy launches pre-bound
+# exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and receive copies recorded for
+# them per Buffer (each exact shape's grid and array shapes are its own); past that many, an exact copy launches
+# pre-bound
 _MAX_EXACT, _MAX_EXACT_COPIES = 256, 256
 # a compact new routing with cpu_sync=True returns views of worst-case outputs (its copy enqueued before the poll)
 # only where those take at most this many bytes (decode shapes); larger ones (R * max_tokens rows at prefill, many
@@ -66,6 +67,13 @@ def _bytes(shapes: Any) -> int:
     return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
 
+def _carved(carving: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, Tuple[Array, ...]]:
+    """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))``: new outputs from ``carving``
+    (``PreparedCalls._output_carving``), the weights ``scratch`` where none are carved."""
+    block, views = carving.new()
+    return block, (views[0], views[1], views[3] if weighted else scratch, views[2])
+
+
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     """What the argument checks of an input array depend on: ``(type, shape, dtype, strides, data pointer modulo 16,
     GPU)`` (``placement``: the device's ``(pointer, GPU)`` of an array)."""
@@ -77,7 +85,7 @@ class _Entry:
     """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
     its carvings and options (set by the builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted")
+    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted", "exact")
 
     def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
                  scratch: Optional[Array], options: tuple, weighted: bool):
@@ -88,6 +96,8 @@ class _Entry:
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
         self.weighted = weighted
+        # (received rows, expanded rows) -> (recarving, (send key, copy key), scratch weights) of cpu_sync=True calls
+        self.exact: Dict[Tuple[int, int], tuple] = {}
 
 
 class PreparedCalls:
@@ -103,9 +113,8 @@ class PreparedCalls:
         self._ctx, self._runner, self._dispatcher, self._combiner = ctx, ctx.runner, dispatcher, combiner
         self._ndarray = ctx.xp.ndarray
         self._placement = ctx.device.placement
+        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: the step flushes its staged rows
         self._entries: Dict[tuple, _Entry] = {}
-        # (entry's first key, options, exact output shapes) -> (recarving, (send key, copy key), scratch weights)
-        self._exact: Dict[tuple, tuple] = {}
         self._exact_copies: set = set()  # the recorded-call keys of exact shapes (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
@@ -187,10 +196,11 @@ class PreparedCalls:
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes, None)  # worst-case outputs
-            outputs = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
-                (arrays[2],) if weighted else ()))
+            outputs = self._output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
+            if new and dispatcher.counts_in_copy(h.expand, h.cpu_sync):
+                copy_key += ("counted",)
         if new:
             keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
                     copy_key)
@@ -215,11 +225,10 @@ class PreparedCalls:
         missing, seen = self._ctx.transport.wait_state()
         return not (missing or seen)
 
-    def _outputs(self, entry: _Entry) -> Tuple[Array, Tuple[Array, ...]]:
-        """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))`` of worst-case shapes."""
-        block, views = entry.outputs.new()
-        weights = views[3] if entry.weighted else entry.scratch
-        return block, (views[0], views[1], weights, views[2])
+    def _output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
+        """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
+        carved from ``block``; the weights only where given (else a scratch array outside the block)."""
+        return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
 
     def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> Tuple[Array, tuple, tuple]:
         """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), (send key, copy key))``: new
@@ -227,13 +236,12 @@ class PreparedCalls:
         ``entry``, carved by a recarving kept per shape, and the recorded-call keys of the pieces whose launches
         depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``; otherwise
         the entry's key) and the receive copy (its grid and array shapes). A key is None past ``_MAX_EXACT_COPIES``
-        shapes: that piece launches pre-bound."""
-        key = (entry.keys[0], width, entry.options, entry.weighted, exact)  # keys[0]: payload, ids' dtype, ...
-        held = self._exact.get(key)
+        shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the entry's): a known shape
+        costs one lookup of its two row counts, all that runs between a poll and the copy."""
+        held = entry.exact.get(exact)
         if held is not None:
             carving, keys, scratch = held
-            block, views = carving.new()
-            return block, (views[0], views[1], views[3] if entry.weighted else scratch, views[2]), keys
+            return (*_carved(carving, entry.weighted, scratch), keys)
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
         arrays, block = dispatcher.carve_outputs(
@@ -243,11 +251,10 @@ class PreparedCalls:
             send_key = self._exact_key(send_key[:-1] + (arrays[0].shape,))
         keys = (send_key, self._exact_key(receive_copy_key(entry.options, arrays[0], entry.weighted)
                                           + (arrays[3].shape[0],)))
-        if len(self._exact) >= _MAX_EXACT:
-            self._exact.clear()
-        carving = self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + (
-            (arrays[2],) if entry.weighted else ()))
-        self._exact[key] = (carving, keys, None if entry.weighted else arrays[2])
+        if len(entry.exact) >= _MAX_EXACT:
+            entry.exact.clear()
+        entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
+                              None if entry.weighted else arrays[2])
         return block, arrays, keys
 
     def _exact_key(self, key: tuple) -> Optional[tuple]:
@@ -259,16 +266,6 @@ class PreparedCalls:
             self._exact_copies.add(key)
         return key
 
-    def _copy(self, key: Any, on: Any, stream: Any, psums: Tuple[Array, Array], block: Array, arrays: tuple,
-              options: tuple) -> None:
-        """The receive copy, on ``stream``, into ``arrays`` carved from ``block``: the recorded call of ``key``, or a
-        pre-bound launch when ``key`` is None."""
-        copy = functools.partial(self._dispatcher.receive_copy, stream, psums[0], psums[1], arrays, options)
-        if key is None:
-            copy()
-        else:
-            self._runner.recorded.run(key, on, (psums[0], psums[1], block), copy)
-
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
@@ -277,37 +274,37 @@ class PreparedCalls:
         ``cpu_sync`` expand: one poll, the verdicts, exact outputs (carved as kept per shape) and their copy (recorded
         per shape); else the recorded copy into worst-case outputs. After the poll: no loop over ranks or experts (the
         counts per expert are one ``tolist`` of the mapped record)."""
-        dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
+        dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
                 aligned, num_recv, num_expanded) = entry.count.new()
-        runner.recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights),
-                            functools.partial(dispatcher.count_and_scatter, stream, idx, x, weights, send_block))
-        # the transport's flush holds the puts test and calls the psum only with puts; untimed, as the general path's
-        # _flush is without profiling (a profiling Buffer never prepares a shape)
-        transport.flush(stream, lambda: send_psum, with_meta=True)
-        transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
+        recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights), dispatcher.count_and_scatter, stream, idx,
+                     x, weights, send_block)
+        if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
+            self._ctx.transport.flush(stream, lambda: send_psum, with_meta=True)
+        self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         expand, alignment = entry.options[:2]
-        runner.recorded.run(entry.keys[1], on, (recv_block,),
-                            functools.partial(dispatcher.receive_count, stream, recv_block, expand, alignment))
+        counted = dispatcher.counts_in_copy(expand, cpu_sync)  # the copy's launch counts too
+        if not counted:
+            recorded.run(entry.keys[1], on, (recv_block,), dispatcher.receive_count, stream, recv_block, expand,
+                         alignment)
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
-            if entry.outputs is None:  # exact outputs after the poll (expand, or compact past _VIEWS_MAX_BYTES)
-                num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-                out_block, arrays, keys = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
-                self._copy(keys[1], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
-            else:
-                out_block, arrays = self._outputs(entry)
-                self._copy(entry.keys[2], on, stream, (rank_psum, expert_psum), out_block, arrays, entry.options)
-                num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-                n = num_recv
-                arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
+        if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
+            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
+            out_block, arrays, (_, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
-            runner.defer_verdict()
-            out_block, arrays = self._outputs(entry)
-            runner.recorded.run(entry.keys[2], on, (rank_psum, expert_psum, out_block),
-                                functools.partial(dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
-                                                  entry.options))
+            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
+            copy_key = entry.keys[2]
+        roots = (recv_block, out_block) if counted else (rank_psum, expert_psum, out_block)
+        recorded.run(copy_key, on, roots, dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
+                     entry.options, recv_block if counted else None)
+        if not cpu_sync:
+            runner.defer_verdict()  # after the launch that writes the record
+        elif entry.outputs is not None:  # the copy is enqueued: the poll, then the exact rows (views)
+            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
+            n = num_recv
+            arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
@@ -317,15 +314,16 @@ class PreparedCalls:
         gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``), signal and
         wait, the receive copy. No poll, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The
         eager path"); the outcome of the wait is the next call's to raise."""
-        dispatcher, runner, transport = self._dispatcher, self._runner, self._ctx.transport
+        dispatcher, runner, transport, recorded = self._dispatcher, self._runner, self._ctx.transport, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
             num_recv, num_expanded, aligned = host_counts(h)
             out_block, arrays, (send_key, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
-            num_recv, num_expanded, aligned = dispatcher.handle_value(h, "device_counts", _device_counts)
-            out_block, arrays = self._outputs(entry)
+            held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
+            num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
+            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
             send_key, copy_key = entry.keys[0], entry.keys[2]
         psum = h.psum_num_recv_tokens_per_rank
         if entry.options[0]:
@@ -333,20 +331,15 @@ class PreparedCalls:
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
         else:
             local = (arrays[0], psum)
-        scatter = functools.partial(dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                    kernel_launches.SLOT_CACHED, local)
-        if send_key is None:
-            scatter()
-        else:
-            runner.recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), scatter)
-        transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum), with_meta=True)
+        recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), dispatcher.scatter, stream, x,
+                     h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED, local)
+        if self._puts:
+            transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
+                            with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
         expert_psum = h.psum_num_recv_tokens_per_expert
-        copy = functools.partial(dispatcher.receive_copy, stream, psum, expert_psum, arrays, entry.options)
-        if copy_key is None:
-            copy()
-        else:
-            runner.recorded.run(copy_key, on, (psum, expert_psum, out_block), copy)
+        recorded.run(copy_key, on, (psum, expert_psum, out_block), dispatcher.receive_copy, stream, psum, expert_psum,
+                     arrays, entry.options)
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)
@@ -364,46 +357,53 @@ class PreparedCalls:
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any) -> CombineOutput:
-        """``Buffer.combine`` without weights, bias or a hook: prepared when its shape was seen with a ``y`` of the
-        same identity and ``handle`` passed the handle check, else ``general(...)``."""
-        if type(y) is not self._ndarray or type(handle) is not EPHandle:
-            return general(y, handle, None, None, False)
-        key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype)
+    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any,
+                weights: Any) -> CombineOutput:
+        """``Buffer.combine`` without bias or a hook: prepared when its shape was seen with a ``y`` and ``topk_weights``
+        ``weights`` (or None) of the same identity and ``handle`` passed the handle check, else ``general(...)``."""
+        nd = self._ndarray
+        if type(y) is not nd or type(handle) is not EPHandle or (weights is not None and type(weights) is not nd):
+            return general(y, handle, weights, None, False)
+        key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype,
+               None if weights is None else weights.shape)
         entry = self._entries.get(key)
         if entry is None:
-            out = general(y, handle, None, None, False)
-            if self._may_learn(y, (), None):
-                self._learn_combine(key, y, handle)
+            out = general(y, handle, weights, None, False)
+            # float32 weights only: the general path takes others through a conversion, which the prepared one skips
+            if self._may_learn(y, (weights,), None) and (weights is None or weights.dtype == np.float32):
+                self._learn_combine(key, y, weights, handle)
             return out
         checked.check(handle, "dispatch")
-        if identity(y, self._placement) != entry.inputs[0] or not self._enter("combine", handle.cpu_sync):
-            return general(y, handle, None, None, False)
-        out = self._runner.steps.run("combine", False, self._combine, entry, y, handle)
+        place = self._placement
+        if (identity(y, place) != entry.inputs[0]
+                or (weights is not None and identity(weights, place) != entry.inputs[1])
+                or not self._enter("combine", handle.cpu_sync)):
+            return general(y, handle, weights, None, False)
+        out = self._runner.steps.run("combine", False, self._combine, entry, y, handle, weights)
         self.replayed += 1
         return out
 
-    def _learn_combine(self, key: tuple, y: Array, h: EPHandle) -> None:
-        """Keep the entry of a combine's shape (no weights, no bias) after its general call."""
-        device = self._ctx.device
-        arrays, block = device.carve(self._combiner.combine_shapes(h, False))
-        keys = (combine_send_key(h, y, None), reduce_key(h, y, False, ()))
-        self._entries[key] = _Entry((identity(y, self._placement),), keys, None,
-                                    device.recarving(block, arrays), None, (), False)
+    def _learn_combine(self, key: tuple, y: Array, weights: Optional[Array], h: EPHandle) -> None:
+        """Keep the entry of a combine's shape (no bias; float32 ``weights`` or None) after its general call."""
+        device, weighted = self._ctx.device, weights is not None
+        arrays, block = device.carve(self._combiner.combine_shapes(h, weighted))
+        keys = (combine_send_key(h, y, weights), reduce_key(h, y, weighted, ()))
+        inputs = (identity(y, self._placement), None if weights is None else identity(weights, self._placement))
+        self._entries[key] = _Entry(inputs, keys, None, device.recarving(block, arrays), None, (), weighted)
 
-    def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle) -> CombineOutput:
-        """A combine: the rows back, signal and wait, the reduce into a new ``x``; one poll for a ``cpu_sync``
-        handle."""
+    def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle, weights: Optional[Array]) -> CombineOutput:
+        """A combine: the rows (and ``weights``) back, signal and wait, the reduce into a new ``x`` (and the gathered
+        weights); one poll for a ``cpu_sync`` handle."""
         ctx, runner, combiner = self._ctx, self._runner, self._combiner
         stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, None),
-                            functools.partial(combiner.send, stream, h, y, None))
-        ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=False)
+        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, weights), combiner.send, stream, h, y, weights)
+        if self._puts:
+            ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
         ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
         arrived = ctx.device.progress() if h.cpu_sync else None
-        block, (x,) = entry.outputs.new()
-        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()),
-                            functools.partial(combiner.reduce, stream, h, y, x, None, ()))
+        block, outputs = entry.outputs.new()
+        x, back = outputs[0], outputs[1] if entry.weighted else None
+        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()), combiner.reduce, stream, h, y, x, back, ())
         if arrived is not None:
             runner.check_arrival(arrived, "combine")
-        return CombineOutput(x, None)
+        return CombineOutput(x, back)

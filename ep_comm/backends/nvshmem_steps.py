@@ -165,7 +165,9 @@ class StepRunner:
                 self._poll(marker, what)
         else:
             self._poll(marker, what)
-        self.steps.after_wait(what, *self.transport.wait_state())  # _after_host_wait, one Python call less
+        # PeerAbortedError or ep_comm.TimeoutError as Steps.after_wait says; the abort records are read from the
+        # device only when a rank is missing or the mapped status shows one: no round trip after a clean wait
+        self.steps.after_wait(what, *self.transport.wait_state())
 
     def _poll(self, marker: Any, what: str) -> None:
         """Spin until the GPU reached ``marker`` (``device.progress()``), waking within a microsecond or two of it:
@@ -221,13 +223,6 @@ class StepRunner:
         if verdicts_clean(self.record_host[self._verdict_words].tolist(), geo.num_experts):
             return None
         return routing_error(record_verdicts(self.record_host, geo.num_ranks), geo.num_experts, step)
-
-    def _after_host_wait(self, what: str) -> None:
-        """After the host waited for this step's GPU wait: PeerAbortedError or ep_comm.TimeoutError as
-        ``Steps.after_wait`` says (a peer's abort record: the rows of this step are not to be used). The abort
-        records are read from the device only when a rank is missing or the mapped status record shows one
-        (the wait kernel copies word 0 of every record there): no host round trip after a clean wait."""
-        self.steps.after_wait(what, *self.transport.wait_state())
 
     def run_recorded(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
         """``path()`` (launches through ``Kernels`` on the caller's stream) as the recorded call of ``key`` over

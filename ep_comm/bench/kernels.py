@@ -181,7 +181,13 @@ class Bench:
                 own.counts, own.meta, self.dispatch_step, alignment=a.alignment, expand=True, stable=True,
                 stream=0), 0),
             "receive_copy (compact)": (receive_copy(False, PLACE_ATOMIC, compact_out), self.num_rows * row_bytes),
-            "receive_count + copy (expand, atomic)": (self.with_count(receive_copy(True, PLACE_ATOMIC, expand_out)),
+            # a new routing's compact receive, cpu_sync=False: two launches (EP_COMM_KERNEL_LEGACY=count_in_copy) or one
+            "receive_count + copy (compact)": (self.with_count(receive_copy(False, PLACE_ATOMIC, compact_out), False),
+                                               self.num_rows * row_bytes),
+            "receive_counted (compact)": (lambda: k.receive_counted(
+                own.counts, own.rows, own.meta, self.dispatch_step, *compact_out, alignment=1, stream=0),
+                self.num_rows * row_bytes),
+            "receive_count + copy (expand, atomic)": (self.with_count(receive_copy(True, PLACE_ATOMIC, expand_out), True),
                                                       self.num_expanded * row_bytes),
             "receive_copy (expand, cached)": (receive_copy(True, PLACE_CACHED, expand_out),
                                               self.num_expanded * row_bytes),
@@ -199,12 +205,13 @@ class Bench:
                 own.rows, self.combine_step, lay.slot_idx, self.topk[0], out, my_rank=0, stream=0), pairs * row_bytes),
         }
 
-    def with_count(self, copy: Callable[[], None]) -> Callable[[], None]:
-        """Atomic expand placement consumes its cursors: re-arm them with a receive_count before each copy."""
+    def with_count(self, copy: Callable[[], None], expand: bool) -> Callable[[], None]:
+        """A receive_count before each ``copy`` (atomic expand placement consumes its cursors: this re-arms them)."""
         own = self.views[0]
+        alignment = self.a.alignment if expand else 1
 
         def run():
-            self.k.receive_count(own.counts, own.meta, self.dispatch_step, alignment=self.a.alignment, expand=True,
+            self.k.receive_count(own.counts, own.meta, self.dispatch_step, alignment=alignment, expand=expand,
                                  stable=False, stream=0)
             copy()
         return run

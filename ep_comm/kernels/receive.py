@@ -5,7 +5,10 @@ Compact mode needs no placement: row ``i`` comes from source ``s`` and slot ``i 
 ``receive_compact_kernel`` does the whole receive in one launch, with every warp of the grid on a
 piece of a row (ids, weights and metadata with the row's first piece), then marks the unused tail.
 A cached compact dispatch has put the payload of this rank's rows to itself in ``recv_x`` already
-(``scatter.py``, ``direct``): the kernel copies only the other sources' payload rows then.
+(``scatter.py``, ``direct``): the kernel copies only the other sources' payload rows then. A new routing's compact
+receive into outputs allocated before its counts are known (``cpu_sync=False``) counts in the same launch
+(``receive_counted_compact_kernel``: each block scans the sources' rows from the count words itself, block 0 also
+writes the receive count's results and record), one dependent launch fewer.
 
 Expand mode takes two launches. ``receive_place_kernel`` gives every (row, local expert) entry its
 expert-major row and writes ids, weights and metadata, marking padding and unused tail entries;
@@ -16,12 +19,12 @@ warps in flight. Placement units are cut as in ``units.py``; copies by pieces of
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32
 
 from ep_comm.kernels.index32 import divmod32, quotient32
 from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.pdl import pdl_enter
-from ep_comm.kernels.receive_count import align_up, lane_local_expert
+from ep_comm.kernels.receive_count import align_up, any_bad_source, count_words, lane_local_expert, rows_psum
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.switches import ROW_MAX_REGISTERS
 from ep_comm.kernels.units import lane_place, row_piece, source_of_row, unit_range, units_for_device
@@ -219,20 +222,11 @@ def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, s
         write_row_origin(recv_src_metadata, row, src, slot, token, max_tokens)
 
 
-@kernel(max_registers=ROW_MAX_REGISTERS)
-def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
-                           recv_src_metadata, recv_x, wide, span, skip_source):
-    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, compact mode: the whole receive in one
-    launch, one warp per piece of ``span`` words (even) of a row (ids and weight bits ``[N_out, K]``).
-
-    Row ``i`` is slot ``i - psum[s-1]`` of source ``s`` (:func:`~ep_comm.kernels.units.source_of_row`),
-    so nothing needs placing: a row's first piece also writes its ids, weights and metadata, loaded
-    before the piece's copy so that those loads overlap the payload's. Then the grid marks the tail
-    past ``N``. ``wide``: rows move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
-    """
-    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
-    rows = rows_by_parity[step_parity(step, 0)]
-    meta = meta_by_parity[step_parity(step, 0)]
+@cuda.jit(device=True)
+def copy_compact(rank_psum, rows, meta, recv_topk_idx, recv_weight_bits, recv_src_metadata, recv_x, wide, span,
+                 skip_source):
+    """The compact receive of the rows and meta rows of one parity (``rows``, ``meta``) by every warp of the grid
+    (:func:`receive_compact_kernel`), ``rank_psum [R]`` the inclusive rows per source (global or shared)."""
     max_tokens = meta.shape[1]
     num_rows = rank_psum[rank_psum.shape[0] - 1]
     words = recv_x.shape[1]
@@ -252,3 +246,49 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
                               loaded)
         item = np.int32(item + num_warps)
     mark_tail(recv_topk_idx, recv_weight_bits, recv_src_metadata, num_rows, num_rows)
+
+
+@kernel(max_registers=ROW_MAX_REGISTERS)
+def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv_topk_idx, recv_weight_bits,
+                           recv_src_metadata, recv_x, wide, span, skip_source):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_copy`, compact mode: the whole receive in one
+    launch, one warp per piece of ``span`` words (even) of a row (ids and weight bits ``[N_out, K]``).
+
+    Row ``i`` is slot ``i - psum[s-1]`` of source ``s`` (:func:`~ep_comm.kernels.units.source_of_row`),
+    so nothing needs placing: a row's first piece also writes its ids, weights and metadata, loaded
+    before the piece's copy so that those loads overlap the payload's. Then the grid marks the tail
+    past ``N``. ``wide``: rows move 16 bytes per access (see :func:`~ep_comm.kernels.warp.copy_row`).
+    """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    parity = step_parity(step, 0)
+    copy_compact(rank_psum, rows_by_parity[parity], meta_by_parity[parity], recv_topk_idx, recv_weight_bits,
+                 recv_src_metadata, recv_x, wide, span, skip_source)
+
+
+@kernel(max_registers=ROW_MAX_REGISTERS)
+def receive_counted_compact_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
+                                   totals, record, rows_by_parity, meta_by_parity, recv_topk_idx, recv_weight_bits,
+                                   recv_src_metadata, recv_x, wide, span):
+    """The compact receive count and copy of a new routing in one launch (see
+    :func:`ep_comm.launching.kernel_launches.Kernels.receive_counted`); dynamic shared memory: int32 ``[R + L]``.
+
+    Every block scans the sources' rows in the count words (zero when any verdict is bad) into shared memory, the
+    psum :func:`copy_compact` walks; block 0 first writes what
+    :func:`~ep_comm.kernels.receive_count.receive_count_words_kernel` writes (:func:`count_words`, the record
+    last), while the other blocks copy already.
+    """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    parity = step_parity(step, 0)
+    words = counts_by_parity[parity]
+    num_ranks = words.shape[0]
+    smem = cuda.shared.array(0, int32)
+    psum = smem[:num_ranks]
+    bad = any_bad_source(words, unaligned.shape[0])
+    if cuda.threadIdx.x < WARP:
+        rows_psum(words[:, 0], psum, bad, False)
+    cuda.syncthreads()
+    if cuda.blockIdx.x == 0:  # the same in every thread of the block: count_words syncs it
+        count_words(words, step, alignment, rank_psum, unaligned, aligned, expert_psum, totals, record,
+                    smem[num_ranks:num_ranks + unaligned.shape[0]])
+    copy_compact(psum, rows_by_parity[parity], meta_by_parity[parity], recv_topk_idx, recv_weight_bits,
+                 recv_src_metadata, recv_x, wide, span, -1)

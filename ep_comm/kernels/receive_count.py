@@ -5,7 +5,8 @@ local expert and its routing verdict (``ep_comm.contract.symmetric``, ``counts[2
 verdict is bad, nothing is received: the counts read as if every source sent no row, so that the copy that
 follows copies none. Both count kernels end by writing the host-mapped record (``ep_comm.contract.symmetric``,
 :func:`publish_record`) that the host polls for the counts and the verdicts. In compact mode
-``receive_count_words_kernel`` (one block) derives everything from those words alone: the
+``receive_count_words_kernel`` (one block; or block 0 of ``receive.receive_counted_compact_kernel``, the count and
+the copy in one launch) derives everything from those words alone (:func:`count_words`): the
 ``psum_num_recv_tokens_per_rank`` scan, the per-expert sums, aligned counts and expert psum. Expand mode
 needs the per-unit cursors of a scan over the received meta rows: ``receive_count_kernel`` scans word 0
 (rows) of every source's count words into the psum, counts rows per local expert (shared-memory
@@ -241,17 +242,13 @@ def column_sum(words, column, sources):
     return total
 
 
-@kernel
-def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
-                               totals, record):
-    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_count`, compact mode: one block, which reads only
-    the ``[R, 1 + L + 2]`` count words of the parity of ``step``; dynamic shared memory: int32 ``[L]``.
-    """
-    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
-    words = counts_by_parity[step_parity(step, 0)]
+@cuda.jit(device=True)
+def count_words(words, step, alignment, rank_psum, unaligned, aligned, expert_psum, totals, record, sizes):
+    """The compact receive count of one block from the count words ``words [R, 1 + L + 2]`` alone: rank psum,
+    unaligned and aligned counts, expert psum, totals, then the record (:func:`publish_record`, tag ``step[0]``);
+    ``sizes``: int32 ``[L]`` of shared memory. Call from all threads of one block."""
     num_ranks = words.shape[0]
     num_local = unaligned.shape[0]
-    sizes = cuda.shared.array(0, int32)
     bad = any_bad_source(words, num_local)
     sources = 0 if bad else num_ranks
     e = cuda.threadIdx.x
@@ -274,3 +271,15 @@ def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, una
             totals[1] = total
     cuda.syncthreads()
     publish_record(record, step[0], totals, words, aligned)
+
+
+@kernel
+def receive_count_words_kernel(counts_by_parity, step, alignment, rank_psum, unaligned, aligned, expert_psum,
+                               totals, record):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.receive_count`, compact mode: one block, which reads only
+    the ``[R, 1 + L + 2]`` count words of the parity of ``step`` (:func:`count_words`); dynamic shared memory: int32
+    ``[L]``.
+    """
+    pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
+    count_words(counts_by_parity[step_parity(step, 0)], step, alignment, rank_psum, unaligned, aligned, expert_psum,
+                totals, record, cuda.shared.array(0, int32))

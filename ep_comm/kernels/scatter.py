@@ -6,6 +6,11 @@ rank. Slots come from one of three sources (``mode``): an atomic counter per des
 (``SLOT_STABLE``: slot = number of earlier tokens going to the same rank), or a recorded
 ``dst_buffer_slot_idx`` (``SLOT_CACHED``, no counting).
 
+Few tokens with long rows (decode) cut each row into pieces, one warp each (:func:`scatter_rows_kernel`). Their
+slots are assigned first by :func:`scatter_kernel`, or, stable and when every unit of the cut is one warp step at
+most, by every piece's warp itself (:func:`step_slot`: the count's unit start plus a ballot over the step's
+entries), so that slots and rows are one launch.
+
 With ``direct`` (a cached compact dispatch, whose receive layout is the handle's) the payload of a
 row this rank sends to itself skips its own buffer: it goes straight to its compact output row
 ``recv_x[base + slot]``, ``base`` the rows received from lower sources (``recv_psum[src_rank - 1]``,
@@ -33,6 +38,7 @@ from ep_comm.kernels.warp import (
     FULL_MASK,
     WARP,
     ballot,
+    bucket_rank,
     global_warp,
     is_group_leader,
     lane_id,
@@ -78,13 +84,54 @@ def assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor, t, k, active
 
 
 @cuda.jit(device=True)
+def unit_start(unit_counts, group_counts, unit, units_per_warp, rank):
+    """The first stable slot of ``unit``'s tokens in ``rank``: its start inside its count group
+    (``unit_counts [U, R]``) plus the group's start (``group_counts [groups, R]``, as the stable count left them)."""
+    return unit_counts[unit, rank] + group_counts[quotient32(unit, units_per_warp), rank]
+
+
+@cuda.jit(device=True)
 def start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane):
     """Turn unit ``unit``'s start inside its count group into its start inside each rank (``unit_cursor[unit]``)."""
     num_ranks = unit_cursor.shape[1]
-    group = quotient32(unit, units_per_warp)
     for r in range(lane, num_ranks, WARP):
-        unit_cursor[unit, r] += group_counts[group, r]
+        unit_cursor[unit, r] = unit_start(unit_cursor, group_counts, unit, units_per_warp, r)
     cuda.syncwarp(FULL_MASK)
+
+
+@cuda.jit(device=True)
+def step_pairs(topk_idx, experts_per_rank, num_ranks, t0, end, place, lane):
+    """A lane's entry in the warp step of tokens ``[t0, end)`` (its :func:`~ep_comm.kernels.units.lane_place`
+    ``place``): ``(t, k, active, rank, first)``, ``rank`` its destination (-1: no expert) and ``first`` whether it
+    is the first entry of token ``t`` for that rank (its (token, rank) pair's). Call with all lanes of the warp."""
+    t, k, active = lane_entry(t0, end, place)
+    expert = routed_expert(topk_idx, t, k, experts_per_rank * num_ranks) if active else np.int64(-1)
+    rank = quotient32(expert, experts_per_rank) if expert >= 0 else np.int64(-1)
+    key = np.int32((t - t0) * num_ranks + rank) if expert >= 0 else np.int32(-1 - lane)
+    first = is_group_leader(key, lane) and expert >= 0
+    return t, k, active, rank, first
+
+
+@cuda.jit(device=True)
+def step_slot(topk_idx, experts_per_rank, num_ranks, unit_counts, group_counts, num_units, units_per_warp, t, k,
+              lane):
+    """The stable slot of entry ``(t, k)`` (-1: not its pair's first entry, or no expert), on every lane, when each
+    of the ``num_units`` units of the token cut is one warp step at most: the start of ``t``'s unit in the entry's
+    rank (:func:`unit_start`, one load per lane for rank ``lane`` while the step's ids load) plus the pairs of that
+    rank before it in the step. Every lane must hold the same ``(t, k)``."""
+    num_tokens, num_topk = topk_idx.shape
+    unit = quotient32(t, quotient32(num_tokens + num_units - 1, num_units))  # unit_range's cut
+    begin, end = unit_range(unit, num_units, num_tokens)
+    own = unit_start(unit_counts, group_counts, unit, units_per_warp, lane) if lane < num_ranks else np.int32(0)
+    _, _, _, rank, first = step_pairs(topk_idx, experts_per_rank, num_ranks, begin, end, lane_place(num_topk, lane),
+                                      lane)
+    below = bucket_rank(rank, first, lane)[0]
+    if num_ranks <= WARP:
+        start = cuda.shfl_sync(FULL_MASK, own, np.int32(rank) if first else np.int32(0))
+    else:
+        start = unit_start(unit_counts, group_counts, unit, units_per_warp, rank) if first else np.int32(0)
+    slot = np.int32(start + below) if first else np.int32(-1)
+    return cuda.shfl_sync(FULL_MASK, slot, np.int32((t - begin) * num_topk + k))
 
 
 @cuda.jit(device=True)
@@ -134,11 +181,7 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
             start_stable_unit(unit_cursor, group_counts, unit, units_per_warp, lane)
         t0 = np.int32(begin)
         while t0 < end:
-            t, k, active = lane_entry(t0, end, place)
-            expert = routed_expert(topk_idx, t, k, experts_per_rank * num_ranks) if active else np.int64(-1)
-            rank = quotient32(expert, experts_per_rank) if expert >= 0 else np.int64(-1)
-            key = np.int32((t - t0) * num_ranks + rank) if expert >= 0 else np.int32(-1 - lane)
-            first = is_group_leader(key, lane) and expert >= 0
+            t, k, active, rank, first = step_pairs(topk_idx, experts_per_rank, num_ranks, t0, end, place, lane)
             slot = assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor[unit], t, k, active, rank, first,
                                src_base, lane)
             pairs = ballot(slot >= 0 and copy_rows)
@@ -156,13 +199,21 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
 
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
-                        ahead, span, slot_idx, rows, metas, direct, recv_x, recv_psum):
+                        ahead, span, own_slots, num_units, units_per_warp, unit_counts, group_counts, slot_idx, rows,
+                        metas, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
     it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.
-    ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`."""
+    ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`.
+
+    ``own_slots``: no slots were assigned before; each warp takes its entry's stable slot itself
+    (:func:`step_slot`, from the ``unit_counts`` and ``group_counts`` a stable count left for ``num_units`` units of
+    at most one warp step each, ``units_per_warp`` per count group), and the warp of its first piece records it in
+    ``slot_idx`` (``src_rank * max_tokens + slot``, -1 where none), as :func:`scatter_kernel` would have. Without it
+    those four arguments are not read."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_tokens, num_topk = topk_idx.shape
+    num_ranks = len(rows)
     parity = step_parity(step, ahead)
     max_tokens = rows[0].shape[2]
     src_base = src_rank * max_tokens
@@ -171,14 +222,20 @@ def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weig
     lane = lane_id()
     item, num_warps = global_warp()
     item = np.int32(item)
-    while item < num_tokens * num_topk * pieces:
+    while item < num_tokens * num_topk * pieces:  # the same item on every lane: step_slot is a collective
         entry, begin, end = row_piece(item, pieces, span, row_words)
         t, k = divmod32(entry, num_topk)
-        expert = routed_expert(topk_idx, t, k, experts_per_rank * len(rows))
-        recorded = slot_idx[t, k]
-        if recorded >= 0 and expert >= 0:
+        expert = routed_expert(topk_idx, t, k, experts_per_rank * num_ranks)
+        if own_slots:
+            slot = step_slot(topk_idx, experts_per_rank, num_ranks, unit_counts, group_counts, num_units,
+                             units_per_warp, t, k, lane)
+            if begin == 0 and lane == 0:
+                slot_idx[t, k] = src_base + slot if slot >= 0 else -1
+        else:
+            recorded = slot_idx[t, k]
+            slot = recorded - src_base if recorded >= 0 else np.int32(-1)
+        if slot >= 0 and expert >= 0:
             rank = quotient32(expert, experts_per_rank)
-            slot = recorded - src_base
             copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, source, t, begin, end, wide)
             if begin == 0:
                 write_meta(metas[rank][parity, src_rank, slot], topk_idx, weight_bits, has_weights, t, rank,

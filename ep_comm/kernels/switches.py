@@ -11,7 +11,12 @@ change before and after (``tools/measure_kernels46.sh``).
   shuffle fold and one shared atomic per warp;
 - ``recv_loads``: the compact receive count sums each local expert's count words source by source (one memory round
   trip per source) instead of four sources' loads at a time;
-- ``bounds``: the row kernels (scatter, receive copy, combine send and reduce) compile without a register cap.
+- ``bounds``: the row kernels (scatter, receive copy, combine send and reduce) compile without a register cap;
+- ``slots_in_rows`` (host side): a scatter whose rows are cut into pieces (decode) assigns its slots in a launch of
+  its own before the rows' launch, and a new routing's dispatch without ``deterministic`` counts for atomic slots,
+  instead of the rows' launch taking each entry's stable slot itself (one launch, one dependent step fewer);
+- ``count_in_copy`` (host side): a new routing's compact receive into worst-case outputs (``cpu_sync=False``) counts
+  in a launch of its own before the copy, instead of in the copy's launch (``receive_counted_compact_kernel``).
 
 ``EP_COMM_KERNEL_MAX_REGISTERS=N`` (debug) sets that cap (:data:`ROW_MAX_REGISTERS`, default 128: two blocks of
 256 threads per SM) to ``N`` registers per thread: 80 gives three such blocks, 64 four.
@@ -30,7 +35,8 @@ from __future__ import annotations
 
 import os
 
-CHANGES = ("count_cut", "one_fence", "warp_fold", "recv_loads", "bounds")
+CHANGES = ("count_cut", "one_fence", "warp_fold", "recv_loads", "bounds", "slots_in_rows",
+           "count_in_copy")
 ENV = "EP_COMM_KERNEL_LEGACY"
 
 

@@ -123,19 +123,28 @@ def is_group_leader(key, lane):
 
 
 @cuda.jit(device=True)
+def bucket_rank(bucket, active, lane):
+    """``(below, same)``: the number of active lanes below this one with its ``bucket``, and the uint32 mask of the
+    active lanes with its bucket (lanes are in item order, so ``below`` is the item's place in its bucket). Call
+    with all lanes of the warp."""
+    key = bucket if active else -1 - lane
+    same = np.uint32(match_any(key) & ballot(active))
+    return count_lanes(same & lanes_below(lane)), same
+
+
+@cuda.jit(device=True)
 def stable_bucket_slots(cursor, bucket, active, lane):
     """Stable slots for the active lanes of a warp, bucket by bucket, from a per-bucket cursor.
 
     Active lane ``j`` with bucket ``b`` gets ``cursor[b]`` plus the number of active lanes below
-    ``j`` with the same bucket (lanes are in item order, so slots follow item order); afterwards
+    ``j`` with the same bucket (:func:`bucket_rank`); afterwards
     ``cursor[b]`` has advanced past this warp's items of bucket ``b``. ``cursor`` is owned by this
     warp (int32, global). Returns the slot, -1 on inactive lanes.
     """
-    key = bucket if active else -1 - lane
-    same = np.uint32(match_any(key) & ballot(active))
+    below, same = bucket_rank(bucket, active, lane)
     slot = np.int32(-1)
     if active:
-        slot = cursor[bucket] + count_lanes(same & lanes_below(lane))
+        slot = cursor[bucket] + below
     cuda.syncwarp(FULL_MASK)
     if active and lane == WARP - 1 - np.int32(cuda.clz(same)):
         cursor[bucket] += count_lanes(same)

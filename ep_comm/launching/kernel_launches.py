@@ -46,12 +46,14 @@ from ep_comm.kernels.receive import (
     PLACE_CACHED,
     PLACE_STABLE,
     receive_compact_kernel,
+    receive_counted_compact_kernel,
     receive_place_kernel,
     receive_rows_kernel,
 )
 from ep_comm.kernels.receive_count import receive_count_kernel, receive_count_words_kernel
 from ep_comm.kernels.routing_check import routing_check_kernel
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
+from ep_comm.kernels.switches import legacy
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.fp8 import Fp8Rows
@@ -198,9 +200,10 @@ class Kernels(LaunchShapes):
             recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
                 received per source (on the device).
 
-        When rows are cut into pieces (few tokens), the slots are assigned first (not with
-        ``SLOT_CACHED``) and a second launch copies the rows, one warp per piece. The launches do not
-        depend on whether ``recv_x`` is given (a flag argument of the same kernels).
+        With few tokens (fewer token units than ``scatter_min_units``) or rows cut into pieces, one warp per row or
+        piece copies the rows; with ``SLOT_STABLE`` and :meth:`slots_with_rows` those warps take their slots themselves
+        (one launch), else the slots are assigned first (not with ``SLOT_CACHED``) in a launch of their own. The
+        launches do not depend on whether ``recv_x`` is given (a flag argument of the same kernels).
         """
         direct = recv_x is not None
         if direct != (recv_psum is not None) or (direct and mode != SLOT_CACHED):
@@ -218,17 +221,20 @@ class Kernels(LaunchShapes):
         rows, metas = tuple(rows), tuple(metas)
         wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
-        pieces = span < row_words  # few tokens: slots by unit first, then the rows by pieces
-        rows_from = (source, row_words, wide)
-        if mode != SLOT_CACHED or not pieces:
+        # few tokens (a grid mostly without units) or long rows in pieces: the rows by warps, their slots by unit first
+        # or on the way
+        by_rows = span < row_words or num_units < self.scatter_min_units
+        own_slots = by_rows and mode == SLOT_STABLE and self.slots_with_rows(x.shape[0])
+        rows_from, units = (source, row_words, wide), (self._work.send_units, self._work.send_groups)
+        if not by_rows or not (mode == SLOT_CACHED or own_slots):
             self._launch(scatter_kernel, stream, blocks=self._blocks_for(num_units, self.num_blocks))(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                mode, num_units, units_per_warp, self._work.rank_cursor, self._work.send_units, self._work.send_groups,
-                slot_idx, not pieces, rows, metas, direct, *local)
-        if pieces:
+                mode, num_units, units_per_warp, self._work.rank_cursor, *units, slot_idx, not by_rows, rows, metas,
+                direct, *local)
+        if by_rows:
             self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                span, slot_idx, rows, metas, direct, *local)
+                span, own_slots, num_units, units_per_warp, *units, slot_idx, rows, metas, direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool, stream: Any, block: Optional[Array] = None,
@@ -256,8 +262,7 @@ class Kernels(LaunchShapes):
             A :class:`ReceiveCounts` on the device: views of ``block``.
         """
         r, local = self.num_ranks, self.num_local
-        record = self._work.record if record is None else record
-        out = self.receive_layout(self.xp.empty(self._recv_words, np.int32) if block is None else block)
+        record, out = self._receive_outputs(block, record)
         if not expand:
             self._launch(receive_count_words_kernel, stream, 4 * local, 1)(
                 src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
@@ -270,6 +275,39 @@ class Kernels(LaunchShapes):
             src_counts, meta, step, alignment, stable, self.recv_rows_per_unit, self.recv_units,
             work.counters[:local], work.ticket, work.recv_cursor, out.rank_psum, out.num_unaligned_per_expert,
             out.num_aligned_per_expert, out.expert_psum, work.expert_cursor, out.totals, record)
+        return out
+
+    def _receive_outputs(self, block: Optional[Array], record: Optional[Array]) -> tuple[Array, ReceiveCounts]:
+        """``(record, counts)``: the record a receive count writes (None: this Kernels' scratch one) and its results,
+        views of ``block`` (None: a new one)."""
+        record = self._work.record if record is None else record
+        return record, self.receive_layout(self.xp.empty(self._recv_words, np.int32) if block is None else block)
+
+    def _copy_shape(self, recv_x: Array, rows: Array, max_rows: int) -> tuple[Array, bool, int, int]:
+        """``(recv_x's words, wide, span, blocks)`` of a receive copy of up to ``max_rows`` rows into ``recv_x`` from
+        the symmetric ``rows``."""
+        recv_words = payload_words(recv_x)
+        wide = wide_rows(recv_words) and self._wide(rows)
+        return (recv_words, wide) + self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
+
+    @property
+    def counted_copy(self) -> bool:
+        """Whether a new routing's compact receive into worst-case outputs counts in its copy's launch
+        (:meth:`receive_counted`); not with the debug switch ``EP_COMM_KERNEL_LEGACY=count_in_copy``."""
+        return not legacy("count_in_copy")
+
+    def receive_counted(self, src_counts: Array, rows: Array, meta: Array, step: Array, recv_x: Array,
+                        recv_topk_idx: Array, recv_topk_weights: Array, recv_src_metadata: Array, *, alignment: int,
+                        stream: Any, block: Optional[Array] = None, record: Optional[Array] = None) -> ReceiveCounts:
+        """A new routing's compact :meth:`receive_count` and :meth:`receive_copy` in one launch: the same results,
+        record and outputs (worst-case shapes: ``N`` is not known on the host before), the rows' placement read from
+        the count words instead of a ``rank_psum`` written before."""
+        record, out = self._receive_outputs(block, record)
+        recv_words, wide, span, blocks = self._copy_shape(recv_x, rows, recv_src_metadata.shape[0])
+        self._launch(receive_counted_compact_kernel, stream, 4 * (self.num_ranks + self.num_local), blocks)(
+            src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
+            out.expert_psum, out.totals, record, rows, meta, recv_topk_idx, recv_topk_weights.view(np.int32),
+            recv_src_metadata, recv_words, wide, span)
         return out
 
     def receive_copy(self, rank_psum: Array, rows: Array, meta: Array, step: Array, recv_x: Array,
@@ -296,10 +334,8 @@ class Kernels(LaunchShapes):
         if expand and skip_source != -1:
             raise ValueError(f"skip_source={skip_source} with expand=True: only a compact receive can leave a "
                              "source's rows to the scatter (-1 in expand mode)")
-        recv_words = payload_words(recv_x)
-        wide = wide_rows(recv_words) and self._wide(rows)
         max_rows = recv_src_metadata.shape[0]  # N_out >= the N the kernels read on the device
-        span, blocks = self._row_pieces(max_rows, recv_words.shape[1], _copy_step(wide))
+        recv_words, wide, span, blocks = self._copy_shape(recv_x, rows, max_rows)
         weight_bits = recv_topk_weights.view(np.int32)
         if not expand:
             self._launch(receive_compact_kernel, stream, blocks=blocks)(

@@ -197,14 +197,19 @@ class LaunchShapes:
     kernels (compact receive, expand receive rows, combine) need no unit cut and run on
     ``stream_blocks`` blocks (default: ``4 * num_blocks``), enough warps per SM to keep HBM and
     NVLink busy; they cut rows into pieces when rows are few, about ``split_warps`` pieces in all
-    (default: ``2 * num_blocks * warps_per_block``), one warp per piece. ValueError for a ``num_topk`` the
+    (default: ``2 * num_blocks * warps_per_block``), one warp per piece. The scatter copies rows in its unit
+    kernel only when the token cut gives at least ``scatter_min_units`` units (default: a quarter of ``num_blocks *
+    warps_per_block``); with fewer tokens its units only assign slots and the rows kernel copies the rows, one warp
+    per row or piece (at decode on a few SMs, e.g. 128 tokens on 24 SMs, the unit kernel would copy every row on 32
+    warps; at prefill the unit kernel, a quarter of the grid or more, is the faster). ValueError for a ``num_topk`` the
     kernels cannot handle, fewer than 2 warps per block, or indices past 32 bits (:func:`check_index_range`).
     """
 
     def __init__(self, *, num_ranks: int, num_experts: int, num_topk: int, max_tokens: int, num_blocks: int = 264,
                  warps_per_block: int = 8, recv_units: int = 0, stream_blocks: int = 0,
                  count_tokens_per_warp: int = 16, recv_rows_per_unit: int = 32, recv_count_warps_per_block: int = 0,
-                 split_warps: int = 0, count_min_warps: int = 64, count_warps_per_block: int = 0):
+                 split_warps: int = 0, count_min_warps: int = 64, count_warps_per_block: int = 0,
+                 scatter_min_units: int = 0):
         if not 1 <= num_topk <= WARP:
             raise ValueError(f"num_topk={num_topk}: the kernels handle 1..{WARP} entries per token")
         if warps_per_block < 2:
@@ -222,6 +227,7 @@ class LaunchShapes:
         self.recv_count_warps_per_block = recv_count_warps_per_block or 2 * warps_per_block
         self.stream_blocks = stream_blocks or 4 * num_blocks
         self.split_warps = split_warps or 2 * self.num_units
+        self.scatter_min_units = scatter_min_units or max(1, self.num_units // 4)
         self.threads = warps_per_block * WARP
         self.num_local = num_experts // num_ranks
         # the int32 arrays one count (SendLayout, slot_idx after them) and one receive_count (ReceiveCounts)
@@ -251,6 +257,21 @@ class LaunchShapes:
         """``(num_units, units_per_warp)``: the scatter's unit cut of ``num_tokens`` tokens, and how many
         consecutive units one count warp walks."""
         return _token_cut(num_tokens, self.num_topk, self.num_units, self.count_tokens_per_warp, self.count_min_warps)
+
+    def slots_with_rows(self, num_tokens: int) -> bool:
+        """Whether a stable scatter of ``num_tokens`` tokens whose rows are cut into pieces takes its slots in the
+        rows' launch (``scatter_rows_kernel``'s ``own_slots``, one launch instead of two): so few tokens that their
+        rows are cut (``split_warps`` at least two pieces per entry) and every unit of :meth:`token_cut` one warp
+        step at most; not with the debug switch ``EP_COMM_KERNEL_LEGACY=slots_in_rows``."""
+        entries, step = num_tokens * self.num_topk, WARP // self.num_topk
+        return (not legacy("slots_in_rows") and 0 < entries <= self.split_warps // 2
+                and -(-num_tokens // self.num_units) <= step)
+
+    def send_stable(self, num_tokens: int, deterministic: bool) -> bool:
+        """Whether a new routing of ``num_tokens`` tokens counts and scatters with stable slots: ``deterministic``
+        asks for them, and where :meth:`slots_with_rows` holds they cost one launch less than atomic ones (any
+        order being allowed, the stable one is as good)."""
+        return deterministic or self.slots_with_rows(num_tokens)
 
     def send_words(self, num_tokens: int) -> int:
         """int32 words of the block one :meth:`count` of ``num_tokens`` tokens writes (:meth:`send_layout`)."""

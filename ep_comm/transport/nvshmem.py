@@ -189,8 +189,7 @@ class NvshmemTransport:
         """``(ranks any wait so far gave up on (sticky), whether the last finished wait saw a peer's abort
         record)``, from one read of the mapped status record (no synchronisation: the wait kernel copies
         word 0 of every record there)."""
-        outcome = self.status.read()
-        return outcome.missing_ranks, bool(outcome.aborted_ranks)
+        return signals.status_state(self.status.host.tolist(), self.sym.num_ranks)
 
     def close(self, collective: bool) -> None:
         """Free the heap: collectively, or (after a timeout) locally only."""

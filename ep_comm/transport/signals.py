@@ -116,13 +116,13 @@ class SignalKernels:
         self._per_call_slots = {name: tuple(launch.slot(p) if launch.takes(p) else _I64() for p in _PER_CALL)
                                 for name, launch in self._kernels.items()}
 
-    def _per_call(self, name: str, kind: int, counts: Any, zeroed: int, timeout_s: float,
+    def _per_call(self, name: str, kind: int, counts: Any, sent: int, zeroed: int, timeout_s: float,
                   measured: bool = False) -> SlottedKernel:
         """The launch of kernel ``name`` with a call's values in the slots it has: ``kind``, the send block
-        ``counts`` (int32 ``[R, 1 + L + 2]`` or None), ``zeroed`` (the received count words a wait zeroes for a
-        missing rank: 0 for none; one ``count_words`` serves both in ``signal_and_wait``), the timeout and whether
-        the wait adds to the wait statistics (``measured``, where the transport has them)."""
-        sent = 0 if counts is None else _count_words(counts, self._counts_by_parity)
+        ``counts`` (int32 ``[R, 1 + L + 2]`` or None) and its words per block ``sent`` (:func:`_count_words`; 0
+        without), ``zeroed`` (the received count words a wait zeroes for a missing rank: 0 for none; one
+        ``count_words`` serves both in ``signal_and_wait``), the timeout and whether the wait adds to the wait
+        statistics (``measured``, where the transport has them)."""
         kind_slot, counts_slot, words_slot, received_slot, timeout_slot, waits_slot = self._per_call_slots[name]
         waits_slot.value = self._waits if measured else 0
         kind_slot.value = kind
@@ -141,14 +141,15 @@ class SignalKernels:
         count exchange rides on the signal), and the wait zeroes a missing rank's block here. ``measured``: the wait
         adds its per-peer delays to the wait statistics (when the transport keeps them)."""
         words = 0 if counts is None else _count_words(counts, self._counts_by_parity)
-        self._per_call("signal_and_wait", kind, counts, words, timeout_s, measured)(stream)
+        self._per_call("signal_and_wait", kind, counts, words, words, timeout_s, measured)(stream)
 
     def send_signal(self, stream: int, kind: int, counts: Any) -> None:
         """The signal part of :meth:`signal_and_wait` alone, one launch on stream handle ``stream`` (the send half of
         a split step, or a step that also signals through puts): ``step[0] += 1``, ``counts`` (or None) into the count
         words of every rank reached through stores, ``signal[me]`` in their buffers; nothing waits (the hook, or the
         step after its puts' signal, enqueues :meth:`wait_signals`)."""
-        self._per_call("send_signal", kind, counts, 0, 0.0)(stream)
+        sent = 0 if counts is None else _count_words(counts, self._counts_by_parity)
+        self._per_call("send_signal", kind, counts, sent, 0, 0.0)(stream)
 
     def wait_signals(self, stream: int, kind: int, with_counts: bool, timeout_s: float, measured: bool = True) -> None:
         """Enqueue on stream handle ``stream`` the bounded wait until ``signals[s] == step[0] << 2 | kind`` or
@@ -156,7 +157,7 @@ class SignalKernels:
         for then); the status record gets the outcome and word 0 of every abort record. ``with_counts``: the
         step's parity block of this rank's count words of a missing rank is zeroed; ``measured`` as in
         :meth:`signal_and_wait`."""
-        self._per_call("wait_signals", kind, None, self._words if with_counts else 0, timeout_s, measured)(stream)
+        self._per_call("wait_signals", kind, None, 0, self._words if with_counts else 0, timeout_s, measured)(stream)
 
 
 def _signal_kernel(name: str, fixed: Dict[str, int], function: Tuple[int, object]) -> SlottedKernel:
@@ -205,6 +206,16 @@ def read_status(words: Sequence[int], num_ranks: int) -> WaitOutcome:
     return WaitOutcome(int(words[STATUS_SEQ]), missing, [r for r, w in enumerate(posted) if w])
 
 
+def status_state(words: Sequence[int], num_ranks: int) -> Tuple[List[int], bool]:
+    """``(ranks any wait gave up on (sticky), whether the last finished wait saw a posted abort record)`` of the words
+    of a status record (:func:`read_status`'s): a clean record, every call's case, is told by two reads without
+    decoding the rest."""
+    if not words[STATUS_MISSING] and not any(words[STATUS_FLAGS + num_ranks:STATUS_FLAGS + 2 * num_ranks]):
+        return [], False
+    outcome = read_status(words, num_ranks)
+    return outcome.missing_ranks, bool(outcome.aborted_ranks)
+
+
 def mapped_int64(count: int, device: Optional[int] = None, fill: int = 0) -> Tuple[np.ndarray, object]:
     """``(host, device)`` views of ``count`` int64 words of pinned host memory mapped into CUDA device
     ``device`` (None: the current one), set to ``fill``: kernels write them with plain stores and the
@@ -225,7 +236,3 @@ class WaitStatus:
     def __init__(self, num_ranks: int, device: Optional[int] = None):
         self.num_ranks = num_ranks
         self.host, self.device = mapped_int64(STATUS_FLAGS + 2 * num_ranks, device)
-
-    def read(self) -> WaitOutcome:
-        """The record as the device last wrote it (no synchronisation)."""
-        return read_status(self.host.tolist(), self.num_ranks)

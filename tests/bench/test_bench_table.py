@@ -12,6 +12,9 @@ from helpers.bench import run_bench
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "0123456789abcdef0123456789abcdef01234567"
+# under pytest-xdist (.ci/run) every test of this module on one worker: the module fixture runs a 2-rank bench job,
+# once per worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("bench_table")
 
 
 @pytest.fixture(scope="module")

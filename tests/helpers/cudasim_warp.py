@@ -5,18 +5,19 @@ warp gets a barrier: a collective publishes the lane's value, waits for the warp
 published values, and waits again so the next collective cannot overwrite them early. Kernels
 call collectives with all lanes of a warp (full mask), as they must on a GPU.
 
+A block's manager sleeps until its threads wait in ``syncthreads`` or end (:func:`_run_block`), instead of the
+simulator's loop that polls them while holding the GIL.
+
 The root ``tests/conftest.py`` calls :func:`use_without_gpu` once, before anything imports
 ``numba.cuda`` (which reads ``NUMBA_ENABLE_CUDASIM`` when first imported): this module itself
 imports no Numba at load, and :func:`install` imports the simulator's modules only when it runs.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import sys
 import threading
-import time
 
 import numpy as np
 
@@ -153,18 +154,75 @@ def _int_as_float(x):
 _LIBDEVICE = {"fadd_rn": _fadd_rn, "fmul_rn": _fmul_rn, "fdiv_rn": _fdiv_rn, "float_as_int": _float_as_int, "int_as_float": _int_as_float}
 
 
-def _yielding_is_alive():
-    """``is_alive`` that now and then sleeps: the simulator's block manager polls liveness in a tight
-    loop and otherwise holds the GIL for most of each switch interval, starving the simulated threads."""
-    calls = itertools.count()
-    is_alive = threading.Thread.is_alive
+class _BlockState:
+    """What a simulated block's threads tell its manager: how many wait in ``syncthreads`` and how many ended,
+    under one condition the manager sleeps on (no polling)."""
 
-    def poll(thread) -> bool:
-        if next(calls) % WARP == 0:
-            time.sleep(1e-5)
-        return is_alive(thread)
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.blocked: list = []
+        self.ended = 0
 
-    return poll
+
+def _syncthreads(thread) -> None:
+    """``BlockThread.syncthreads`` that wakes its block's manager (:func:`_run_block`) instead of being polled."""
+    if thread.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    state = thread._manager.sim_state
+    with state.changed:
+        thread.syncthreads_blocked = True
+        state.blocked.append(thread)
+        state.changed.notify()
+    thread.syncthreads_event.wait()
+    thread.syncthreads_event.clear()
+    if thread.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _thread_run(run):
+    """``BlockThread.run`` (``run``) that tells its block's manager when the thread has ended, raised or not."""
+
+    def wrapped(thread) -> None:
+        try:
+            run(thread)
+        finally:
+            state = thread._manager.sim_state
+            with state.changed:
+                state.ended += 1
+                state.changed.notify()
+
+    return wrapped
+
+
+def _run_block(manager, grid_point, *args) -> None:
+    """``BlockManager.run`` without its polling loop, which holds the GIL between the simulated threads' steps and
+    sleeps to let them run (most of a simulator test's wall time, little of its CPU): the manager sleeps until every
+    live thread waits in ``syncthreads`` (then releases them all) or has ended, or one raised (then aborts the
+    others and raises it, as the simulator does)."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    state = manager.sim_state = _BlockState()
+    threads = [BlockThread(lambda: manager._f(*args), manager, grid_point, point, manager._debug)
+               for point in np.ndindex(*manager._block_dim)]
+    for thread in threads:
+        thread.start()
+    with state.changed:
+        while True:
+            state.changed.wait_for(lambda: any(t.exception for t in threads)
+                                   or len(state.blocked) + state.ended == len(threads))
+            failed = next((t for t in threads if t.exception), None)
+            if failed is not None:
+                for other in threads:
+                    other.abort = True
+                    other.syncthreads_blocked = False
+                    other.syncthreads_event.set()
+                raise failed.exception[0].with_traceback(failed.exception[1])
+            if state.ended == len(threads):
+                return
+            for thread in state.blocked:
+                thread.syncthreads_blocked = False
+                thread.syncthreads_event.set()
+            state.blocked = []
 
 
 def _in_place(copying):
@@ -185,7 +243,7 @@ def install() -> None:
     host arrays in place (:func:`_in_place`)."""
     from numba.cuda import libdevice
     from numba.cuda.simulator import args
-    from numba.cuda.simulator.kernel import BlockThread
+    from numba.cuda.simulator.kernel import BlockManager, BlockThread
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
 
     if not getattr(args.InOut.to_device, "in_place", False):
@@ -196,7 +254,11 @@ def install() -> None:
         setattr(FakeCUDAModule, name, func)
     for name, func in _LIBDEVICE.items():
         setattr(libdevice, name, func)
-    BlockThread.is_alive = _yielding_is_alive()
+    if not getattr(BlockManager.run, "event_driven", False):
+        BlockThread.run = _thread_run(BlockThread.run)
+        BlockThread.syncthreads = _syncthreads
+        BlockManager.run = _run_block
+        BlockManager.run.event_driven = True
 
 
 def use_without_gpu() -> bool:

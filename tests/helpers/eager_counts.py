@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import numpy as np
 
 from ep_comm._launcher import prebound
+from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends import nvshmem as nvshmem_backend
 from ep_comm.contract import arrays as host
 
@@ -53,8 +54,10 @@ class Counts:
 
 
 class ReplayedCalls:
-    """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: the first call of a key runs its path (noting its launches),
-    every later call reads each root's data pointer and replays them, one ``LaunchCounter.launch`` per kernel."""
+    """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: each call reads its roots' data pointers and looks
+    its plan up by the production lookup (``RecordedCalls.shape_key``: the caller's key and the roots' layout); the first
+    call of a lookup runs its path (noting its launches), every later call replays them, one ``LaunchCounter.launch``
+    per kernel."""
 
     enabled = True
 
@@ -63,16 +66,19 @@ class ReplayedCalls:
         self._plans: dict = {}
         self.built = 0
 
-    def run(self, key: Any, on: Any, roots: Any, path: Callable[[], None]) -> None:
-        kernels = self._plans.get(key)
+    def run(self, key: Any, on: Any, roots: Any, path: Callable[..., None], *args: Any) -> None:
+        if key is None:  # a call not to be recorded: launched pre-bound
+            path(*args)
+            return
+        pointers = [root.ctypes.data for root in roots]
+        shape_key = RecordedCalls.shape_key(key, roots, pointers)
+        kernels = self._plans.get(shape_key)
         if kernels is None:
             with self._counter.noting() as noted:
-                path()
-            self._plans[key] = tuple(noted)
+                path(*args)
+            self._plans[shape_key] = tuple(noted)
             self.built += 1
             return
-        for root in roots:
-            root.ctypes.data
         for kernel in kernels:
             self._counter.launch(kernel)
 

@@ -140,7 +140,10 @@ class HostDevice:
 
     @staticmethod
     def carve(shapes):
-        """``CupyDevice.carve``: every array a view of one block, each on 128 bytes."""
+        """``CupyDevice.carve``: one array itself, or every array a view of one block, each on 128 bytes."""
+        if len(shapes) == 1:
+            array = np.empty(*shapes[0])
+            return [array], array
         offsets, total = [], 0
         for shape, dtype in shapes:
             offsets.append(total)
@@ -155,9 +158,12 @@ class HostDevice:
             base = block.__array_interface__["data"][0]
             self._block = (block.shape, block.dtype)
             self._views = tuple((v.shape, v.dtype, v.__array_interface__["data"][0] - base, v.strides) for v in views)
+            self._whole = len(views) == 1 and views[0] is block
 
         def new(self):
             block = np.empty(*self._block)
+            if self._whole:
+                return block, [block]
             return block, [np.ndarray(shape, dtype, buffer=block, offset=at, strides=strides)
                            for shape, dtype, at, strides in self._views]
 
@@ -195,7 +201,7 @@ class HostDevice:
 
 class RootCheckingCalls(RecordedCalls):
     """The simulator's recorded calls, in check mode: every call runs its launches (nothing is recorded), and each is
-    held to the first call of its key and roots' layout (``recorded_calls.roots_layout``, as on a GPU). A replay on a
+    held to the first call of its key and roots' layout (``RecordedCalls.shape_key``, as on a GPU). A replay on a
     GPU keeps every word of the first call's parameter blocks but the roots' data pointers, so each later call must
     make the same launches (kernel, grid, block, shared bytes) with the same words: the same scalars; for every array
     argument the same shape, strides and dtype and, inside a root, the same root and byte offset from the root's data
@@ -206,11 +212,13 @@ class RootCheckingCalls(RecordedCalls):
         super().__init__(enabled=False)
         self.layouts = {}
 
-    def run(self, key, on, roots, path):
+    def run(self, key, on, roots, path, *args):
+        if key is None:  # a call not to be recorded: nothing is replayed
+            return super().run(key, on, roots, path, *args)
         pointers = [_pointer(r) for r in roots]
         shape_key = self.shape_key(key, roots, pointers)  # the production lookup: a key it misses shows here
         with prebound.recording() as seen:
-            super().run(key, on, roots, path)
+            super().run(key, on, roots, path, *args)
         spans = [_span(r, p) for r, p in zip(roots, pointers)]
         made = tuple((config, _words(args, spans)) for _, config, args in seen)
         first = self.layouts.setdefault(shape_key, made)

@@ -1,7 +1,8 @@
 """Runs the collective suites of ``tests/mpi`` on every rank of ``mpirun -n N`` jobs (N: ``--ranks``; default
 1..4 on mpi, 1..2 on nvshmem), with this session's ``--backend``, ``--transport`` and Hypothesis profile; on mpi
 also the contract, randomized, error, hook, FP8 and input-layout suites in virtual nodes (4 ranks as 2 nodes, 6 as 3
-and 2, 8 as 2 and 4), flat and forwarded, and ``test_forwarding`` at 6 and 8 ranks.
+and 2, 8 as 2 and 4), flat and forwarded (Hypothesis's ``nodes`` profile unless ``--hypothesis-profile`` is given),
+and ``test_forwarding`` at 6 and 8 ranks.
 
 Each rank runs the same pytest session and writes its own JUnit XML result; this test passes when every
 rank's file shows tests passed and none failed. A hung job is killed after a bounded time, so a protocol
@@ -52,7 +53,9 @@ def test_contract_suite_under_mpirun(num_ranks, session_options, tmp_path):
 def test_suites_in_virtual_nodes(ranks, scaleup_ranks, forwarding, session_options, tmp_path):
     if session_options.backend != "mpi":
         pytest.skip("virtual nodes and forwarding are checked on the mpi backend")
-    options = dataclasses.replace(session_options, scaleup_ranks=scaleup_ranks, forwarding=forwarding)
+    # Hypothesis's nodes profile unless one was chosen: 50 randomized cases a job, 500 over the ten node splits
+    options = dataclasses.replace(session_options, scaleup_ranks=scaleup_ranks, forwarding=forwarding,
+                                  hypothesis_profile=session_options.hypothesis_profile or "nodes")
     run_suites(ranks, options, [SUITE / name for name in NODE_SUITES], tmp_path)
 
 

@@ -22,7 +22,7 @@ from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dt
 from ep_comm.kernels.jit import CACHE_STAMP
 from ep_comm.kernels.numba_internals import source_stamp
 from ep_comm.launching.fp8 import Fp8Rows
-from ep_comm.launching.kernel_launches import PLACE_STABLE, SLOT_STABLE, Kernels
+from ep_comm.launching.kernel_launches import PLACE_STABLE, SLOT_ATOMIC, SLOT_STABLE, Kernels
 
 CC = (9, 0)
 R, E, K, T, H = 2, 16, 4, 8, 24
@@ -53,10 +53,14 @@ def record_all(dtype: np.dtype) -> list:
     k.check_routing(topk.astype(np.int32), stream=0)
     k.check_routing(topk, into=np.full(2, -1, np.int64), stream=0)
     k.count(topk, stable=True, stream=0)
+    k.scatter_min_units = 1  # few tokens: the unit kernel copies the rows only when told to (the rows kernel below)
     k.scatter(x, topk, np.zeros((T, K), np.float32), slot_idx, [v.rows for v in views], [v.meta for v in views],
               src_rank=0, step=step, mode=SLOT_STABLE, stream=0)
     k.receive_count(views[0].counts, views[0].meta, step, alignment=2, expand=False, stable=False, stream=0)
     counts = k.receive_count(views[0].counts, views[0].meta, step, alignment=1, expand=True, stable=True, stream=0)
+    k.receive_counted(views[0].counts, views[0].rows, views[0].meta, step, np.zeros((R * T, H), dtype),
+                      np.zeros((R * T, K), np.int64), np.zeros((R * T, K), np.float32),
+                      np.zeros((R * T, 2 + K), np.int32), alignment=2, stream=0)
     for expand, ids_shape in ((False, (R * T, K)), (True, (R * T * K,))):
         k.receive_copy(counts.rank_psum, views[0].rows, views[0].meta, step, np.zeros((ids_shape[0], H), dtype),
                        np.zeros(ids_shape, np.int64), np.zeros(ids_shape, np.float32),
@@ -89,8 +93,9 @@ def record_all(dtype: np.dtype) -> list:
                       stream=0)
     pair = Fp8Rows(np.zeros((T, LONG_H), np.uint8), np.zeros((T, LONG_H // 128), np.float32), dtype)
     for fp8_rows in (pair, Fp8Rows(np.zeros((T, LONG_H), dtype), None, dtype)):  # the scatter writes FP8 rows
+        # atomic slots: a launch that assigns them (scatter_kernel), then the rows' (stable: the rows' alone)
         long_rows.scatter(fp8_rows, topk, None, slot_idx, [v.rows for v in views], [v.meta for v in views],
-                          src_rank=0, step=step, mode=SLOT_STABLE, stream=0)
+                          src_rank=0, step=step, mode=SLOT_ATOMIC, stream=0)
     return k.launches + long_rows.launches
 
 

@@ -15,6 +15,9 @@ import pytest
 from ptx_stats import wide_divisions
 
 HERE = Path(__file__).parent
+# under pytest-xdist (.ci/run) every test of this module on one worker: the module fixture compiles every kernel
+# (about a minute of CPU), once per worker that runs one of its tests
+pytestmark = pytest.mark.xdist_group("compile")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,7 @@ def test_every_kernel_compiles(ptx_dir):
     names = {p.name.split(".")[0] for p in ptx_dir.glob("*.ptx")}
     assert names == {"routing_check_kernel", "count_kernel", "scatter_kernel", "scatter_rows_kernel",
                      "receive_count_kernel", "receive_count_words_kernel", "receive_compact_kernel",
+                     "receive_counted_compact_kernel",
                      "receive_place_kernel", "receive_rows_kernel", "combine_copy_kernel", "combine_expand_kernel", "combine_expand_bf16_kernel",
                      "combine_reduce_kernel", "combine_reduce_bf16_kernel", "scatter_kernel-fp8pair",
                      "scatter_kernel-fp8cast", "scatter_rows_kernel-fp8pair", "scatter_rows_kernel-fp8cast",

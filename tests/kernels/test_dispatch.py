@@ -10,7 +10,8 @@ from world import MAX_TOKENS, World, kernel_world, random_payload, routing_verdi
 
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
-from ep_comm.launching.kernel_launches import PLACE_CACHED, SLOT_ATOMIC, SLOT_CACHED, Kernels
+from ep_comm.launching import launch_shapes
+from ep_comm.launching.kernel_launches import PLACE_CACHED, PLACE_STABLE, SLOT_ATOMIC, SLOT_CACHED, Kernels
 
 
 def check_count(world: World, deterministic: bool) -> None:
@@ -169,6 +170,42 @@ def test_compact_receive_count_reads_only_the_count_words(xp, monkeypatch, ranks
     assert launched == [receive_count_words_kernel] * ranks
 
 
+@pytest.mark.parametrize("ranks, experts, tokens, alignment, bad", [
+    (1, 4, (9,), 2, None),
+    (3, 12, (10, 13, 0), 4, None),  # a source with zero rows
+    (2, 70, (40, 1), 8, None),  # 35 local experts: more than a warp
+    (3, 12, (10, 13, 7), 1, 1),  # a bad verdict: nothing is received
+], ids=["1-rank", "3-ranks", "2-ranks-35-local", "3-ranks-bad-verdict"])
+def test_a_compact_receive_counts_in_its_copy(xp, monkeypatch, ranks, experts, tokens, alignment, bad):
+    """``Kernels.receive_counted``, the compact receive count and copy of a new routing in one launch: its counts, its
+    record and its worst-case outputs are every byte those of ``receive_count`` then ``receive_copy``."""
+    from ep_comm.contract.symmetric import record_words
+    from ep_comm.kernels.receive import receive_counted_compact_kernel
+
+    world = kernel_world(xp, seed=33, ranks=ranks, experts=experts, topk=3, tokens=tokens, masked=0.2, max_tokens=40)
+    world.send(1, deterministic=True)
+    if bad is not None:
+        words = ref.send_count_words(ref.dispatch_layout(world.topk[bad], experts, ranks))
+        world.exchange_counts(1, bad, words, (experts + 2, 0))
+    k, step = world.kernels, world.step(1)
+    for d in range(ranks):
+        view = world.views[d]
+        before, after = (world.outputs(expand=False, alignment=alignment, worst_case=True, num_rows=0,
+                                       num_expanded=0) for _ in range(2))
+        records = [xp.full(record_words(ranks, world.local), -5, np.int64) for _ in range(2)]
+        counts = k.receive_count(view.counts, view.meta, step, alignment=alignment, expand=False, stable=True,
+                                 record=records[0], stream=0)
+        k.receive_copy(counts.rank_psum, view.rows, view.meta, step, *before, expand=False, mode=PLACE_STABLE,
+                       expert_psum=counts.expert_psum, alignment=alignment, zero_padding=False, stream=0)
+        launched = spy_launches(monkeypatch)
+        got = k.receive_counted(view.counts, view.rows, view.meta, step, *after, alignment=alignment,
+                                record=records[1], stream=0)
+        assert launched == [receive_counted_compact_kernel]
+        for a, b in zip((*counts, *before, records[0]), (*got, *after, records[1])):
+            np.testing.assert_array_equal(to_host(a).view(np.uint8), to_host(b).view(np.uint8))
+        assert (int(to_host(got.totals)[0]) == 0) == (bad is not None or not sum(tokens))
+
+
 @pytest.mark.parametrize("expand", [False, True])
 def test_cached_dispatch_replays_the_routing(xp, expand):
     world = kernel_world(xp, seed=5, hot_expert=1)
@@ -201,26 +238,83 @@ def test_random_routings(xp, seed, ranks, topk, alignment, deterministic):
 
 
 @pytest.mark.parametrize("dtype, hidden", [("bfloat16", 2600), ("float16", 2601)])
-def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden):
-    """Few tokens with long rows (650 wide words, or 2601 narrow ones): the scatter assigns slots by
-    unit, then one warp per piece of a row copies it (the last piece shorter); atomic, stable and
-    cached dispatches stay bit for bit the reference."""
+@pytest.mark.parametrize("own_slots", [True, False], ids=["slots-in-rows", "slots-first"])
+def test_scatter_cuts_long_rows_into_pieces(xp, monkeypatch, dtype, hidden, own_slots):
+    """Few tokens with long rows (650 wide words, or 2601 narrow ones): one warp per piece of a row copies it (the
+    last piece shorter), each taking its entry's stable slot itself (one launch), or with
+    ``EP_COMM_KERNEL_LEGACY=slots_in_rows`` after a launch that assigns slots by unit (atomic ones without
+    ``deterministic``); stable, any-order and cached dispatches stay bit for bit the reference."""
     from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
 
+    if not own_slots:
+        monkeypatch.setattr(launch_shapes, "legacy", lambda name: name == "slots_in_rows")
     world = kernel_world(xp, seed=17, dtype=dtype, hidden=hidden, tokens=(5, 3, 1), masked=0.2)
     world.kernels.split_warps = 64
     launched = spy_launches(monkeypatch)
     run_dispatch(world, deterministic=True, expand=True, alignment=2, zero_padding=True)
     sent, first = run_dispatch(world, deterministic=False, expand=False, parity=0)
-    assert launched.count(scatter_kernel) == launched.count(scatter_rows_kernel) == 2 * world.num_ranks
+    slot_launches = 0 if own_slots else 2 * world.num_ranks
+    assert launched.count(scatter_kernel) == slot_launches
+    assert launched.count(scatter_rows_kernel) == 2 * world.num_ranks
     for buf in world.buffers:
         buf[...] = 0
     world.send(1, deterministic=False, cached=[item.slot_idx for item in sent])
-    assert launched.count(scatter_kernel) == 2 * world.num_ranks and launched.count(scatter_rows_kernel) == 3 * world.num_ranks
+    assert launched.count(scatter_kernel) == slot_launches
+    assert launched.count(scatter_rows_kernel) == 3 * world.num_ranks
     for d in range(world.num_ranks):
         again = world.receive(d, 1, expand=False, alignment=1, zero_padding=False, deterministic=False,
                               cached=first[d])
         check_compact(world, d, again, world.expected_compact(d, sent))
+
+
+def decode_world(xp) -> World:
+    """Two ranks of 40 and 27 tokens with rows of 301 16-bit words cut into two pieces, on a token cut of one warp step
+    per unit (16 tokens, top-2) and two units per count group: 3 units in 2 groups at T=40."""
+    world = kernel_world(xp, seed=41, ranks=2, experts=8, topk=2, dtype="float16", hidden=301, tokens=(40, 27),
+                         max_tokens=40, masked=0.1)
+    world.kernels = Kernels(xp, num_ranks=2, num_experts=8, num_topk=2, max_tokens=40, num_blocks=2, warps_per_block=2,
+                            count_tokens_per_warp=32, count_min_warps=0, recv_rows_per_unit=4, split_warps=160)
+    return world
+
+
+def test_stable_slots_where_the_row_pieces_take_them(monkeypatch):
+    """``slots_with_rows``: at most ``split_warps // 2`` entries (their rows are cut) and units of one warp step at
+    most; there a new routing counts for stable slots whatever ``deterministic`` says (``send_stable``), not at
+    prefill, nor with ``EP_COMM_KERNEL_LEGACY=slots_in_rows``."""
+    k = Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=4096)  # 2112 units, split_warps 4224
+    assert k.slots_with_rows(128) and k.send_stable(128, False)  # decode: 1024 entries
+    assert k.slots_with_rows(264) and not k.slots_with_rows(265)  # 2112 entries, then 2120
+    assert not k.slots_with_rows(0) and not k.send_stable(4096, False) and k.send_stable(4096, True)
+    few_units = Kernels(np, num_ranks=2, num_experts=64, num_topk=8, max_tokens=64, num_blocks=1, warps_per_block=2,
+                        split_warps=1000)
+    assert few_units.slots_with_rows(8) and not few_units.slots_with_rows(9)  # 2 units: 4 tokens each, then 5
+    monkeypatch.setattr(launch_shapes, "legacy", lambda name: name == "slots_in_rows")
+    assert not k.slots_with_rows(128) and not k.send_stable(128, False) and k.send_stable(128, True)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_row_pieces_take_their_stable_slots_across_units_and_groups(xp, monkeypatch, deterministic):
+    """Decode's scatter in one launch: every piece's warp takes its entry's stable slot from its unit's start in its
+    count group and the group's start (units after the first of a group, groups after the first), with or without
+    ``deterministic``; the slots and every byte of the symmetric buffers are those of the two launches before
+    (``EP_COMM_KERNEL_LEGACY=slots_in_rows``: slots by unit, then the row pieces; stable ones there too), and the
+    received outputs the reference's."""
+    from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
+
+    new = decode_world(xp)
+    assert new.kernels.token_cut(40) == (3, 2) and new.kernels.slots_with_rows(40)
+    launched = spy_launches(monkeypatch)
+    sent = run_dispatch(new, deterministic=deterministic, expand=False)[0]
+    assert scatter_kernel not in launched and launched.count(scatter_rows_kernel) == 2
+    monkeypatch.setattr(launch_shapes, "legacy", lambda name: name == "slots_in_rows")
+    old = decode_world(xp)
+    assert not old.kernels.slots_with_rows(40)
+    before = run_dispatch(old, deterministic=True, expand=False)[0]
+    assert launched.count(scatter_kernel) == 2
+    for a, b in zip(sent, before):
+        np.testing.assert_array_equal(a.slot_idx, b.slot_idx)
+    for a, b in zip(new.buffers, old.buffers):
+        np.testing.assert_array_equal(to_host(a), to_host(b))
 
 
 @pytest.mark.parametrize("dtype, hidden, tokens, split_warps, wide, cut", [
@@ -263,25 +357,28 @@ def test_compact_receive_is_one_launch(xp, monkeypatch, dtype, hidden, tokens, s
 POISON = 0xA5  # every byte of the symmetric buffers before a direct replay
 
 
-@pytest.mark.parametrize("ranks, dtype, hidden, tokens, split_warps, worst_case", [
-    (1, "bfloat16", 20, (10,), 0, False),  # whole rows, every row local
-    (2, "float32", 20, (10, 13), 0, True),  # whole rows, worst-case outputs (cpu_sync=False)
-    (3, "float16", 11, (10, 13, 0), 0, False),  # whole rows, 16-bit words, a source without tokens
-    (1, "float32", 1100, (4,), 64, False),  # 550 wide words in pieces of 512 and 38
-    (2, "float16", 601, (5, 3), 64, True),  # 601 16-bit words in pieces of 256
-    (3, "bfloat16", 2600, (5, 3, 1), 64, False),  # 650 wide words in pieces of 512 and 138
-], ids=["1-bf16-rows", "2-f32-rows-worst", "3-f16-rows", "1-f32-pieces", "2-f16-pieces-worst", "3-bf16-pieces"])
+@pytest.mark.parametrize("ranks, dtype, hidden, tokens, split_warps, by_units, worst_case", [
+    (1, "bfloat16", 20, (10,), 0, True, False),  # whole rows by the unit kernel, every row local
+    (2, "float32", 20, (10, 13), 0, True, True),  # the same, worst-case outputs (cpu_sync=False)
+    (3, "float16", 11, (10, 13, 0), 0, True, False),  # the same, 16-bit words, a source without tokens
+    (2, "float32", 20, (10, 13), 0, False, True),  # whole rows by the rows kernel (few tokens), worst-case outputs
+    (1, "float32", 1100, (4,), 64, False, False),  # 550 wide words in pieces of 512 and 38
+    (2, "float16", 601, (5, 3), 64, False, True),  # 601 16-bit words in pieces of 256
+    (3, "bfloat16", 2600, (5, 3, 1), 64, False, False),  # 650 wide words in pieces of 512 and 138
+], ids=["1-bf16-rows", "2-f32-rows-worst", "3-f16-rows", "2-f32-rows-kernel-worst", "1-f32-pieces",
+        "2-f16-pieces-worst", "3-bf16-pieces"])
 def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, monkeypatch, ranks, dtype, hidden,
-                                                                          tokens, split_warps, worst_case):
-    """A cached compact dispatch with its outputs allocated before the send: the scatter (whole rows, or
-    pieces at few tokens) writes the payload of the rows a rank sends to itself straight into its
-    ``recv_x`` and leaves region ``[parity, me]`` of its own rows untouched (poisoned here), the receive
-    copies only the other sources' payload; every output stays bit for bit the reference."""
+                                                                          tokens, split_warps, by_units, worst_case):
+    """A cached compact dispatch with its outputs allocated before the send: the scatter (whole rows by the unit
+    kernel, or by the rows kernel at few tokens, whole or in pieces) writes the payload of the rows a rank sends to
+    itself straight into its ``recv_x`` and leaves region ``[parity, me]`` of its own rows untouched (poisoned
+    here), the receive copies only the other sources' payload; every output stays bit for bit the reference."""
     from ep_comm.kernels.receive import receive_compact_kernel
     from ep_comm.kernels.scatter import scatter_kernel, scatter_rows_kernel
 
     world = kernel_world(xp, seed=31, ranks=ranks, dtype=dtype, hidden=hidden, tokens=tokens, masked=0.2)
     world.kernels.split_warps = split_warps or world.kernels.split_warps
+    world.kernels.scatter_min_units = 1 if by_units else 10**6  # the unit kernel's rows, or the rows kernel's
     sent, first = run_dispatch(world, deterministic=False, expand=False)
     rng = np.random.default_rng(32)
     world.x = [random_payload(rng, x.shape, x.dtype) for x in world.x]
@@ -294,7 +391,7 @@ def test_cached_compact_dispatch_writes_its_own_rows_straight_into_recv_x(xp, mo
     world.send(1, deterministic=False, cached=[item.slot_idx for item in sent],
                direct=[(out[0], got.counts.rank_psum) for out, got in zip(outputs, first)])
     senders = sum(t > 0 for t in tokens)
-    assert launched == [scatter_rows_kernel if split_warps else scatter_kernel] * senders
+    assert launched == [scatter_kernel if by_units else scatter_rows_kernel] * senders
     assert all(args[-3] is True for _, args in launches)  # direct
     for d in range(world.num_ranks):
         assert (to_host(world.views[d].rows[1, d]).view(np.uint8) == POISON).all()

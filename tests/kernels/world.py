@@ -146,9 +146,10 @@ class World:
         sent = []
         for s in range(self.num_ranks):
             topk = self.dev(self.topk[s])
-            if cached is None:
-                lay = k.count(topk, stable=deterministic, stream=0)
-                slot_idx, mode = lay.slot_idx, kl.SLOT_STABLE if deterministic else kl.SLOT_ATOMIC
+            if cached is None:  # stable slots where they cost no more than atomic ones, as the backend counts
+                stable = k.send_stable(topk.shape[0], deterministic)
+                lay = k.count(topk, stable=stable, stream=0)
+                slot_idx, mode = lay.slot_idx, kl.SLOT_STABLE if stable else kl.SLOT_ATOMIC
             else:
                 lay, slot_idx, mode = None, self.dev(cached[s]), kl.SLOT_CACHED
             recv_x, recv_psum = direct[s] if direct is not None else (None, None)

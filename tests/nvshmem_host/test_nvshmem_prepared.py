@@ -66,6 +66,33 @@ def test_the_prepared_path_over_puts_gives_the_bytes_of_the_general_path():
     assert prepared._backend.prepared.replayed >= 8
 
 
+def _weighted_combines(buf, expand: bool) -> list:
+    """The outputs of dispatches with weights (cpu_sync False and True) and of combines given weights of the
+    received rows (float32, then float64, which the general path converts), each call twice."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
+    weights = rng.random((3, SMALL_GEO.num_topk)).astype(np.float32)
+    outs = []
+    for sync in (False, True):
+        for dtype in (np.float32, np.float64, np.float32):
+            for _ in range(2):
+                out = buf.dispatch(x, SMALL_IDX, weights, cpu_sync=sync, expand=expand, expert_alignment=2,
+                                   zero_padding=True)
+                back = (out.recv_topk_weights * 3).astype(dtype)
+                outs += [out, buf.combine(out.recv_x, out.handle, topk_weights=back)]
+    return outs
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_combine_given_weights_is_prepared_and_gives_the_bytes_of_the_general_path(expand):
+    general, prepared = _buffer(False), _buffer(True)
+    want, got = _weighted_combines(general, expand), _weighted_combines(prepared, expand)
+    assert_same_outputs(want, got)
+    assert all(out.topk_weights is not None for out in got[1::2])
+    # per cpu_sync: dispatches 5 of 6, combines of float32 weights 3 of 4 (float64 ones take the general path)
+    assert prepared._backend.prepared.replayed == 16
+
+
 def _prepared_buffer():
     """A Buffer whose shape of ``SMALL_IDX`` (cpu_sync=False) and its combine are prepared."""
     buf = _buffer(True)
