@@ -72,14 +72,27 @@ def write_inbox_meta(meta, topk_idx, weight_bits, has_weights, t, num_experts, s
         meta[1 + 2 * num_topk + lane] = slot
 
 
+@cuda.jit(device=True)
+def send_inbox_counts(count_words, counts, node, node_size, block, parity, lane):
+    """A new routing's count words of each rank ``j`` of ``node`` (row ``node * S + j`` of the send block
+    ``count_words [R, words]`` int32) into block ``block + j`` of that node's forwarder's ``counts [2, R, words]``
+    int64, as the flat signal sends them to rank ``j`` (lanes over the words)."""
+    words = count_words.shape[1]
+    for j in range(node_size):
+        for w in range(lane, words, WARP):
+            counts[parity, block + j, w] = count_words[node * node_size + j, w]
+
+
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def inbox_send_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, slot_idx, experts_per_rank,
-                      src_rank, new_routing, step, ahead, span, rows, metas, headers):
-    """See :func:`ep_comm.launching.kernel_launches.Kernels.inbox_send`. ``rows``/``metas``/``headers``: per node,
-    the forwarder's inbox (``[2, R, max_tokens, W]`` words, ``[2, R, max_tokens, relay_words]`` int32, ``[2, R, 2]``
-    int64), written in block ``node(src_rank) * S``; this rank's own node's entry is not written. One warp per (node,
-    token, piece of ``span`` words); the warp of a row's first piece writes its meta row; the first warps write the
-    headers ``(T, new_routing)``."""
+                      src_rank, new_routing, count_words, step, ahead, span, rows, metas, headers, counts):
+    """See :func:`ep_comm.launching.kernel_launches.Kernels.inbox_send`. ``rows``/``metas``/``headers``/``counts``:
+    per node, the forwarder's inbox (``[2, R, max_tokens, W]`` words, ``[2, R, max_tokens, relay_words]`` int32,
+    ``[2, R, 2]`` int64, ``[2, R, words]`` int64), written in block ``node(src_rank) * S`` (counts: blocks
+    ``node(src_rank) * S + j``); this rank's own node's entry is not written. One warp per (node, token, piece of
+    ``span`` words); the warp of a row's first piece writes its meta row; the first warps write the headers ``(T,
+    new_routing)`` and, for a new routing, the count words of the node's ranks (``count_words [R, words]`` int32, the
+    send block the flat signal sends; not read otherwise)."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     num_tokens, num_topk = topk_idx.shape
@@ -94,9 +107,12 @@ def inbox_send_kernel(source, row_words, wide, topk_idx, weight_bits, has_weight
     item, num_warps = global_warp()
     item = np.int32(item)
     while item < num_nodes:
-        if item != my_node and lane == 0:
-            headers[item][parity, block, 0] = num_tokens
-            headers[item][parity, block, 1] = new_routing
+        if item != my_node:
+            if new_routing:
+                send_inbox_counts(count_words, counts[item], item, node_size, block, parity, lane)
+            if lane == 0:
+                headers[item][parity, block, 0] = num_tokens
+                headers[item][parity, block, 1] = new_routing
         item = np.int32(item + num_warps)
     item = np.int32(global_warp()[0])
     while item < num_nodes * num_tokens * pieces:

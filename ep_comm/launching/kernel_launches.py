@@ -441,8 +441,8 @@ class Kernels(LaunchShapes):
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)
 
     def inbox_send(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
-                   rows: Sequence[Array], metas: Sequence[Array], headers: Sequence[Array], *, src_rank: int,
-                   new_routing: bool, step: Array, stream: Any, ahead: int = 1) -> None:
+                   rows: Sequence[Array], metas: Sequence[Array], headers: Sequence[Array], counts: Sequence[Array],
+                   *, src_rank: int, count_words: Optional[Array], step: Array, stream: Any, ahead: int = 1) -> None:
         """A forwarded dispatch's send to the other nodes (``ep_comm.kernels.forward.inbox_send_kernel``): per node
         ``n`` other than this rank's, the block ``node(src_rank) * S`` of its forwarder's inbox: ``rows[n]`` ``[2, R,
         max_tokens, W]`` words (its :class:`~ep_comm.contract.forward_inbox.InboxViews` ``rows``, or a staging view of
@@ -451,15 +451,24 @@ class Kernels(LaunchShapes):
         written): row ``t`` = token ``t`` of ``x`` where it goes to a rank of ``n``, a meta row for every token
         (token, global ids, weight bits, its slot in each rank of ``n`` from ``slot_idx``, as :meth:`scatter`
         recorded or replayed them), and the header ``(T, new_routing)``; parity of step ``step[0] + ahead``. ``x``, ``topk_idx``,
-        ``topk_weights``: as in :meth:`scatter` (FP8 rows included)."""
+        ``topk_weights``: as in :meth:`scatter` (FP8 rows included). ``count_words``: a new routing's send block
+        (``SendLayout.count_words``, int32 ``[R, 1 + L + 2]``), whose row ``n * S + j`` goes into block
+        ``node(src_rank) * S + j`` of ``counts[n]`` (``[2, R, 1 + L + 2]`` int64, the forwarder's inbox counts) and the
+        header's word 1 is 1; None for a replay (nothing written there, word 1 is 0)."""
         weights = self._work.no_weights if topk_weights is None else topk_weights.view(np.int32)
+        new_routing = count_words is not None
+        if new_routing and tuple(count_words.shape) != (self.num_ranks, counts[0].shape[2]):
+            raise ValueError(f"count_words has shape {tuple(count_words.shape)}: must be [R, count words] = "
+                             f"{(self.num_ranks, int(counts[0].shape[2]))}, one row per destination rank as the "
+                             "inbox counts hold them")
         source, row_words = self._row_source(x)
         rows = tuple(rows)
         wide = wide_rows(source[0]) and self._wide(rows)
         span, blocks = self._row_pieces(len(rows) * x.shape[0], row_words, _copy_step(wide))
         self._launch(inbox_send_kernel, stream, blocks=blocks)(
             source, row_words, wide, topk_idx, weights, topk_weights is not None, slot_idx, self.num_local, src_rank,
-            new_routing, step, ahead, span, rows, tuple(metas), tuple(headers))
+            new_routing, count_words if new_routing else self._work.no_weights, step, ahead, span, rows, tuple(metas),
+            tuple(headers), tuple(counts))
 
     def relay(self, inbox: InboxViews, senders: Array, rows: Sequence[Array], metas: Sequence[Array],
               counts: Sequence[Array], *, node_first: int, step: Array, stream: Any, ahead: int = 1) -> None:

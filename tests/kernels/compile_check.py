@@ -77,7 +77,8 @@ def record_all(dtype: np.dtype) -> list:
     box = inbox_views(np.zeros(inbox.total_bytes, np.uint8), inbox, word_dtype(H, dtype.itemsize))
     others = np.ones(1, np.int32)
     k.inbox_send(x, topk, np.zeros((T, K), np.float32), slot_idx, [box.rows] * 2, [box.meta] * 2, [box.header] * 2,
-                 src_rank=0, new_routing=True, step=step, stream=0)
+                 [box.counts] * 2, src_rank=0, count_words=np.zeros((R, sym.count_words), np.int32), step=step,
+                 stream=0)
     k.relay(box, others, [v.rows for v in views], [v.meta for v in views], [v.counts for v in views], node_first=0,
             step=step, stream=0)
     k.combine_meta(np.zeros((R * T, 2 + K), np.int32), np.zeros((R * T, K), np.int64), counts.rank_psum,

@@ -42,28 +42,28 @@ def designed_meta(world: World, s: int, slot_idx: np.ndarray, node_ranks: range)
     return meta
 
 
-def send_to_inboxes(world: World, boxes: list, topology: Topology, sent: list, parity: int) -> None:
-    """Every sender's ``Kernels.inbox_send`` (a new routing) into the blocks ``node(s) * S`` of its forwarders, with
-    the slots its scatter recorded (``sent[s].slot_idx``)."""
+def send_to_inboxes(world: World, boxes: list, topology: Topology, sent: list, parity: int,
+                    new_routing: bool = True) -> None:
+    """Every sender's ``Kernels.inbox_send`` into the blocks ``node(s) * S`` of its forwarders, with the slots its
+    scatter recorded (``sent[s].slot_idx``) and, for a new routing, the count words its count kernel wrote
+    (``sent[s].layout.count_words``)."""
     for s in range(world.num_ranks):
         targets = [boxes[topology.forwarder(s, node)] for node in range(topology.num_nodes)]
         world.kernels.inbox_send(world.device_payload(world.x[s]), world.dev(world.topk[s]), world.dev(world.w[s]),
                                  world.dev(sent[s].slot_idx), [box.rows for box in targets],
                                  [box.meta for box in targets], [box.header for box in targets],
-                                 src_rank=s, new_routing=True, step=world.step(parity), ahead=0, stream=0)
+                                 [box.counts for box in targets], src_rank=s,
+                                 count_words=sent[s].layout.count_words if new_routing else None,
+                                 step=world.step(parity), ahead=0, stream=0)
 
 
-def fill_dispatch_counts(world: World, boxes: list, topology: Topology, parity: int) -> None:
-    """The count words every sender puts into its forwarders' inboxes (the transport's part): block
-    ``node(s) * S + j`` of forwarder ``f`` holds those of rank ``j`` of ``f``'s node, with ``s``'s verdict."""
-    for f, box in enumerate(boxes):
-        node_ranks = topology.node_ranks(topology.node_of(f))
-        for s in forwarded_for(topology, f):
-            block = topology.node_of(s) * topology.scaleup_ranks
-            layout = ref.dispatch_layout(world.topk[s], world.num_experts, world.num_ranks)
-            words = with_verdict(ref.send_count_words(layout), routing_verdict(world.topk[s]))
-            box.counts[parity, block: block + len(node_ranks)] = world.xp.asarray(words[node_ranks.start:
-                                                                                        node_ranks.stop])
+def designed_counts(world: World, topology: Topology, s: int, node: int) -> np.ndarray:
+    """int64 ``[S, words]``: the count words the design puts into block ``node(s) * S + j`` of ``s``'s forwarder in
+    ``node``, those of rank ``j`` of ``node`` with ``s``'s verdict (the host reference's words)."""
+    layout = ref.dispatch_layout(world.topk[s], world.num_experts, world.num_ranks)
+    words = with_verdict(ref.send_count_words(layout), routing_verdict(world.topk[s]))
+    ranks = topology.node_ranks(node)
+    return words[ranks.start: ranks.stop].astype(np.int64)
 
 
 def clear_remote_regions(world: World, topology: Topology, parity: int) -> None:

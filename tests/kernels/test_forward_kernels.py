@@ -18,10 +18,10 @@ from dispatch_checks import run_dispatch
 from forward_checks import (
     clear_remote_regions,
     combine_views,
+    designed_counts,
     designed_meta,
     device_ranks,
     fill_combine_inbox,
-    fill_dispatch_counts,
     forwarded_for,
     inboxes,
     send_to_inboxes,
@@ -55,8 +55,7 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
     flat = [to_host(b).copy() for b in world.buffers]
     clear_remote_regions(world, topology, PARITY)
     boxes = inboxes(world, scaleup)
-    send_to_inboxes(world, boxes, topology, sent, PARITY)
-    fill_dispatch_counts(world, boxes, topology, PARITY)
+    send_to_inboxes(world, boxes, topology, sent, PARITY)  # the count words too: the relay copies the inbox's
     for f, box in enumerate(boxes):
         world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
                             [v.meta for v in world.views], [v.counts for v in world.views],
@@ -71,18 +70,22 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
     (6, 3, (8, 0, 11, 4, 6, 9), "float16", 20),  # a padded row (40 of 48 bytes)
     (6, 2, (5, 7, 6, 4, 8, 3), "float32", 24),  # 3 nodes
 ])
-def test_inbox_send_writes_the_designed_blocks(xp, ranks, scaleup, tokens, dtype, hidden):
+@pytest.mark.parametrize("new_routing", [True, False])
+def test_inbox_send_writes_the_designed_blocks(xp, ranks, scaleup, tokens, dtype, hidden, new_routing):
     world = kernel_world(xp, seed=40 + ranks + scaleup, ranks=ranks, experts=4 * ranks, topk=3, tokens=tokens,
                          dtype=dtype, hidden=hidden, masked=0.2, weights=scaleup != 3)
     topology = Topology.of(ranks, scaleup)
     sent = world.send(PARITY, deterministic=False)
     boxes = inboxes(world, scaleup)
-    send_to_inboxes(world, boxes, topology, sent, PARITY)
+    send_to_inboxes(world, boxes, topology, sent, PARITY, new_routing)
     for f, box in enumerate(boxes):
         for s in forwarded_for(topology, f):
             block, n = topology.node_of(s) * scaleup, len(world.topk[s])
             meta = designed_meta(world, s, sent[s].slot_idx, topology.node_ranks(topology.node_of(f)))
-            np.testing.assert_array_equal(to_host(box.header[PARITY, block]), [n, 1])
+            np.testing.assert_array_equal(to_host(box.header[PARITY, block]), [n, int(new_routing)])
+            counts = to_host(box.counts[PARITY, block: block + scaleup])  # a replay sends no count words
+            want = designed_counts(world, topology, s, topology.node_of(f)) if new_routing else np.zeros_like(counts)
+            np.testing.assert_array_equal(counts, want, err_msg=f"count words {s} -> {f}")
             np.testing.assert_array_equal(to_host(box.meta[PARITY, block, :n]), meta, err_msg=f"{s} -> {f}")
             sent_rows = (meta[:, 1 + 2 * world.num_topk:] >= 0).any(axis=1)
             rows = payload_rows(to_host(box.rows[PARITY, block, :n]), world.dtype)[:, :hidden]
