@@ -70,6 +70,25 @@ def test_the_nvshmem_backend_refuses_forwarding_before_allocating_anything():
     def allocate(*args, **kwargs):
         raise AssertionError("the transport was built before forwarding was refused")
 
-    geo = Geometry(1, 2, 8, 1, 4, payload_dtype("float32"))
-    with pytest.raises(ValueError, match="^forwarding=True is built on the mpi backend only"):
-        NvshmemBackend.open(MPI.COMM_SELF, geo, BackendSettings(True, 1.0, forwarding=True), allocate, allocate)
+    geo = Geometry(4, 4, 8, 1, 4, payload_dtype("float32"))
+    settings = BackendSettings(True, 1.0, scaleup_ranks=2, forwarding=True)
+    with pytest.raises(ValueError, match=r"^forwarding=True with 2 nodes \(scaleup_ranks=2 of 4 ranks\) is built on "
+                                         r"the mpi backend only: on nvshmem the launch sequence of a forwarded "
+                                         r"dispatch and combine; .* are not built"):
+        NvshmemBackend.open(MPI.COMM_SELF, geo, settings, allocate, allocate)
+
+
+@pytest.mark.parametrize("ranks, scaleup_ranks", [(1, None), (4, None), (1, 1)])
+def test_the_nvshmem_backend_takes_forwarding_in_one_node(ranks, scaleup_ranks):
+    """One node forwards nothing (the forwarded results are the flat ones, as on mpi): ``forwarding=True`` passes the
+    refusal and the backend goes on to build its transport."""
+    class Built(Exception):
+        pass
+
+    def allocate(*args, **kwargs):
+        raise Built
+
+    geo = Geometry(ranks, 4, 8, 1, 4, payload_dtype("float32"))
+    settings = BackendSettings(True, 1.0, scaleup_ranks=scaleup_ranks, forwarding=True)
+    with pytest.raises(Built):
+        NvshmemBackend.open(MPI.COMM_SELF, geo, settings, allocate, allocate)
