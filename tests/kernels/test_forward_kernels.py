@@ -65,6 +65,31 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
         np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
 
 
+def test_a_replayed_relay_leaves_the_flat_rows_and_no_count_words(xp):
+    """A replay's inbox send (no count words, header word 1 = 0): the relay stores the flat path's rows and meta rows
+    and leaves the count words of the other nodes' senders as they were (a replay exchanges no counts)."""
+    ranks, scaleup = 4, 2
+    world = kernel_world(xp, seed=57, ranks=ranks, experts=4 * ranks, topk=3, tokens=(6, 0, 9, 4), dtype="float16",
+                         hidden=24, masked=0.2)
+    topology = Topology.of(ranks, scaleup)
+    sent = world.send(PARITY, deterministic=True)
+    flat = [to_host(b).copy() for b in world.buffers]
+    clear_remote_regions(world, topology, PARITY)
+    for d in range(ranks):  # what the relay must leave alone: the count words, zeroed above
+        for s in range(ranks):
+            if not topology.in_reach(d, s):
+                flat[d][world.sym.count_at(PARITY, s): world.sym.count_at(PARITY, s) + 8 * world.sym.count_words] = 0
+    boxes = inboxes(world, scaleup)
+    send_to_inboxes(world, boxes, topology, sent, PARITY, new_routing=False)
+    for f, box in enumerate(boxes):
+        world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
+                            [v.meta for v in world.views], [v.counts for v in world.views],
+                            node_first=topology.node_ranks(topology.node_of(f)).start, step=world.step(PARITY),
+                            ahead=0, stream=0)
+    for d in range(ranks):
+        np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
+
+
 @pytest.mark.parametrize("ranks, scaleup, tokens, dtype, hidden", [
     (4, 2, (10, 13, 0, 7), "bfloat16", 40),
     (6, 3, (8, 0, 11, 4, 6, 9), "float16", 20),  # a padded row (40 of 48 bytes)
