@@ -30,12 +30,12 @@ subset parameter in the CUDA C wait (not built).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ep_comm.transport.signals import SignalKernels, _function
 
 
-def inbox_peer_pointers(peer_addresses: Sequence[Optional[int]], inbox_ranks: Sequence[int]) -> list:
+def inbox_peer_pointers(peer_addresses: Sequence[Optional[int]], inbox_ranks: Sequence[int]) -> List[int]:
     """Every rank's heap base address for the inbox signal (``peer_addresses[r]``: the device address of rank ``r``'s
     symmetric heap through its peer view, None where there is none), 0 for a rank not in ``inbox_ranks`` (whose inbox
     this rank does not signal). ValueError naming the ranks of ``inbox_ranks`` without a peer view: the inbox's

@@ -125,3 +125,13 @@ def combine_views(world: World, boxes: list, topology: Topology, me: int) -> tup
 def device_ranks(world: World, ranks: list):
     """int32 ``[n]`` on the device."""
     return world.xp.asarray(np.array(ranks, np.int32))
+
+
+def relay_all(world: World, boxes: list, topology: Topology, parity: int) -> None:
+    """Every forwarder's ``Kernels.relay`` of its inbox (``boxes[f]``) into the ranks of its node, for the ranks it
+    forwards for, in the parity ``parity``."""
+    for f, box in enumerate(boxes):
+        world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
+                            [v.meta for v in world.views], [v.counts for v in world.views],
+                            node_first=topology.node_ranks(topology.node_of(f)).start, step=world.step(parity),
+                            ahead=0, stream=0)

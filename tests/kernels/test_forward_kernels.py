@@ -24,6 +24,7 @@ from forward_checks import (
     fill_combine_inbox,
     forwarded_for,
     inboxes,
+    relay_all,
     send_to_inboxes,
 )
 from world import bits, kernel_world, random_payload
@@ -56,11 +57,7 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
     clear_remote_regions(world, topology, PARITY)
     boxes = inboxes(world, scaleup)
     send_to_inboxes(world, boxes, topology, sent, PARITY)  # the count words too: the relay copies the inbox's
-    for f, box in enumerate(boxes):
-        world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
-                            [v.meta for v in world.views], [v.counts for v in world.views],
-                            node_first=topology.node_ranks(topology.node_of(f)).start, step=world.step(PARITY),
-                            ahead=0, stream=0)
+    relay_all(world, boxes, topology, PARITY)
     for d in range(ranks):
         np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
 
@@ -81,11 +78,7 @@ def test_a_replayed_relay_leaves_the_flat_rows_and_no_count_words(xp):
                 flat[d][world.sym.count_at(PARITY, s): world.sym.count_at(PARITY, s) + 8 * world.sym.count_words] = 0
     boxes = inboxes(world, scaleup)
     send_to_inboxes(world, boxes, topology, sent, PARITY, new_routing=False)
-    for f, box in enumerate(boxes):
-        world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
-                            [v.meta for v in world.views], [v.counts for v in world.views],
-                            node_first=topology.node_ranks(topology.node_of(f)).start, step=world.step(PARITY),
-                            ahead=0, stream=0)
+    relay_all(world, boxes, topology, PARITY)
     for d in range(ranks):
         np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
 
