@@ -16,7 +16,8 @@ the token is not sent); a combine block holds a rank's partials in its slot orde
   source token, rank ``j``'s local expert ids, the weight bits as sent) and the count words of rank ``j``.
 * :func:`combine_meta_kernel` (combine, on each rank): the header and the token and id words of the meta rows of its
   partials for the sources of other nodes, in the blocks of their forwarders (the send kernels write the rows and
-  weight bits there through the same views).
+  weight bits there through the same views, ``ep_comm.contract.forward_inbox.combine_send_views``: the combine
+  blocks' meta rows are the inbox's ``combine_meta``).
 * :func:`node_reduce_kernel` (combine): per source forwarded for and token, the float32 sum from 0 of the partials
   of the node's ranks holding it, ascending rank, rounded to the payload dtype (``ep_comm.contract.reduce.node_sum``),
   into the source at ``[parity, this rank, token]``, with the meta row ``(token, -1 * K, each entry's weight from
@@ -315,18 +316,17 @@ def write_sum_meta(meta, token, bits, num_topk):
 
 
 @kernel
-def node_reduce_kernel(inbox_rows, inbox_meta, inbox_header, rows_is_bf16, hidden, sources, step, ahead, my_rank, rows,
-                       metas):
+def node_reduce_kernel(inbox_rows, inbox_meta, inbox_header, rows_is_bf16, hidden, node_size, sources, step, ahead,
+                       my_rank, rows, metas):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.node_reduce`. One warp per (source, rank ``j`` of this
     node, row of ``j``'s block); the warp of a token's lowest holder sums it (:func:`held_slots`, :func:`sum_held`),
     the others skip it. ``inbox_rows [2, R, max_tokens, >= hidden]`` and ``rows[r] [2, R, max_tokens, >= hidden]``
-    payload elements (bfloat16 as uint16 with ``rows_is_bf16``); ``sources`` int32 ``[n]``: the ranks forwarded
-    for."""
+    payload elements (bfloat16 as uint16 with ``rows_is_bf16``); ``inbox_meta [2, R, max_tokens, 1 + 2K]`` int32:
+    the inbox's combine meta rows; ``sources`` int32 ``[n]``: the ranks forwarded for; ``node_size``: ``S``."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     max_tokens = inbox_rows.shape[2]
     num_topk = (metas[0].shape[3] - 1) // 2
-    node_size = inbox_meta.shape[3] - metas[0].shape[3]
     item, num_warps = global_warp()
     item = np.int32(item)
     while item < len(sources) * node_size * max_tokens:

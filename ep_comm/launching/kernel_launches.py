@@ -494,8 +494,8 @@ class Kernels(LaunchShapes):
         (``[N, K]``: compact, the dispatch's ``recv_topk_idx``; expand, ``recv_src_metadata[:, 2:]``: >= 0 where
         this rank owns the entry) into ``metas[src][parity, my_rank, slot]``, and the rows from each such source into
         ``headers[src][parity, my_rank]`` (``[2, R, 2]`` int64 views). ``metas``/``headers``: per source, views of the
-        forwarder's inbox block in which every rank index is the block (a zero stride); the entries of this node's
-        sources are not written. The rows and weight bits go through :meth:`combine_scatter` and
+        forwarder's inbox in which ``[parity, my_rank]`` is the block (``forward_inbox.combine_send_views``); the
+        entries of this node's sources are not written. The rows and weight bits go through :meth:`combine_scatter` and
         ``ep_comm.launching.weight_return.send_weights`` with the same views."""
         work = recv_src_metadata.shape[0] * ids.shape[1] + self.num_ranks
         blocks = max(1, min(self.num_blocks, -(-work // self.threads)))
@@ -509,12 +509,13 @@ class Kernels(LaunchShapes):
         held by a rank of this node (the combine inbox blocks ``node * S + j``), the float32 sum from 0 of their
         partials (``hidden`` elements) in ascending rank, rounded to ``dtype`` (the payload's), into ``rows[source]`` at
         ``[parity, my_rank, token]`` (every rank's ``SymmetricViews.rows``), and its meta row (token, -1 ids, the
-        owners' weight bits) into ``metas[source]``; parity as in :meth:`relay`."""
+        owners' weight bits) into ``metas[source]``; parity as in :meth:`relay`. The blocks' meta rows are read from
+        ``inbox.combine_meta`` (where the combine's send writes them, ``forward_inbox.combine_send_views``)."""
         rows = tuple(rows)
         elements = self._fixed(("payload", dtype), rows, lambda: tuple(payload_rows(v, dtype) for v in rows))
         inbox_elements, is_bf16 = _payload(payload_rows(inbox.rows, dtype))
-        blocks = self._blocks_for(sources.shape[0] * (inbox.meta.shape[3] - 1 - 2 * self.num_topk) * self.max_tokens,
-                                  self.stream_blocks)
+        node_size = inbox.meta.shape[3] - inbox.combine_meta.shape[3]  # the slot columns of a dispatch meta row
+        blocks = self._blocks_for(sources.shape[0] * node_size * self.max_tokens, self.stream_blocks)
         self._launch(node_reduce_kernel, stream, blocks=blocks)(
-            inbox_elements, inbox.meta, inbox.header, is_bf16, hidden, sources, step, ahead, my_rank, elements,
-            tuple(metas))
+            inbox_elements, inbox.combine_meta, inbox.header, is_bf16, hidden, node_size, sources, step, ahead,
+            my_rank, elements, tuple(metas))

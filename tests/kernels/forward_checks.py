@@ -4,20 +4,30 @@ here), and what the design says a dispatch block holds. The inbox of each rank l
 (``ForwardInbox.total_bytes``, the symmetric part unused)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 from world import World, routing_verdict, with_verdict
 
 from ep_comm.contract import layout as ref
-from ep_comm.contract.forward_inbox import ForwardInbox, InboxViews, inbox_views
+from ep_comm.contract.forward_inbox import ForwardInbox, InboxViews, combine_send_views, inbox_views
 from ep_comm.contract.symmetric import word_dtype
 from ep_comm.contract.topology import Topology
 
 
-def inboxes(world: World, scaleup_ranks: int) -> list:
-    """Every rank's zeroed :class:`InboxViews` for ``world`` in nodes of ``scaleup_ranks``."""
+def inbox_buffers(world: World, scaleup_ranks: int) -> list:
+    """Every rank's zeroed inbox buffer for ``world`` in nodes of ``scaleup_ranks`` (uint8, ``ForwardInbox.total_bytes``,
+    the symmetric part unused)."""
+    inbox = ForwardInbox(world.sym, scaleup_ranks)
+    return [world.xp.zeros(inbox.total_bytes, np.uint8) for _ in range(world.num_ranks)]
+
+
+def inboxes(world: World, scaleup_ranks: int, buffers: Optional[list] = None) -> list:
+    """Every rank's :class:`InboxViews` for ``world`` in nodes of ``scaleup_ranks``, of ``buffers``
+    (:func:`inbox_buffers`; default: zeroed ones)."""
     inbox = ForwardInbox(world.sym, scaleup_ranks)
     word = word_dtype(world.hidden, world.dtype.itemsize)
-    return [inbox_views(world.xp.zeros(inbox.total_bytes, np.uint8), inbox, word) for _ in range(world.num_ranks)]
+    return [inbox_views(b, inbox, word) for b in buffers or inbox_buffers(world, scaleup_ranks)]
 
 
 def forwarded_for(topology: Topology, rank: int) -> list:
@@ -82,8 +92,8 @@ def fill_combine_meta(box: InboxViews, parity: int, block: int, tokens: np.ndarr
     given (slot) order: ``tokens [n]`` source tokens, ``meta [n, <= 2K]`` int32 local ids, then weight bits."""
     n = len(tokens)
     box.header[parity, block] = xp.asarray(np.array([n, 0], np.int64))
-    box.meta[parity, block, :n, 0] = xp.asarray(tokens.astype(np.int32))
-    box.meta[parity, block, :n, 1: 1 + meta.shape[1]] = xp.asarray(meta)
+    box.combine_meta[parity, block, :n, 0] = xp.asarray(tokens.astype(np.int32))
+    box.combine_meta[parity, block, :n, 1: 1 + meta.shape[1]] = xp.asarray(meta)
 
 
 def fill_combine_inbox(box: InboxViews, parity: int, block: int, tokens: np.ndarray, meta: np.ndarray,
@@ -94,31 +104,25 @@ def fill_combine_inbox(box: InboxViews, parity: int, block: int, tokens: np.ndar
     box.rows[parity, block, :len(tokens), : words.shape[1]] = xp.asarray(words)
 
 
-def toward_block(region, block: int, num_ranks: int, xp):
-    """A ``[2, R, ...]`` view of an inbox region (``rows``, ``meta`` or ``header``) in which ``[parity, r, slot]`` is
-    ``[parity, block, slot]`` for every ``r`` (a zero stride on the rank axis): the combine's send kernels, which
-    write ``[parity, my_rank, slot]`` of each source's view, then write into the forwarder's block."""
-    part = region[:, block]
-    return xp.lib.stride_tricks.as_strided(part, shape=(2, num_ranks) + part.shape[1:],
-                                           strides=(part.strides[0], 0) + part.strides[1:])
-
-
-def combine_views(world: World, boxes: list, topology: Topology, me: int) -> tuple:
+def combine_views(world: World, buffers: list, topology: Topology, me: int) -> tuple:
     """``(rows, metas, headers)`` per source, as rank ``me``'s combine sends: a source of its node's own symmetric
-    views (and its own inbox header, not written), a source of another node the block ``node(source) * S +
-    local(me)`` of that source's forwarder in ``me``'s node (:func:`toward_block`)."""
+    views (and a header view of ``me``'s own inbox, not written), a source of another node the block ``node(source) *
+    S + local(me)`` of that source's forwarder in ``me``'s node, through the C-contiguous views the GPU takes
+    (``forward_inbox.combine_send_views`` of the forwarder's inbox buffer, ``buffers``: :func:`inbox_buffers`)."""
+    inbox = ForwardInbox(world.sym, topology.scaleup_ranks)
+    word = word_dtype(world.hidden, world.dtype.itemsize)
     rows, metas, headers = [], [], []
     for src in range(world.num_ranks):
         if topology.in_reach(me, src):
             rows.append(world.views[src].rows)
             metas.append(world.views[src].meta)
-            headers.append(boxes[me].header)
+            headers.append(inbox_views(buffers[me], inbox, word).header)
             continue
-        box = boxes[topology.forwarder(src, topology.node_of(me))]
         block = topology.node_of(src) * topology.scaleup_ranks + topology.local_index(me)
-        rows.append(toward_block(box.rows, block, world.num_ranks, world.xp))
-        metas.append(toward_block(box.meta, block, world.num_ranks, world.xp))
-        headers.append(toward_block(box.header, block, world.num_ranks, world.xp))
+        views = combine_send_views(buffers[topology.forwarder(src, topology.node_of(me))], inbox, me, block, word)
+        rows.append(views.rows)
+        metas.append(views.meta)
+        headers.append(views.header)
     return rows, metas, headers
 
 

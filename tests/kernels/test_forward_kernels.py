@@ -8,8 +8,9 @@ every forwarder leaves every rank's symmetric buffer byte for byte as the flat s
 writes into a source are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever
 the order the partials sit in, with each entry's weight from the rank owning its expert
 (``mpi_forwarding.gather_owned_weights``). A whole forwarded compact combine (the flat send kernels and the meta kernel
-writing a remote source's partials into its forwarder's inbox, the node reduce, the source's reduce and weight gather
-with nodes) is ``ep_comm.testing.forwarded`` bit for bit, every piece written by its kernel."""
+writing a remote source's partials into its forwarder's inbox through the C-contiguous views the GPU takes,
+``forward_inbox.combine_send_views``, the node reduce, the source's reduce and weight gather with nodes) is
+``ep_comm.testing.forwarded`` bit for bit, every piece written by its kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,6 +24,7 @@ from forward_checks import (
     device_ranks,
     fill_combine_inbox,
     forwarded_for,
+    inbox_buffers,
     inboxes,
     relay_all,
     send_to_inboxes,
@@ -35,7 +37,6 @@ from ep_comm.contract.arrays import to_host
 from ep_comm.contract.reduce import node_sum
 from ep_comm.contract.symmetric import payload_rows
 from ep_comm.contract.topology import Topology
-from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.launching import weight_return
 from ep_comm.testing.forwarded import Forwarded, forwarded_combine
 
@@ -162,11 +163,11 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
         np.testing.assert_array_equal(meta[:, 1 + k:], weights.view(np.int32))
 
 
-def _send_partials(world, boxes, topology, d: int, received, y, step) -> None:
+def _send_partials(world, buffers, topology, d: int, received, y, step) -> None:
     """Rank ``d``'s compact combine send, forwarded: rows, weights and meta words through :func:`combine_views`."""
     k, xp, got = world.kernels, world.xp, received[d]
     metadata = xp.asarray(got.recv_src_metadata)
-    rows, metas, headers = combine_views(world, boxes, topology, d)
+    rows, metas, headers = combine_views(world, buffers, topology, d)
     k.combine_scatter(world.device_payload(y), metadata, got.counts.rank_psum, rows, my_rank=d, step=step,
                       expand=False, stream=0)
     weight_return.send_weights(lambda kernel, blocks, threads: k.launcher(kernel, blocks, threads, stream=0),
@@ -176,8 +177,6 @@ def _send_partials(world, boxes, topology, d: int, received, y, step) -> None:
                    node_size=topology.scaleup_ranks, step=step, ahead=0, stream=0)
 
 
-@pytest.mark.skipif(not SIMULATED, reason="needs the simulator: the zero-stride inbox views of the combine's send "
-                    "(forward_checks.toward_block) do not compile on a GPU (docs/design.md, 'Forwarding on nvshmem')")
 @pytest.mark.parametrize("ranks, scaleup, dtype, hidden", [
     (4, 2, "bfloat16", 40),  # the wide bfloat16 reduce
     (6, 3, "float32", 20),
@@ -190,9 +189,10 @@ def test_forwarded_compact_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidd
     sent, received = run_dispatch(world, deterministic=False, expand=False)  # parity 1; the combine's is 0
     rng = np.random.default_rng(ranks + scaleup)
     ys = [random_payload(rng, (got.recv_src_metadata.shape[0], hidden), world.dtype) for got in received]
-    boxes, step, k = inboxes(world, scaleup), world.step(0), world.kernels
+    buffers = inbox_buffers(world, scaleup)
+    boxes, step, k = inboxes(world, scaleup, buffers), world.step(0), world.kernels
     for d in range(ranks):
-        _send_partials(world, boxes, topology, d, received, ys[d], step)
+        _send_partials(world, buffers, topology, d, received, ys[d], step)
     for f, box in enumerate(boxes):
         k.node_reduce(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
                       [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden, step=step, ahead=0,
