@@ -103,7 +103,6 @@ FORWARDING_NOT_BUILT = (
     "the launch sequence of a forwarded dispatch and combine",
     "the scatter's skip of other nodes",
     "the inbox's staging blocks and puts",
-    "C-contiguous inbox views for the combine's send",
 )
 
 
