@@ -7,7 +7,7 @@ every forwarder leaves every rank's symmetric buffer byte for byte as the flat s
 (rows, meta rows, count words), so the receive kernels read the flat path's bytes. Node reduce: the rows a forwarder
 writes into a source are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever
 the order the partials sit in, with each entry's weight from the rank owning its expert
-(``mpi_forwarding.gather_owned_weights``). A whole forwarded compact combine (the flat send kernels and the meta kernel
+(``mpi_forwarding.gather_owned_weights``). A whole forwarded combine, compact and expand (the flat send kernels and the meta kernel
 writing a remote source's partials into its forwarder's inbox through the C-contiguous views the GPU takes,
 ``forward_inbox.combine_send_views``, the node reduce, the source's reduce and weight gather with nodes) is
 ``ep_comm.testing.forwarded`` bit for bit, every piece written by its kernel."""
@@ -34,7 +34,7 @@ from world import bits, kernel_world, random_payload
 from ep_comm.backends.mpi_forwarding import gather_owned_weights
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
-from ep_comm.contract.reduce import node_sum
+from ep_comm.contract.reduce import expand_partials, node_sum
 from ep_comm.contract.symmetric import payload_rows
 from ep_comm.contract.topology import Topology
 from ep_comm.launching import weight_return
@@ -163,36 +163,57 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
         np.testing.assert_array_equal(meta[:, 1 + k:], weights.view(np.int32))
 
 
-def _send_partials(world, buffers, topology, d: int, received, y, step) -> None:
-    """Rank ``d``'s compact combine send, forwarded: rows, weights and meta words through :func:`combine_views`."""
+def _send_partials(world, buffers, topology, d: int, received, y, step, row_weights) -> None:
+    """Rank ``d``'s combine send, forwarded: rows (expand: reduced from the expanded rows ``y``, weighted by
+    ``row_weights [M]`` or None), weights and meta words through :func:`combine_views`."""
     k, xp, got = world.kernels, world.xp, received[d]
+    expand = got.recv_topk_idx.ndim == 1
     metadata = xp.asarray(got.recv_src_metadata)
     rows, metas, headers = combine_views(world, buffers, topology, d)
     k.combine_scatter(world.device_payload(y), metadata, got.counts.rank_psum, rows, my_rank=d, step=step,
-                      expand=False, stream=0)
+                      expand=expand, weights=world.dev(row_weights), stream=0)
     weight_return.send_weights(lambda kernel, blocks, threads: k.launcher(kernel, blocks, threads, stream=0),
-                               xp.asarray(got.recv_topk_weights.view(np.int32)), False, metadata,
+                               xp.asarray(got.recv_topk_weights.view(np.int32).reshape(len(got.recv_x), -1)), expand,
+                               metadata,
                                got.counts.rank_psum, metas, my_rank=d, step=step, ahead=0, max_blocks=4)
-    k.combine_meta(metadata, xp.asarray(got.recv_topk_idx), got.counts.rank_psum, metas, headers, my_rank=d,
+    ids = got.recv_src_metadata[:, 2:] if expand else got.recv_topk_idx
+    k.combine_meta(metadata, xp.asarray(ids), got.counts.rank_psum, metas, headers, my_rank=d,
                    node_size=topology.scaleup_ranks, step=step, ahead=0, stream=0)
 
 
-@pytest.mark.parametrize("ranks, scaleup, dtype, hidden", [
-    (4, 2, "bfloat16", 40),  # the wide bfloat16 reduce
-    (6, 3, "float32", 20),
-    (6, 2, "float16", 24),  # 3 nodes
+def _partial_rows(world, sent, received, ys, row_weights, d: int) -> tuple:
+    """``(meta [n, 2 + K], partials [n, H])`` of rank ``d``'s received rows: ``ys[d]`` itself (compact) or
+    ``reduce.expand_partials`` of its expanded rows (expand)."""
+    got = received[d]
+    n = len(world.arrivals(d, sent))
+    meta = got.recv_src_metadata[:n]
+    if got.recv_topk_idx.ndim == 1:
+        return meta, expand_partials(ys[d], meta[:, 2:], row_weights[d], world.dtype)
+    return meta, ys[d][:n]
+
+
+@pytest.mark.parametrize("ranks, scaleup, dtype, hidden, expand", [
+    (4, 2, "bfloat16", 40, False),  # the wide bfloat16 reduce
+    (6, 3, "float32", 20, False),
+    (6, 2, "float16", 24, False),  # 3 nodes
+    (4, 2, "float32", 24, True),  # expand: each rank's weighted reduce of its expanded rows is its partial
+    (6, 2, "bfloat16", 40, True),  # 3 nodes
 ])
-def test_forwarded_compact_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidden):
+def test_forwarded_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidden, expand):
     world = kernel_world(xp, seed=70 + ranks + scaleup, ranks=ranks, experts=2 * ranks, topk=3, hidden=hidden,
                          dtype=dtype, tokens=(10, 13, 0, 7, 9, 5)[:ranks], masked=0.2, nowhere=1)
     topology = Topology.of(ranks, scaleup)
-    sent, received = run_dispatch(world, deterministic=False, expand=False)  # parity 1; the combine's is 0
+    sent, received = run_dispatch(world, deterministic=False, expand=expand, alignment=2 if expand else 1,
+                                  zero_padding=expand)  # parity 1; the combine's is 0
     rng = np.random.default_rng(ranks + scaleup)
-    ys = [random_payload(rng, (got.recv_src_metadata.shape[0], hidden), world.dtype) for got in received]
+    sizes = [len(got.recv_x) if expand else got.recv_src_metadata.shape[0] for got in received]
+    ys = [random_payload(rng, (n, hidden), world.dtype) for n in sizes]
+    row_weights = [rng.standard_normal(n).astype(np.float32) if expand else None for n in sizes]
     buffers = inbox_buffers(world, scaleup)
     boxes, step, k = inboxes(world, scaleup, buffers), world.step(0), world.kernels
     for d in range(ranks):
-        _send_partials(world, buffers, topology, d, received, ys[d], step)
+        _send_partials(world, buffers, topology, d, received, ys[d], step, row_weights[d])
+    from_rank = [_partial_rows(world, sent, received, ys, row_weights, d) for d in range(ranks)]
     for f, box in enumerate(boxes):
         k.node_reduce(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
                       [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden, step=step, ahead=0,
@@ -200,16 +221,17 @@ def test_forwarded_compact_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidd
     for s in range(ranks):
         tokens = world.topk[s].shape[0]
         partials = []
-        for d, got in enumerate(received):
+        for meta, partial in from_rank:
             rows = np.zeros((tokens, hidden), world.dtype)
-            mine = got.recv_src_metadata[:, 0] // world.max_tokens == s
-            rows[got.recv_src_metadata[mine, 0] % world.max_tokens] = ys[d][mine]
+            mine = meta[:, 0] // world.max_tokens == s
+            rows[meta[mine, 0] % world.max_tokens] = partial[mine]
             partials.append(rows)
         reached = ref.is_token_in_rank(world.topk[s], world.num_experts, ranks)
         out = xp.full((tokens, hidden), 3, world.device_payload(world.x[s]).dtype)
         slot_idx, topk = xp.asarray(sent[s].slot_idx), world.dev(world.topk[s])
-        k.combine_reduce(world.views[s].rows, step, slot_idx, topk, out, my_rank=s, y=world.device_payload(ys[s]),
-                         recv_rank_psum=received[s].counts.rank_psum, node_size=scaleup, stream=0)
+        own = {} if expand else dict(y=world.device_payload(ys[s]), recv_rank_psum=received[s].counts.rank_psum)
+        k.combine_reduce(world.views[s].rows, step, slot_idx, topk, out, my_rank=s, node_size=scaleup, **own,
+                         stream=0)
         want = forwarded_combine(partials, reached, Forwarded(s, scaleup))
         np.testing.assert_array_equal(bits(to_host(out)), bits(want), err_msg=f"source {s}")
         weight_bits = xp.full((tokens, world.num_topk), 7, np.int32)
