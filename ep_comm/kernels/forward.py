@@ -165,14 +165,15 @@ def relay_counts(inbox_header, inbox_counts, senders, node_first, node_size, par
 
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def relay_kernel(inbox_rows, inbox_meta, inbox_header, inbox_counts, senders, node_first, experts_per_rank, step,
-                 ahead, span, wide, rows, metas, counts):
+                 ahead, span, wide, words, rows, metas, counts):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.relay`. One warp per (sender, token, piece of ``span``
     words); the warp of a row's first piece writes its meta rows; the first ``len(senders) * S`` warps also copy the
     count words (:func:`relay_counts`). ``senders`` int32 ``[n]``: the ranks this rank forwards for (one per other
-    node); ``rows``/``metas``/``counts``: every rank's symmetric views (peer views), only this node's written."""
+    node); ``rows``/``metas``/``counts``: every rank's symmetric views (peer views), only this node's written;
+    ``words``: the words of a row the senders wrote (fewer than the inbox row's for packed FP8 rows)."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
-    max_tokens, words = inbox_rows.shape[2], inbox_rows.shape[3]
+    max_tokens = inbox_rows.shape[2]
     meta_words = metas[0].shape[3]
     node_size = inbox_meta.shape[3] - meta_words  # the slot columns of an inbox meta row
     num_topk = (meta_words - 1) // 2

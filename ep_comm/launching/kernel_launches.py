@@ -471,20 +471,27 @@ class Kernels(LaunchShapes):
             tuple(headers), tuple(counts))
 
     def relay(self, inbox: InboxViews, senders: Array, rows: Sequence[Array], metas: Sequence[Array],
-              counts: Sequence[Array], *, node_first: int, step: Array, stream: Any, ahead: int = 1) -> None:
+              counts: Sequence[Array], *, node_first: int, step: Array, stream: Any, ahead: int = 1,
+              row_words: Optional[int] = None) -> None:
         """The forwarder's dispatch relay (``ep_comm.kernels.forward.relay_kernel``): each row of the dispatch inbox
         blocks of ``senders`` (int32 ``[n]`` on the device, the ranks this rank forwards for) into the ranks of this
         node where its meta row names a slot, at ``[parity, sender, slot]`` of ``rows``/``metas`` (every rank's
         ``SymmetricViews.rows``/``.meta``, peer views), and each block's count words into ``counts`` (every rank's
         ``SymmetricViews.counts``) when its header says they were sent. ``inbox``: this rank's
         :func:`~ep_comm.contract.forward_inbox.inbox_views`; ``node_first``: the first rank of this node; the parity
-        is that of step ``step[0] + ahead`` (the relay runs before the step's signal advances the counter)."""
-        rows, words = tuple(rows), inbox.rows.shape[3]
+        is that of step ``step[0] + ahead`` (the relay runs before the step's signal advances the counter).
+        ``row_words``: the words of a row the senders' inbox send wrote (:meth:`inbox_send`'s row words: fewer than the
+        inbox row's for packed FP8 rows, ``packed_row_bytes(hidden) // 8``); None: the inbox row's. Only those are
+        copied, as the flat scatter writes only those."""
+        rows = tuple(rows)
+        words = inbox.rows.shape[3] if row_words is None else row_words
+        if not 0 <= words <= inbox.rows.shape[3]:
+            raise ValueError(f"row_words={row_words}: must be in [0, {inbox.rows.shape[3]}], the words of an inbox row")
         wide = wide_rows(inbox.rows) and self._wide(rows)
         span, blocks = self._row_pieces(senders.shape[0] * self.max_tokens, words, _copy_step(wide))
         self._launch(relay_kernel, stream, blocks=blocks)(
             inbox.rows, inbox.meta, inbox.header, inbox.counts, senders, node_first, self.num_local, step, ahead,
-            span, wide, rows, tuple(metas), tuple(counts))
+            span, wide, words, rows, tuple(metas), tuple(counts))
 
     def combine_meta(self, recv_src_metadata: Array, ids: Array, rank_psum: Array, metas: Sequence[Array],
                      headers: Sequence[Array], *, my_rank: int, node_size: int, step: Array, stream: Any,

@@ -59,7 +59,8 @@ def send_to_inboxes(world: World, boxes: list, topology: Topology, sent: list, p
     (``sent[s].layout.count_words``)."""
     for s in range(world.num_ranks):
         targets = [boxes[topology.forwarder(s, node)] for node in range(topology.num_nodes)]
-        world.kernels.inbox_send(world.device_payload(world.x[s]), world.dev(world.topk[s]), world.dev(world.w[s]),
+        payload = world.device_payload(world.x[s]) if world.sources is None else world.sources[s]  # FP8: Fp8Rows
+        world.kernels.inbox_send(payload, world.dev(world.topk[s]), world.dev(world.w[s]),
                                  world.dev(sent[s].slot_idx), [box.rows for box in targets],
                                  [box.meta for box in targets], [box.header for box in targets],
                                  [box.counts for box in targets], src_rank=s,
@@ -131,11 +132,11 @@ def device_ranks(world: World, ranks: list):
     return world.xp.asarray(np.array(ranks, np.int32))
 
 
-def relay_all(world: World, boxes: list, topology: Topology, parity: int) -> None:
+def relay_all(world: World, boxes: list, topology: Topology, parity: int, row_words: Optional[int] = None) -> None:
     """Every forwarder's ``Kernels.relay`` of its inbox (``boxes[f]``) into the ranks of its node, for the ranks it
-    forwards for, in the parity ``parity``."""
+    forwards for, in the parity ``parity``, rows of ``row_words`` words (None: the inbox row's)."""
     for f, box in enumerate(boxes):
         world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
                             [v.meta for v in world.views], [v.counts for v in world.views],
                             node_first=topology.node_ranks(topology.node_of(f)).start, step=world.step(parity),
-                            ahead=0, stream=0)
+                            ahead=0, stream=0, row_words=row_words)

@@ -29,11 +29,13 @@ from forward_checks import (
     relay_all,
     send_to_inboxes,
 )
+from fp8_world import narrow_world
 from world import bits, kernel_world, random_payload
 
 from ep_comm.backends.mpi_forwarding import gather_owned_weights
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
+from ep_comm.contract.fp8 import packed_row_bytes
 from ep_comm.contract.reduce import expand_partials, node_sum
 from ep_comm.contract.symmetric import payload_rows
 from ep_comm.contract.topology import Topology
@@ -59,6 +61,27 @@ def test_relay_leaves_the_flat_bytes(xp, ranks, scaleup, tokens, deterministic, 
     boxes = inboxes(world, scaleup)
     send_to_inboxes(world, boxes, topology, sent, PARITY)  # the count words too: the relay copies the inbox's
     relay_all(world, boxes, topology, PARITY)
+    for d in range(ranks):
+        np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
+
+
+@pytest.mark.parametrize("source", ["rows", "pair", "cast"])
+def test_fp8_rows_are_relayed_as_the_flat_scatter_writes_them(xp, source):
+    """An FP8 dispatch (packed rows narrower than the symmetric rows: prepared, or written by the inbox send from the
+    pair or cast as it reads them, as the scatter does): the inbox send and the relay leave the flat bytes, the relay
+    copying only the packed words (the inbox rows' tails hold an earlier, wider step's bytes here)."""
+    ranks, scaleup = 4, 2
+    world = narrow_world(xp, seed=53, hidden=256, source=source, ranks=ranks, experts=4 * ranks,
+                         tokens=(5, 0, 7, 4), masked=0.2)
+    topology = Topology.of(ranks, scaleup)
+    sent = world.send(PARITY, deterministic=True)
+    flat = [to_host(b).copy() for b in world.buffers]
+    clear_remote_regions(world, topology, PARITY)
+    boxes = inboxes(world, scaleup)
+    for box in boxes:
+        box.rows[PARITY] = np.iinfo(box.rows.dtype).max  # stale bytes past the packed rows
+    send_to_inboxes(world, boxes, topology, sent, PARITY)
+    relay_all(world, boxes, topology, PARITY, row_words=packed_row_bytes(256) // 8)
     for d in range(ranks):
         np.testing.assert_array_equal(to_host(world.buffers[d]), flat[d], err_msg=f"rank {d}'s symmetric buffer")
 
