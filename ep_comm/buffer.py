@@ -55,7 +55,7 @@ class Buffer:
             num_sms: an int >= 1, the SMs the GPU kernels' grids are sized for; None = all (no effect on ``mpi``).
             transport: ``"auto"``, ``"stores"`` or ``"puts"``: how ``nvshmem`` reaches each peer (no effect on ``mpi``).
             scaleup_ranks: ranks per (virtual) node, an int >= 1 dividing ``R``; None = one node.
-            forwarding: a bool: node-aware forwarding across nodes (``mpi`` only).
+            forwarding: a bool: node-aware forwarding across nodes (``mpi``; ``nvshmem`` takes it in one node only).
             profile: a bool: record per-phase timings for :meth:`profile_table`.
             wait_stats: a bool: measure every dispatch's and combine's waits per peer for :meth:`wait_stats`
                 (default on: a few device stores per wait on ``nvshmem``, see docs/design.md, "Wait statistics").

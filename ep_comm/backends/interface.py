@@ -37,7 +37,7 @@ class BackendSettings:
     num_sms: Optional[int] = None  # SMs the GPU kernels are sized for; None: all of the device's
     transport: str = "auto"  # one of contract.choices.TRANSPORTS; the mpi backend has no choice to make
     scaleup_ranks: Optional[int] = None  # ranks per (virtual) node (contract.topology); None: one node
-    forwarding: bool = False  # node-aware forwarding (contract.forward_inbox); built on the mpi backend only
+    forwarding: bool = False  # node-aware forwarding (contract.forward_inbox); across nodes built on mpi only
     profile: bool = False  # record per-phase timings for Backend.profile_table()
     wait_stats: bool = True  # measure every dispatch's and combine's waits per peer (Backend.wait_table())
 

@@ -98,6 +98,30 @@ def puts_peers(settings: BackendSettings, num_ranks: int, me: int) -> Tuple[int,
     return tuple(range(num_ranks)) if settings.transport == "puts" else ()
 
 
+# the pieces of a forwarded step on this backend that are not built (docs/design.md, "Forwarding on nvshmem")
+FORWARDING_NOT_BUILT = (
+    "the launch sequence of a forwarded dispatch and combine",
+    "the scatter's skip of other nodes",
+    "the inbox's staging blocks and puts",
+)
+
+
+def refuse_forwarding(num_ranks: int, settings: BackendSettings) -> None:
+    """ValueError when ``settings.forwarding`` asks for forwarding across several nodes (nodes of
+    ``settings.scaleup_ranks`` ranks): the kernels, the inbox counts and the inbox signals are built, the launch path
+    is not (:data:`FORWARDING_NOT_BUILT`). One node forwards nothing (every rank is its own node's; the contract's
+    forwarded results are the flat ones, as on the mpi backend): accepted. Every rank agreed on both settings
+    (``contract.agreement``), so every rank raises alike."""
+    if not settings.forwarding:
+        return
+    nodes = Topology.of(num_ranks, settings.scaleup_ranks).num_nodes
+    if nodes > 1:
+        raise ValueError(f"forwarding=True with {nodes} nodes (scaleup_ranks={settings.scaleup_ranks} of {num_ranks} "
+                         "ranks) is built on the mpi backend only: on nvshmem " + "; ".join(FORWARDING_NOT_BUILT) +
+                         " are not built (a forwarded step would send flat, so it is refused); use forwarding=False, "
+                         "or backend='mpi'")
+
+
 class NvshmemBackend:
     """GPU backend. Arrays in: CuPy / DLPack / ``__cuda_array_interface__``; arrays out: CuPy.
 
@@ -153,12 +177,10 @@ class NvshmemBackend:
 
         Returns:
             The backend; its kernels sized for ``settings.num_sms`` (ValueError on every rank, with
-            everything released, when that exceeds any rank's SM count). ``settings.forwarding`` raises
-            ValueError before anything is allocated: forwarding is not built here yet.
+            everything released, when that exceeds any rank's SM count). ``settings.forwarding`` with several
+            nodes raises ValueError before anything is allocated (:func:`refuse_forwarding`).
         """
-        if settings.forwarding:  # every rank agreed on it (contract.agreement): every rank raises, nothing allocated
-            raise ValueError("forwarding=True is built on the mpi backend only: the nvshmem backend sends flat "
-                             "(every row to its destination rank); use forwarding=False, or backend='mpi'")
+        refuse_forwarding(geo.num_ranks, settings)  # before anything is allocated
         check_index_range(geo.num_ranks, geo.max_tokens, geo.num_topk)  # before anything collective is allocated
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,

@@ -9,7 +9,9 @@ side: each token sums ``0 + bias terms + the partial of every reached rank, asce
 once; the partial of a reached rank ``r`` is row ``slot`` of ``rows[r]`` in this rank's buffer, or,
 in compact mode for ``r == my_rank``, row ``psum[my_rank - 1] + slot`` of ``y`` (compact rows are
 grouped by source ascending, slot order inside a source; ``psum`` the inclusive prefix sum of the
-rows received per source).
+rows received per source). A forwarded combine (nodes of ``node_size``) replaces the terms of another node's
+ranks by one, at the place of that node's first rank: row ``token`` of its forwarder's region
+(``ep_comm.kernels.forward.node_reduce_kernel`` wrote it).
 
 Both sides have a bfloat16 kernel with 16-byte accesses (``combine_bf16.py``); each gives the bits of its
 general kernel here, which handles every other payload and row shape.
@@ -152,36 +154,57 @@ def combine_expand_kernel(y, y_is_bf16, weights, has_weights, recv_src_metadata,
 
 
 @cuda.jit(device=True)
-def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order):
-    """Write this token's reached ranks by ascending rank into ``order[:K]``, their slots into
-    ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair when ``slot_idx`` has a slot (then
-    its expert id is >= 0).
+def term_place(rank, my_rank, node_size):
+    """Where a reached ``rank``'s term stands in the source's sum: at ``rank`` in this rank's node, at the first
+    rank of its node elsewhere (a forwarded combine: the node's one term, its forwarder's sum); -1 stays -1."""
+    if rank < 0 or quotient32(rank, node_size) == quotient32(my_rank, node_size):
+        return rank
+    return np.int32(quotient32(rank, node_size) * node_size)
+
+
+@cuda.jit(device=True)
+def order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, my_rank, node_size, order):
+    """Write this token's terms by ascending place (:func:`term_place`) into ``order[:K]`` (the rank whose region
+    holds the term) and their rows there into ``order[K:2K]``; return how many. Lane ``k`` holds entry ``k``, a pair
+    when ``slot_idx`` has a slot (then its expert id is >= 0). A rank of this node gives its own term (its slot); the
+    ranks of another node give one term, row ``token`` of the region of their forwarder (the rank of that node with
+    ``my_rank``'s local index). ``node_size``: the ranks per node of a forwarded combine, ``R`` for a flat one.
     """
     lane = lane_id()
     num_topk = slot_idx.shape[1]
     rank = np.int32(-1)  # int32: one register per shuffle
     if lane < num_topk and slot_idx[token, lane] >= 0:
         rank = np.int32(quotient32(topk_idx[token, lane], experts_per_rank))
+    place = term_place(rank, my_rank, node_size)
+    lead = place >= 0  # the node's lowest lane gives a forwarded node's term (a rank of this node has one lane)
+    for k in range(num_topk):
+        if cuda.shfl_sync(FULL_MASK, place, k) == place and k < lane:
+            lead = False
+    leads = ballot(lead)
     position = 0
     for k in range(num_topk):
-        other = cuda.shfl_sync(FULL_MASK, rank, k)
-        if other >= 0 and other < rank:
+        other = cuda.shfl_sync(FULL_MASK, place, k)
+        if (leads >> k) & 1 and other < place:
             position += 1
-    if rank >= 0:
+    if lead and quotient32(rank, node_size) == quotient32(my_rank, node_size):
         order[position] = rank
         order[num_topk + position] = slot_idx[token, lane] - src_base
-    reached = count_lanes(ballot(rank >= 0))
+    elif lead:
+        order[position] = place + my_rank - quotient32(my_rank, node_size) * node_size
+        order[num_topk + position] = token
+    reached = count_lanes(leads)
     cuda.syncwarp(FULL_MASK)
     return reached
 
 
 @kernel
-def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, y,
-                          own_from_y, rank_psum, bias0, bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out,
+def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx, experts_per_rank, my_rank, node_size,
+                          y, own_from_y, rank_psum, bias0, bias0_is_bf16, bias1, bias1_is_bf16, num_bias, out,
                           out_is_bf16, span):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.combine_reduce`; dynamic shared memory: int32 ``[warps * 2K]``.
 
-    With ``own_from_y`` this rank's own partials are rows of ``y``, row ``rank_psum[my_rank - 1] + slot``
+    ``node_size``: see :func:`order_reached_ranks` (``R``: the flat order). With ``own_from_y`` this rank's own
+    partials are rows of ``y``, row ``rank_psum[my_rank - 1] + slot``
     (``rank_psum`` the inclusive psum of the compact rows per source), else ``y`` and ``rank_psum`` are
     not read.
     Each token's row is cut into pieces of ``span`` elements (a multiple of ``SPAN * 32``), one warp per
@@ -204,7 +227,7 @@ def combine_reduce_kernel(rows_by_parity, step, rows_is_bf16, slot_idx, topk_idx
     item = np.int32(item)
     while item < num_tokens * pieces:
         token, begin, end = row_piece(item, pieces, span, hidden)
-        reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
+        reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, my_rank, node_size, order)
         for h in range(begin + lane, end, SPAN * WARP):
             clear_span(acc)
             if num_bias > 0:

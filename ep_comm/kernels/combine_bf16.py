@@ -75,8 +75,8 @@ def add_buffer_terms(acc, rows, order, j0, j1, w, w2, end):
 
 
 @kernel(max_registers=REDUCE_MAX_REGISTERS)
-def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, y, own_from_y,
-                               rank_psum, out, span):
+def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, node_size, y,
+                               own_from_y, rank_psum, out, span):
     """:func:`combine_reduce_kernel` for bfloat16 rows and output without bias, 16 bytes per lane access.
 
     ``rows_by_parity [2, R, max_tokens, W]``, ``y [N, W]`` (read as in :func:`combine_reduce_kernel`)
@@ -105,7 +105,7 @@ def combine_reduce_bf16_kernel(rows_by_parity, step, slot_idx, topk_idx, experts
     item = np.int32(item)
     while item < num_tokens * pieces:
         token, begin, end = row_piece(item, pieces, span, words)
-        reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, order)
+        reached = order_reached_ranks(slot_idx, topk_idx, token, experts_per_rank, src_base, my_rank, node_size, order)
         own = own_term(order, reached, my_rank) if own_first >= 0 else reached
         for w in range(begin + 2 * lane_id(), end, BF16_PASSES * 2 * WARP):
             w2 = w + 2 * WARP

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from numba import cuda
 
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM, set_source_stamp
-from ep_comm.kernels.switches import CACHE_SUFFIX, PDL
+from ep_comm.kernels.switches import CACHE_SUFFIX, LINEINFO, PDL
 
 PACKAGE_DIR = Path(__file__).parent
 PACKAGE_ROOT = PACKAGE_DIR.parent  # ep_comm/
@@ -61,6 +61,8 @@ def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None
                          f"{PACKAGE_DIR} (the cache key covers that package's files only)")
     # the simulator's jit takes no register cap (and has no registers)
     options = {} if max_registers is None or ENABLE_CUDASIM else {"max_registers": max_registers}
+    if LINEINFO and not ENABLE_CUDASIM:
+        options["lineinfo"] = True
     dispatcher = cuda.jit(cache=True, **options)(fn)
     set_source_stamp(dispatcher, CACHE_STAMP)
     # every kernel here starts with pdl_enter (kernels/pdl.py): with EP_COMM_KERNEL_PDL=1 its pre-bound launches

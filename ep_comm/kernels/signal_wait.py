@@ -81,6 +81,10 @@ __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_o
     return seq;
 }
 
+// The status record's sticky missing total, in thread 0 (0 elsewhere: only thread 0 uses it).
+__device__ __forceinline__ i64 read_missing(const i64* status) {
+    return threadIdx.x == 0 ? ((const volatile i64*)status)[1] : 0;
+}
 // The histogram bucket of a delay (module docstring): 0 for 0, 1 below 1024 ns, then two per octave.
 __device__ __forceinline__ int wait_bucket(u64 delay) {
     if (delay == 0) return 0;
@@ -94,11 +98,13 @@ __device__ __forceinline__ int wait_bucket(u64 delay) {
 // when word 0 of its abort record (aborts, int64 [R][abort_words], or NULL) is set: then it is not waited for.
 // status: [want, missing total (sticky), missing flag per rank (sticky), abort word 0 per rank]; the count
 // words (counts_by_parity, or NULL: int64 [2][R][count_words], the step's parity) of a rank that did not
-// arrive are zeroed so that later kernels see an empty, well-formed block. A poll loop spins SPIN_POLLS times,
+// arrive are zeroed so that later kernels see an empty, well-formed block. missing_before: in thread 0, the status
+// record's missing total as read at the kernel's start (read_missing: a load over PCIe, issued before the signal so
+// that its round trip overlaps the signal's stores and fence; only this kernel's end writes it). A poll loop spins SPIN_POLLS times,
 // then backs off; the missing total (a read-modify-write of mapped host memory) and its system fence are paid
 // only when a rank is missing. waits (int64 [R][WAIT_WORDS] or NULL): the per-peer delays (module docstring).
 __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, int kind, u64 timeout_ns,
-                          i64* status, i64* counts_by_parity, int count_words, const i64* aborts, int abort_words,
+                          i64* status, i64 missing_before, i64* counts_by_parity, int count_words, const i64* aborts, int abort_words,
                           i64* waits) {
     const i64 want = seq << 2 | kind, ahead = (seq + 1) << 2;
     i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks * count_words : 0;
@@ -107,7 +113,7 @@ __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, in
     __shared__ u64 longest;  // the longest non-zero delay of this wait
     if (threadIdx.x == 0) {
         missing = 0;
-        poisoned = ((volatile i64*)status)[1] > 0;
+        poisoned = missing_before > 0;
         longest = 0;
     }
     __syncthreads();
@@ -171,9 +177,10 @@ extern "C" __global__ void signal_and_wait(const u64* peers, int num_ranks, int 
                                            int kind, const int* counts, i64 counts_offset, int count_words,
                                            const i64* signals, u64 timeout_ns, i64* status, i64* counts_by_parity,
                                            const i64* aborts, int abort_words, i64* waits) {
+    const i64 missing_before = read_missing(status);
     const i64 seq = signal_step(peers, num_ranks, me, signal_offset, step, kind, counts, counts_offset, count_words);
-    wait_step(signals, num_ranks, me, seq, kind, timeout_ns, status, counts_by_parity, count_words, aborts,
-              abort_words, waits);
+    wait_step(signals, num_ranks, me, seq, kind, timeout_ns, status, missing_before, counts_by_parity, count_words,
+              aborts, abort_words, waits);
 }
 
 // One CTA: the step's signal to every rank (peer stores) without a wait: the send half of a split step, whose
@@ -187,7 +194,7 @@ extern "C" __global__ void send_signal(const u64* peers, int num_ranks, int me, 
 extern "C" __global__ void wait_signals(const i64* signals, int num_ranks, int me, const i64* step, int kind,
                                         u64 timeout_ns, i64* status, i64* counts_by_parity, int count_words,
                                         const i64* aborts, int abort_words, i64* waits) {
-    wait_step(signals, num_ranks, me, step[0], kind, timeout_ns, status, counts_by_parity, count_words, aborts,
-              abort_words, waits);
+    wait_step(signals, num_ranks, me, step[0], kind, timeout_ns, status, read_missing(status), counts_by_parity,
+              count_words, aborts, abort_words, waits);
 }
 """

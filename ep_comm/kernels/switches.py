@@ -24,6 +24,10 @@ change before and after (``tools/measure_kernels46.sh``).
 (:data:`REDUCE_MAX_REGISTERS`, default: the row kernels' cap; ptxas 13.0 fits it in 61 registers without spilling
 at 64, where the copy kernels spill).
 
+``EP_COMM_KERNEL_LINEINFO=1`` (debug, off by default) compiles every ``@kernel`` with line information (numba-cuda's
+``lineinfo``), so that Nsight Compute's source page maps each SASS instruction and its stall samples to a Python line. Set
+``NUMBA_CUDA_ENABLE_NRT=0`` with it: Numba's runtime library does not link into a module with line information.
+
 ``EP_COMM_KERNEL_PDL=1`` (debug, off by default) compiles programmatic dependent launch into every kernel and
 launches them with it (``ep_comm/kernels/pdl.py``, ``ep_comm/_launcher/raw.py``).
 
@@ -57,9 +61,11 @@ ROW_MAX_REGISTERS = None if "bounds" in LEGACY else int(_REGISTERS or DEFAULT_RO
 _REDUCE_REGISTERS = os.environ.get("EP_COMM_KERNEL_REDUCE_MAX_REGISTERS", "").strip()
 REDUCE_MAX_REGISTERS = None if "bounds" in LEGACY else int(_REDUCE_REGISTERS or ROW_MAX_REGISTERS or 0) or None
 PDL = os.environ.get("EP_COMM_KERNEL_PDL", "").strip() == "1"
+LINEINFO = os.environ.get("EP_COMM_KERNEL_LINEINFO", "").strip() == "1"
 CACHE_SUFFIX = (("+legacy:" + ",".join(sorted(LEGACY))) if LEGACY else "") + \
     (f"+registers:{_REGISTERS}" if _REGISTERS else "") + \
-    (f"+reduce-registers:{_REDUCE_REGISTERS}" if _REDUCE_REGISTERS else "") + ("+pdl" if PDL else "")
+    (f"+reduce-registers:{_REDUCE_REGISTERS}" if _REDUCE_REGISTERS else "") + ("+pdl" if PDL else "") + \
+    ("+lineinfo" if LINEINFO else "")
 
 
 def legacy(name: str) -> bool:

@@ -34,11 +34,13 @@ import numpy as np
 from ep_comm._launcher.device_arrays import wide_rows
 from ep_comm._launcher.prebound import prebound_kernel
 from ep_comm.contract.arrays import Array
+from ep_comm.contract.forward_inbox import InboxViews
 from ep_comm.contract.fp8 import packed_row_bytes
 from ep_comm.contract.symmetric import payload_rows, payload_words
 from ep_comm.kernels.combine import SPAN, combine_copy_kernel, combine_expand_kernel, combine_reduce_kernel
 from ep_comm.kernels.combine_bf16 import BF16_PASSES, combine_expand_bf16_kernel, combine_reduce_bf16_kernel
 from ep_comm.kernels.count import count_kernel
+from ep_comm.kernels.forward import combine_meta_kernel, inbox_send_kernel, node_reduce_kernel, relay_kernel
 from ep_comm.kernels.receive import (
     PLACE_ATOMIC,
     PLACE_CACHED,
@@ -396,7 +398,7 @@ class Kernels(LaunchShapes):
 
     def combine_reduce(self, rows: Array, step: Array, slot_idx: Array, topk_idx: Array, out: Array, *,
                        my_rank: int, stream: Any, bias: Optional[Sequence[Array]] = None, y: Optional[Array] = None,
-                       recv_rank_psum: Optional[Array] = None) -> None:
+                       recv_rank_psum: Optional[Array] = None, node_size: int = 0) -> None:
         """Source-side sum into ``out [T, H]``: ``0 + bias terms + partial of each reached rank, ascending``.
 
         ``rows``: this rank's ``[2, R, max_tokens, ...]`` rows, read at the parity of ``step`` (words or payload
@@ -405,6 +407,8 @@ class Kernels(LaunchShapes):
         dtype) and ``recv_rank_psum`` (int32 ``[R]``, the dispatch's inclusive psum of rows per source):
         this rank's own partials are then read from ``y`` (row ``recv_rank_psum[my_rank - 1] + slot``),
         as :meth:`combine_scatter` did not copy them; expand mode gives neither (they are in ``rows``).
+        ``node_size`` (a forwarded combine: ranks per node; 0 = flat): the ranks of another node give one term, at
+        the place of its first rank, row ``token`` of its forwarder's region (:meth:`node_reduce` wrote it).
         """
         if (y is None) != (recv_rank_psum is None):
             raise ValueError(f"y is {'None' if y is None else 'given'} but recv_rank_psum is "
@@ -418,18 +422,107 @@ class Kernels(LaunchShapes):
         # without y (expand) the kernels get a stand-in of y's array type, never read: a block of rows
         from_y = y is not None
         psum = recv_rank_psum if from_y else self._work.rank_cursor
+        node_size = node_size or self.num_ranks
         if out_bf16 and not terms:  # the common case, 16 bytes per access when every row array allows it
             out_words = payload_words(out)
             y_words = payload_words(y) if from_y else self._fixed("first block", rows, lambda: rows[0, 0])
             if wide_rows(out_words, y_words) and self._wide(rows):
                 span, blocks = self._row_pieces(out.shape[0], out_words.shape[1], BF16_PASSES * 2 * WARP)
                 self._launch(combine_reduce_bf16_kernel, stream, shared, blocks)(
-                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, y_words, from_y, psum, out_words, span)
+                    rows, step, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_words, from_y, psum,
+                    out_words, span)
                 return
         padded = terms + [(self._work.no_bias, False)] * (2 - len(terms))
         span, blocks = self._row_pieces(out.shape[0], out.shape[1], SPAN * WARP)
         elements = self._fixed(("payload", out.dtype), rows, lambda: payload_rows(rows, out.dtype))
         y_elements = _payload(y)[0] if from_y else self._fixed("first block", elements, lambda: elements[0, 0])
         self._launch(combine_reduce_kernel, stream, shared, blocks)(
-            elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, y_elements, from_y, psum,
+            elements, step, out_bf16, slot_idx, topk_idx, self.num_local, my_rank, node_size, y_elements, from_y, psum,
             *padded[0], *padded[1], len(terms), out_raw, out_bf16, span)
+
+    def inbox_send(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
+                   rows: Sequence[Array], metas: Sequence[Array], headers: Sequence[Array], counts: Sequence[Array],
+                   *, src_rank: int, count_words: Optional[Array], step: Array, stream: Any, ahead: int = 1) -> None:
+        """A forwarded dispatch's send to the other nodes (``ep_comm.kernels.forward.inbox_send_kernel``): per node
+        ``n`` other than this rank's, the block ``node(src_rank) * S`` of its forwarder's inbox: ``rows[n]`` ``[2, R,
+        max_tokens, W]`` words (its :class:`~ep_comm.contract.forward_inbox.InboxViews` ``rows``, or a staging view of
+        that shape), ``metas[n]`` ``[2, R, max_tokens, relay_words]`` int32 and ``headers[n]`` ``[2, R, 2]`` int64
+        (C-contiguous, as the compiled row copies need; this node's entries: any arrays of those kinds, not
+        written): row ``t`` = token ``t`` of ``x`` where it goes to a rank of ``n``, a meta row for every token
+        (token, global ids, weight bits, its slot in each rank of ``n`` from ``slot_idx``, as :meth:`scatter`
+        recorded or replayed them), and the header ``(T, new_routing)``; parity of step ``step[0] + ahead``. ``x``, ``topk_idx``,
+        ``topk_weights``: as in :meth:`scatter` (FP8 rows included). ``count_words``: a new routing's send block
+        (``SendLayout.count_words``, int32 ``[R, 1 + L + 2]``), whose row ``n * S + j`` goes into block
+        ``node(src_rank) * S + j`` of ``counts[n]`` (``[2, R, 1 + L + 2]`` int64, the forwarder's inbox counts) and the
+        header's word 1 is 1; None for a replay (nothing written there, word 1 is 0)."""
+        weights = self._work.no_weights if topk_weights is None else topk_weights.view(np.int32)
+        new_routing = count_words is not None
+        if new_routing and tuple(count_words.shape) != (self.num_ranks, counts[0].shape[2]):
+            raise ValueError(f"count_words has shape {tuple(count_words.shape)}: must be [R, count words] = "
+                             f"{(self.num_ranks, int(counts[0].shape[2]))}, one row per destination rank as the "
+                             "inbox counts hold them")
+        source, row_words = self._row_source(x)
+        rows = tuple(rows)
+        wide = wide_rows(source[0]) and self._wide(rows)
+        span, blocks = self._row_pieces(len(rows) * x.shape[0], row_words, _copy_step(wide))
+        self._launch(inbox_send_kernel, stream, blocks=blocks)(
+            source, row_words, wide, topk_idx, weights, topk_weights is not None, slot_idx, self.num_local, src_rank,
+            new_routing, count_words if new_routing else self._work.no_weights, step, ahead, span, rows, tuple(metas),
+            tuple(headers), tuple(counts))
+
+    def relay(self, inbox: InboxViews, senders: Array, rows: Sequence[Array], metas: Sequence[Array],
+              counts: Sequence[Array], *, node_first: int, step: Array, stream: Any, ahead: int = 1,
+              row_words: Optional[int] = None) -> None:
+        """The forwarder's dispatch relay (``ep_comm.kernels.forward.relay_kernel``): each row of the dispatch inbox
+        blocks of ``senders`` (int32 ``[n]`` on the device, the ranks this rank forwards for) into the ranks of this
+        node where its meta row names a slot, at ``[parity, sender, slot]`` of ``rows``/``metas`` (every rank's
+        ``SymmetricViews.rows``/``.meta``, peer views), and each block's count words into ``counts`` (every rank's
+        ``SymmetricViews.counts``) when its header says they were sent. ``inbox``: this rank's
+        :func:`~ep_comm.contract.forward_inbox.inbox_views`; ``node_first``: the first rank of this node; the parity
+        is that of step ``step[0] + ahead`` (the relay runs before the step's signal advances the counter).
+        ``row_words``: the words of a row the senders' inbox send wrote (:meth:`inbox_send`'s row words: fewer than the
+        inbox row's for packed FP8 rows, ``packed_row_bytes(hidden) // 8``); None: the inbox row's. Only those are
+        copied, as the flat scatter writes only those."""
+        rows = tuple(rows)
+        words = inbox.rows.shape[3] if row_words is None else row_words
+        if not 0 <= words <= inbox.rows.shape[3]:
+            raise ValueError(f"row_words={row_words}: must be in [0, {inbox.rows.shape[3]}], the words of an inbox row")
+        wide = wide_rows(inbox.rows) and self._wide(rows)
+        span, blocks = self._row_pieces(senders.shape[0] * self.max_tokens, words, _copy_step(wide))
+        self._launch(relay_kernel, stream, blocks=blocks)(
+            inbox.rows, inbox.meta, inbox.header, inbox.counts, senders, node_first, self.num_local, step, ahead,
+            span, wide, words, rows, tuple(metas), tuple(counts))
+
+    def combine_meta(self, recv_src_metadata: Array, ids: Array, rank_psum: Array, metas: Sequence[Array],
+                     headers: Sequence[Array], *, my_rank: int, node_size: int, step: Array, stream: Any,
+                     ahead: int = 1) -> None:
+        """A forwarded combine's meta words for the forwarders (``ep_comm.kernels.forward.combine_meta_kernel``): for
+        each received row from a source of another node (nodes of ``node_size``), its source token and ``ids``
+        (``[N, K]``: compact, the dispatch's ``recv_topk_idx``; expand, ``recv_src_metadata[:, 2:]``: >= 0 where
+        this rank owns the entry) into ``metas[src][parity, my_rank, slot]``, and the rows from each such source into
+        ``headers[src][parity, my_rank]`` (``[2, R, 2]`` int64 views). ``metas``/``headers``: per source, views of the
+        forwarder's inbox in which ``[parity, my_rank]`` is the block (``forward_inbox.combine_send_views``); the
+        entries of this node's sources are not written. The rows and weight bits go through :meth:`combine_scatter` and
+        ``ep_comm.launching.weight_return.send_weights`` with the same views."""
+        work = recv_src_metadata.shape[0] * ids.shape[1] + self.num_ranks
+        blocks = max(1, min(self.num_blocks, -(-work // self.threads)))
+        self._launch(combine_meta_kernel, stream, blocks=blocks)(
+            recv_src_metadata, ids, rank_psum, my_rank, node_size, step, ahead, tuple(metas), tuple(headers))
+
+    def node_reduce(self, inbox: InboxViews, sources: Array, rows: Sequence[Array], metas: Sequence[Array], *,
+                    my_rank: int, dtype: np.dtype, hidden: int, step: Array, stream: Any, ahead: int = 1) -> None:
+        """The forwarder's node reduce of a forwarded combine (``ep_comm.kernels.forward.node_reduce_kernel``): for
+        each of ``sources`` (int32 ``[n]`` on the device, the ranks this rank forwards for) and each of its tokens
+        held by a rank of this node (the combine inbox blocks ``node * S + j``), the float32 sum from 0 of their
+        partials (``hidden`` elements) in ascending rank, rounded to ``dtype`` (the payload's), into ``rows[source]`` at
+        ``[parity, my_rank, token]`` (every rank's ``SymmetricViews.rows``), and its meta row (token, -1 ids, the
+        owners' weight bits) into ``metas[source]``; parity as in :meth:`relay`. The blocks' meta rows are read from
+        ``inbox.combine_meta`` (where the combine's send writes them, ``forward_inbox.combine_send_views``)."""
+        rows = tuple(rows)
+        elements = self._fixed(("payload", dtype), rows, lambda: tuple(payload_rows(v, dtype) for v in rows))
+        inbox_elements, is_bf16 = _payload(payload_rows(inbox.rows, dtype))
+        node_size = inbox.meta.shape[3] - inbox.combine_meta.shape[3]  # the slot columns of a dispatch meta row
+        blocks = self._blocks_for(sources.shape[0] * node_size * self.max_tokens, self.stream_blocks)
+        self._launch(node_reduce_kernel, stream, blocks=blocks)(
+            inbox_elements, inbox.combine_meta, inbox.header, is_bf16, hidden, node_size, sources, step, ahead,
+            my_rank, elements, tuple(metas))

@@ -33,11 +33,13 @@ def send_weights(launcher: Any, weight_bits: Any, expand: bool, recv_src_metadat
 
 
 def gather_weights(launcher: Any, meta_by_parity: Any, step: Any, slot_idx: Any, topk_idx: Any, out_bits: Any, *,
-                   experts_per_rank: int, my_rank: int, max_blocks: int) -> None:
+                   experts_per_rank: int, my_rank: int, max_blocks: int, node_size: int = 0) -> None:
     """Source side into ``out_bits [T, K]`` int32 (float32 bits) from this rank's meta rows
     ``[2, R, max_tokens, 1 + 2K]`` at the parity of ``step``; ``slot_idx``/``topk_idx`` ``[T, K]`` from
-    the dispatch; through ``launcher`` as :func:`send_weights`."""
+    the dispatch; through ``launcher`` as :func:`send_weights`. ``node_size``: ranks per node of a forwarded combine
+    (0: flat), whose entries owned in another node read the meta row of that node's forwarder."""
     if out_bits.shape[0] == 0:
         return
     launcher(gather_weights_kernel, _grid(out_bits.shape[0] * out_bits.shape[1], max_blocks), THREADS)(
-        meta_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, out_bits)
+        meta_by_parity, step, slot_idx, topk_idx, experts_per_rank, my_rank, node_size or meta_by_parity.shape[1],
+        out_bits)

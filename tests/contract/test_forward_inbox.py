@@ -13,7 +13,14 @@ from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
 from ep_comm.backends.mpi_flat import FlatRoute
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
-from ep_comm.contract.forward_inbox import HEADER_WORDS, ForwardInbox, relay_meta, slot_order
+from ep_comm.contract.forward_inbox import (
+    HEADER_WORDS,
+    ForwardInbox,
+    combine_send_views,
+    inbox_views,
+    relay_meta,
+    slot_order,
+)
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout
 
@@ -27,7 +34,8 @@ def test_the_inbox_follows_the_symmetric_buffer_in_disjoint_regions():
         (at(p, b), at(p, b) + size)
         for at, size in ((inbox.header_at, 8 * HEADER_WORDS), (inbox.count_at, 8 * SYM.count_words),
                          (inbox.row_at, SYM.max_tokens * SYM.row_bytes),
-                         (inbox.meta_at, SYM.max_tokens * inbox.relay_words * 4))
+                         (inbox.meta_at, SYM.max_tokens * inbox.relay_words * 4),
+                         (inbox.combine_meta_at, SYM.max_tokens * SYM.meta_words * 4))
         for p in (0, 1) for b in range(SYM.num_ranks)]
     regions.append((inbox.signal_offset, inbox.signal_offset + 8 * SYM.num_ranks))
     regions.sort()
@@ -35,6 +43,36 @@ def test_the_inbox_follows_the_symmetric_buffer_in_disjoint_regions():
     assert all(end <= start for (_, end), (start, _) in zip(regions, regions[1:]))
     # a sender node's blocks are consecutive: its count words for the node's ranks go in one put
     assert inbox.count_at(1, inbox.block(1, 2)) == inbox.count_at(1, inbox.block(1, 0)) + 2 * 8 * SYM.count_words
+
+
+def test_the_combine_send_views_write_the_block_and_stay_in_the_allocation():
+    """``combine_send_views``: C-contiguous views of the symmetric shapes in which ``[parity, me, slot]`` is the
+    block's ``[parity, slot]`` (rows, combine meta rows, header), for every rank and block, inside the buffer."""
+    inbox = ForwardInbox(SYM, scaleup_ranks=4)
+    word = np.dtype(np.uint16)
+    for me in range(SYM.num_ranks):
+        for block in range(SYM.num_ranks):
+            buffer = np.zeros(inbox.total_bytes, np.uint8)
+            views = combine_send_views(buffer, inbox, me, block, word)
+            assert all(v.flags.c_contiguous for v in views)
+            assert views.rows.shape == (2, SYM.num_ranks, SYM.max_tokens, SYM.row_bytes // 2)
+            assert views.meta.shape == (2, SYM.num_ranks, SYM.max_tokens, SYM.meta_words)
+            assert views.header.shape == (2, SYM.num_ranks, HEADER_WORDS)
+            boxes = inbox_views(buffer, inbox, word)
+            for parity in (0, 1):
+                views.rows[parity, me, 3] = 7 + parity
+                views.meta[parity, me, 4] = 9 + parity
+                views.header[parity, me] = (5, parity)
+                assert (boxes.rows[parity, block, 3] == 7 + parity).all()
+                assert (boxes.combine_meta[parity, block, 4] == 9 + parity).all()
+                assert boxes.header[parity, block].tolist() == [5, parity]
+            written = np.zeros_like(buffer)  # nothing else written: the block's own bytes only
+            for parity in (0, 1):
+                for at, size in ((inbox.row_at(parity, block) + 3 * SYM.row_bytes, SYM.row_bytes),
+                                 (inbox.combine_meta_at(parity, block) + 16 * SYM.meta_words, 4 * SYM.meta_words),
+                                 (inbox.header_at(parity, block), 8 * HEADER_WORDS)):
+                    written[at: at + size] = buffer[at: at + size]
+            np.testing.assert_array_equal(buffer, written, err_msg=f"me {me}, block {block}")
 
 
 def test_a_forwarder_writes_in_slot_order_whatever_the_arrival_order():
@@ -70,6 +108,25 @@ def test_the_nvshmem_backend_refuses_forwarding_before_allocating_anything():
     def allocate(*args, **kwargs):
         raise AssertionError("the transport was built before forwarding was refused")
 
-    geo = Geometry(1, 2, 8, 1, 4, payload_dtype("float32"))
-    with pytest.raises(ValueError, match="^forwarding=True is built on the mpi backend only"):
-        NvshmemBackend.open(MPI.COMM_SELF, geo, BackendSettings(True, 1.0, forwarding=True), allocate, allocate)
+    geo = Geometry(4, 4, 8, 1, 4, payload_dtype("float32"))
+    settings = BackendSettings(True, 1.0, scaleup_ranks=2, forwarding=True)
+    with pytest.raises(ValueError, match=r"^forwarding=True with 2 nodes \(scaleup_ranks=2 of 4 ranks\) is built on "
+                                         r"the mpi backend only: on nvshmem the launch sequence of a forwarded "
+                                         r"dispatch and combine; .* are not built"):
+        NvshmemBackend.open(MPI.COMM_SELF, geo, settings, allocate, allocate)
+
+
+@pytest.mark.parametrize("ranks, scaleup_ranks", [(1, None), (4, None), (1, 1)])
+def test_the_nvshmem_backend_takes_forwarding_in_one_node(ranks, scaleup_ranks):
+    """One node forwards nothing (the forwarded results are the flat ones, as on mpi): ``forwarding=True`` passes the
+    refusal and the backend goes on to build its transport."""
+    class Built(Exception):
+        pass
+
+    def allocate(*args, **kwargs):
+        raise Built
+
+    geo = Geometry(ranks, 4, 8, 1, 4, payload_dtype("float32"))
+    settings = BackendSettings(True, 1.0, scaleup_ranks=scaleup_ranks, forwarding=True)
+    with pytest.raises(Built):
+        NvshmemBackend.open(MPI.COMM_SELF, geo, settings, allocate, allocate)

@@ -17,6 +17,7 @@ import numba.cuda.dispatcher
 import numpy as np
 from numba import cuda, typeof
 
+from ep_comm.contract.forward_inbox import ForwardInbox, inbox_views
 from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.kernels.jit import CACHE_STAMP
 from ep_comm.kernels.numba_internals import source_stamp
@@ -72,6 +73,18 @@ def record_all(dtype: np.dtype) -> list:
                      bias=[np.zeros((T, H), np.float32), np.zeros((T, H), dtype)], stream=0)
     k.combine_reduce(views[0].rows, step, slot_idx, topk, np.zeros((T, H), dtype), my_rank=0,
                      stream=0)  # bf16: the wide one
+    inbox = ForwardInbox(sym, 1)  # two nodes of one rank: each rank forwards for the other
+    box = inbox_views(np.zeros(inbox.total_bytes, np.uint8), inbox, word_dtype(H, dtype.itemsize))
+    others = np.ones(1, np.int32)
+    k.inbox_send(x, topk, np.zeros((T, K), np.float32), slot_idx, [box.rows] * 2, [box.meta] * 2, [box.header] * 2,
+                 [box.counts] * 2, src_rank=0, count_words=np.zeros((R, sym.count_words), np.int32), step=step,
+                 stream=0)
+    k.relay(box, others, [v.rows for v in views], [v.meta for v in views], [v.counts for v in views], node_first=0,
+            step=step, stream=0)
+    k.combine_meta(np.zeros((R * T, 2 + K), np.int32), np.zeros((R * T, K), np.int64), counts.rank_psum,
+                   [box.meta] * 2, [box.header] * 2, my_rank=0, node_size=1, step=step, stream=0)
+    k.node_reduce(box, others, [v.rows for v in views], [v.meta for v in views], my_rank=0, dtype=dtype, hidden=H,
+                  step=step, stream=0)
     long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows
     sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize, E // R)
     views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(LONG_H, dtype.itemsize))

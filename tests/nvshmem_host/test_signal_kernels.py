@@ -13,6 +13,7 @@ import pytest
 
 from ep_comm._launcher import raw
 from ep_comm.kernels.signal_wait import CUDA_SOURCE as _SOURCE
+from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers
 from ep_comm.transport.signals import PARAMS, SignalKernels, _count_words
 
 
@@ -187,3 +188,38 @@ def test_a_failed_launch_names_the_kernel_and_the_result(monkeypatch):
     monkeypatch.setattr(raw, "cuLaunchKernel", lambda *args: (raw.CUresult.CUDA_ERROR_INVALID_VALUE,))
     with pytest.raises(RuntimeError, match=r"cuLaunchKernel of kernel send_signal \(grid=1, block=128, shared_bytes=0\) returned .*INVALID_VALUE"):
         _transport(PEERS).send_signal(0, 1, None)
+
+
+INBOX_STEP, INBOX_SIGNALS = _DeviceArray(0x90000, (1,)), _DeviceArray(0xA0000, (R,))
+
+
+def test_the_inbox_signal_sends_the_step_word_without_advancing_the_step_counter(launches):
+    """Forwarding's inbox signal (``InboxSignals``): the step counter copied into the inbox's own counter on the
+    stream first, then ``send_signal`` over the inbox's signal offset with that counter (its ``step[0] += 1`` gives
+    the step's number there, the Buffer's counter stays), no count words; the inbox wait: ``wait_signals`` over this
+    rank's inbox signal words and the inbox counter, the Buffer's status record and abort records, no count words to
+    zero and no wait statistics."""
+    inbox = InboxSignals(PEERS, R, 1, 8192, STEP, INBOX_STEP, INBOX_SIGNALS, STATUS, ABORTS, 3,
+                         copy_step=lambda dst, src: launches.append(("copy", dst, src)), function=_compiled)
+    inbox.signal(0xBEEF, 1)
+    inbox.wait(0xBEEF, 1, 2.5)
+    inbox.signal(0xCAFE, 2)
+    assert [(e[0], e[4]) if e[0] != "copy" else e for e in launches] == [
+        ("copy", INBOX_STEP, STEP), ("send_signal", 0xBEEF), ("wait_signals", 0xBEEF), ("copy", INBOX_STEP, STEP),
+        ("send_signal", 0xCAFE)]
+    for i, kind in ((1, 1), (4, 2)):
+        assert launches[i][5] == _rawkernel_bytes((PEERS, np.int32(R), np.int32(1), np.int64(8192), INBOX_STEP,
+                                                   np.int32(kind), np.uint64(0), np.int64(0), np.int32(0)))
+    assert launches[2][5] == _rawkernel_bytes((INBOX_SIGNALS, np.int32(R), np.int32(1), INBOX_STEP, np.int32(1),
+                                               np.uint64(int(2.5e9)), STATUS, np.uint64(0), np.int32(0), ABORTS,
+                                               np.int32(64), np.uint64(0)))
+
+
+def test_the_inbox_reaches_ranks_through_peer_views_only():
+    """The inbox's stores need a peer view of every rank signalled (the inbox's puts are not built): the addresses
+    of those ranks, 0 for the others; a rank without a peer view is refused, named."""
+    assert inbox_peer_pointers([0x100, 0x200, 0x300, 0x400], [0, 1, 3]) == [0x100, 0x200, 0, 0x400]
+    assert inbox_peer_pointers([0x100, None, 0x300], [0, 2]) == [0x100, 0, 0x300]
+    with pytest.raises(ValueError, match=r"^forwarding=True: ranks \[1, 3\] are not in load/store reach \(no peer "
+                                         r"view\).*inbox's puts .* are not built"):
+        inbox_peer_pointers([0x100, None, 0x300, None], [0, 1, 2, 3])
