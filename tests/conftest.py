@@ -13,8 +13,8 @@ them unless they are named on the command line (then pytest-mpi skips them, sayi
 this process, so they are no skips of its own.
 
 Without a GPU the kernels run in the Numba CUDA simulator, chosen here before anything imports
-``numba.cuda``, with its warp intrinsics installed once for every test (``helpers.cudasim_warp``; in the sessions
-under ``mpirun`` only once a test module imported ``numba.cuda``).
+``numba.cuda``, with its warp intrinsics and greenlet block runner installed once for every test
+(``helpers.cudasim_warp``; in the sessions under ``mpirun`` only once a test module imported ``numba.cuda``).
 """
 from pathlib import Path
 from typing import Tuple

@@ -1,19 +1,23 @@
-"""Warp intrinsics and libdevice calls for the Numba CUDA simulator, so kernels run there unchanged.
+"""Warp intrinsics and libdevice calls for the Numba CUDA simulator, so kernels run there unchanged, and a block
+runner that runs a block's simulated threads as greenlets of one OS thread.
 
-The simulator runs the threads of a block as Python threads and lacks warp collectives. Here each
-warp gets a barrier: a collective publishes the lane's value, waits for the warp, reads the
-published values, and waits again so the next collective cannot overwrite them early. Kernels
-call collectives with all lanes of a warp (full mask), as they must on a GPU.
-
-A block's manager sleeps until its threads wait in ``syncthreads`` or end (:func:`_run_block`), instead of the
-simulator's loop that polls them while holding the GIL.
+The simulator runs the threads of a block as Python threads (one OS thread each, switched under the GIL) and lacks
+warp collectives. Here a block's threads are greenlets (:func:`_run_block`) that its runner switches between: each
+runs until it waits (``syncthreads``, a warp collective) or ends. ``syncthreads`` releases its waiters once every
+live thread of the block waits there or has ended, as the simulator's block manager does; a warp collective
+publishes the lane's value, waits for the lanes of its warp, reads the published values, and waits again so the
+next collective cannot overwrite them early. Kernels call collectives with all lanes of a warp (full mask), as they
+must on a GPU. Threads run in a fixed order (thread 0 up to its next wait, then thread 1, ...), where Python
+threads ran in whatever order the GIL gave; a block whose threads all wait but not at one barrier (a lane that
+ended before its warp's collective) raises at once instead of hanging.
 
 The root ``tests/conftest.py`` calls :func:`use_without_gpu` once, before anything imports
 ``numba.cuda`` (which reads ``NUMBA_ENABLE_CUDASIM`` when first imported): this module itself
-imports no Numba at load, and :func:`install` imports the simulator's modules only when it runs.
+imports no Numba (nor greenlet) at load, and :func:`install` imports the simulator's modules only when it runs.
 """
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import sys
@@ -23,36 +27,40 @@ import numpy as np
 
 HAVE_GPU = shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidia0")
 WARP = 32
-_TIMEOUT_S = 60.0
-_state_lock = threading.Lock()
 _installed = False  # whether use_without_gpu ran
+_getcurrent = None  # greenlet.getcurrent, once install() ran
 
 
 class _Warp:
+    """A warp of a running block: its lanes (32, fewer in a block's last partial warp), the values its lanes
+    published for the collective under way, and the lanes that wait for the others."""
+
     def __init__(self, lanes: int):
-        self.barrier = threading.Barrier(lanes)
+        self.lanes = lanes
         self.values: list = [None] * WARP
+        self.waiting: list = []
 
 
-def _warp_of_current_thread() -> tuple[_Warp, int]:
-    thread = threading.current_thread()
-    manager = thread._manager
-    warp_idx, lane = divmod(thread.thread_id, WARP)
-    with _state_lock:
-        warps = manager.__dict__.setdefault("_warps", {})
-        if warp_idx not in warps:
-            threads = int(np.prod(manager._block_dim))
-            warps[warp_idx] = _Warp(min(WARP, threads - warp_idx * WARP))
-    return warps[warp_idx], lane
+def _current():
+    """The simulated thread of the running greenlet."""
+    return _getcurrent().sim_thread
+
+
+def _wait(barrier) -> None:
+    """Hand the block's runner this thread's wait at ``barrier`` (a ``_Warp``, or None: ``syncthreads``); returns
+    when the runner resumes it, once the barrier is complete."""
+    _getcurrent().parent.switch(barrier)
 
 
 def _exchange(value) -> tuple[list, int]:
     """All lanes' values (None for lanes that do not exist) and the caller's lane."""
-    warp, lane = _warp_of_current_thread()
+    thread = _current()
+    warp_idx, lane = divmod(thread.thread_id, WARP)
+    warp = thread._manager.sim_warps[warp_idx]
     warp.values[lane] = value
-    warp.barrier.wait(_TIMEOUT_S)
+    _wait(warp)
     values = list(warp.values)
-    warp.barrier.wait(_TIMEOUT_S)
+    _wait(warp)
     return values, lane
 
 
@@ -154,75 +162,101 @@ def _int_as_float(x):
 _LIBDEVICE = {"fadd_rn": _fadd_rn, "fmul_rn": _fmul_rn, "fdiv_rn": _fdiv_rn, "float_as_int": _float_as_int, "int_as_float": _int_as_float}
 
 
-class _BlockState:
-    """What a simulated block's threads tell its manager: how many wait in ``syncthreads`` and how many ended,
-    under one condition the manager sleeps on (no polling)."""
+class _SimThread:
+    """One simulated CUDA thread: what the simulator's kernel API reads of ``threading.current_thread()`` (its
+    indices, ``syncthreads`` and the block reductions), for the greenlet that runs it."""
 
-    def __init__(self) -> None:
-        self.changed = threading.Condition()
-        self.blocked: list = []
-        self.ended = 0
+    def __init__(self, manager, grid_point: tuple, block_point: tuple):
+        from numba.cuda.simulator.kernelapi import Dim3
 
+        self._manager = manager
+        self.blockIdx, self.threadIdx = Dim3(*grid_point), Dim3(*block_point)
+        dim = Dim3(*manager._block_dim)
+        self.thread_id = self.threadIdx.x + dim.x * (self.threadIdx.y + dim.y * self.threadIdx.z)
+        self.exception = None
 
-def _syncthreads(thread) -> None:
-    """``BlockThread.syncthreads`` that wakes its block's manager (:func:`_run_block`) instead of being polled."""
-    if thread.abort:
-        raise RuntimeError("abort flag set on syncthreads call")
-    state = thread._manager.sim_state
-    with state.changed:
-        thread.syncthreads_blocked = True
-        state.blocked.append(thread)
-        state.changed.notify()
-    thread.syncthreads_event.wait()
-    thread.syncthreads_event.clear()
-    if thread.abort:
-        raise RuntimeError("abort flag set on syncthreads clear")
+    def syncthreads(self) -> None:
+        _wait(None)
 
+    def _reduced(self, value, reduce):
+        state = self._manager.block_state
+        state[self.threadIdx.x, self.threadIdx.y, self.threadIdx.z] = value
+        self.syncthreads()
+        result = reduce(state)
+        self.syncthreads()
+        return result
 
-def _thread_run(run):
-    """``BlockThread.run`` (``run``) that tells its block's manager when the thread has ended, raised or not."""
+    def syncthreads_count(self, value):
+        return self._reduced(value, np.count_nonzero)
 
-    def wrapped(thread) -> None:
+    def syncthreads_and(self, value):
+        return self._reduced(value, lambda state: 1 if np.all(state) else 0)
+
+    def syncthreads_or(self, value):
+        return self._reduced(value, lambda state: 1 if np.any(state) else 0)
+
+    def run(self, kernel, args) -> None:
+        """The kernel on this thread; an exception is kept (as ``BlockThread.run`` keeps it: its message names the
+        thread and block) for the runner to raise."""
         try:
-            run(thread)
-        finally:
-            state = thread._manager.sim_state
-            with state.changed:
-                state.ended += 1
-                state.changed.notify()
+            kernel(*args)
+        except Exception as e:
+            where = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}"
+            self.exception = (type(e)(f"{where}: {e}" if str(e) else where), sys.exc_info()[2])
 
-    return wrapped
+
+class _Threading:
+    """``threading`` as the simulator's kernel API sees it: ``current_thread()`` is the running greenlet's simulated
+    thread (the API reads ``threadIdx``, ``blockIdx``, ``syncthreads`` ... from it), the rest is ``threading``."""
+
+    def __getattr__(self, name: str):
+        return getattr(threading, name)
+
+    @staticmethod
+    def current_thread():
+        return getattr(_getcurrent(), "sim_thread", None) or threading.current_thread()
 
 
 def _run_block(manager, grid_point, *args) -> None:
-    """``BlockManager.run`` without its polling loop, which holds the GIL between the simulated threads' steps and
-    sleeps to let them run (most of a simulator test's wall time, little of its CPU): the manager sleeps until every
-    live thread waits in ``syncthreads`` (then releases them all) or has ended, or one raised (then aborts the
-    others and raises it, as the simulator does)."""
-    from numba.cuda.simulator.kernel import BlockThread
+    """``BlockManager.run`` with the block's threads as greenlets of this OS thread (the simulator starts one Python
+    thread per CUDA thread: thread creation, GIL hand-offs and futex waits were most of a kernel test's CPU): each
+    thread runs until it waits or ends; a complete warp barrier resumes its lanes, and ``syncthreads`` its waiters
+    once every live thread waits there or has ended. A thread's exception is raised (the others are dropped, as the
+    simulator aborts them); a block whose threads all wait but no barrier is complete raises RuntimeError."""
+    from greenlet import greenlet
 
-    state = manager.sim_state = _BlockState()
-    threads = [BlockThread(lambda: manager._f(*args), manager, grid_point, point, manager._debug)
-               for point in np.ndindex(*manager._block_dim)]
-    for thread in threads:
-        thread.start()
-    with state.changed:
-        while True:
-            state.changed.wait_for(lambda: any(t.exception for t in threads)
-                                   or len(state.blocked) + state.ended == len(threads))
-            failed = next((t for t in threads if t.exception), None)
-            if failed is not None:
-                for other in threads:
-                    other.abort = True
-                    other.syncthreads_blocked = False
-                    other.syncthreads_event.set()
-                raise failed.exception[0].with_traceback(failed.exception[1])
-            if state.ended == len(threads):
-                return
-            for thread in state.blocked:
-                thread.syncthreads_blocked = False
-                thread.syncthreads_event.set()
-            state.blocked = []
+    count = int(np.prod(manager._block_dim))
+    manager.sim_warps = [_Warp(min(WARP, count - first)) for first in range(0, count, WARP)]
+    ready = collections.deque()
+    for point in np.ndindex(*manager._block_dim):
+        thread = _SimThread(manager, grid_point, point)
+        runner = greenlet(thread.run)
+        runner.sim_thread = thread
+        ready.append((runner, (manager._f, args)))
+    in_sync, ended = [], 0
+    while True:
+        while ready:
+            runner, start = ready.popleft()
+            barrier = runner.switch(*start)
+            thread = runner.sim_thread
+            if thread.exception is not None:
+                raise thread.exception[0].with_traceback(thread.exception[1])
+            if runner.dead:
+                ended += 1
+            elif barrier is None:
+                in_sync.append((runner, ()))
+            else:
+                barrier.waiting.append((runner, ()))
+                if len(barrier.waiting) == barrier.lanes:
+                    ready.extend(barrier.waiting)
+                    barrier.waiting = []
+        if ended == count:
+            return
+        if not in_sync or len(in_sync) + ended < count:
+            raise RuntimeError(f"simulated block {tuple(grid_point)} cannot go on: {ended} of {count} threads ended, "
+                               f"{len(in_sync)} wait in syncthreads, the others in warp collectives")
+        ready.extend(in_sync)
+        in_sync = []
 
 
 def _in_place(copying):
@@ -239,13 +273,16 @@ def _in_place(copying):
 
 
 def install() -> None:
-    """Add the warp intrinsics to the simulator's ``cuda`` module and the libdevice calls kernels use; kernels take
-    host arrays in place (:func:`_in_place`)."""
+    """Add the warp intrinsics to the simulator's ``cuda`` module and the libdevice calls kernels use; blocks run
+    their threads as greenlets (:func:`_run_block`); kernels take host arrays in place (:func:`_in_place`)."""
+    global _getcurrent
+    from greenlet import getcurrent
     from numba.cuda import libdevice
-    from numba.cuda.simulator import args
-    from numba.cuda.simulator.kernel import BlockManager, BlockThread
+    from numba.cuda.simulator import args, kernelapi
+    from numba.cuda.simulator.kernel import BlockManager
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
 
+    _getcurrent = getcurrent
     if not getattr(args.InOut.to_device, "in_place", False):
         args.InOut.to_device = _in_place(args.InOut.to_device)
         args.InOut.to_device.in_place = True
@@ -254,11 +291,8 @@ def install() -> None:
         setattr(FakeCUDAModule, name, func)
     for name, func in _LIBDEVICE.items():
         setattr(libdevice, name, func)
-    if not getattr(BlockManager.run, "event_driven", False):
-        BlockThread.run = _thread_run(BlockThread.run)
-        BlockThread.syncthreads = _syncthreads
-        BlockManager.run = _run_block
-        BlockManager.run.event_driven = True
+    kernelapi.threading = _Threading()
+    BlockManager.run = _run_block
 
 
 def use_without_gpu() -> bool:
