@@ -23,6 +23,7 @@ outside its roots (``allocations``).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 from cuda.bindings.driver import CUstream
@@ -141,6 +142,7 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
 
 
 _UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
+_data_pointer = operator.attrgetter("data.ptr")  # a CuPy array's data pointer
 
 
 class RecordedCalls:
@@ -179,7 +181,7 @@ class RecordedCalls:
         if not self.enabled or key is None:
             path(*args)
             return
-        pointers = [r.data.ptr for r in roots]
+        pointers = list(map(_data_pointer, roots))  # no comprehension frame
         shape_key = self.shape_key(key, roots, pointers)
         recorded = self._calls.get(shape_key)
         if recorded is None:
@@ -195,7 +197,10 @@ class RecordedCalls:
         ``pointers``), what a replay keeps of them besides their pointers: per root its shape, byte strides, dtype
         and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on these make
         the same launches with the same words but for the roots' data pointers."""
-        return key, tuple([(r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers)])
+        layout = []
+        for r, p in zip(roots, pointers):  # a loop, not a comprehension: no frame of its own
+            layout.append((r.shape, r.strides, r.dtype, p & 15))
+        return key, tuple(layout)
 
     def launch_counts(self) -> Dict[Hashable, Optional[int]]:
         """Per ``(call key, roots' layout)`` seen, the launches of its recorded call (None: its calls cannot be

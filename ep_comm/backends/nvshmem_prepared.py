@@ -71,7 +71,13 @@ def _carved(carving: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Arr
     """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))``: new outputs from ``carving``
     (``PreparedCalls._output_carving``), the weights ``scratch`` where none are carved."""
     block, views = carving.new()
-    return block, (views[0], views[1], views[3] if weighted else scratch, views[2])
+    return block, _arranged(views, weighted, scratch)
+
+
+def _arranged(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
+    """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
+    (``PreparedCalls._output_carving``'s order), the weights ``scratch`` where none are carved."""
+    return views[0], views[1], views[3] if weighted else scratch, views[2]
 
 
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
@@ -85,13 +91,17 @@ class _Entry:
     """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
     its carvings and options (set by the builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted", "exact")
+    __slots__ = ("inputs", "keys", "count", "count_views", "counted", "outputs", "scratch", "options", "weighted",
+                 "exact")
 
     def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
-                 scratch: Optional[Array], options: tuple, weighted: bool):
+                 scratch: Optional[Array], options: tuple, weighted: bool, counted: bool = False):
         self.inputs = inputs
         self.keys = keys
-        self.count = count  # the count block's recarving (a new routing), or None
+        # a new routing: the count block's recarvings, (the block and the views its launches take, the views its
+        # handle holds) (NvshmemDispatch.count_carvings); None otherwise
+        self.count, self.count_views = count or (None, None)
+        self.counted = counted  # a new routing's receive counts in its copy's launch (counts_in_copy)
         self.outputs = outputs  # the outputs' recarving (worst-case shapes), or None (exact outputs)
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
@@ -191,7 +201,8 @@ class PreparedCalls:
         skip_source = -1 if new or h.expand else self._ctx.rank
         mode = dispatcher.place_mode if new else kernel_launches.PLACE_CACHED
         options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
-        count = dispatcher.count_carving(h.num_tokens, idx.dtype) if new else None
+        count = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync) if new else None
+        counted = new and dispatcher.counts_in_copy(h.expand, h.cpu_sync)
         outputs, scratch, copy_key = None, None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
@@ -199,7 +210,7 @@ class PreparedCalls:
             outputs = self._output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
-            if new and dispatcher.counts_in_copy(h.expand, h.cpu_sync):
+            if counted:
                 copy_key += ("counted",)
         if new:
             keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
@@ -207,7 +218,7 @@ class PreparedCalls:
         else:
             local = None if h.expand else (out.recv_x, None)
             keys = (dispatcher.cached_send_key(h, x, weighted, local), None, copy_key)
-        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted)
+        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted, counted)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
         """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
@@ -269,44 +280,59 @@ class PreparedCalls:
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
-        the handle. ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll (it reads the
-        counts on the device), then one poll, the verdicts, and the outputs are the exact rows of those (views);
-        ``cpu_sync`` expand: one poll, the verdicts, exact outputs (carved as kept per shape) and their copy (recorded
-        per shape); else the recorded copy into worst-case outputs. After the poll: no loop over ranks or experts (the
-        counts per expert are one ``tolist`` of the mapped record)."""
+        the handle. Before the first launch one allocation and one view (the count block and its count words: every
+        recorded call takes the whole block as its root); the handle's views of the block are made after the last
+        launch (before the poll). ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll
+        (it reads the counts on the device), then one poll, the verdicts, and the outputs are views of the exact rows
+        of those (made once the rows are known, no slicing); ``cpu_sync`` expand: one poll, the verdicts, exact
+        outputs (carved as kept per shape) and their copy (recorded per shape); else the recorded copy into
+        worst-case outputs. After the poll: no loop over ranks or experts (the counts per expert are one ``tolist``
+        of the mapped record)."""
         dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
-                aligned, num_recv, num_expanded) = entry.count.new()
+        block, (words,) = entry.count.new()
         recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights), dispatcher.count_and_scatter, stream, idx,
-                     x, weights, send_block)
+                     x, weights, block)
         if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
-            self._ctx.transport.flush(stream, lambda: send_psum, with_meta=True)
+            self._ctx.transport.flush(stream, functools.partial(dispatcher.send_psum, block, idx.shape[0]),
+                                      with_meta=True)
         self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
-        expand, alignment = entry.options[:2]
-        counted = dispatcher.counts_in_copy(expand, cpu_sync)  # the copy's launch counts too
+        counted = entry.counted  # the copy's launch counts too
         if not counted:
-            recorded.run(entry.keys[1], on, (recv_block,), dispatcher.receive_count, stream, recv_block, expand,
-                         alignment)
+            recorded.run(entry.keys[1], on, (block,), dispatcher.receive_count, stream, block, *entry.options[:2])
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
         if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
             out_block, arrays, (_, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
-            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
-            copy_key = entry.keys[2]
-        roots = (recv_block, out_block) if counted else (rank_psum, expert_psum, out_block)
-        recorded.run(copy_key, on, roots, dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
-                     entry.options, recv_block if counted else None)
+            out_block, arrays, copy_key = entry.outputs.block(), None, entry.keys[2]
+        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, block, out_block, arrays,
+                     counted)
+        ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
         if not cpu_sync:
             runner.defer_verdict()  # after the launch that writes the record
-        elif entry.outputs is not None:  # the copy is enqueued: the poll, then the exact rows (views)
+            aligned, num_recv, num_expanded = device_counts
+            arrays = _arranged(entry.outputs.views(out_block), entry.weighted, entry.scratch)
+        elif arrays is None:  # the copy is enqueued: the poll, then views of the exact rows
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            n = num_recv
-            arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
+            arrays = _arranged(entry.outputs.views(out_block, num_recv), entry.weighted, None)
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
+
+    def _receive_copy(self, stream: Any, entry: _Entry, block: Array, out_block: Array, arrays: Optional[tuple],
+                      counted: bool) -> None:
+        """The receive copy of a new routing of ``entry`` from count block ``block`` into ``out_block``, as the first
+        call of its recorded call runs it (later calls launch it on the two blocks' pointers alone: no view is made
+        for it): ``arrays`` the outputs, or None for views of ``entry``'s worst-case outputs made here; ``counted``:
+        the copy also counts (``NvshmemDispatch.counts_in_copy``)."""
+        dispatcher = self._dispatcher
+        if arrays is None:
+            arrays = _arranged(entry.outputs.views(out_block), entry.weighted, entry.scratch)
+        recv_block = dispatcher.receive_block(block)
+        recv = dispatcher.kernels.receive_layout(recv_block)
+        dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, entry.options,
+                                recv_block if counted else None)
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:

@@ -9,6 +9,7 @@ only the host's call sequence is real. Recorded calls are replayed as the GPU re
 from __future__ import annotations
 
 import gc
+import operator
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends import nvshmem as nvshmem_backend
 from ep_comm.contract import arrays as host
 
+_data_pointer = operator.attrgetter("ctypes.data")
 _CTYPES = np._core._internal.__file__  # NumPy's ndarray.ctypes (a data pointer, an attribute on CuPy arrays)
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",
               "ascontiguousarray", "concatenate", "cumsum", "arange", "copy")  # array-module calls that allocate
@@ -36,6 +38,7 @@ class Counts:
     syncs: int = 0
     reads: int = 0
     polls: int = 0
+    views: int = 0  # arrays carved from a block by the device's recarvings (``cupy.ndarray(memptr=...)`` on a GPU)
     python_calls: int = 0
     events: List[str] = field(default_factory=list)
 
@@ -70,7 +73,7 @@ class ReplayedCalls:
         if key is None:  # a call not to be recorded: launched pre-bound
             path(*args)
             return
-        pointers = [root.ctypes.data for root in roots]
+        pointers = list(map(_data_pointer, roots))  # as RecordedCalls.run reads them (a NumPy array's here)
         shape_key = RecordedCalls.shape_key(key, roots, pointers)
         kernels = self._plans.get(shape_key)
         if kernels is None:
@@ -109,6 +112,8 @@ class LaunchCounter:
         patch(host, "to_host", read)
         patch(nvshmem_backend, "to_host", read)
         patch(be.device, "carve", self._allocating("carve", be.device.carve))
+        recarving = be.device.recarving
+        patch(recarving, "views", self._viewing(recarving.views))
         for name in ALLOCATORS:
             patch(np, name, self._allocating(name, getattr(np, name)))
         transport = be.transport
@@ -151,6 +156,15 @@ class LaunchCounter:
             if self._counts is not None:
                 setattr(self._counts, what, getattr(self._counts, what) + 1)
             return function(*args, **kwargs)
+        return wrapper
+
+    def _viewing(self, views: Callable) -> Callable:
+        """A recarving's ``views``, the arrays it makes counted."""
+        def wrapper(carving: Any, *args: Any) -> Any:
+            made = views(carving, *args)
+            if self._counts is not None:
+                self._counts.views += len(made)
+            return made
         return wrapper
 
     def _allocating(self, name: str, allocate: Callable) -> Callable:

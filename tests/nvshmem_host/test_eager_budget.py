@@ -26,20 +26,29 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
 LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared), each recorded call looked up as on the
-# GPU (RecordedCalls.shape_key): measured 48 / 38-39 / 30 (issue 47: no partial per recorded call, no flush call
-# without puts, the roots' layout in the lookup's own frame, a replay's device counts read from its handle, a
-# combine's one output made as itself; 49 for an expand new routing since issue 46's count_in_copy choice; before: 59 / 49-50 /
-# 40-42); at 635f594 (the general path, lookups not
+# GPU (RecordedCalls.shape_key): measured 41-43 / 35-36 / 26 (issue 47, third pass: a recorded call's pointers and
+# layout read without comprehension frames, a new routing's count_in_copy choice learned once per shape, a combine's
+# one output made without a views call; the views themselves fewer, which no call count shows: a new routing's count
+# block carves 1 view before its first launch and its handle's after the last, 10 in all where it carved 13);
+# before: 47-49 / 38-39 / 30 (second pass), 59 / 49-50 / 40-42 (first); at 635f594 (the general path, lookups not
 # counted) 132 / 101 / 92
-PYTHON_CALLS = {"new": 49, "cached": 39, "combine": 30}
-PAIR_CALLS = {"cached": 68, "new": 83}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
-# cpu_sync=True calls of a prepared shape: measured 56-57 / 40-41 / 36 (a new routing's poll, verdict and counts read;
-# a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 69 / 49-50 / 46-48; before issue 47
-# (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 58, "cached": 41, "combine": 36}
-# a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 33
-# with a cpu_sync=False handle, 39 with a cpu_sync=True one
-WEIGHTED_COMBINE_CALLS = {False: 33, True: 39}
+PYTHON_CALLS = {"new": 43, "cached": 36, "combine": 26}
+PAIR_CALLS = {"cached": 61, "new": 73}  # tools/host_pairs.py measures the same pairs (before: 68 / 83; 91 / 105)
+# cpu_sync=True calls of a prepared shape: measured 51-53 / 37-38 / 32 (a new routing's poll, verdict and counts read
+# from one read of the mapped record; a compact one's exact outputs carved as views of the exact rows after the poll,
+# no worst-case views sliced; a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 57-58 / 40-41 /
+# 36 (second pass), 69 / 49-50 / 46-48 (first); before issue 47 (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
+PYTHON_CALLS_SYNC = {"new": 53, "cached": 38, "combine": 32}
+# a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 29
+# with a cpu_sync=False handle, 35 with a cpu_sync=True one (before the third pass 33 / 39)
+WEIGHTED_COMBINE_CALLS = {False: 29, True: 35}
+# arrays carved per call by the device's recarvings (``cupy.ndarray(memptr=...)``, about 1.1 us each on an H100): a new
+# routing's count block 1 before its first launch (its count words) and its handle's 6 after its last (9 with
+# cpu_sync=False: its device counts too), its outputs 3 (a compact one with cpu_sync=True: views of the exact rows,
+# made after the poll); a replay's outputs 3; a combine's one output is its block. Before issue 47's third pass a
+# new routing carved 16, 13 of them (the whole count block) before its first launch, and a compact one with
+# cpu_sync=True sliced its 3 worst-case outputs after the poll besides
+VIEWS = {"new": {False: 13, True: 10}, "cached": {False: 3, True: 3}, "combine": {False: 0, True: 0}}
 
 
 @pytest.fixture(params=[False, True], ids=["compact", "expand"], scope="module")
@@ -87,6 +96,13 @@ def test_an_eager_call_enqueues_its_chain_without_waiting_on_the_stream(counted,
     assert counts.launches <= LAUNCHES[kind][expand], counts.events
     assert counts.allocations_before_first_launch <= 1, counts.events
     assert counts.allocations <= 2, counts.events
+
+
+@pytest.mark.parametrize("kind", ["new", "cached", "combine"])
+@pytest.mark.parametrize("sync", [True, False])
+def test_arrays_carved_per_call(counted, kind, sync):
+    counter, ops, _, _ = counted
+    assert _count(counter, ops, f"{kind} cpu_sync={sync}").views <= VIEWS[kind][sync]
 
 
 def test_the_call_after_a_cpu_sync_false_new_routing_polls_its_verdict_once(counted):
