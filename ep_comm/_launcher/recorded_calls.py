@@ -23,7 +23,6 @@ outside its roots (``allocations``).
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 from cuda.bindings.driver import CUstream
@@ -142,7 +141,6 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
 
 
 _UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
-_data_pointer = operator.attrgetter("data.ptr")  # a CuPy array's data pointer
 
 
 class RecordedCalls:
@@ -181,7 +179,7 @@ class RecordedCalls:
         if not self.enabled or key is None:
             path(*args)
             return
-        pointers = list(map(_data_pointer, roots))  # no comprehension frame
+        pointers = [r.data.ptr for r in roots]
         shape_key = self.shape_key(key, roots, pointers)
         recorded = self._calls.get(shape_key)
         if recorded is None:

@@ -9,7 +9,6 @@ only the host's call sequence is real. Recorded calls are replayed as the GPU re
 from __future__ import annotations
 
 import gc
-import operator
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends import nvshmem as nvshmem_backend
 from ep_comm.contract import arrays as host
 
-_data_pointer = operator.attrgetter("ctypes.data")
 _CTYPES = np._core._internal.__file__  # NumPy's ndarray.ctypes (a data pointer, an attribute on CuPy arrays)
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",
               "ascontiguousarray", "concatenate", "cumsum", "arange", "copy")  # array-module calls that allocate
@@ -39,6 +37,7 @@ class Counts:
     reads: int = 0
     polls: int = 0
     views: int = 0  # arrays carved from a block by the device's recarvings (``cupy.ndarray(memptr=...)`` on a GPU)
+    views_before_first_launch: int = 0
     python_calls: int = 0
     events: List[str] = field(default_factory=list)
 
@@ -73,7 +72,7 @@ class ReplayedCalls:
         if key is None:  # a call not to be recorded: launched pre-bound
             path(*args)
             return
-        pointers = list(map(_data_pointer, roots))  # as RecordedCalls.run reads them (a NumPy array's here)
+        pointers = [root.ctypes.data for root in roots]
         shape_key = RecordedCalls.shape_key(key, roots, pointers)
         kernels = self._plans.get(shape_key)
         if kernels is None:
@@ -162,8 +161,11 @@ class LaunchCounter:
         """A recarving's ``views``, the arrays it makes counted."""
         def wrapper(carving: Any, *args: Any) -> Any:
             made = views(carving, *args)
-            if self._counts is not None:
-                self._counts.views += len(made)
+            counts = self._counts
+            if counts is not None:
+                counts.views += len(made)
+                if not counts.launches:
+                    counts.views_before_first_launch += len(made)
             return made
         return wrapper
 
