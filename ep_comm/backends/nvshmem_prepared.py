@@ -241,18 +241,20 @@ class PreparedCalls:
         carved from ``block``; the weights only where given (else a scratch array outside the block)."""
         return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
 
-    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> Tuple[Array, tuple, tuple]:
-        """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), (send key, copy key))``: new
-        outputs of the exact shapes of ``exact`` (received rows, expanded rows) for a ``cpu_sync=True`` call of
-        ``entry``, carved by a recarving kept per shape, and the recorded-call keys of the pieces whose launches
-        depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``; otherwise
-        the entry's key) and the receive copy (its grid and array shapes). A key is None past ``_MAX_EXACT_COPIES``
-        shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the entry's): a known shape
-        costs one lookup of its two row counts, all that runs between a poll and the copy."""
+    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
+        """``(carving, block, (send key, copy key), scratch)``: a new output block of the exact shapes of ``exact``
+        (received rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that
+        carves its outputs (``_arranged(carving.views(block), entry.weighted, scratch)``: made when the call needs
+        them, a new routing's after its receive copy is launched), and the recorded-call keys of the pieces whose
+        launches depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``;
+        otherwise the entry's key) and the receive copy (its grid and array shapes). A key is None past
+        ``_MAX_EXACT_COPIES`` shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the
+        entry's): a known shape costs one lookup of its two row counts and one allocation, all that runs between a
+        poll and the copy."""
         held = entry.exact.get(exact)
         if held is not None:
             carving, keys, scratch = held
-            return (*_carved(carving, entry.weighted, scratch), keys)
+            return carving, carving.block(), keys, scratch
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
         arrays, block = dispatcher.carve_outputs(
@@ -264,9 +266,9 @@ class PreparedCalls:
                                           + (arrays[3].shape[0],)))
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
-        entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
-                              None if entry.weighted else arrays[2])
-        return block, arrays, keys
+        held = entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
+                                     None if entry.weighted else arrays[2])
+        return held[0], block, keys, held[2]
 
     def _exact_key(self, key: tuple) -> Optional[tuple]:
         """``key``, a recorded-call key of an exact output shape, or None when ``_MAX_EXACT_COPIES`` such keys were
@@ -302,33 +304,34 @@ class PreparedCalls:
             recorded.run(entry.keys[1], on, (block,), dispatcher.receive_count, stream, block, *entry.options[:2])
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
+        rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
         if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            out_block, arrays, (_, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+            carving, out_block, (_, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
+                                                                             (num_recv, num_expanded))
         else:
-            out_block, arrays, copy_key = entry.outputs.block(), None, entry.keys[2]
-        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, block, out_block, arrays,
-                     counted)
+            carving, out_block, copy_key, scratch = entry.outputs, entry.outputs.block(), entry.keys[2], entry.scratch
+        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, block, carving, out_block,
+                     scratch, counted)
         ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
         if not cpu_sync:
             runner.defer_verdict()  # after the launch that writes the record
             aligned, num_recv, num_expanded = device_counts
-            arrays = _arranged(entry.outputs.views(out_block), entry.weighted, entry.scratch)
-        elif arrays is None:  # the copy is enqueued: the poll, then views of the exact rows
+        elif entry.outputs is not None:  # the copy is enqueued: the poll, then views of the exact rows
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            arrays = _arranged(entry.outputs.views(out_block, num_recv), entry.weighted, None)
+            rows, scratch = num_recv, None
+        arrays = _arranged(carving.views(out_block, rows), entry.weighted, scratch)
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
-    def _receive_copy(self, stream: Any, entry: _Entry, block: Array, out_block: Array, arrays: Optional[tuple],
-                      counted: bool) -> None:
+    def _receive_copy(self, stream: Any, entry: _Entry, block: Array, carving: Any, out_block: Array,
+                      scratch: Optional[Array], counted: bool) -> None:
         """The receive copy of a new routing of ``entry`` from count block ``block`` into ``out_block``, as the first
         call of its recorded call runs it (later calls launch it on the two blocks' pointers alone: no view is made
-        for it): ``arrays`` the outputs, or None for views of ``entry``'s worst-case outputs made here; ``counted``:
-        the copy also counts (``NvshmemDispatch.counts_in_copy``)."""
+        for it): the outputs are ``carving``'s views of ``out_block`` (and ``scratch`` weights where none are carved);
+        ``counted``: the copy also counts (``NvshmemDispatch.counts_in_copy``)."""
         dispatcher = self._dispatcher
-        if arrays is None:
-            arrays = _arranged(entry.outputs.views(out_block), entry.weighted, entry.scratch)
+        arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
         recv_block = dispatcher.receive_block(block)
         recv = dispatcher.kernels.receive_layout(recv_block)
         dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, entry.options,
@@ -345,7 +348,9 @@ class PreparedCalls:
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
             num_recv, num_expanded, aligned = host_counts(h)
-            out_block, arrays, (send_key, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+            carving, out_block, (send_key, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
+                                                                                    (num_recv, num_expanded))
+            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
         else:
             held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
             num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)

@@ -28,7 +28,8 @@ ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ful
 
 @dataclass
 class Counts:
-    """One call's counts; ``events`` is the order of launches ("launch <kernel>"), allocations ("alloc <what>") and
+    """One call's counts; ``events`` is the order of launches ("launch <kernel>"), allocations ("alloc <what>"), arrays
+    carved by a recarving ("views <how many>") and
     polls ("poll")."""
 
     launches: int = 0
@@ -164,6 +165,7 @@ class LaunchCounter:
             counts = self._counts
             if counts is not None:
                 counts.views += len(made)
+                counts.events.append(f"views {len(made)}")
                 if not counts.launches:
                     counts.views_before_first_launch += len(made)
             return made
