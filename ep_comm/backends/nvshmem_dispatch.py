@@ -224,7 +224,7 @@ class NvshmemDispatch:
         local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
         x, weights = request.x, request.topk_weights
         self.runner.run_recorded(self.cached_send_key(h, x, weights is not None, local),
-                                 cached_send_roots(h, x, weights, local, block),
+                                 cached_send_roots(h, x, weights, local is not None, block),
                                  functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
                                                    kernel_launches.SLOT_CACHED, local))
         self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
@@ -412,9 +412,10 @@ def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tu
     return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
 
 
-def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: Optional[tuple], block: Array) -> tuple:
+def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: bool, block: Array) -> tuple:
     """The per-call arrays of a replay's scatter, in order: the payload, the handle's routing, the outputs'
-    ``block`` and the handle's psum (compact: the scatter writes this rank's own rows into ``recv_x``), the weights."""
+    ``block`` and the handle's psum where the scatter writes this rank's own rows into ``recv_x`` (``local``: a
+    compact replay), the weights."""
     return (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + (
         (block, h.psum_num_recv_tokens_per_rank) if local else ()) + (() if weights is None else (weights,))
 

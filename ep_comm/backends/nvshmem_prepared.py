@@ -67,13 +67,6 @@ def _bytes(shapes: Any) -> int:
     return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
 
-def _carved(carving: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, Tuple[Array, ...]]:
-    """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))``: new outputs from ``carving``
-    (``PreparedCalls._output_carving``), the weights ``scratch`` where none are carved."""
-    block, views = carving.new()
-    return block, _arranged(views, weighted, scratch)
-
-
 def _arranged(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
     """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
     (``PreparedCalls._output_carving``'s order), the weights ``scratch`` where none are carved."""
@@ -311,8 +304,8 @@ class PreparedCalls:
                                                                              (num_recv, num_expanded))
         else:
             carving, out_block, copy_key, scratch = entry.outputs, entry.outputs.block(), entry.keys[2], entry.scratch
-        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, block, carving, out_block,
-                     scratch, counted)
+        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, carving, out_block, scratch,
+                     block)
         ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
         if not cpu_sync:
             runner.defer_verdict()  # after the launch that writes the record
@@ -324,25 +317,39 @@ class PreparedCalls:
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
-    def _receive_copy(self, stream: Any, entry: _Entry, block: Array, carving: Any, out_block: Array,
-                      scratch: Optional[Array], counted: bool) -> None:
-        """The receive copy of a new routing of ``entry`` from count block ``block`` into ``out_block``, as the first
-        call of its recorded call runs it (later calls launch it on the two blocks' pointers alone: no view is made
-        for it): the outputs are ``carving``'s views of ``out_block`` (and ``scratch`` weights where none are carved);
-        ``counted``: the copy also counts (``NvshmemDispatch.counts_in_copy``)."""
+    def _receive_copy(self, stream: Any, entry: _Entry, carving: Any, out_block: Array, scratch: Optional[Array],
+                      source: Any) -> None:
+        """The receive copy of a call of ``entry`` into ``out_block``, as the first call of its recorded call runs it
+        (later calls launch it on their roots' pointers alone: no view is made for it): the outputs are ``carving``'s
+        views of ``out_block`` (and ``scratch`` weights where none are carved); ``source`` the count block of a new
+        routing (its receive count's psums; also counted in the copy where ``entry.counted``), or the handle a replay
+        replays (its psums)."""
         dispatcher = self._dispatcher
         arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-        recv_block = dispatcher.receive_block(block)
+        if type(source) is EPHandle:
+            dispatcher.receive_copy(stream, source.psum_num_recv_tokens_per_rank, source.psum_num_recv_tokens_per_expert,
+                                    arrays, entry.options)
+            return
+        recv_block = dispatcher.receive_block(source)
         recv = dispatcher.kernels.receive_layout(recv_block)
         dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, entry.options,
-                                recv_block if counted else None)
+                                recv_block if entry.counted else None)
+
+    def _replay_scatter(self, stream: Any, x: Array, h: EPHandle, weights: Optional[Array], carving: Any,
+                        out_block: Array) -> None:
+        """A compact replay's scatter of ``x`` by handle ``h``, as the first call of its recorded call runs it: this
+        rank's own rows go straight into ``recv_x``, ``carving``'s first view of ``out_block``, made here (later calls
+        launch it on their roots' pointers alone)."""
+        self._dispatcher.scatter(stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
+                                 (carving.views(out_block)[0], h.psum_num_recv_tokens_per_rank))
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
-        """A replay of handle ``h``: outputs first (worst-case shapes; ``cpu_sync``: the exact shapes the handle
-        gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``), signal and
-        wait, the receive copy. No poll, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The
-        eager path"); the outcome of the wait is the next call's to raise."""
+        """A replay of handle ``h``: the output block first (worst-case shapes; ``cpu_sync``: the exact shapes the
+        handle gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``),
+        signal and wait, the receive copy, then the outputs' views (expand: before the scatter, the handle's expanded
+        rows are copied into the new metadata). No poll, ``cpu_sync`` or not: the handle gave every count
+        (``docs/design.md``, "The eager path"); the outcome of the wait is the next call's to raise."""
         dispatcher, runner, transport, recorded = self._dispatcher, self._runner, self._ctx.transport, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
@@ -350,27 +357,29 @@ class PreparedCalls:
             num_recv, num_expanded, aligned = host_counts(h)
             carving, out_block, (send_key, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
                                                                                     (num_recv, num_expanded))
-            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
         else:
             held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
             num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
-            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
+            carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
             send_key, copy_key = entry.keys[0], entry.keys[2]
-        psum = h.psum_num_recv_tokens_per_rank
-        if entry.options[0]:
-            local = None
+        psum, expert_psum = h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert
+        roots = cached_send_roots(h, x, weights, not entry.options[0], out_block)
+        if entry.options[0]:  # expand: the outputs now, the handle's expanded rows into their metadata
+            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
+            recorded.run(send_key, on, roots, dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                         kernel_launches.SLOT_CACHED, None)
         else:
-            local = (arrays[0], psum)
-        recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), dispatcher.scatter, stream, x,
-                     h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED, local)
+            arrays = None
+            recorded.run(send_key, on, roots, self._replay_scatter, stream, x, h, weights, carving, out_block)
         if self._puts:
             transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
                             with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
-        expert_psum = h.psum_num_recv_tokens_per_expert
-        recorded.run(copy_key, on, (psum, expert_psum, out_block), dispatcher.receive_copy, stream, psum, expert_psum,
-                     arrays, entry.options)
+        recorded.run(copy_key, on, (psum, expert_psum, out_block), self._receive_copy, stream, entry, carving,
+                     out_block, scratch, h)
+        if arrays is None:
+            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)
