@@ -195,7 +195,10 @@ class RecordedCalls:
         ``pointers``), what a replay keeps of them besides their pointers: per root its shape, byte strides, dtype
         and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on these make
         the same launches with the same words but for the roots' data pointers."""
-        return key, tuple([(r.shape, r.strides, r.dtype, p & 15) for r, p in zip(roots, pointers)])
+        layout = []
+        for r, p in zip(roots, pointers):  # a loop, not a comprehension: no frame of its own
+            layout.append((r.shape, r.strides, r.dtype, p & 15))
+        return key, tuple(layout)
 
     def launch_counts(self) -> Dict[Hashable, Optional[int]]:
         """Per ``(call key, roots' layout)`` seen, the launches of its recorded call (None: its calls cannot be

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import operator
 from contextlib import contextmanager
-from typing import Any, ContextManager, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cupy
 import numpy as np
@@ -28,7 +28,8 @@ class Recarving:
     and returns ``(block, views)`` at the same offsets, shapes, dtypes and strides (``cupy.ndarray(memptr=...)``:
     no slicing). The block is a root of the recorded calls it is passed to, whose key holds its layout: it is made
     as the general path makes it. A single view that is the block itself (:meth:`CupyDevice.carve` of one array)
-    is the new block again: one array made, not two."""
+    is the new block again: one array made, not two. :meth:`block` and :meth:`views` are its two halves, for a
+    caller that launches on the block before it needs the views (or needs none: a recorded call takes the block)."""
 
     __slots__ = ("_block", "_views", "_whole")
 
@@ -41,11 +42,22 @@ class Recarving:
     def new(self) -> Tuple[Any, List[Any]]:
         """``(block, views)``: one allocation."""
         block = cupy.empty(*self._block)
+        return block, [block] if self._whole else self.views(block)
+
+    def block(self) -> Any:
+        """A new block (one allocation), no views."""
+        return cupy.empty(*self._block)
+
+    def views(self, block: Any, rows: Optional[int] = None) -> List[Any]:
+        """The views of ``block`` (one this recarving made); ``rows``: each view's first extent is ``rows`` instead
+        (the leading rows of views of worst-case rows, as ``view[:rows]`` gives them, without the slice)."""
         if self._whole:
-            return block, [block]
-        memory = block.data
-        return block, [cupy.ndarray(shape, dtype, memptr=memory + at, strides=strides)
-                       for shape, dtype, at, strides in self._views]
+            return [block if rows is None else block[:rows]]
+        memory, views = block.data, []
+        for shape, dtype, at, strides in self._views:  # a loop, not a comprehension: no frame of its own
+            views.append(cupy.ndarray(shape if rows is None else (rows, *shape[1:]), dtype, memptr=memory + at,
+                                      strides=strides))
+        return views
 
 
 class CupyDevice:

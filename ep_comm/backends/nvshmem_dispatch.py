@@ -97,46 +97,56 @@ class NvshmemDispatch:
             with self.profile.phase("dispatch", "check"):
                 k.check_routing(idx, into=self.capture.checks, stream=stream)
         num_tokens = idx.shape[0]
-        block, send_block, recv_block = self._count_block(num_tokens)
+        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
+        send_block = self.send_block(block)
         self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
-                                 functools.partial(self.count_and_scatter, stream, idx, x, weights, send_block))
-        self._flush(stream, lambda: k.send_layout(send_block, num_tokens).rank_psum)
+                                 functools.partial(self.count_and_scatter, stream, idx, x, weights, block))
+        self._flush(stream, functools.partial(self.send_psum, block, num_tokens))
         self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
-        return functools.partial(self._receive_new, request, routing, recv_block, hooked)
+        return functools.partial(self._receive_new, request, routing, block, hooked)
 
-    def _count_block(self, num_tokens: int) -> tuple:
-        """``(block, send block, receive block)``: one int32 allocation for a new routing of ``num_tokens`` tokens,
-        the receive count's ``[Kernels.recv_words]`` words first, then the count's ``[Kernels.send_words(T)]``."""
-        k = self.kernels
+    def send_block(self, block: Array) -> Array:
+        """The count's ``[Kernels.send_words(T)]`` words of a new routing's count block (int32, one allocation: the
+        receive count's ``[Kernels.recv_words]`` words first, then these)."""
+        return block[self.kernels.recv_words:]
+
+    def receive_block(self, block: Array) -> Array:
+        """The receive count's ``[Kernels.recv_words]`` words of a new routing's count block (:meth:`send_block`)."""
+        return block[:self.kernels.recv_words]
+
+    def send_psum(self, block: Array, num_tokens: int) -> Array:
+        """The send psum (int32 ``[R]``: inclusive prefix sum of the rows per destination, the puts' blocks) in count
+        block ``block`` of a new routing of ``num_tokens`` tokens (:meth:`send_block`)."""
+        return self.kernels.send_layout(self.send_block(block), num_tokens).rank_psum
+
+    def count_carvings(self, num_tokens: int, ids_dtype: Any, device_counts: bool) -> tuple:
+        """``(launch, handle)``: the device's recarvings of the count block of a new routing of ``num_tokens`` tokens
+        (ids of ``ids_dtype``; :meth:`send_block`). ``launch.new()`` gives the block and what its launches take
+        besides it, ``(count_words,)`` (the recorded calls take the whole block as their root); ``handle.views(block)``
+        what the handle holds, made after the launches: ``(the ids' copy, is_token_in_rank, slot_idx, the receive
+        count's rank psum, expert psum, unaligned counts)`` and, ``device_counts`` (``cpu_sync=False``), its aligned
+        counts, received rows N and expanded rows M (0-d arrays)."""
+        k, recarving = self.kernels, self.device.recarving
         block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
-        return block, block[k.recv_words:], block[:k.recv_words]
-
-    def count_carving(self, num_tokens: int, ids_dtype: Any) -> Any:
-        """The device's recarving of the count block of a new routing of ``num_tokens`` tokens (ids of
-        ``ids_dtype``): ``new()`` gives the block and its views ``(send block, receive block, count_words,
-        the ids' copy, is_token_in_rank, slot_idx, the send psum, then the receive count's rank psum, expert psum,
-        unaligned and aligned counts, received rows N and expanded rows M as 0-d arrays)``."""
-        k = self.kernels
-        block, send_block, recv_block = self._count_block(num_tokens)
-        send, recv = k.send_layout(send_block, num_tokens), k.receive_layout(recv_block)
-        return self.device.recarving(block, (
-            send_block, recv_block, send.count_words, k.ids_view(send_block, num_tokens, ids_dtype),
-            send.is_token_in_rank, send.slot_idx, send.rank_psum, recv.rank_psum, recv.expert_psum,
-            recv.num_unaligned_per_expert, recv.num_aligned_per_expert, recv.totals[:1].reshape(()),
-            recv.totals[1:].reshape(())))
+        send, recv = k.send_layout(self.send_block(block), num_tokens), k.receive_layout(self.receive_block(block))
+        views = (k.ids_view(self.send_block(block), num_tokens, ids_dtype), send.is_token_in_rank, send.slot_idx,
+                 recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert)
+        if device_counts:
+            views += (recv.num_aligned_per_expert, recv.totals[:1].reshape(()), recv.totals[1:].reshape(()))
+        return recarving(block, (send.count_words,)), recarving(block, views)
 
     def send_key(self, idx: Array, x: Any, weighted: bool) -> tuple:
         """The recorded-call key of a new routing's count and scatter (:meth:`count_and_scatter`)."""
         return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
 
-    def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], send_block: Array) -> None:
-        """On ``stream``: count routing ``idx [T, K]`` into ``send_block`` (int32 ``[Kernels.send_words(T)]``), then
+    def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], block: Array) -> None:
+        """On ``stream``: count routing ``idx [T, K]`` into the count block ``block`` (:meth:`send_block`), then
         scatter ``x`` with its ``weights`` at the slots the count assigned (stable ones where ``Kernels.send_stable``
         says so)."""
         stable = self.kernels.send_stable(idx.shape[0], self.deterministic)
         with self.profile.phase("dispatch", "count"):
-            send = self.kernels.count(idx, stable=stable, stream=stream, block=send_block)
+            send = self.kernels.count(idx, stable=stable, stream=stream, block=self.send_block(block))
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
         self.scatter(stream, x, idx, weights, send.slot_idx, mode)
 
@@ -145,34 +155,35 @@ class NvshmemDispatch:
         return ("receive_count", expand, alignment, self.deterministic)
 
     def receive_count(self, stream: Any, block: Array, expand: bool, alignment: int) -> None:
-        """The receive count of a new routing, on ``stream``, into ``block`` (int32 ``[Kernels.recv_words]``) and the
-        runner's mapped record."""
+        """The receive count of a new routing, on ``stream``, into the count block ``block`` (its
+        :meth:`receive_block`) and the runner's mapped record."""
         with self.profile.phase("dispatch", "receive_count"):
             self.kernels.receive_count(self.ctx.own_counts, self.ctx.own_meta, self.transport.step, alignment=alignment,
-                                       expand=expand, stable=self.deterministic, stream=stream, block=block,
-                                       record=self.runner.record)
+                                       expand=expand, stable=self.deterministic, stream=stream,
+                                       block=self.receive_block(block), record=self.runner.record)
 
     def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool,
                      stream: Any) -> DispatchOutput:
-        """The receive half of a dispatch of a new routing, on ``stream``: counts (into ``block``, int32
-        ``[recv_words]``, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
+        """The receive half of a dispatch of a new routing, on ``stream``: counts (into the count block ``block``'s
+        :meth:`receive_block`, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
         routing error of any rank's bad verdict (every rank raises it here, in step), else the exact outputs; without
         it the next call checks the verdicts, and a compact receive counts in its copy's launch
         (``Kernels.receive_counted``)."""
         expand, alignment = request.expand, request.expert_alignment
         self.runner.wait("dispatch", hooked, with_counts=True)
-        counted = block if self.counts_in_copy(expand, request.cpu_sync) else None
+        recv_block = self.receive_block(block)
+        counted = recv_block if self.counts_in_copy(expand, request.cpu_sync) else None
         if counted is None:
             self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
                                      functools.partial(self.receive_count, stream, block, expand, alignment))
-        recv = self.kernels.receive_layout(block)
+        recv = self.kernels.receive_layout(recv_block)
         if request.cpu_sync:
             counts = self.received_counts()
         else:
             # 0-d views, as the prepared path's (count_carving): filled by a launch yet to come when the copy counts
             counts = (recv.totals[:1].reshape(()), recv.totals[1:].reshape(()), recv.num_aligned_per_expert)
         out = self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                            counts, None, self.place_mode, counted=counted)
+                            counts, None, self.place_mode, count_block=block, counted=counted)
         if not request.cpu_sync:
             self.runner.defer_verdict()  # after the launch that writes the record
         if request.stats is not None:
@@ -192,10 +203,11 @@ class NvshmemDispatch:
         runner = self.runner
         step = runner.steps.latest
         runner.check_arrival(self.device.progress() if marker is None else marker, "dispatch")
-        error = runner.verdict(step)
+        words = runner.record_host.tolist()  # one read of the mapped record: the verdicts, then the counts
+        error = runner.verdict(step, words)
         if error is not None:
             raise error
-        return record_counts(runner.record_host, *self._record_shape)
+        return record_counts(words, *self._record_shape)
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:
@@ -212,7 +224,7 @@ class NvshmemDispatch:
         local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
         x, weights = request.x, request.topk_weights
         self.runner.run_recorded(self.cached_send_key(h, x, weights is not None, local),
-                                 cached_send_roots(h, x, weights, local, block),
+                                 cached_send_roots(h, x, weights, local is not None, block),
                                  functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
                                                    kernel_launches.SLOT_CACHED, local))
         self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
@@ -253,7 +265,8 @@ class NvshmemDispatch:
 
     def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
                  recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
-                 skip_source: int = -1, counted: Optional[Array] = None) -> DispatchOutput:
+                 skip_source: int = -1, count_block: Optional[Array] = None,
+                 counted: Optional[Array] = None) -> DispatchOutput:
         """Allocate the outputs (unless given), copy the received rows into them (on ``stream``), and make the handle.
 
         ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
@@ -261,9 +274,9 @@ class NvshmemDispatch:
         ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
         reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
         ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1; ``counted``: the receive count's block (int32 ``[recv_words]``, whose views ``layout``
-        are) when the copy also counts (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes)
-        the copy is a recorded call."""
+        (compact only), or -1; ``count_block``: a new routing's count block (whose views ``layout`` are; the recorded
+        copy's root), else None; ``counted``: its receive block (:meth:`receive_block`) when the copy also counts
+        (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded call."""
         rank_psum, expert_psum, unaligned = layout
         arrays, block = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
         options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
@@ -272,7 +285,7 @@ class NvshmemDispatch:
             receive_copy()
         else:
             key = receive_copy_key(options, arrays[0], request.topk_weights is not None)
-            roots = (rank_psum, expert_psum, block) if counted is None else (counted, block)
+            roots = (rank_psum, expert_psum, block) if count_block is None else (count_block, block)
             self.runner.run_recorded(key if counted is None else key + ("counted",), roots, receive_copy)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
                             int(arrays[0].shape[0]))
@@ -399,9 +412,10 @@ def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tu
     return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
 
 
-def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: Optional[tuple], block: Array) -> tuple:
+def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: bool, block: Array) -> tuple:
     """The per-call arrays of a replay's scatter, in order: the payload, the handle's routing, the outputs'
-    ``block`` and the handle's psum (compact: the scatter writes this rank's own rows into ``recv_x``), the weights."""
+    ``block`` and the handle's psum where the scatter writes this rank's own rows into ``recv_x`` (``local``: a
+    compact replay), the weights."""
     return (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + (
         (block, h.psum_num_recv_tokens_per_rank) if local else ()) + (() if weights is None else (weights,))
 

@@ -67,11 +67,10 @@ def _bytes(shapes: Any) -> int:
     return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
 
-def _carved(carving: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, Tuple[Array, ...]]:
-    """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata))``: new outputs from ``carving``
-    (``PreparedCalls._output_carving``), the weights ``scratch`` where none are carved."""
-    block, views = carving.new()
-    return block, (views[0], views[1], views[3] if weighted else scratch, views[2])
+def _arranged(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
+    """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
+    (``PreparedCalls._output_carving``'s order), the weights ``scratch`` where none are carved."""
+    return views[0], views[1], views[3] if weighted else scratch, views[2]
 
 
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
@@ -85,13 +84,17 @@ class _Entry:
     """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
     its carvings and options (set by the builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "keys", "count", "outputs", "scratch", "options", "weighted", "exact")
+    __slots__ = ("inputs", "keys", "count", "count_views", "counted", "outputs", "scratch", "options", "weighted",
+                 "exact")
 
     def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
-                 scratch: Optional[Array], options: tuple, weighted: bool):
+                 scratch: Optional[Array], options: tuple, weighted: bool, counted: bool = False):
         self.inputs = inputs
         self.keys = keys
-        self.count = count  # the count block's recarving (a new routing), or None
+        # a new routing: the count block's recarvings, (the block and the views its launches take, the views its
+        # handle holds) (NvshmemDispatch.count_carvings); None otherwise
+        self.count, self.count_views = count or (None, None)
+        self.counted = counted  # a new routing's receive counts in its copy's launch (counts_in_copy)
         self.outputs = outputs  # the outputs' recarving (worst-case shapes), or None (exact outputs)
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
@@ -191,7 +194,8 @@ class PreparedCalls:
         skip_source = -1 if new or h.expand else self._ctx.rank
         mode = dispatcher.place_mode if new else kernel_launches.PLACE_CACHED
         options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
-        count = dispatcher.count_carving(h.num_tokens, idx.dtype) if new else None
+        count = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync) if new else None
+        counted = new and dispatcher.counts_in_copy(h.expand, h.cpu_sync)
         outputs, scratch, copy_key = None, None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
@@ -199,7 +203,7 @@ class PreparedCalls:
             outputs = self._output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
             copy_key = receive_copy_key(options, arrays[0], weighted)
-            if new and dispatcher.counts_in_copy(h.expand, h.cpu_sync):
+            if counted:
                 copy_key += ("counted",)
         if new:
             keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
@@ -207,7 +211,7 @@ class PreparedCalls:
         else:
             local = None if h.expand else (out.recv_x, None)
             keys = (dispatcher.cached_send_key(h, x, weighted, local), None, copy_key)
-        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted)
+        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted, counted)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
         """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
@@ -230,18 +234,20 @@ class PreparedCalls:
         carved from ``block``; the weights only where given (else a scratch array outside the block)."""
         return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
 
-    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> Tuple[Array, tuple, tuple]:
-        """``(block, (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), (send key, copy key))``: new
-        outputs of the exact shapes of ``exact`` (received rows, expanded rows) for a ``cpu_sync=True`` call of
-        ``entry``, carved by a recarving kept per shape, and the recorded-call keys of the pieces whose launches
-        depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``; otherwise
-        the entry's key) and the receive copy (its grid and array shapes). A key is None past ``_MAX_EXACT_COPIES``
-        shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the entry's): a known shape
-        costs one lookup of its two row counts, all that runs between a poll and the copy."""
+    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
+        """``(carving, block, (send key, copy key), scratch)``: a new output block of the exact shapes of ``exact``
+        (received rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that
+        carves its outputs (``_arranged(carving.views(block), entry.weighted, scratch)``: made when the call needs
+        them, a new routing's after its receive copy is launched), and the recorded-call keys of the pieces whose
+        launches depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``;
+        otherwise the entry's key) and the receive copy (its grid and array shapes). A key is None past
+        ``_MAX_EXACT_COPIES`` shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the
+        entry's): a known shape costs one lookup of its two row counts and one allocation, all that runs between a
+        poll and the copy."""
         held = entry.exact.get(exact)
         if held is not None:
             carving, keys, scratch = held
-            return (*_carved(carving, entry.weighted, scratch), keys)
+            return carving, carving.block(), keys, scratch
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
         arrays, block = dispatcher.carve_outputs(
@@ -253,9 +259,9 @@ class PreparedCalls:
                                           + (arrays[3].shape[0],)))
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
-        entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
-                              None if entry.weighted else arrays[2])
-        return block, arrays, keys
+        held = entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
+                                     None if entry.weighted else arrays[2])
+        return held[0], block, keys, held[2]
 
     def _exact_key(self, key: tuple) -> Optional[tuple]:
         """``key``, a recorded-call key of an exact output shape, or None when ``_MAX_EXACT_COPIES`` such keys were
@@ -269,77 +275,111 @@ class PreparedCalls:
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
-        the handle. ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll (it reads the
-        counts on the device), then one poll, the verdicts, and the outputs are the exact rows of those (views);
-        ``cpu_sync`` expand: one poll, the verdicts, exact outputs (carved as kept per shape) and their copy (recorded
-        per shape); else the recorded copy into worst-case outputs. After the poll: no loop over ranks or experts (the
-        counts per expert are one ``tolist`` of the mapped record)."""
+        the handle. Before the first launch one allocation and one view (the count block and its count words: every
+        recorded call takes the whole block as its root); the handle's views of the block are made after the last
+        launch (before the poll). ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll
+        (it reads the counts on the device), then one poll, the verdicts, and the outputs are views of the exact rows
+        of those (made once the rows are known, no slicing); ``cpu_sync`` expand: one poll, the verdicts, exact
+        outputs (carved as kept per shape) and their copy (recorded per shape); else the recorded copy into
+        worst-case outputs. After the poll: no loop over ranks or experts (the counts per expert are one ``tolist``
+        of the mapped record)."""
         dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        block, (send_block, recv_block, words, ids, in_rank, slots, send_psum, rank_psum, expert_psum, unaligned,
-                aligned, num_recv, num_expanded) = entry.count.new()
+        block, (words,) = entry.count.new()
         recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights), dispatcher.count_and_scatter, stream, idx,
-                     x, weights, send_block)
+                     x, weights, block)
         if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
-            self._ctx.transport.flush(stream, lambda: send_psum, with_meta=True)
+            self._ctx.transport.flush(stream, functools.partial(dispatcher.send_psum, block, idx.shape[0]),
+                                      with_meta=True)
         self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
-        expand, alignment = entry.options[:2]
-        counted = dispatcher.counts_in_copy(expand, cpu_sync)  # the copy's launch counts too
+        counted = entry.counted  # the copy's launch counts too
         if not counted:
-            recorded.run(entry.keys[1], on, (recv_block,), dispatcher.receive_count, stream, recv_block, expand,
-                         alignment)
+            recorded.run(entry.keys[1], on, (block,), dispatcher.receive_count, stream, block, *entry.options[:2])
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
+        rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
         if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            out_block, arrays, (_, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+            carving, out_block, (_, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
+                                                                             (num_recv, num_expanded))
         else:
-            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
-            copy_key = entry.keys[2]
-        roots = (recv_block, out_block) if counted else (rank_psum, expert_psum, out_block)
-        recorded.run(copy_key, on, roots, dispatcher.receive_copy, stream, rank_psum, expert_psum, arrays,
-                     entry.options, recv_block if counted else None)
+            carving, out_block, copy_key, scratch = entry.outputs, entry.outputs.block(), entry.keys[2], entry.scratch
+        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, carving, out_block, scratch,
+                     block)
+        ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
         if not cpu_sync:
             runner.defer_verdict()  # after the launch that writes the record
-        elif entry.outputs is not None:  # the copy is enqueued: the poll, then the exact rows (views)
+            aligned, num_recv, num_expanded = device_counts
+        elif entry.outputs is not None:  # the copy is enqueued: the poll, then views of the exact rows
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            n = num_recv
-            arrays = (arrays[0][:n], arrays[1][:n], arrays[2][:n] if entry.weighted else None, arrays[3][:n])
+            rows, scratch = num_recv, None
+        arrays = _arranged(carving.views(out_block, rows), entry.weighted, scratch)
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
+    def _receive_copy(self, stream: Any, entry: _Entry, carving: Any, out_block: Array, scratch: Optional[Array],
+                      source: Any) -> None:
+        """The receive copy of a call of ``entry`` into ``out_block``, as the first call of its recorded call runs it
+        (later calls launch it on their roots' pointers alone: no view is made for it): the outputs are ``carving``'s
+        views of ``out_block`` (and ``scratch`` weights where none are carved); ``source`` the count block of a new
+        routing (its receive count's psums; also counted in the copy where ``entry.counted``), or the handle a replay
+        replays (its psums)."""
+        dispatcher = self._dispatcher
+        arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
+        if type(source) is EPHandle:
+            dispatcher.receive_copy(stream, source.psum_num_recv_tokens_per_rank, source.psum_num_recv_tokens_per_expert,
+                                    arrays, entry.options)
+            return
+        recv_block = dispatcher.receive_block(source)
+        recv = dispatcher.kernels.receive_layout(recv_block)
+        dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, entry.options,
+                                recv_block if entry.counted else None)
+
+    def _replay_scatter(self, stream: Any, x: Array, h: EPHandle, weights: Optional[Array], carving: Any,
+                        out_block: Array) -> None:
+        """A compact replay's scatter of ``x`` by handle ``h``, as the first call of its recorded call runs it: this
+        rank's own rows go straight into ``recv_x``, ``carving``'s first view of ``out_block``, made here (later calls
+        launch it on their roots' pointers alone)."""
+        self._dispatcher.scatter(stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
+                                 (carving.views(out_block)[0], h.psum_num_recv_tokens_per_rank))
+
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
-        """A replay of handle ``h``: outputs first (worst-case shapes; ``cpu_sync``: the exact shapes the handle
-        gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``), signal and
-        wait, the receive copy. No poll, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The
-        eager path"); the outcome of the wait is the next call's to raise."""
+        """A replay of handle ``h``: the output block first (worst-case shapes; ``cpu_sync``: the exact shapes the
+        handle gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``),
+        signal and wait, the receive copy, then the outputs' views (expand: before the scatter, the handle's expanded
+        rows are copied into the new metadata). No poll, ``cpu_sync`` or not: the handle gave every count
+        (``docs/design.md``, "The eager path"); the outcome of the wait is the next call's to raise."""
         dispatcher, runner, transport, recorded = self._dispatcher, self._runner, self._ctx.transport, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
             num_recv, num_expanded, aligned = host_counts(h)
-            out_block, arrays, (send_key, copy_key) = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+            carving, out_block, (send_key, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
+                                                                                    (num_recv, num_expanded))
         else:
             held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
             num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
-            out_block, arrays = _carved(entry.outputs, entry.weighted, entry.scratch)
+            carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
             send_key, copy_key = entry.keys[0], entry.keys[2]
-        psum = h.psum_num_recv_tokens_per_rank
-        if entry.options[0]:
-            local = None
+        psum, expert_psum = h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert
+        roots = cached_send_roots(h, x, weights, not entry.options[0], out_block)
+        if entry.options[0]:  # expand: the outputs now, the handle's expanded rows into their metadata
+            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
+            recorded.run(send_key, on, roots, dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                         kernel_launches.SLOT_CACHED, None)
         else:
-            local = (arrays[0], psum)
-        recorded.run(send_key, on, cached_send_roots(h, x, weights, local, out_block), dispatcher.scatter, stream, x,
-                     h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED, local)
+            arrays = None
+            recorded.run(send_key, on, roots, self._replay_scatter, stream, x, h, weights, carving, out_block)
         if self._puts:
             transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
                             with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
-        expert_psum = h.psum_num_recv_tokens_per_expert
-        recorded.run(copy_key, on, (psum, expert_psum, out_block), dispatcher.receive_copy, stream, psum, expert_psum,
-                     arrays, entry.options)
+        recorded.run(copy_key, on, (psum, expert_psum, out_block), self._receive_copy, stream, entry, carving,
+                     out_block, scratch, h)
+        if arrays is None:
+            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
                             weights, cpu_sync)

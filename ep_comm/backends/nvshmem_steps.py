@@ -216,11 +216,13 @@ class StepRunner:
         if error is not None:
             raise error
 
-    def verdict(self, step: str) -> Optional[RoutingError]:
+    def verdict(self, step: str, words: Optional[Sequence[int]] = None) -> Optional[RoutingError]:
         """The ``RoutingError`` of the routing verdicts in the record (every rank's, from the count exchange), or
-        None when all are clean."""
+        None when all are clean; ``words``: the whole record as a host list, read already (one ``tolist()``), or
+        None (its verdict words are read here)."""
         geo = self.geo
-        if verdicts_clean(self.record_host[self._verdict_words].tolist(), geo.num_experts):
+        verdicts = self.record_host[self._verdict_words].tolist() if words is None else words[self._verdict_words]
+        if verdicts_clean(verdicts, geo.num_experts):
             return None
         return routing_error(record_verdicts(self.record_host, geo.num_ranks), geo.num_experts, step)
 

@@ -135,7 +135,7 @@ def read_record(words: Sequence[int], num_ranks: int, num_local_experts: int) ->
     """Decode a whole record (int64 ``[record_words(R, L)]``, e.g. a host copy) read once its tag is the step's
     number: :func:`record_counts` and :func:`record_verdicts` with the tag."""
     record = np.asarray(words, dtype=np.int64)
-    num_recv, num_expanded, aligned = record_counts(record, num_ranks, num_local_experts)
+    num_recv, num_expanded, aligned = record_counts(record.tolist(), num_ranks, num_local_experts)
     return Record(int(record[RECORD_TAG]), num_recv, num_expanded, record_verdicts(record, num_ranks), aligned)
 
 
@@ -144,10 +144,11 @@ def record_verdicts(words: Any, num_ranks: int) -> List[Tuple[int, int]]:
     return [verdict_of(pair) for pair in record_verdict_words(words, num_ranks).tolist()]
 
 
-def record_counts(words: Any, num_ranks: int, num_local_experts: int) -> Tuple[int, int, List[int]]:
-    """``(N, M, aligned counts [L])`` of a record (a NumPy int64 view of it): three reads, no decoding of the rest."""
+def record_counts(words: List[int], num_ranks: int, num_local_experts: int) -> Tuple[int, int, List[int]]:
+    """``(N, M, aligned counts [L])`` of a record's words as a host list (one ``tolist()`` of it): three reads, no
+    decoding of the rest."""
     end = RECORD_VERDICTS + VERDICT_WORDS * num_ranks
-    return int(words[RECORD_N]), int(words[RECORD_M]), words[end: end + num_local_experts].tolist()
+    return words[RECORD_N], words[RECORD_M], words[end: end + num_local_experts]
 
 
 def record_verdict_words(words: Any, num_ranks: int) -> Any:

@@ -28,7 +28,8 @@ ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ful
 
 @dataclass
 class Counts:
-    """One call's counts; ``events`` is the order of launches ("launch <kernel>"), allocations ("alloc <what>") and
+    """One call's counts; ``events`` is the order of launches ("launch <kernel>"), allocations ("alloc <what>"), arrays
+    carved by a recarving ("views <how many>") and
     polls ("poll")."""
 
     launches: int = 0
@@ -36,6 +37,8 @@ class Counts:
     syncs: int = 0
     reads: int = 0
     polls: int = 0
+    views: int = 0  # arrays carved from a block by the device's recarvings (``cupy.ndarray(memptr=...)`` on a GPU)
+    views_before_first_launch: int = 0
     python_calls: int = 0
     events: List[str] = field(default_factory=list)
 
@@ -109,6 +112,8 @@ class LaunchCounter:
         patch(host, "to_host", read)
         patch(nvshmem_backend, "to_host", read)
         patch(be.device, "carve", self._allocating("carve", be.device.carve))
+        recarving = be.device.recarving
+        patch(recarving, "views", self._viewing(recarving.views))
         for name in ALLOCATORS:
             patch(np, name, self._allocating(name, getattr(np, name)))
         transport = be.transport
@@ -151,6 +156,19 @@ class LaunchCounter:
             if self._counts is not None:
                 setattr(self._counts, what, getattr(self._counts, what) + 1)
             return function(*args, **kwargs)
+        return wrapper
+
+    def _viewing(self, views: Callable) -> Callable:
+        """A recarving's ``views``, the arrays it makes counted."""
+        def wrapper(carving: Any, *args: Any) -> Any:
+            made = views(carving, *args)
+            counts = self._counts
+            if counts is not None:
+                counts.views += len(made)
+                counts.events.append(f"views {len(made)}")
+                if not counts.launches:
+                    counts.views_before_first_launch += len(made)
+            return made
         return wrapper
 
     def _allocating(self, name: str, allocate: Callable) -> Callable:

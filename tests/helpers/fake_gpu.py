@@ -162,10 +162,19 @@ class HostDevice:
 
         def new(self):
             block = np.empty(*self._block)
+            return block, [block] if self._whole else self.views(block)
+
+        def block(self):
+            return np.empty(*self._block)
+
+        def views(self, block, rows=None):
             if self._whole:
-                return block, [block]
-            return block, [np.ndarray(shape, dtype, buffer=block, offset=at, strides=strides)
-                           for shape, dtype, at, strides in self._views]
+                return [block if rows is None else block[:rows]]
+            views = []
+            for shape, dtype, at, strides in self._views:
+                views.append(np.ndarray(shape if rows is None else (rows, *shape[1:]), dtype, buffer=block, offset=at,
+                                        strides=strides))
+            return views
 
     @staticmethod
     def placement(a):

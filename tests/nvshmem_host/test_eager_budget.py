@@ -26,20 +26,31 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
 LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared), each recorded call looked up as on the
-# GPU (RecordedCalls.shape_key): measured 48 / 38-39 / 30 (issue 47: no partial per recorded call, no flush call
-# without puts, the roots' layout in the lookup's own frame, a replay's device counts read from its handle, a
-# combine's one output made as itself; 49 for an expand new routing since issue 46's count_in_copy choice; before: 59 / 49-50 /
-# 40-42); at 635f594 (the general path, lookups not
+# GPU (RecordedCalls.shape_key): measured 43-46 / 36-37 / 28 (issue 47, third pass: a recorded call's layout read
+# without a comprehension frame, a new routing's count_in_copy choice learned once per shape, a combine's one output
+# made without a views call; the arrays carved fewer, which no call count shows, VIEWS below);
+# before: 47-49 / 38-39 / 30 (second pass), 59 / 49-50 / 40-42 (first); at 635f594 (the general path, lookups not
 # counted) 132 / 101 / 92
-PYTHON_CALLS = {"new": 49, "cached": 39, "combine": 30}
-PAIR_CALLS = {"cached": 68, "new": 83}  # tools/host_pairs.py measures the same pairs (before issue 47's cuts 91 / 105)
-# cpu_sync=True calls of a prepared shape: measured 56-57 / 40-41 / 36 (a new routing's poll, verdict and counts read;
-# a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 69 / 49-50 / 46-48; before issue 47
-# (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 58, "cached": 41, "combine": 36}
-# a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 33
-# with a cpu_sync=False handle, 39 with a cpu_sync=True one
-WEIGHTED_COMBINE_CALLS = {False: 33, True: 39}
+PYTHON_CALLS = {"new": 46, "cached": 37, "combine": 28}
+PAIR_CALLS = {"cached": 65, "new": 78}  # tools/host_pairs.py measures the same pairs (before: 68 / 83; 91 / 105)
+# cpu_sync=True calls of a prepared shape: measured 54-55 / 38-39 / 34 (a new routing's poll, verdict and counts read
+# from one read of the mapped record; a compact one's exact outputs carved as views of the exact rows after the poll,
+# no worst-case views sliced; a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 57-58 / 40-41 /
+# 36 (second pass), 69 / 49-50 / 46-48 (first); before issue 47 (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
+PYTHON_CALLS_SYNC = {"new": 55, "cached": 39, "combine": 34}
+# a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 31
+# with a cpu_sync=False handle, 37 with a cpu_sync=True one (before the third pass 33 / 39)
+WEIGHTED_COMBINE_CALLS = {False: 31, True: 37}
+# arrays carved per call by the device's recarvings (``cupy.ndarray(memptr=...)``, about 1.1 us each on an H100): a new
+# routing's count block 1 before its first launch (its count words) and its handle's 6 after its last (9 with
+# cpu_sync=False: its device counts too), its outputs 3 (a compact one with cpu_sync=True: views of the exact rows,
+# made after the poll); a replay's outputs 3; a combine's one output is its block. Before issue 47's third pass a
+# new routing carved 16, 13 of them (the whole count block) before its first launch, and a compact one with
+# cpu_sync=True sliced its 3 worst-case outputs after the poll besides
+VIEWS = {"new": {False: 13, True: 10}, "cached": {False: 3, True: 3}, "combine": {False: 0, True: 0}}
+# of those, carved before the first launch (compact, expand): an expand replay's outputs before its scatter (the
+# handle's expanded rows are copied into their metadata first); a compact replay's after its receive copy
+VIEWS_BEFORE_FIRST_LAUNCH = {"new": (1, 1), "cached": (0, 3), "combine": (0, 0)}
 
 
 @pytest.fixture(params=[False, True], ids=["compact", "expand"], scope="module")
@@ -89,6 +100,15 @@ def test_an_eager_call_enqueues_its_chain_without_waiting_on_the_stream(counted,
     assert counts.allocations <= 2, counts.events
 
 
+@pytest.mark.parametrize("kind", ["new", "cached", "combine"])
+@pytest.mark.parametrize("sync", [True, False])
+def test_arrays_carved_per_call(counted, kind, sync):
+    counter, ops, expand, _ = counted
+    counts = _count(counter, ops, f"{kind} cpu_sync={sync}")
+    assert counts.views <= VIEWS[kind][sync], counts
+    assert counts.views_before_first_launch <= VIEWS_BEFORE_FIRST_LAUNCH[kind][expand], counts
+
+
 def test_the_call_after_a_cpu_sync_false_new_routing_polls_its_verdict_once(counted):
     counter, ops, _, _ = counted
     ops["new cpu_sync=False"]()
@@ -113,15 +133,13 @@ def test_python_calls_of_the_cpu_sync_true_path(counted, kind):
 
 def test_after_the_poll_of_a_new_routing_only_the_exact_outputs_and_their_copy_remain(counted):
     """A new routing with ``cpu_sync=True``: compact, the receive copy (into worst-case outputs) is enqueued before
-    the poll and nothing is launched or allocated after it; expand, the exact outputs (one allocation) and their
-    receive copy (two launches) come after it, nothing else."""
+    the poll and nothing is launched or allocated after it, only the outputs' views of the exact rows are carved;
+    expand, the exact outputs (one allocation) and their receive copy (two launches) come after it, and every view
+    (the handle's, the outputs') after the copy's launches. Nothing else."""
     counter, ops, expand, _ = counted
     events = _count(counter, ops, "new cpu_sync=True").events
-    after = events[events.index("poll") + 1:]
-    if expand:
-        assert [e.split()[0] for e in after] == ["alloc", "launch", "launch"], events
-    else:
-        assert after == [], events
+    after = [e.split()[0] for e in events[events.index("poll") + 1:]]
+    assert after == (["alloc", "launch", "launch", "views", "views"] if expand else ["views"]), events
 
 
 def test_the_counter_sees_a_stream_sync_and_an_extra_launch(counted, monkeypatch):
@@ -168,8 +186,8 @@ def test_an_fp8_dispatch_enqueues_what_a_bfloat16_one_does(counted, kind, source
 
 def _kinds(events: list) -> list:
     """Launches by kernel, allocations by kind only (the prepared path carves with ``empty``, the general one with
-    ``carve``: one allocation either way)."""
-    return ["alloc" if e.startswith("alloc") else e for e in events]
+    ``carve``: one allocation either way), no views (the general path slices, which is not counted)."""
+    return ["alloc" if e.startswith("alloc") else e for e in events if not e.startswith("views")]
 
 
 def test_python_calls_of_the_prepared_pairs(counted):
