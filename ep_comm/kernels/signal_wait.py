@@ -100,12 +100,13 @@ __device__ __forceinline__ int wait_bucket(u64 delay) {
 // words (counts_by_parity, or NULL: int64 [2][R][count_words], the step's parity) of a rank that did not
 // arrive are zeroed so that later kernels see an empty, well-formed block. missing_before: in thread 0, the status
 // record's missing total as read at the kernel's start (read_missing: a load over PCIe, issued before the signal so
-// that its round trip overlaps the signal's stores and fence; only this kernel's end writes it). A poll loop spins SPIN_POLLS times,
-// then backs off; the missing total (a read-modify-write of mapped host memory) and its system fence are paid
-// only when a rank is missing. waits (int64 [R][WAIT_WORDS] or NULL): the per-peer delays (module docstring).
+// that its round trip overlaps the signal's stores and fence; only the end of a wait writes it, and waits run in
+// stream order). A poll loop spins SPIN_POLLS times, then backs off; the missing total (a read-modify-write of
+// mapped host memory) and its system fence are paid only when a rank is missing. waits (int64 [R][WAIT_WORDS] or
+// NULL): the per-peer delays (module docstring).
 __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, int kind, u64 timeout_ns,
-                          i64* status, i64 missing_before, i64* counts_by_parity, int count_words, const i64* aborts, int abort_words,
-                          i64* waits) {
+                          i64* status, i64 missing_before, i64* counts_by_parity, int count_words,
+                          const i64* aborts, int abort_words, i64* waits) {
     const i64 want = seq << 2 | kind, ahead = (seq + 1) << 2;
     i64* counts = counts_by_parity ? counts_by_parity + (seq & 1) * num_ranks * count_words : 0;
     __shared__ int missing;

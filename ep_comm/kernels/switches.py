@@ -25,8 +25,9 @@ change before and after (``tools/measure_kernels46.sh``).
 at 64, where the copy kernels spill).
 
 ``EP_COMM_KERNEL_LINEINFO=1`` (debug, off by default) compiles every ``@kernel`` with line information (numba-cuda's
-``lineinfo``), so that Nsight Compute's source page maps each SASS instruction and its stall samples to a Python line. Set
-``NUMBA_CUDA_ENABLE_NRT=0`` with it: Numba's runtime library does not link into a module with line information.
+``lineinfo``), so that Nsight Compute's source page maps each SASS instruction and its stall samples to a Python
+line. Set ``NUMBA_CUDA_ENABLE_NRT=0`` with it: Numba's runtime library does not link into a module with line
+information.
 
 ``EP_COMM_KERNEL_PDL=1`` (debug, off by default) compiles programmatic dependent launch into every kernel and
 launches them with it (``ep_comm/kernels/pdl.py``, ``ep_comm/_launcher/raw.py``).
