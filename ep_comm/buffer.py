@@ -3,6 +3,7 @@ a backend takes), then hands the work to a backend."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, List, Optional, Union
 
 from mpi4py import MPI
@@ -13,7 +14,6 @@ from ep_comm._buffer_arguments import (
     topk_idx_array,
 )
 from ep_comm.backends import make_backend, resolve_backend
-from ep_comm.backends.capture import holds_captured_memory
 from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, Traffic
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract import checks as chk
@@ -25,6 +25,15 @@ from ep_comm.contract.layout import DispatchLayout
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.recv_hook import RecvHook
 from ep_comm.transport.wait_stats import WaitStats, decode
+
+
+def holds_captured_memory(method: Callable) -> Callable:
+    """Run a Buffer method inside its backend's ``captured_memory()`` (what a CUDA graph capture allocates)."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._open_backend().captured_memory():
+            return method(self, *args, **kwargs)
+    return call
 
 
 class Buffer:

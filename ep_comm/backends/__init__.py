@@ -38,8 +38,8 @@ def gpu_stack() -> _GpuStack:
     try:
         import nvshmem.core  # noqa: F401  (nvshmem4py: the heap calls it)
 
-        from ep_comm.backends.cupy_device import CupyDevice
         from ep_comm.backends.nvshmem import NvshmemBackend
+        from ep_comm.backends.nvshmem.cupy_device import CupyDevice
         from ep_comm.transport.nvshmem import NvshmemTransport
     except ImportError as exc:
         raise RuntimeError(f"backend='nvshmem' needs CuPy and nvshmem4py ({exc}); use backend='mpi' on CPU") from exc

@@ -11,7 +11,7 @@ The timed launches queue up behind a sleeping kernel (:mod:`ep_comm.bench.event_
 time the kernels alone, not the host preparing each launch on an idle GPU (that cost is the host column).
 
 ``--sms 16,24,32,66``: every measurement once per SM count, each with its own :class:`Kernels` of
-:func:`~ep_comm.backends.nvshmem.grid_shape`'s launch shape for that many SMs (default ``all``: every SM
+:func:`~ep_comm.backends.sm_grid.grid_shape`'s launch shape for that many SMs (default ``all``: every SM
 of the device, 264 blocks on an H200); each row carries its ``sms``.
 
 ``--pair``: sources 0 and 1 also run as two simulated ranks at once (:class:`Pair`), each on its own
@@ -35,7 +35,7 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from ep_comm.backends.nvshmem import grid_shape
+from ep_comm.backends.sm_grid import grid_shape
 from ep_comm.bench.__main__ import sm_counts
 from ep_comm.bench.event_timing import HOLD_US_PER_ITER, CupyTiming, time_launch
 from ep_comm.cli import ArgumentParser

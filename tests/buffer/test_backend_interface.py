@@ -13,7 +13,7 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm.backends.interface import Backend
 from ep_comm.backends.mpi import MpiBackend
-from ep_comm.backends.mpi_flat import FlatRoute
+from ep_comm.backends.mpi.flat import FlatRoute
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract.checks import check_profile, check_transport
 from ep_comm.contract.choices import TRANSPORTS

@@ -10,7 +10,7 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm._buffer_arguments import check_constructor_arguments
 from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
-from ep_comm.backends.mpi_flat import FlatRoute
+from ep_comm.backends.mpi.flat import FlatRoute
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.forward_inbox import (

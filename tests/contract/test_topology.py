@@ -8,7 +8,7 @@ from mpi4py import MPI
 import ep_comm
 from ep_comm._buffer_arguments import check_constructor_arguments
 from ep_comm.backends.interface import BackendSettings
-from ep_comm.backends.nvshmem import puts_peers
+from ep_comm.backends.nvshmem.backend import puts_peers
 from ep_comm.contract.topology import Topology, check_scaleup_ranks, transport_mode
 
 

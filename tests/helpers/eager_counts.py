@@ -18,7 +18,7 @@ import numpy as np
 
 from ep_comm._launcher import prebound
 from ep_comm._launcher.recorded_calls import RecordedCalls
-from ep_comm.backends import nvshmem as nvshmem_backend
+from ep_comm.backends.nvshmem import backend as nvshmem_backend
 from ep_comm.contract import arrays as host
 
 _CTYPES = np._core._internal.__file__  # NumPy's ndarray.ctypes (a data pointer, an attribute on CuPy arrays)

@@ -7,7 +7,7 @@ every forwarder leaves every rank's symmetric buffer byte for byte as the flat s
 (rows, meta rows, count words), so the receive kernels read the flat path's bytes. Node reduce: the rows a forwarder
 writes into a source are ``reduce.node_sum`` of its node's partials bit for bit (the mpi backend's stage 1), whatever
 the order the partials sit in, with each entry's weight from the rank owning its expert
-(``mpi_forwarding.gather_owned_weights``). A whole forwarded combine, compact and expand (the flat send kernels and the meta kernel
+(``mpi.forwarding.gather_owned_weights``). A whole forwarded combine, compact and expand (the flat send kernels and the meta kernel
 writing a remote source's partials into its forwarder's inbox through the C-contiguous views the GPU takes,
 ``forward_inbox.combine_send_views``, the node reduce, the source's reduce and weight gather with nodes) is
 ``ep_comm.testing.forwarded`` bit for bit, every piece written by its kernel."""
@@ -32,7 +32,7 @@ from forward_checks import (
 from fp8_world import narrow_world
 from world import bits, kernel_world, random_payload
 
-from ep_comm.backends.mpi_forwarding import gather_owned_weights
+from ep_comm.backends.mpi.forwarding import gather_owned_weights
 from ep_comm.contract import layout as ref
 from ep_comm.contract.arrays import to_host
 from ep_comm.contract.fp8 import packed_row_bytes

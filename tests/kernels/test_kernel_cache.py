@@ -115,7 +115,7 @@ def test_the_cache_key_covers_device_code_only(tmp_path):
     root = copy_of_the_package(tmp_path) / "ep_comm"
     assert sources_digest(root) == SOURCES_DIGEST == sources_digest(PACKAGE)
     for host_module in ("launching/kernel_launches.py", "launching/bound.py", "transport/signals.py",
-                        "contract/checks.py", "backends/nvshmem.py"):
+                        "contract/checks.py", "backends/nvshmem/backend.py"):
         append_comment(root / host_module)
     assert sources_digest(root) == SOURCES_DIGEST
     for device_module in ("kernels/warp.py", "kernels/numba_internals.py", "contract/protocol.py"):

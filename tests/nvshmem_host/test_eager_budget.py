@@ -25,7 +25,7 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # one launch (the row pieces take their stable slots themselves; 6 / 7 before issue 46's slots_in_rows), and a compact
 # one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
 LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
-# cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem_prepared), each recorded call looked up as on the
+# cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem.prepared), each recorded call looked up as on the
 # GPU (RecordedCalls.shape_key): measured 43-46 / 36-37 / 28 (issue 47, third pass: a recorded call's layout read
 # without a comprehension frame, a new routing's count_in_copy choice learned once per shape, a combine's one output
 # made without a views call; the arrays carved fewer, which no call count shows, VIEWS below);

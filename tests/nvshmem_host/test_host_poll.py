@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from helpers.fake_gpu import SMALL_GEO, simulated_backend
 
-from ep_comm.backends import nvshmem_steps
+from ep_comm.backends.nvshmem import steps as nvshmem_steps
 from ep_comm.errors import TimeoutError as EpTimeoutError
 
 

@@ -1,4 +1,4 @@
-"""The prepared path (``ep_comm.backends.nvshmem_prepared``) against the general path, through ``Buffer`` over the
+"""The prepared path (``ep_comm.backends.nvshmem.prepared``) against the general path, through ``Buffer`` over the
 fake GPU with the kernels in the CUDA simulator: the same calls give the same bytes, and the calls it must not take
 (a refusal, a deferred routing verdict, profiling, a new identity) behave as on the general path."""
 import numpy as np

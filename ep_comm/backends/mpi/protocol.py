@@ -1,8 +1,8 @@
 """The reference protocol of the mpi backend (``MpiProtocol``): dispatch (count, prefix sums, count exchange with
 the routing verdicts, rank scatter into the peers' windows, expert scatter on receipt) and combine (rows back,
 reduced at the source in rank order), with ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce`` doing the
-math. It is given its context (``mpi_context.MpiContext``: the window's blocks, the step runner) and its route, the
-flat one (``mpi_flat.FlatRoute``) or the forwarded one (``mpi_forwarding.ForwardedRoute``), which sends, signals and
+math. It is given its context (``mpi.context.MpiContext``: the window's blocks, the step runner) and its route, the
+flat one (``mpi.flat.FlatRoute``) or the forwarded one (``mpi.forwarding.ForwardedRoute``), which sends, signals and
 reads the reduce terms; the receive parts read the same bytes over either.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import numpy as np
 
 from ep_comm.backends.interface import CombineRequest, DispatchRequest, ReceiveHalf
-from ep_comm.backends.mpi_context import MpiContext
-from ep_comm.backends.mpi_flat import FlatRoute
-from ep_comm.backends.mpi_forwarding import ForwardedRoute
+from ep_comm.backends.mpi.context import MpiContext
+from ep_comm.backends.mpi.flat import FlatRoute
+from ep_comm.backends.mpi.forwarding import ForwardedRoute
 from ep_comm.contract import fp8
 from ep_comm.contract import layout as lay
 from ep_comm.contract.checks import routing_error, topk_values, verdict_of, verdict_words

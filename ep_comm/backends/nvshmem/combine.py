@@ -11,7 +11,7 @@ import numpy as np
 
 from ep_comm._launcher.device_arrays import aligned16
 from ep_comm.backends.interface import CombineRequest, ReceiveHalf
-from ep_comm.backends.nvshmem_steps import NvshmemContext
+from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array
 from ep_comm.handle import CombineOutput, EPHandle
 from ep_comm.launching import weight_return

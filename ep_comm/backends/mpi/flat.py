@@ -1,6 +1,6 @@
 """The flat route of the mpi backend (``FlatRoute``): every rank's rows go straight into the destination's window,
 and a step ends with the runner's signal and bounded wait. ``MpiProtocol`` sends and reads over a route; the
-forwarded route (``mpi_forwarding.ForwardedRoute``) has the same methods and uses this one within a node.
+forwarded route (``mpi.forwarding.ForwardedRoute``) has the same methods and uses this one within a node.
 
 Shapes: ``T`` tokens of this rank, ``H`` hidden, ``K`` top-k width, ``R`` ranks.
 """
@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest
-from ep_comm.backends.mpi_context import MpiContext
+from ep_comm.backends.mpi.context import MpiContext
 from ep_comm.contract import layout as lay
 from ep_comm.contract.forward_inbox import slot_order
 from ep_comm.handle import Routing

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 from ep_comm._launcher import raw
 from ep_comm._launcher.recorded_calls import RecordedCalls
-from ep_comm.backends.capture import CapturePolicy
 from ep_comm.backends.collective_steps import STEP_KINDS, Steps
 from ep_comm.backends.interface import ReceiveHalf
+from ep_comm.backends.nvshmem.capture import CapturePolicy
 from ep_comm.backends.profile import Profile
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.checks import routing_error, verdicts_clean

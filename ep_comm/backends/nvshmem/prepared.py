@@ -26,14 +26,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
-from ep_comm.backends.nvshmem_combine import (
+from ep_comm.backends.nvshmem.combine import (
     NvshmemCombine,
     combine_send_key,
     combine_send_roots,
     reduce_key,
     reduce_roots,
 )
-from ep_comm.backends.nvshmem_dispatch import (
+from ep_comm.backends.nvshmem.dispatch import (
     NvshmemDispatch,
     _device_counts,
     _send_psum,
@@ -43,7 +43,7 @@ from ep_comm.backends.nvshmem_dispatch import (
     receive_copy_key,
     send_roots,
 )
-from ep_comm.backends.nvshmem_steps import NvshmemContext
+from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks, make_handle
 from ep_comm.launching import kernel_launches

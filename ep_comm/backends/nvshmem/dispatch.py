@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
-from ep_comm.backends.nvshmem_steps import NvshmemContext
+from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ep_comm.backends.mpi_steps import MpiStepRunner
+from ep_comm.backends.mpi.steps import MpiStepRunner
 from ep_comm.contract import layout as lay
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout

@@ -1,6 +1,6 @@
 """The ``nvshmem`` backend: the dispatch/combine protocol on GPUs over the NVSHMEM symmetric heap.
 
-Same protocol and results as the ``mpi`` backend (``ep_comm/backends/mpi.py``), bit for bit in
+Same protocol and results as the ``mpi`` backend (``ep_comm/backends/mpi/backend.py``), bit for bit in
 deterministic mode. The data path is ``ep_comm.launching.kernel_launches.Kernels``; per dispatch on rank ``me``:
 
 1. ``count`` (new routing): per-rank/per-expert counts, ``is_token_in_rank``, slot cursors;
@@ -56,11 +56,11 @@ Inputs: CuPy arrays, or any GPU array with DLPack / ``__cuda_array_interface__``
 tensors, zero copy). Outputs: CuPy arrays.
 
 This module holds the class (its construction, inputs, close), composed of parts, each given what it works with
-explicitly: ``nvshmem_steps`` (``StepRunner``: how a step runs: the caller's stream, taken when the step starts and
+explicitly: ``nvshmem.steps`` (``StepRunner``: how a step runs: the caller's stream, taken when the step starts and
 passed to every launch, signal and wait, hooks, polls, recorded calls, the routing verdicts; and ``NvshmemContext``,
-the kernels, transport, device, runner and this rank's symmetric views the protocols share), ``nvshmem_dispatch``
-and ``nvshmem_combine`` (``NvshmemDispatch``, ``NvshmemCombine``: the two halves of the protocol, the general
-path, which the backend's ``dispatch``/``combine`` methods call), ``nvshmem_prepared`` (``PreparedCalls``: the
+the kernels, transport, device, runner and this rank's symmetric views the protocols share), ``nvshmem.dispatch``
+and ``nvshmem.combine`` (``NvshmemDispatch``, ``NvshmemCombine``: the two halves of the protocol, the general
+path, which the backend's ``dispatch``/``combine`` methods call), ``nvshmem.prepared`` (``PreparedCalls``: the
 prepared path of a call shape seen before, ``backend.prepared``, which ``Buffer`` offers each eager call first,
 running the protocols' pieces); ``sm_grid`` sizes the kernels' grids.
 """
@@ -72,10 +72,10 @@ from mpi4py import MPI
 
 from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.interface import BackendSettings, Traffic
-from ep_comm.backends.nvshmem_combine import NvshmemCombine
-from ep_comm.backends.nvshmem_dispatch import NvshmemDispatch
-from ep_comm.backends.nvshmem_prepared import PreparedCalls
-from ep_comm.backends.nvshmem_steps import NvshmemContext, StepRunner
+from ep_comm.backends.nvshmem.combine import NvshmemCombine
+from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch
+from ep_comm.backends.nvshmem.prepared import PreparedCalls
+from ep_comm.backends.nvshmem.steps import NvshmemContext, StepRunner
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract import layout as lay

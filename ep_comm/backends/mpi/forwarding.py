@@ -7,7 +7,7 @@ hook for a split one) waits for the inboxes of this rank, the forwarder (bounded
 into the ranks of its node at the flat path's offsets and slots, and only then signals every rank and waits for
 every rank's signal: a destination that sees a forwarder's signal sees the rows it relayed. So every destination
 window holds the bytes the flat path writes, and the receive parts (``MpiProtocol``) read them unchanged. Within
-this rank's node the route sends through the flat route (``mpi_flat.FlatRoute``).
+this rank's node the route sends through the flat route (``mpi.flat.FlatRoute``).
 
 Dispatch sends a token over the scale-out path once per remote destination node. Combine reduces in the node
 (docs/design.md, "Combine"): a rank puts its partials for a source of another node into the inbox of that source's
@@ -24,8 +24,8 @@ import numpy as np
 
 from ep_comm.backends.collective_steps import step_word
 from ep_comm.backends.interface import DispatchRequest
-from ep_comm.backends.mpi_context import MpiContext
-from ep_comm.backends.mpi_flat import FlatRoute
+from ep_comm.backends.mpi.context import MpiContext
+from ep_comm.backends.mpi.flat import FlatRoute
 from ep_comm.contract import layout as lay
 from ep_comm.contract.forward_inbox import HEADER_WORDS, ForwardInbox, relay_meta, slot_order
 from ep_comm.contract.reduce import node_sum
@@ -46,7 +46,7 @@ def gather_owned_weights(tokens: np.ndarray, metas: List[np.ndarray], num_topk: 
 
 class ForwardedRoute:
     """Sends, signals, relays and reduce terms of forwarding, over ``ctx`` and ``inbox`` (the window's forwarding
-    inbox); the same methods as ``mpi_flat.FlatRoute``, whose puts it makes within this rank's node (``flat``)."""
+    inbox); the same methods as ``mpi.flat.FlatRoute``, whose puts it makes within this rank's node (``flat``)."""
 
     def __init__(self, ctx: MpiContext, inbox: ForwardInbox):
         self.ctx = ctx

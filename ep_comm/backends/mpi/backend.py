@@ -5,11 +5,11 @@ scatter, combine) with ``ep_comm.contract.layout`` and ``ep_comm.contract.reduce
 the default where there is no GPU and the executable reference the GPU backend is checked against.
 
 This module holds the class (its construction, inputs, close), which composes its parts and implements the
-``Backend`` protocol by delegating to them: ``mpi_steps.MpiStepRunner`` (how a step runs: unsplit or split, signal
-and bounded wait, the pending routing error), ``mpi_context.MpiContext`` (what the parts are given: geometry, layout,
-topology, window, runner; the blocks a step puts and reads), ``mpi_protocol.MpiProtocol`` (dispatch and combine)
-over a route: ``mpi_flat.FlatRoute``, or with ``Buffer(forwarding=True)`` and several nodes
-``mpi_forwarding.ForwardedRoute`` (the sends to other nodes through their forwarders, and the relay).
+``Backend`` protocol by delegating to them: ``mpi.steps.MpiStepRunner`` (how a step runs: unsplit or split, signal
+and bounded wait, the pending routing error), ``mpi.context.MpiContext`` (what the parts are given: geometry, layout,
+topology, window, runner; the blocks a step puts and reads), ``mpi.protocol.MpiProtocol`` (dispatch and combine)
+over a route: ``mpi.flat.FlatRoute``, or with ``Buffer(forwarding=True)`` and several nodes
+``mpi.forwarding.ForwardedRoute`` (the sends to other nodes through their forwarders, and the relay).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from ep_comm.backends.interface import (
     OperationRows,
     Traffic,
 )
-from ep_comm.backends.mpi_context import MpiContext
-from ep_comm.backends.mpi_flat import FlatRoute
-from ep_comm.backends.mpi_forwarding import ForwardedRoute
-from ep_comm.backends.mpi_protocol import MpiProtocol, Route
-from ep_comm.backends.mpi_steps import MpiStepRunner
+from ep_comm.backends.mpi.context import MpiContext
+from ep_comm.backends.mpi.flat import FlatRoute
+from ep_comm.backends.mpi.forwarding import ForwardedRoute
+from ep_comm.backends.mpi.protocol import MpiProtocol, Route
+from ep_comm.backends.mpi.steps import MpiStepRunner
 from ep_comm.backends.profile import Profile, ProfileRow
 from ep_comm.contract import layout as lay
 from ep_comm.contract.checks import topk_values
@@ -56,7 +56,7 @@ class MpiBackend:
     a hook's call), else from the next dispatch or combine, before it does anything (``close`` drops it).
 
     ``settings.scaleup_ranks`` groups the ranks in (virtual) nodes; ``settings.forwarding`` with more than one node
-    sends to the other nodes through their forwarders (``mpi_forwarding.ForwardedRoute``; ``inbox`` is then the
+    sends to the other nodes through their forwarders (``mpi.forwarding.ForwardedRoute``; ``inbox`` is then the
     window's forwarding inbox, else None). ``scaleout_rows``: the payload rows this rank has put so far into ranks
     of other nodes (their inboxes included), per operation, ``{"dispatch": n, "combine": n}``.
     """

@@ -11,20 +11,10 @@ exactly when its send was (:meth:`CapturePolicy.resume`).
 """
 from __future__ import annotations
 
-import functools
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, List, Optional, Protocol, Tuple
+from typing import Any, ContextManager, List, Optional, Protocol, Tuple
 
 _NOTHING = nullcontext()  # what an uncaptured call holds: one shared, reusable no-op context
-
-
-def holds_captured_memory(method: Callable) -> Callable:
-    """Run a Buffer method inside its backend's ``captured_memory()`` (what a CUDA graph capture allocates)."""
-    @functools.wraps(method)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._open_backend().captured_memory():
-            return method(self, *args, **kwargs)
-    return call
 
 
 class CaptureDevice(Protocol):
