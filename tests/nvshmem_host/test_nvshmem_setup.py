@@ -72,6 +72,25 @@ def test_open_refuses_indices_past_32_bits_before_allocating_anything():
         NvshmemBackend.open(MPI.COMM_SELF, geo, BackendSettings(True, 1.0), allocate, allocate)
 
 
+def test_open_frees_its_communicator_when_the_transport_cannot_be_built():
+    """A transport that raises (the heap refused, NVSHMEM not initialised) leaves no duplicated communicator."""
+    duplicates = []
+
+    class Comm:
+        size, rank = 1, 0
+
+        def Dup(self):
+            duplicates.append(MPI.COMM_SELF.Dup())
+            return duplicates[-1]
+
+    def no_heap(*args, **kwargs):
+        raise RuntimeError("nvshmem_malloc failed")
+
+    with pytest.raises(RuntimeError, match="nvshmem_malloc failed"):
+        NvshmemBackend.open(Comm(), SMALL_GEO, BackendSettings(True, 1.0), no_heap, no_heap)
+    assert len(duplicates) == 1 and duplicates[0] == MPI.COMM_NULL, "the duplicated communicator was not freed"
+
+
 class _OnGpu1(np.ndarray):
     """A device array that says it lives on GPU 1 (as a CuPy array there would)."""
 

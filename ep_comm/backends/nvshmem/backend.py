@@ -177,7 +177,8 @@ class NvshmemBackend:
 
         Returns:
             The backend; its kernels sized for ``settings.num_sms`` (ValueError on every rank, with
-            everything released, when that exceeds any rank's SM count). ``settings.forwarding`` with several
+            everything released, when that exceeds any rank's SM count; the duplicated communicator is freed too
+            when building the transport raises). ``settings.forwarding`` with several
             nodes raises ValueError before anything is allocated (:func:`refuse_forwarding`).
         """
         refuse_forwarding(geo.num_ranks, settings)  # before anything is allocated
@@ -185,7 +186,12 @@ class NvshmemBackend:
         comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                               geo.experts_per_rank)
-        transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize), puts_peers(settings, comm.size, comm.rank))
+        try:
+            transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize),
+                                       puts_peers(settings, comm.size, comm.rank))
+        except BaseException:  # the heap was not built: nothing else to release
+            comm.Free()
+            raise
         device = device_type(transport.device)
         try:
             num_sms = sms_in_effect(comm, settings.num_sms, device.sm_count())
