@@ -74,6 +74,7 @@ from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.interface import BackendSettings, Traffic
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
 from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch
+from ep_comm.backends.nvshmem.forwarding import FlatRoute, ForwardedRoute
 from ep_comm.backends.nvshmem.prepared import PreparedCalls
 from ep_comm.backends.nvshmem.steps import NvshmemContext, StepRunner
 from ep_comm.backends.profile import ProfileRow
@@ -155,13 +156,15 @@ class NvshmemBackend:
         self.ctx = NvshmemContext(geo, self.rank, settings.deterministic, xp, self.kernels, transport, device,
                                   self.runner, device.kernel_array(own.rows), device.kernel_array(own.meta),
                                   device.kernel_array(own.counts))
-        self.dispatcher, self.combiner = NvshmemDispatch(self.ctx), NvshmemCombine(self.ctx)
+        route = FlatRoute(self.ctx) if transport.forward is None else ForwardedRoute(self.ctx)
+        self.dispatcher, self.combiner = NvshmemDispatch(self.ctx, route), NvshmemCombine(self.ctx, route)
         # the Backend interface's calls of the protocols, bound to them once
         d, c = self.dispatcher, self.combiner
         self.pack_fp8, self.dispatch, self.dispatch_send = d.pack_fp8, d.dispatch, d.dispatch_send
         self.combine, self.combine_send = c.combine, c.combine_send
-        # the prepared paths of the eager calls (Buffer offers each call there)
-        self.prepared = PreparedCalls(self.ctx, self.dispatcher, self.combiner)
+        # the prepared paths of the eager calls (Buffer offers each call there); a forwarded step takes the general path
+        self.prepared: Optional[PreparedCalls] = None if transport.forward is not None else PreparedCalls(
+            self.ctx, self.dispatcher, self.combiner)
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,
