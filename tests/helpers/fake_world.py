@@ -17,7 +17,6 @@ import threading
 from typing import Any, Callable, List, Optional
 
 import numpy as np
-from helpers.fake_gpu import HostDevice, RootCheckingCalls
 
 from ep_comm.backends.interface import BackendSettings
 from ep_comm.backends.nvshmem import NvshmemBackend
@@ -28,21 +27,24 @@ from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_v
 from ep_comm.contract.topology import Topology, transport_mode
 from ep_comm.transport.forward_views import forward_views
 from ep_comm.transport.wait_stats import WAIT_WORDS
+from helpers.fake_gpu import HostDevice, RootCheckingCalls
 
 WAIT_BOUND_S = 20.0  # a fake wait's bound, in wall time (the simulator is slow): a rank missing past it is named
 
 
 class World:
     """Every rank's heap (uint8, the symmetric buffer and, forwarding across several nodes, the inbox after it), the
-    lock the ranks take turns under and the condition their waits wait on."""
+    lock the ranks take turns under and the condition their waits wait on (``turn``), and the backends' settings
+    (deterministic, waits bounded by ``timeout_s``, at most :data:`WAIT_BOUND_S`)."""
 
-    def __init__(self, geo: Geometry, scaleup_ranks: Optional[int], forwarding: bool):
+    def __init__(self, geo: Geometry, scaleup_ranks: Optional[int], forwarding: bool,
+                 timeout_s: float = WAIT_BOUND_S):
         self.geo, self.num_ranks = geo, geo.num_ranks
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                                    geo.experts_per_rank)
         self.word = word_dtype(geo.hidden, geo.dtype.itemsize)
         self.topology = Topology.of(geo.num_ranks, scaleup_ranks)
-        self.settings = BackendSettings(True, WAIT_BOUND_S, transport="auto", scaleup_ranks=scaleup_ranks,
+        self.settings = BackendSettings(True, timeout_s, transport="auto", scaleup_ranks=scaleup_ranks,
                                         forwarding=forwarding)
         across = forwarding and self.topology.num_nodes > 1
         self.inbox = ForwardInbox(self.sym, self.topology.scaleup_ranks) if across else None
