@@ -11,6 +11,8 @@ the dispatched weights. A rank that never arrives, and a forwarder that never ru
 within the wait's bound."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from helpers.fake_gpu import combine, dispatch
@@ -19,6 +21,7 @@ from helpers.same_outputs import assert_same, assert_same_dispatch
 
 import ep_comm
 from ep_comm.backends.interface import CombineRequest, DispatchRequest
+from ep_comm.contract import fp8
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
@@ -31,17 +34,17 @@ RANKS, SCALEUP, EXPERTS, HIDDEN, TOPK, MAX_TOKENS = 4, 2, 8, 16, 3, 5
 TOKENS = (4, 3, 5, 0)  # per rank: the last one sends nothing
 
 
-def sources(dtype: str, weighted: bool, seed: int) -> Sources:
+def sources(dtype: str, weighted: bool, seed: int, hidden: int = HIDDEN) -> Sources:
     """Every rank's routing (a few entries masked, the first token routed nowhere), payload and weights."""
     rng = np.random.default_rng(seed)
     idx = [mask_routing(uniform_routing(t, EXPERTS, TOPK, seed=rng).topk_idx, rng, entry_rate=0.2, first_tokens=1)
            for t in TOKENS]
-    xs = [rng.standard_normal((t, HIDDEN)).astype(payload_dtype(dtype)) for t in TOKENS]
+    xs = [rng.standard_normal((t, hidden)).astype(payload_dtype(dtype)) for t in TOKENS]
     ws = [rng.random((t, TOPK)).astype(np.float32) if weighted else None for t in TOKENS]
     return Sources(EXPERTS, MAX_TOKENS, idx, xs, ws)
 
 
-def calls(be, src: Sources, rank: int, expand: bool, alignment: int) -> dict:
+def calls(be, rank: int, src: Sources, expand: bool, alignment: int) -> dict:
     """One rank's calls, in this order: a new routing and its combine (weighted as dispatched), a replay of its
     handle with another payload, a new routing with ``cpu_sync=False``, and a split dispatch and combine."""
     x, idx, w = src.x[rank], src.topk_idx[rank], src.weights[rank]
@@ -61,14 +64,13 @@ def calls(be, src: Sources, rank: int, expand: bool, alignment: int) -> dict:
     return out
 
 
-def run_world(src: Sources, dtype: str, scaleup_ranks, expand: bool, alignment: int) -> tuple:
-    """``(per rank calls, world, backends)`` on a fresh world in nodes of ``scaleup_ranks`` (None: one node, flat;
-    forwarding across nodes otherwise)."""
-    world = World(Geometry(RANKS, EXPERTS, HIDDEN, TOPK, MAX_TOKENS, payload_dtype(dtype)), scaleup_ranks,
-                  forwarding=scaleup_ranks is not None)
+def run_world(src: Sources, dtype: str, scaleup_ranks, calls_of) -> tuple:
+    """``(per rank results, backends)`` of ``calls_of(backend, rank)`` on a fresh world in nodes of ``scaleup_ranks``
+    (None: one node, flat; forwarding across nodes otherwise) of ``src``'s hidden size."""
+    world = World(Geometry(RANKS, EXPERTS, src.x[0].shape[1], TOPK, MAX_TOKENS, payload_dtype(dtype)),
+                  scaleup_ranks, forwarding=scaleup_ranks is not None)
     backends = world_backends(world)
-    outs = run_ranks(world, [lambda r=r: calls(backends[r], src, r, expand, alignment) for r in range(RANKS)])
-    return outs, world, backends
+    return run_ranks(world, [lambda r=r: calls_of(backends[r], r) for r in range(RANKS)]), backends
 
 
 @pytest.mark.parametrize("dtype, expand, alignment, weighted", [
@@ -78,8 +80,9 @@ def run_world(src: Sources, dtype: str, scaleup_ranks, expand: bool, alignment: 
 ], ids=["compact-bf16-weighted", "expand-f32-weighted", "compact-f16"])
 def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand, alignment, weighted):
     src = sources(dtype, weighted, seed=hash((dtype, expand)) % 1000)
-    flat, _, _ = run_world(src, dtype, None, expand, alignment)
-    forwarded, world, backends = run_world(src, dtype, SCALEUP, expand, alignment)
+    calls_of = functools.partial(calls, src=src, expand=expand, alignment=alignment)
+    flat, _ = run_world(src, dtype, None, calls_of)
+    forwarded, backends = run_world(src, dtype, SCALEUP, calls_of)
     opts = DispatchOptions(expand=expand, alignment=alignment, zero_padding=expand, weighted=weighted,
                            deterministic=True, forwarded_scaleup_ranks=SCALEUP)
     for rank, (want, got) in enumerate(zip(flat, forwarded)):
@@ -91,6 +94,30 @@ def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand
         unweighted = DispatchOptions(expand=expand, forwarded_scaleup_ranks=SCALEUP)
         assert check_combine(src, rank, unweighted, got["hooked combine"].x, None) == []
         assert_same(f"rank {rank} combine topk_weights", want["combine"].topk_weights, got["combine"].topk_weights)
+
+
+def fp8_calls(be, rank: int, src: Sources, expand: bool) -> list:
+    """A new routing of ``src``'s payload cast to FP8 as the scatter reads it (``use_fp8=True``), and a replay of its
+    handle with the pair ``(x_fp8, scales)`` of the payload doubled (``ep_comm.contract.fp8``)."""
+    x, idx = src.x[rank], src.topk_idx[rank]
+    args = (expand, 2 if expand else 1, expand, True)
+    first = dispatch(be, be.pack_fp8(x), idx, None, None, *args, None)
+    pair = fp8.quantize((x.astype(np.float32) * 2).astype(x.dtype))
+    return [first, dispatch(be, be.pack_fp8((pair[0].view(np.uint8), pair[1])), None, None, first.handle, *args,
+                            None)]
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_forwarded_fp8_dispatches_give_the_flat_bytes(expand):
+    """The relay copies the packed FP8 rows the inbox send wrote (their words only), cast or from the pair."""
+    src = sources("bfloat16", False, seed=23, hidden=128)
+    calls_of = functools.partial(fp8_calls, src=src, expand=expand)
+    flat, _ = run_world(src, "bfloat16", None, calls_of)
+    forwarded, backends = run_world(src, "bfloat16", SCALEUP, calls_of)
+    for rank, (want, got) in enumerate(zip(flat, forwarded)):
+        assert backends[rank].transport.inbox_signals == 2
+        for name, a, b in zip(("first", "replay"), want, got):
+            assert_same_dispatch(f"rank {rank} fp8 {name}", a, b)
 
 
 def fault_world(timeout_s: float) -> tuple:
