@@ -7,8 +7,9 @@ node's ranks receive them only through the inbox send and their forwarder's rela
 replay, ``cpu_sync=False``, split into send and hook) gives the outputs and handle of the same calls on a flat
 4-rank world byte for byte, and the first one the contract's reference (``ep_comm.testing.check``); every combine
 (plain and split) gives the sum in the forwarded order (``ep_comm.testing.forwarded``, through ``check_combine``) and
-the dispatched weights. A rank that never arrives, and a forwarder that never runs its hook, are named by their peers
-within the wait's bound."""
+the dispatched weights. FP8 dispatches (cast, and from the pair) give the flat bytes; a replay and its combine made
+while the fake GPU says it is capturing a CUDA graph give the eager results. A rank that never arrives, and a
+forwarder that never runs its hook, are named by their peers within the wait's bound."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from helpers.fake_gpu import combine, dispatch
 from helpers.fake_world import World, run_ranks, world_backends
-from helpers.same_outputs import assert_same, assert_same_dispatch
+from helpers.same_outputs import assert_same, assert_same_as_eager, assert_same_dispatch
 
 import ep_comm
 from ep_comm.backends.interface import CombineRequest, DispatchRequest
@@ -118,6 +119,31 @@ def test_forwarded_fp8_dispatches_give_the_flat_bytes(expand):
         assert backends[rank].transport.inbox_signals == 2
         for name, a, b in zip(("first", "replay"), want, got):
             assert_same_dispatch(f"rank {rank} fp8 {name}", a, b)
+
+
+def captured_calls(be, rank: int, src: Sources, expand: bool) -> tuple:
+    """``(first, eager, eager combine, captured, captured combine)``: a new routing, an eager ``cpu_sync=False``
+    replay of its handle with the payload doubled and its combine, then the same two calls while the fake GPU says it
+    is capturing a CUDA graph (what a captured step launches must give the eager bytes: no host step between)."""
+    x, idx = src.x[rank], src.topk_idx[rank]
+    args = (expand, 2 if expand else 1, expand)
+    first = dispatch(be, x, idx, None, None, *args, True, None)
+    outs = [first]
+    for capturing in (False, True):
+        be.device.capturing_now = capturing
+        replay = dispatch(be, x * 2, None, None, first.handle, *args, False, None)
+        outs += [replay, combine(be, replay.recv_x, replay.handle, None, ())]
+    be.device.capturing_now = False
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_captured_forwarded_replay_and_combine_give_the_eager_results(expand):
+    src = sources("float32", False, seed=31)
+    outs, backends = run_world(src, "float32", SCALEUP, functools.partial(captured_calls, src=src, expand=expand))
+    for rank, (first, eager, eager_sum, captured, captured_sum) in enumerate(outs):
+        assert backends[rank].transport.inbox_signals == 5
+        assert_same_as_eager(first, eager, eager_sum, captured, captured_sum)
 
 
 def fault_world(timeout_s: float) -> tuple:
