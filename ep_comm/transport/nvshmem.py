@@ -37,6 +37,19 @@ def numba_view(a: Any) -> Any:
     return cuda.as_cuda_array(a, sync=False)
 
 
+def _heap(comm: MPI.Comm, nbytes: int, stores_to: Tuple[int, ...], forwarding: bool) -> NvshmemHeap:
+    """``NvshmemHeap(comm, nbytes, stores_to)``; its RuntimeError (every rank alike: a rank of ``stores_to`` without a
+    peer view) says, when ``forwarding``, that a forwarded step reaches every rank through peer views."""
+    try:
+        return NvshmemHeap(comm, nbytes, stores_to)
+    except RuntimeError as error:
+        if not forwarding:
+            raise
+        raise RuntimeError(f"forwarding=True across nodes: {error}. A forwarded step writes the inboxes of the other "
+                           "nodes through peer views: the inbox's staging blocks and puts are not built; use "
+                           "forwarding=False, or backend='mpi'") from error
+
+
 class NvshmemTransport:
     """One Buffer's symmetric heap on this rank, and the stores or puts that reach each peer.
 
@@ -66,7 +79,8 @@ class NvshmemTransport:
         self.mode = transport_mode(self.puts_to, r, comm.rank)
         stores_to = tuple(q for q in range(r) if inbox is not None or q not in self.puts_to)
         self._heap_bytes = sym.total_bytes if inbox is None else inbox.total_bytes  # where the staging area starts
-        self.heap = NvshmemHeap(comm, self._heap_bytes + (staging_bytes(sym) if self.puts_to else 0), stores_to)
+        self.heap = _heap(comm, self._heap_bytes + (staging_bytes(sym) if self.puts_to else 0), stores_to,
+                          inbox is not None)
         self.rank, self.device = self.heap.rank, self.heap.device
         self.status = signals.WaitStatus(r, self.device)
         self.step = cupy.zeros(1, dtype=cupy.int64)
