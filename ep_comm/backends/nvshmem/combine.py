@@ -5,13 +5,13 @@ half (wait, then ``combine_reduce`` with the bias; in compact mode this rank's o
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ep_comm._launcher.device_arrays import aligned16
 from ep_comm.backends.interface import CombineRequest, ReceiveHalf
-from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, ForwardedRoute
+from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array
 from ep_comm.handle import CombineOutput, EPHandle
@@ -20,10 +20,10 @@ from ep_comm.launching import weight_return
 
 class NvshmemCombine:
     """``NvshmemBackend``'s ``combine`` and ``combine_send``, over the backend's context ``ctx``; its steps run through
-    ``ctx.runner``, its rows travel by ``route`` (flat, or through the forwarders). Its pieces (send, reduce) are
-    public to the prepared path."""
+    ``ctx.runner``, its rows travel by ``route`` (a ``FlatRoute``, or a ``ForwardedRoute`` through the forwarders).
+    Its pieces (send, reduce) are public to the prepared path."""
 
-    def __init__(self, ctx: NvshmemContext, route: Union[FlatRoute, ForwardedRoute]):
+    def __init__(self, ctx: NvshmemContext, route: FlatRoute):
         self.route = route
         self.ctx, self.geo, self.rank, self.xp = ctx, ctx.geo, ctx.rank, ctx.xp
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
@@ -69,14 +69,13 @@ class NvshmemCombine:
         the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
         k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, self.route.combine_rows,
-                          my_rank=self.rank,
-                          step=t.step, ahead=1, expand=h.expand, stream=stream, weights=weights if h.expand else None)
+                          my_rank=self.rank, step=t.step, ahead=1, expand=h.expand, stream=stream,
+                          weights=weights if h.expand else None)
         if weights is not None:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
             weight_return.send_weights(functools.partial(k.launcher, stream=stream), bits, h.expand,
                                        h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, self.route.combine_metas,
-                                       my_rank=self.rank,
-                                       step=t.step, ahead=1, max_blocks=k.num_blocks)
+                                       my_rank=self.rank, step=t.step, ahead=1, max_blocks=k.num_blocks)
 
     def _combine_reduce(self, stream: Any, h: EPHandle, y: Array, bias_terms: Sequence[Array],
                         with_weights: bool) -> tuple:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
-from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, ForwardedRoute, Sent
+from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, Sent
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
@@ -24,10 +24,10 @@ from ep_comm.launching.fp8 import Fp8Rows, payload_arrays, payload_key
 
 class NvshmemDispatch:
     """``NvshmemBackend``'s ``pack_fp8``, ``dispatch`` and ``dispatch_send``, over the backend's context ``ctx``; its
-    steps run through ``ctx.runner``, its rows travel by ``route`` (flat, or through the forwarders). Its pieces
-    (counts, scatter, receive) are public to the prepared path."""
+    steps run through ``ctx.runner``, its rows travel by ``route`` (a ``FlatRoute``, or a ``ForwardedRoute`` through
+    the forwarders). Its pieces (counts, scatter, receive) are public to the prepared path."""
 
-    def __init__(self, ctx: NvshmemContext, route: Union[FlatRoute, ForwardedRoute]):
+    def __init__(self, ctx: NvshmemContext, route: FlatRoute):
         self.route = route
         self.ctx, self.geo, self.rank, self.xp = ctx, ctx.geo, ctx.rank, ctx.xp
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
