@@ -14,7 +14,7 @@ raises the first rank's error."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from ep_comm.contract.forward_inbox import ForwardInbox, inbox_views
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.contract.topology import Topology, transport_mode
+from ep_comm.testing.check import Sources
+from ep_comm.testing.routing import mask_routing, uniform_routing
 from ep_comm.transport.forward_views import forward_views
 from ep_comm.transport.wait_stats import WAIT_WORDS
 from helpers.fake_gpu import HostDevice, RootCheckingCalls
@@ -212,3 +214,14 @@ def run_ranks(world: World, calls: List[Callable[[], Any]], timeout_s: float = 6
         if error is not None:
             raise error
     return results
+
+
+def random_sources(geo: Geometry, tokens: Sequence[int], weighted: bool, seed: int) -> Sources:
+    """Every rank's inputs for ``geo``: ``tokens[r]`` tokens of uniform top-K routing with a fifth of the entries
+    masked and the first token routed nowhere, normal payload in ``geo.dtype``, float32 weights when ``weighted``."""
+    rng = np.random.default_rng(seed)
+    idx = [mask_routing(uniform_routing(t, geo.num_experts, geo.num_topk, seed=rng).topk_idx, rng, entry_rate=0.2,
+                        first_tokens=1) for t in tokens]
+    xs = [rng.standard_normal((t, geo.hidden)).astype(geo.dtype) for t in tokens]
+    ws = [rng.random((t, geo.num_topk)).astype(np.float32) if weighted else None for t in tokens]
+    return Sources(geo.num_experts, geo.max_tokens, idx, xs, ws)

@@ -17,7 +17,7 @@ import functools
 import numpy as np
 import pytest
 from helpers.fake_gpu import combine, dispatch
-from helpers.fake_world import World, run_ranks, world_backends
+from helpers.fake_world import World, random_sources, run_ranks, world_backends
 from helpers.same_outputs import assert_same, assert_same_as_eager, assert_same_dispatch
 
 import ep_comm
@@ -27,7 +27,6 @@ from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_combine, check_dispatch
-from ep_comm.testing.routing import mask_routing, uniform_routing
 
 pytestmark = [pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator"),
               pytest.mark.timeout(300)]
@@ -35,14 +34,13 @@ RANKS, SCALEUP, EXPERTS, HIDDEN, TOPK, MAX_TOKENS = 4, 2, 8, 16, 3, 5
 TOKENS = (4, 3, 5, 0)  # per rank: the last one sends nothing
 
 
+def geometry(dtype: str, hidden: int = HIDDEN) -> Geometry:
+    return Geometry(RANKS, EXPERTS, hidden, TOPK, MAX_TOKENS, payload_dtype(dtype))
+
+
 def sources(dtype: str, weighted: bool, seed: int, hidden: int = HIDDEN) -> Sources:
-    """Every rank's routing (a few entries masked, the first token routed nowhere), payload and weights."""
-    rng = np.random.default_rng(seed)
-    idx = [mask_routing(uniform_routing(t, EXPERTS, TOPK, seed=rng).topk_idx, rng, entry_rate=0.2, first_tokens=1)
-           for t in TOKENS]
-    xs = [rng.standard_normal((t, hidden)).astype(payload_dtype(dtype)) for t in TOKENS]
-    ws = [rng.random((t, TOPK)).astype(np.float32) if weighted else None for t in TOKENS]
-    return Sources(EXPERTS, MAX_TOKENS, idx, xs, ws)
+    """Every rank's inputs (``fake_world.random_sources``; the last rank sends nothing)."""
+    return random_sources(geometry(dtype, hidden), TOKENS, weighted, seed)
 
 
 def calls(be, rank: int, src: Sources, expand: bool, alignment: int) -> dict:
@@ -68,8 +66,7 @@ def calls(be, rank: int, src: Sources, expand: bool, alignment: int) -> dict:
 def run_world(src: Sources, dtype: str, scaleup_ranks, calls_of) -> tuple:
     """``(per rank results, backends)`` of ``calls_of(backend, rank)`` on a fresh world in nodes of ``scaleup_ranks``
     (None: one node, flat; forwarding across nodes otherwise) of ``src``'s hidden size."""
-    world = World(Geometry(RANKS, EXPERTS, src.x[0].shape[1], TOPK, MAX_TOKENS, payload_dtype(dtype)),
-                  scaleup_ranks, forwarding=scaleup_ranks is not None)
+    world = World(geometry(dtype, src.x[0].shape[1]), scaleup_ranks, forwarding=scaleup_ranks is not None)
     backends = world_backends(world)
     return run_ranks(world, [lambda r=r: calls_of(backends[r], r) for r in range(RANKS)]), backends
 
@@ -80,7 +77,7 @@ def run_world(src: Sources, dtype: str, scaleup_ranks, calls_of) -> tuple:
     ("float16", False, 1, False),
 ], ids=["compact-bf16-weighted", "expand-f32-weighted", "compact-f16"])
 def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand, alignment, weighted):
-    src = sources(dtype, weighted, seed=hash((dtype, expand)) % 1000)
+    src = sources(dtype, weighted, seed=len(dtype) + 10 * expand)
     calls_of = functools.partial(calls, src=src, expand=expand, alignment=alignment)
     flat, _ = run_world(src, dtype, None, calls_of)
     forwarded, backends = run_world(src, dtype, SCALEUP, calls_of)
@@ -148,8 +145,7 @@ def test_a_captured_forwarded_replay_and_combine_give_the_eager_results(expand):
 
 def fault_world(timeout_s: float) -> tuple:
     """``(world, backends, sources)`` forwarding in 2 nodes of 2, waits bounded by ``timeout_s``."""
-    world = World(Geometry(RANKS, EXPERTS, HIDDEN, TOPK, MAX_TOKENS, payload_dtype("float32")), SCALEUP, True,
-                  timeout_s=timeout_s)
+    world = World(geometry("float32"), SCALEUP, True, timeout_s=timeout_s)
     return world, world_backends(world), sources("float32", False, seed=11)
 
 
