@@ -32,6 +32,9 @@ pytestmark = [pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the 
               pytest.mark.timeout(300)]
 RANKS, SCALEUP, EXPERTS, HIDDEN, TOPK, MAX_TOKENS = 4, 2, 8, 16, 3, 5
 TOKENS = (4, 3, 5, 0)  # per rank: the last one sends nothing
+# the fault tests' waits: a forwarder whose inbox wait gave up relays and signals well within its peers' step waits
+# (the steps' final waits do not yet take "entered" from the inbox signals, which would spare a late forwarder)
+FAULT_TIMEOUT_S = 3.0
 
 
 def geometry(dtype: str, hidden: int = HIDDEN) -> Geometry:
@@ -161,7 +164,7 @@ def failure(call) -> BaseException:
 def test_a_rank_that_never_arrives_is_named_by_every_forwarded_peer():
     """Rank 3 skips the dispatch: the inbox waits and the step's wait of every other rank give up at the bound, and
     each raises ``ep_comm.TimeoutError`` naming rank 3 (its forwarder, rank 1, relays nothing for it)."""
-    world, backends, src = fault_world(2.0)
+    world, backends, src = fault_world(FAULT_TIMEOUT_S)
 
     def call(rank: int):
         if rank == 3:
@@ -179,7 +182,7 @@ def test_a_rank_that_never_arrives_is_named_by_every_forwarded_peer():
 def test_a_forwarder_that_never_runs_its_hook_is_named_by_every_peer():
     """A split forwarded dispatch: rank 2 sends (its inbox blocks and inbox signal) but never calls its hook, so it
     never relays nor signals the step; every other rank's hook raises ``ep_comm.TimeoutError`` naming rank 2."""
-    world, backends, src = fault_world(2.0)
+    world, backends, src = fault_world(FAULT_TIMEOUT_S)
 
     def call(rank: int):
         be = backends[rank]
