@@ -13,7 +13,9 @@ the hook of a split step) the bounded inbox wait, the relay into this node's ran
 signal and bounded wait. A forwarded combine: the partials through ``ForwardViews.to_sources`` (a source of this node
 directly, another through its forwarder's inbox) with their meta words (``Kernels.combine_meta``), the inbox signal;
 then the inbox wait, the node reduce into the sources forwarded for (``Kernels.node_reduce``), the step's signal and
-wait; the source's reduce takes the node size (``FlatRoute.node_size``: 0 flat).
+wait; the source's reduce takes the node size (``FlatRoute.node_size``: 0 flat). With ``Buffer(profile=True)`` the
+forwarded steps add the phases ``inbox send`` and ``inbox wait+relay`` (dispatch) or ``inbox wait+node reduce``
+(combine).
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ class ForwardedRoute(FlatRoute):
         """On ``stream``: the bounded inbox wait, the relay into this node's ranks, the step's signal with
         ``count_words`` and its bounded wait."""
         ctx, t, views = self.ctx, self.ctx.transport, self.views
-        with self.runner.profile.phase("dispatch", "relay"):
+        with self.runner.profile.phase("dispatch", "inbox wait+relay"):
             t.inbox_wait(STEP_KINDS["dispatch"], self.runner.timeout_s)
             ctx.kernels.relay(views.inbox, views.forwarded_for, *views.peer_arrays(), node_first=views.node_first,
                               step=t.step, stream=stream, row_words=row_words)
@@ -146,7 +148,7 @@ class ForwardedRoute(FlatRoute):
         and its bounded wait."""
         ctx, t, views = self.ctx, self.ctx.transport, self.views
         rows, metas, _ = views.peer_arrays()
-        with self.runner.profile.phase("combine", "node reduce"):
+        with self.runner.profile.phase("combine", "inbox wait+node reduce"):
             t.inbox_wait(STEP_KINDS["combine"], self.runner.timeout_s)
             ctx.kernels.node_reduce(views.inbox, views.forwarded_for, rows, metas, my_rank=ctx.rank,
                                     dtype=ctx.geo.dtype, hidden=ctx.geo.hidden, step=t.step, stream=stream)
