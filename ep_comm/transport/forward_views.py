@@ -43,29 +43,22 @@ class ForwardViews:
     peers: Tuple[Tuple[Any, ...], ...]
     to_sources: Tuple[Tuple[Any, ...], ...]
 
-    def forwarder_arrays(self) -> tuple:
+    def forwarder_arrays(self) -> Tuple[Tuple[Any, ...], ...]:
         """``(rows, metas, headers, counts)``, each a tuple per node (:attr:`to_forwarders`)."""
         return _columns(self.to_forwarders)
 
-    def peer_arrays(self) -> tuple:
+    def peer_arrays(self) -> Tuple[Tuple[Any, ...], ...]:
         """``(rows, metas, counts)``: every rank's symmetric rows, meta rows and count words, each a tuple."""
         return _columns(self.peers)
 
-    def source_arrays(self) -> tuple:
+    def source_arrays(self) -> Tuple[Tuple[Any, ...], ...]:
         """``(rows, metas, headers)``, each a tuple per source rank (:attr:`to_sources`)."""
         return _columns(self.to_sources)
 
 
-def _columns(table: Tuple[Tuple[Any, ...], ...]) -> tuple:
+def _columns(table: Tuple[Tuple[Any, ...], ...]) -> Tuple[Tuple[Any, ...], ...]:
     """The columns of a table of equal-length tuples, each a tuple."""
     return tuple(zip(*table))
-
-
-def forwarded_for(topology: Topology, rank: int) -> list:
-    """The ranks ``rank`` forwards for, ascending: its forwarders in the other nodes (``Topology.forwarder`` is
-    symmetric)."""
-    mine = topology.node_of(rank)
-    return [topology.forwarder(rank, node) for node in range(topology.num_nodes) if node != mine]
 
 
 def forward_views(heaps: Sequence[Array], inbox: ForwardInbox, me: int, word: np.dtype, xp: Any,
@@ -83,7 +76,7 @@ def forward_views(heaps: Sequence[Array], inbox: ForwardInbox, me: int, word: np
         to_forwarders.append(tuple(wrap(a) for a in (box.rows, box.meta, box.header, box.counts)))
     return ForwardViews(
         inbox=InboxViews(*(wrap(a) for a in boxes[me])),
-        forwarded_for=wrap(xp.asarray(np.array(forwarded_for(topology, me), np.int32))),
+        forwarded_for=wrap(xp.asarray(np.array(topology.forwarders(me), np.int32))),
         node_first=topology.node_ranks(mine).start, node_size=topology.scaleup_ranks,
         to_forwarders=tuple(to_forwarders),
         peers=tuple(tuple(wrap(a) for a in (v.rows, v.meta, v.counts)) for v in syms),
@@ -92,7 +85,7 @@ def forward_views(heaps: Sequence[Array], inbox: ForwardInbox, me: int, word: np
 
 
 def _to_source(heaps: Sequence[Array], syms: Sequence[SymmetricViews], own: InboxViews, inbox: ForwardInbox,
-               topology: Topology, me: int, src: int, word: np.dtype, wrap: Callable[[Any], Any]) -> tuple:
+               topology: Topology, me: int, src: int, word: np.dtype, wrap: Callable[[Any], Any]) -> Tuple[Any, ...]:
     """``(rows, meta, header)`` through which rank ``me``'s combine send writes its partials for source ``src``
     (:attr:`ForwardViews.to_sources`)."""
     if topology.in_reach(me, src):
