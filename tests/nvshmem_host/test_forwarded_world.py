@@ -2,14 +2,14 @@
 "Forwarding on nvshmem") end to end on the CPU: four backends in one process over host heaps (``helpers.fake_world``),
 the real call sequence with the kernels in the Numba CUDA simulator and the signal and wait kernels stood in for.
 
-A forwarded rank's scatter writes its rows for the other node into staging blocks that nothing sends, so the other
-node's ranks receive them only through the inbox send and their forwarder's relay. Every dispatch (new routing, handle
-replay, ``cpu_sync=False``, split into send and hook) gives the outputs and handle of the same calls on a flat
-4-rank world byte for byte, and the first one the contract's reference (``ep_comm.testing.check``); every combine
-(plain and split) gives the sum in the forwarded order (``ep_comm.testing.forwarded``, through ``check_combine``) and
-the dispatched weights. FP8 dispatches (cast, and from the pair) give the flat bytes; a replay and its combine made
-while the fake GPU says it is capturing a CUDA graph give the eager results. A rank that never arrives, and a
-forwarder that never runs its hook, are named by their peers within the wait's bound."""
+A forwarded rank's scatter writes no rows for the other node (the fake's staging views for its ranks stay zero), so the
+other node's ranks receive them only through the inbox send and their forwarder's relay. Every dispatch (new routing,
+handle replay, ``cpu_sync=False``, split into send and hook) gives the outputs and handle of the same calls on a flat
+4-rank world byte for byte, and the first one the contract's reference (``ep_comm.testing.check``); every combine (plain
+and split) gives the sum in the forwarded order (``ep_comm.testing.forwarded``, through ``check_combine``) and the
+dispatched weights. FP8 dispatches (cast, and from the pair) give the flat bytes; a replay and its combine made while
+the fake GPU says it is capturing a CUDA graph give the eager results. A rank that never arrives, and a forwarder that
+never runs its hook, are named by their peers within the wait's bound."""
 from __future__ import annotations
 
 import functools
@@ -87,7 +87,10 @@ def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand
     opts = DispatchOptions(expand=expand, alignment=alignment, zero_padding=expand, weighted=weighted,
                            deterministic=True, forwarded_scaleup_ranks=SCALEUP)
     for rank, (want, got) in enumerate(zip(flat, forwarded)):
-        assert backends[rank].transport.inbox_signals == 6, "every step went through the inboxes"
+        transport = backends[rank].transport
+        assert transport.inbox_signals == 6, "every step went through the inboxes"
+        for q in transport.puts_to:  # the other node's ranks: their rows go through the forwarders only
+            assert not transport.rows[q].any() and not transport.meta[q].any(), f"rank {rank} scattered into {q}"
         for name in ("first", "replay", "lazy", "hooked"):
             assert_same_dispatch(f"rank {rank} {name}", want[name], got[name])
         assert check_dispatch(src, rank, opts, HostDispatch.of(got["first"])) == []

@@ -63,13 +63,15 @@ class NvshmemDispatch:
                 local: Optional[tuple] = None) -> None:
         """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
         ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
-        the staging blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a
-        compact replay, where the rows for this rank itself go."""
+        the staging blocks with puts, which :meth:`_flush` sends; forwarded, only those of this rank's node:
+        ``route.written``); ``local``: ``(recv_x, received psum [R])`` of a compact replay, where the rows for this rank
+        itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
-                                 mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum)
+                                 mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum,
+                                 written=self.route.written)
 
     def _flush(self, stream: Any, psum: Callable[[], Array]) -> None:
         """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as

@@ -6,8 +6,8 @@ combine protocols (``nvshmem.dispatch``, ``nvshmem.combine``) end their send hal
 (``arrive(stream)``), and write the combine's partials through the route's views (``combine_rows``,
 ``combine_metas``).
 
-A forwarded dispatch, on ``stream``: count and scatter as on the flat path (the scatter's rows for the ranks of other
-nodes go into this rank's staging blocks, which nothing puts: they are not sent), the inbox send into the forwarders
+A forwarded dispatch, on ``stream``: count and scatter as on the flat path but for the rows of the ranks of other
+nodes, which the scatter does not write (their slots are assigned alike), the inbox send into the forwarders
 of the other nodes (``Kernels.inbox_send``, with a new routing's count words), the inbox signal; then (at once, or in
 the hook of a split step) the bounded inbox wait, the relay into this node's ranks (``Kernels.relay``), the step's
 signal and bounded wait. A forwarded combine: the partials through ``ForwardViews.to_sources`` (a source of this node
@@ -49,6 +49,7 @@ class FlatRoute:
     """Every row straight into its destination (stores, or the staging blocks that ``flush`` puts)."""
 
     node_size = 0  # the source's reduce: flat
+    written: Optional[range] = None  # the ranks the scatter writes rows into: every rank
 
     def __init__(self, ctx: NvshmemContext):
         self.ctx, self.runner = ctx, ctx.runner
@@ -88,12 +89,13 @@ class ForwardedRoute(FlatRoute):
         super().__init__(ctx)
         self.views = ctx.transport.forward
         self.node_size = self.views.node_size
+        self.written = range(self.views.node_first, self.views.node_first + self.node_size)  # this node's ranks
         self.combine_rows, self.combine_metas, self._combine_headers = self.views.source_arrays()
 
     @staticmethod
     def flush(flush: Callable[[], None]) -> None:
-        """Nothing: the rows staged for the ranks of other nodes are not put (the relay delivers them); a combine
-        writes the inboxes and this node's sources through peer views."""
+        """Nothing: the scatter writes no rows for the ranks of other nodes (:attr:`written`; the relay delivers
+        them), and a combine writes the inboxes and this node's sources through peer views."""
 
     def dispatch_sent(self, stream: Any, hooked: bool, sent: Sent) -> Arrive:
         """The inbox send and its signal; then, not
