@@ -90,7 +90,7 @@ class WorldTransport:
         self.aborts = np.zeros((world.num_ranks, ABORT_WORDS), np.int64)
         self.forward = None if world.inbox is None else forward_views(world.heaps, world.inbox, rank, world.word, np,
                                                                       lambda a: a)
-        self.inbox_signals = 0  # inbox signals sent (each to every rank)
+        self.inbox_signals_sent = 0  # inbox signals sent (each to every rank)
         self.closed_collectively: Optional[bool] = None
 
     def flush(self, stream: Any, psum: Callable[[], Any], with_meta: bool, timed: Any = None) -> None:
@@ -128,7 +128,7 @@ class WorldTransport:
         word = (int(self.step[0]) + 1) << 2 | kind
         for q in range(self.world.num_ranks):
             self.world.inbox_signals(q)[self.rank] = word
-        self.inbox_signals += 1
+        self.inbox_signals_sent += 1
         self.world.turn.notify_all()
 
     def inbox_wait(self, kind: int, timeout_s: float) -> None:

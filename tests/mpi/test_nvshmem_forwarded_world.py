@@ -60,5 +60,5 @@ def test_the_forwarded_fake_nvshmem_world_is_the_mpi_backend(dtype, expand):
     backends = world_backends(world)
     fake = run_ranks(world, [lambda r=r: fake_calls(backends[r], r, src, expand) for r in range(WORLD)])
     for rank, (want, got) in enumerate(zip(gathered, fake)):
-        assert backends[rank].transport.inbox_signals == 3, "every fake step went through the inboxes"
+        assert backends[rank].transport.inbox_signals_sent == 3, "every fake step went through the inboxes"
         assert_same_outputs(want, got)

@@ -89,7 +89,7 @@ def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand
                            deterministic=True, forwarded_scaleup_ranks=SCALEUP)
     for rank, (want, got) in enumerate(zip(flat, forwarded)):
         transport = backends[rank].transport
-        assert transport.inbox_signals == 6, "every step went through the inboxes"
+        assert transport.inbox_signals_sent == 6, "every step went through the inboxes"
         for q in transport.puts_to:  # the other node's ranks: their rows go through the forwarders only
             assert not transport.rows[q].any() and not transport.meta[q].any(), f"rank {rank} scattered into {q}"
         for name in ("first", "replay", "lazy", "hooked"):
@@ -120,7 +120,7 @@ def test_forwarded_fp8_dispatches_give_the_flat_bytes(expand):
     flat, _ = run_world(src, "bfloat16", None, calls_of)
     forwarded, backends = run_world(src, "bfloat16", SCALEUP, calls_of)
     for rank, (want, got) in enumerate(zip(flat, forwarded)):
-        assert backends[rank].transport.inbox_signals == 2
+        assert backends[rank].transport.inbox_signals_sent == 2
         for name, a, b in zip(("first", "replay"), want, got):
             assert_same_dispatch(f"rank {rank} fp8 {name}", a, b)
 
@@ -146,7 +146,7 @@ def test_a_captured_forwarded_replay_and_combine_give_the_eager_results(expand):
     src = sources("float32", False, seed=31)
     outs, backends = run_world(src, "float32", SCALEUP, functools.partial(captured_calls, src=src, expand=expand))
     for rank, (first, eager, eager_sum, captured, captured_sum) in enumerate(outs):
-        assert backends[rank].transport.inbox_signals == 5
+        assert backends[rank].transport.inbox_signals_sent == 5
         assert_same_as_eager(first, eager, eager_sum, captured, captured_sum)
 
 
