@@ -7,7 +7,7 @@ node-aware forwarding sends a token over scale-out at most once per destination 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 
 def check_scaleup_ranks(scaleup_ranks: Any, num_ranks: int) -> None:
@@ -56,6 +56,12 @@ class Topology:
     def forwarder(self, src: int, node: int) -> int:
         """The rank of ``node`` that forwards ``src``'s tokens inside it: the one with ``src``'s local index."""
         return node * self.scaleup_ranks + self.local_index(src)
+
+    def forwarders(self, rank: int) -> List[int]:
+        """``rank``'s forwarders in the other nodes, in node order: also the ranks it forwards for (the relation is
+        symmetric)."""
+        mine = self.node_of(rank)
+        return [self.forwarder(rank, node) for node in range(self.num_nodes) if node != mine]
 
 
 def transport_mode(puts_to: Sequence[int], num_ranks: int, me: int) -> str:

@@ -155,13 +155,14 @@ def copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, sourc
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step, ahead,
                    mode, num_units, units_per_warp, rank_cursor, unit_cursor, group_counts, slot_idx, copy_rows, rows,
-                   metas, direct, recv_x, recv_psum):
+                   metas, written_first, written_end, direct, recv_x, recv_psum):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.scatter`; ``source``: where the rows come from
     (``ep_comm.kernels.payload``), ``row_words`` words per row; ``wide``: rows move 16 bytes per access (see
     :func:`~ep_comm.kernels.warp.copy_row`). Stable mode reads the cursors that
     :func:`~ep_comm.kernels.count.count_kernel` left with the same ``num_units`` and ``units_per_warp``.
     Without ``copy_rows`` only the slots are assigned (into ``slot_idx``): :func:`scatter_rows_kernel`
-    writes the rows and meta rows next. ``direct``, ``recv_x [N_out, W]`` words and ``recv_psum [R]``: see
+    writes the rows and meta rows next. Rows and meta rows go only to the ranks in ``[written_first, written_end)``
+    (every rank's slot is assigned). ``direct``, ``recv_x [N_out, W]`` words and ``recv_psum [R]``: see
     :func:`copy_payload` (``recv_x`` and ``recv_psum`` are not read without ``direct``)."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     num_tokens, num_topk = topk_idx.shape
@@ -184,7 +185,7 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
             t, k, active, rank, first = step_pairs(topk_idx, experts_per_rank, num_ranks, t0, end, place, lane)
             slot = assign_slot(mode, topk_idx, slot_idx, rank_cursor, unit_cursor[unit], t, k, active, rank, first,
                                src_base, lane)
-            pairs = ballot(slot >= 0 and copy_rows)
+            pairs = ballot(slot >= 0 and copy_rows and written_first <= rank < written_end)
             while pairs != 0:
                 src, pairs = pop_lowest(pairs)
                 pt = cuda.shfl_sync(FULL_MASK, t, src)
@@ -200,11 +201,11 @@ def scatter_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, 
 @kernel(max_registers=ROW_MAX_REGISTERS)
 def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weights, experts_per_rank, src_rank, step,
                         ahead, span, own_slots, num_units, units_per_warp, unit_counts, group_counts, slot_idx, rows,
-                        metas, direct, recv_x, recv_psum):
+                        metas, written_first, written_end, direct, recv_x, recv_psum):
     """The rows and meta rows of :func:`scatter_kernel`, from the slots in ``slot_idx [T, K]`` (recorded by
     it or cached): one warp per piece of ``span`` words (a multiple of 32) of each entry that has a slot, so that few
     tokens still spread over many warps; the warp of a row's first piece writes its meta row.
-    ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`.
+    ``written_first``, ``written_end``, ``direct``, ``recv_x``, ``recv_psum``: as in :func:`scatter_kernel`.
 
     ``own_slots``: no slots were assigned before; each warp takes its entry's stable slot itself
     (:func:`step_slot`, from the ``unit_counts`` and ``group_counts`` a stable count left for ``num_units`` units of
@@ -234,8 +235,8 @@ def scatter_rows_kernel(source, row_words, wide, topk_idx, weight_bits, has_weig
         else:
             recorded = slot_idx[t, k]
             slot = recorded - src_base if recorded >= 0 else np.int32(-1)
-        if slot >= 0 and expert >= 0:
-            rank = quotient32(expert, experts_per_rank)
+        rank = quotient32(expert, experts_per_rank) if expert >= 0 else np.int32(-1)
+        if slot >= 0 and written_first <= rank < written_end:
             copy_payload(rows, recv_x, direct, base, parity, src_rank, rank, slot, source, t, begin, end, wide)
             if begin == 0:
                 write_meta(metas[rank][parity, src_rank, slot], topk_idx, weight_bits, has_weights, t, rank,

@@ -173,7 +173,8 @@ class Kernels(LaunchShapes):
 
     def scatter(self, x: Any, topk_idx: Array, topk_weights: Optional[Array], slot_idx: Array,
                 rows: Sequence[Array], metas: Sequence[Array], *, src_rank: int, step: Array, mode: int,
-                stream: Any, ahead: int = 0, recv_x: Optional[Array] = None, recv_psum: Optional[Array] = None) -> None:
+                stream: Any, ahead: int = 0, recv_x: Optional[Array] = None, recv_psum: Optional[Array] = None,
+                written: Optional[range] = None) -> None:
         """Write each (token, destination) row of ``x [T, H]`` and its meta row into the destinations.
 
         Args:
@@ -199,6 +200,9 @@ class Kernels(LaunchShapes):
                 it there; its meta row still goes to ``metas[src_rank]``.
             recv_psum: with ``recv_x``, the replayed handle's int32 ``[R]`` inclusive prefix sum of rows
                 received per source (on the device).
+            written: the destinations whose rows and meta rows are written (a range of ranks; None: every rank):
+                a forwarded dispatch writes only its own node's, the other nodes' go through their forwarders
+                (every destination's slot is assigned and recorded alike).
 
         With few tokens (fewer token units than ``scatter_min_units``) or rows cut into pieces, one warp per row or
         piece copies the rows; with ``SLOT_STABLE`` and :meth:`slots_with_rows` those warps take their slots themselves
@@ -219,6 +223,7 @@ class Kernels(LaunchShapes):
         recv_words = payload_words(recv_x) if direct else source[0]
         local = (recv_words, recv_psum if direct else self._work.rank_cursor)
         rows, metas = tuple(rows), tuple(metas)
+        reach = (0, self.num_ranks) if written is None else (written.start, written.stop)
         wide = wide_rows(source[0], recv_words) and self._wide(rows)
         span, blocks = self._row_pieces(topk_idx.size, row_words, _copy_step(wide))
         # few tokens (a grid mostly without units) or long rows in pieces: the rows by warps, their slots by unit first
@@ -230,11 +235,11 @@ class Kernels(LaunchShapes):
             self._launch(scatter_kernel, stream, blocks=self._blocks_for(num_units, self.num_blocks))(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
                 mode, num_units, units_per_warp, self._work.rank_cursor, *units, slot_idx, not by_rows, rows, metas,
-                direct, *local)
+                *reach, direct, *local)
         if by_rows:
             self._launch(scatter_rows_kernel, stream, blocks=blocks)(
                 *rows_from, topk_idx, weights, topk_weights is not None, self.num_local, src_rank, step, ahead,
-                span, own_slots, num_units, units_per_warp, *units, slot_idx, rows, metas, direct, *local)
+                span, own_slots, num_units, units_per_warp, *units, slot_idx, rows, metas, *reach, direct, *local)
 
     def receive_count(self, src_counts: Array, meta: Array, step: Array, *, alignment: int, expand: bool,
                       stable: bool, stream: Any, block: Optional[Array] = None,

@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
                         "one node of every rank)")
     p.add_argument("--forwarding", action="store_true",
                    help="Buffer(forwarding=True): one scale-out row per token and destination node, through that "
-                        "node's forwarder (the mpi backend; nvshmem refuses it)")
+                        "node's forwarder (on nvshmem with --transport auto only)")
     p.add_argument("--iters", type=int_at_least(0), default=10000, help="soak iterations (default: 10000; 0 skips)")
     p.add_argument("--check-every", type=int_at_least(1), default=100,
                    help="full check and memory sample every k-th iteration (default: 100)")

@@ -10,16 +10,19 @@ graph captures any mix. GPU only: imports CuPy and Numba-CUDA.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import cupy
 import numpy as np
 from mpi4py import MPI
 from numba import cuda
 
+from ep_comm.contract.forward_inbox import ForwardInbox, inbox_views
 from ep_comm.contract.symmetric import ABORT_WORDS, STEP_KINDS, SymmetricLayout, symmetric_views
 from ep_comm.contract.topology import transport_mode
 from ep_comm.transport import nvshmem_puts, signals, wait_stats
+from ep_comm.transport.forward_views import ForwardViews, forward_views
+from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers
 from ep_comm.transport.nvshmem_heap import NvshmemHeap
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
@@ -34,6 +37,19 @@ def numba_view(a: Any) -> Any:
     return cuda.as_cuda_array(a, sync=False)
 
 
+def _heap(comm: MPI.Comm, nbytes: int, stores_to: Tuple[int, ...], forwarding: bool) -> NvshmemHeap:
+    """``NvshmemHeap(comm, nbytes, stores_to)``; its RuntimeError (every rank alike: a rank of ``stores_to`` without a
+    peer view) says, when ``forwarding``, that a forwarded step reaches every rank through peer views."""
+    try:
+        return NvshmemHeap(comm, nbytes, stores_to)
+    except RuntimeError as error:
+        if not forwarding:
+            raise
+        raise RuntimeError(f"forwarding=True across nodes: {error}. A forwarded step writes the inboxes of the other "
+                           "nodes through peer views: the inbox's staging blocks and puts are not built; use "
+                           "forwarding=False, or backend='mpi'") from error
+
+
 class NvshmemTransport:
     """One Buffer's symmetric heap on this rank, and the stores or puts that reach each peer.
 
@@ -44,20 +60,27 @@ class NvshmemTransport:
     that advances it); ``puts_to``: the ranks reached through puts; ``mode``: :func:`transport_mode`; ``device``: the
     CUDA device ordinal; ``waits``: the wait statistics (int64 ``[R, WAIT_WORDS]`` device memory, ``wait_stats``),
     which the waits of dispatches and combines add to while ``measuring`` (the backend sets it from
-    ``Buffer(wait_stats=...)``).
+    ``Buffer(wait_stats=...)``); ``forward``: the views of a forwarded step (``forward_views.ForwardViews``), or None
+    when the Buffer does not forward across nodes.
     """
 
     _CLOSE = STEP_KINDS["close"]  # the close step's waits are not measured
 
-    def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, puts_to: Sequence[int]):
+    def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, puts_to: Sequence[int],
+                 inbox: Optional[ForwardInbox] = None):
         """Collective over ``comm``: allocates ``sym.total_bytes`` (plus the staging area when ``puts_to`` names a
         rank) of symmetric heap; rows are viewed as ``word`` (``contract.symmetric.word_dtype``). ``puts_to``: the
-        ranks reached through puts; the others must be in load/store reach (RuntimeError on every rank otherwise)."""
+        ranks reached through puts; the others must be in load/store reach (RuntimeError on every rank otherwise).
+        ``inbox``: a forwarding Buffer's inbox layout across several nodes (the heap then holds
+        ``inbox.total_bytes`` before the staging area, and every rank must be in load/store reach: the inbox is
+        written through peer views), or None."""
         self.sym, r = sym, sym.num_ranks
         self.puts_to = tuple(sorted(set(puts_to)))
         self.mode = transport_mode(self.puts_to, r, comm.rank)
-        stores_to = tuple(q for q in range(r) if q not in self.puts_to)
-        self.heap = NvshmemHeap(comm, sym.total_bytes + (staging_bytes(sym) if self.puts_to else 0), stores_to)
+        stores_to = tuple(q for q in range(r) if inbox is not None or q not in self.puts_to)
+        self._heap_bytes = sym.total_bytes if inbox is None else inbox.total_bytes  # where the staging area starts
+        self.heap = _heap(comm, self._heap_bytes + (staging_bytes(sym) if self.puts_to else 0), stores_to,
+                          inbox is not None)
         self.rank, self.device = self.heap.rank, self.heap.device
         self.status = signals.WaitStatus(r, self.device)
         self.step = cupy.zeros(1, dtype=cupy.int64)
@@ -77,6 +100,32 @@ class NvshmemTransport:
                                                self.step, self.own.signal, self.status.device, self.own.counts,
                                                self._abort_words, self.device, waits=self.waits)
         self._no_records = np.zeros((r, ABORT_WORDS), dtype=np.int64)
+        self.forward: Optional[ForwardViews] = None
+        if inbox is not None:
+            self._forwarding(inbox, word)
+
+    def _forwarding(self, inbox: ForwardInbox, word: np.dtype) -> None:
+        """The forwarded step's views (:attr:`forward`) and its inbox signals (``inbox_signals.InboxSignals``)."""
+        heaps = [self.heap.local[: inbox.total_bytes] if q == self.rank else p[: inbox.total_bytes]
+                 for q, p in enumerate(self.heap.peers)]
+        self.forward = forward_views(heaps, inbox, self.rank, word, cupy, numba_view)
+        self._inbox_ptrs = cupy.asarray(inbox_peer_pointers([int(h.data.ptr) for h in heaps], range(len(heaps))),
+                                        dtype=cupy.uint64)
+        self._inbox_step = cupy.zeros(1, dtype=cupy.int64)
+        own = inbox_views(self.heap.local[: inbox.total_bytes], inbox, word)
+        self._inbox_signals = InboxSignals(self._inbox_ptrs, len(heaps), self.rank, inbox.signal_offset, self.step,
+                                           self._inbox_step, own.signal, self.status.device, self._abort_words,
+                                           self.device)
+
+    def inbox_signal(self, kind: int) -> None:
+        """Enqueue on CuPy's current stream the inbox signal of a forwarded step of kind ``kind`` to every rank
+        (``InboxSignals.signal``: the step counter is not advanced)."""
+        self._inbox_signals.signal(_current_stream(), kind)
+
+    def inbox_wait(self, kind: int, timeout_s: float) -> None:
+        """Enqueue on CuPy's current stream the bounded wait for every rank's inbox signal of this step
+        (``InboxSignals.wait``); a rank missing is flagged in the status record, as at the step's wait."""
+        self._inbox_signals.wait(_current_stream(), kind, timeout_s)
 
     def _views(self, word: np.dtype) -> tuple:
         """Every rank's rows and meta views: its own (stores) or a staging view (puts, see ``staging``); with puts,
@@ -87,7 +136,7 @@ class NvshmemTransport:
         if not self.puts_to:
             return tuple(v.rows for v in peers), tuple(v.meta for v in peers)
         rows_bytes = staging_blocks(r) * t * sym.row_bytes
-        stage = self.heap.local[sym.total_bytes: sym.total_bytes + staging_bytes(sym)]
+        stage = self.heap.local[self._heap_bytes: self._heap_bytes + staging_bytes(sym)]
         stage_rows = stage[:rows_bytes].view(word).reshape(staging_blocks(r), t, -1)
         stage_meta = stage[rows_bytes:].view(cupy.int32).reshape(staging_blocks(r), t, -1)
         self._step = numba_view(self.step)

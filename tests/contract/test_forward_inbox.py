@@ -104,16 +104,33 @@ def test_one_node_forwards_nothing():
         assert buf.traffic() == Traffic(OperationRows(dispatch=0, combine=0))
 
 
-def test_the_nvshmem_backend_refuses_forwarding_before_allocating_anything():
+def test_the_nvshmem_backend_refuses_forwarding_over_puts_before_allocating_anything():
     def allocate(*args, **kwargs):
         raise AssertionError("the transport was built before forwarding was refused")
 
     geo = Geometry(4, 4, 8, 1, 4, payload_dtype("float32"))
-    settings = BackendSettings(True, 1.0, scaleup_ranks=2, forwarding=True)
-    with pytest.raises(ValueError, match=r"^forwarding=True with 2 nodes \(scaleup_ranks=2 of 4 ranks\) is built on "
-                                         r"the mpi backend only: on nvshmem the launch sequence of a forwarded "
-                                         r"dispatch and combine; .* are not built"):
+    settings = BackendSettings(True, 1.0, transport="puts", scaleup_ranks=2, forwarding=True)
+    with pytest.raises(ValueError, match=r"^forwarding=True with 2 nodes \(scaleup_ranks=2 of 4 ranks\) and "
+                                         r"transport='puts': on nvshmem the inbox's staging blocks and puts .* are "
+                                         r"not built; use transport='auto'"):
         NvshmemBackend.open(MPI.COMM_SELF, geo, settings, allocate, allocate)
+
+
+def test_the_nvshmem_backend_builds_a_forwarding_transport_with_the_inbox():
+    """Forwarding across nodes with ``transport="auto"``: the transport is given the inbox after the symmetric buffer
+    (the heap holds ``ForwardInbox.total_bytes``) and the ranks of the other node as its puts peers."""
+    class Built(Exception):
+        pass
+
+    def allocate(comm, sym, word, puts_to, inbox):
+        raise Built(puts_to, inbox)
+
+    geo = Geometry(4, 4, 8, 1, 4, payload_dtype("float32"))
+    settings = BackendSettings(True, 1.0, scaleup_ranks=2, forwarding=True)
+    with pytest.raises(Built) as built:
+        NvshmemBackend.open(MPI.COMM_SELF, geo, settings, allocate, allocate)
+    puts_to, inbox = built.value.args
+    assert puts_to == (2, 3) and inbox.scaleup_ranks == 2 and inbox.sym.num_ranks == 4
 
 
 @pytest.mark.parametrize("ranks, scaleup_ranks", [(1, None), (4, None), (1, 1)])

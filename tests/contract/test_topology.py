@@ -23,6 +23,13 @@ def test_nodes_of_consecutive_ranks_and_their_forwarders():
     assert Topology.of(6, None) == Topology(6, 6) and Topology.of(6, None).num_nodes == 1
 
 
+def test_a_rank_forwards_for_its_forwarders():
+    top = Topology.of(6, 2)  # 3 nodes
+    assert [top.forwarders(r) for r in range(6)] == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2], [1, 3]]
+    assert all(r in top.forwarders(f) for r in range(6) for f in top.forwarders(r))  # symmetric
+    assert Topology.of(4, None).forwarders(1) == []
+
+
 @pytest.mark.parametrize("bad, exc, message", [
     (0, ValueError, "scaleup_ranks=0: must be >= 1 and divide the rank count 8"),
     (3, ValueError, "scaleup_ranks=3: must be >= 1 and divide the rank count 8"),

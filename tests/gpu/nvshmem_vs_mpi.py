@@ -11,7 +11,8 @@ Prints ``RANK r OK`` lines and exits non-zero on the first mismatch.
 
 ``--transport stores|puts|auto`` (default stores) and ``--scaleup-ranks N`` (virtual nodes of N ranks; default one
 node): the nvshmem Buffers' ``transport`` and ``scaleup_ranks`` (``auto`` with nodes: stores in a node, puts between
-them). Every check runs on every transport; the mpi reference is always one node.
+them). Every check runs on every transport; the mpi reference is one node, or with ``--forwarding`` (the nvshmem
+Buffers forward across the nodes: ``--transport auto`` only) the mpi backend forwarding in the same nodes.
 """
 from __future__ import annotations
 
@@ -120,12 +121,18 @@ def one_case(bufs, dtype: str, expand: bool, alignment: int, cpu_sync: bool, mas
     same(f"{tag} combine.topk_weights", cm.topk_weights, cn.topk_weights)
 
 
-NV: dict = {}  # the nvshmem Buffers' transport and scaleup_ranks (main sets them)
+NV: dict = {}  # the nvshmem Buffers' transport, scaleup_ranks and forwarding (main sets them)
+REF: dict = {}  # the mpi references' nodes: none, or those of the nvshmem Buffers when they forward (main sets them)
 
 
 def nvshmem_buffer(**kw) -> ep_comm.Buffer:
     """An nvshmem Buffer of ``kw`` on the transport and nodes of the command line."""
     return ep_comm.Buffer(backend="nvshmem", **NV, **kw)
+
+
+def mpi_buffer(**kw) -> ep_comm.Buffer:
+    """The mpi reference Buffer of ``kw``: one node, or forwarding in the nvshmem Buffers' nodes."""
+    return ep_comm.Buffer(backend="mpi", **REF, **kw)
 
 
 def expected_mode() -> str:
@@ -141,7 +148,7 @@ def check_against_mpi() -> None:
                   timeout_s=20.0)
     seed = 0
     for dtype in ("bfloat16", "float16", "float32"):
-        mpi_buf = ep_comm.Buffer(dtype=dtype, backend="mpi", **geo_kw)
+        mpi_buf = mpi_buffer(dtype=dtype, **geo_kw)
         nv_buf = nvshmem_buffer(dtype=dtype, **geo_kw)
         assert nv_buf.transport == expected_mode(), (nv_buf.transport, NV)
         for expand, alignment in ((False, 1), (True, 1), (True, 4)):
@@ -160,7 +167,7 @@ def check_torch_and_nondeterministic() -> None:
     kw = dict(num_experts=2 * WORLD, hidden=64, num_topk=2, num_max_tokens_per_rank=16, dtype="bfloat16",
               timeout_s=20.0)
     buf = nvshmem_buffer(deterministic=False, **kw)
-    ref = ep_comm.Buffer(backend="mpi", deterministic=True, **kw)
+    ref = mpi_buffer(deterministic=True, **kw)
     idx = routing(99, 12, kw["num_experts"], 2, masked=False)
     x = np.random.default_rng(RANK).standard_normal((12, 64)).astype(ml_dtypes.bfloat16)
     mine = cp.cuda.Device().id  # the Buffer's GPU: torch must put its tensors there too
@@ -214,7 +221,7 @@ def check_graph_replay() -> None:
     new routing, or a cpu_sync=True step, under capture is refused and the buffer stays usable."""
     kw = dict(num_experts=4 * WORLD, hidden=64, num_topk=3, num_max_tokens_per_rank=24, dtype="bfloat16",
               deterministic=True, timeout_s=20.0)
-    nv, ref = nvshmem_buffer(**kw), ep_comm.Buffer(backend="mpi", **kw)
+    nv, ref = nvshmem_buffer(**kw), mpi_buffer(**kw)
     stream = cp.cuda.Stream(non_blocking=True)
     replays = 0
     for expand, alignment, weighted in ((False, 1, True), (True, 4, False)):
@@ -270,7 +277,7 @@ def check_recv_hooks() -> None:
     and of its combine are captured into four graphs, replayed in order with new payloads, bit for bit."""
     kw = dict(num_experts=4 * WORLD, hidden=64, num_topk=3, num_max_tokens_per_rank=24, dtype="bfloat16",
               deterministic=True, timeout_s=20.0)
-    nv, ref = nvshmem_buffer(**kw), ep_comm.Buffer(backend="mpi", **kw)
+    nv, ref = nvshmem_buffer(**kw), mpi_buffer(**kw)
     send_stream, hook_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(71 + RANK)
     x0 = rng.standard_normal((20, 64)).astype(ml_dtypes.bfloat16)
@@ -386,7 +393,7 @@ def check_non_contiguous() -> None:
     backend's results on contiguous copies, bit for bit."""
     kw = dict(num_experts=4 * WORLD, hidden=32, num_topk=3, num_max_tokens_per_rank=16, dtype="float32",
               deterministic=True, timeout_s=20.0)
-    nv, ref = nvshmem_buffer(**kw), ep_comm.Buffer(backend="mpi", **kw)
+    nv, ref = nvshmem_buffer(**kw), mpi_buffer(**kw)
     idx = routing(80, 12, kw["num_experts"], 3, masked=True)
     rng = np.random.default_rng(80 + RANK)
     wide, w = rng.standard_normal((12, 64)).astype(np.float32), rng.random((12, 6)).astype(np.float32)
@@ -442,8 +449,12 @@ def main() -> int:
                         help="Buffer(transport=...) of the nvshmem Buffers (default: stores)")
     parser.add_argument("--scaleup-ranks", type=int, default=None,
                         help="Buffer(scaleup_ranks=...) of the nvshmem Buffers (default: one node)")
+    parser.add_argument("--forwarding", action="store_true",
+                        help="Buffer(forwarding=True) of the nvshmem Buffers and of the mpi references (with nodes)")
     args = parser.parse_args()
-    NV.update(transport=args.transport, scaleup_ranks=args.scaleup_ranks)
+    NV.update(transport=args.transport, scaleup_ranks=args.scaleup_ranks, forwarding=args.forwarding)
+    if args.forwarding:
+        REF.update(scaleup_ranks=args.scaleup_ranks, forwarding=True)
     check_against_mpi()
     check_torch_and_nondeterministic()
     check_non_contiguous()

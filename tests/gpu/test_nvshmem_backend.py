@@ -33,11 +33,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("num_ranks", current().ranks or DEFAULT_JOB_SIZES)
 
 
-@pytest.mark.parametrize("transport, nodes", [("stores", 1), ("puts", 1), ("auto", 2)],
-                         ids=["peer-stores", "nvshmem-puts", "two-virtual-nodes"])
-def test_nvshmem_matches_mpi_and_times_out_cleanly(num_ranks, transport, nodes):
+@pytest.mark.parametrize("transport, nodes, forwarding", [("stores", 1, False), ("puts", 1, False),
+                                                         ("auto", 2, False), ("auto", 2, True)],
+                         ids=["peer-stores", "nvshmem-puts", "two-virtual-nodes", "two-virtual-nodes-forwarded"])
+def test_nvshmem_matches_mpi_and_times_out_cleanly(num_ranks, transport, nodes, forwarding):
     """``two-virtual-nodes``: ``transport="auto"`` with ``scaleup_ranks = num_ranks / 2``: stores inside a node,
-    puts between the two."""
+    puts between the two; ``-forwarded``: ``forwarding=True``, against the mpi backend forwarding in the same nodes."""
     if num_ranks % nodes:
         pytest.skip(f"{num_ranks} ranks do not split into {nodes} nodes")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -45,6 +46,8 @@ def test_nvshmem_matches_mpi_and_times_out_cleanly(num_ranks, transport, nodes):
     cmd = launcher(num_ranks, env) + [sys.executable, str(SCRIPT), "--transport", transport]
     if nodes > 1:
         cmd += ["--scaleup-ranks", str(num_ranks // nodes)]
+    if forwarding:
+        cmd.append("--forwarding")
     proc = run_job(cmd, env, JOB_TIMEOUT_S, cwd=REPO)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -29,6 +29,7 @@ class LoopbackTransport:
     with ``use_puts`` through puts (as ``transport="puts"`` does)."""
 
     device = None  # no GPU: arrays are not checked for theirs
+    forward = None  # one rank: one node, nothing forwarded
 
     def __init__(self, sym, word, use_puts: bool):
         self.sym, self.rank = sym, 0

@@ -30,12 +30,6 @@ def inboxes(world: World, scaleup_ranks: int, buffers: Optional[list] = None) ->
     return [inbox_views(b, inbox, word) for b in buffers or inbox_buffers(world, scaleup_ranks)]
 
 
-def forwarded_for(topology: Topology, rank: int) -> list:
-    """The ranks ``rank`` forwards for: its forwarders in the other nodes (``Topology.forwarder`` is symmetric)."""
-    mine = topology.node_of(rank)
-    return [topology.forwarder(rank, node) for node in range(topology.num_nodes) if node != mine]
-
-
 def designed_meta(world: World, s: int, slot_idx: np.ndarray, node_ranks: range) -> np.ndarray:
     """int32 ``[T_s, 1 + 2K + S]``: source ``s``'s dispatch inbox meta rows for a node as the design states them
     (token, global ids with -1 for none, weight bits or 0, the slot in each rank of the node or -1)."""
@@ -136,7 +130,7 @@ def relay_all(world: World, boxes: list, topology: Topology, parity: int, row_wo
     """Every forwarder's ``Kernels.relay`` of its inbox (``boxes[f]``) into the ranks of its node, for the ranks it
     forwards for, in the parity ``parity``, rows of ``row_words`` words (None: the inbox row's)."""
     for f, box in enumerate(boxes):
-        world.kernels.relay(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
+        world.kernels.relay(box, device_ranks(world, topology.forwarders(f)), [v.rows for v in world.views],
                             [v.meta for v in world.views], [v.counts for v in world.views],
                             node_first=topology.node_ranks(topology.node_of(f)).start, step=world.step(parity),
                             ahead=0, stream=0, row_words=row_words)

@@ -23,7 +23,6 @@ from forward_checks import (
     designed_meta,
     device_ranks,
     fill_combine_inbox,
-    forwarded_for,
     inbox_buffers,
     inboxes,
     relay_all,
@@ -121,7 +120,7 @@ def test_inbox_send_writes_the_designed_blocks(xp, ranks, scaleup, tokens, dtype
     boxes = inboxes(world, scaleup)
     send_to_inboxes(world, boxes, topology, sent, PARITY, new_routing)
     for f, box in enumerate(boxes):
-        for s in forwarded_for(topology, f):
+        for s in topology.forwarders(f):
             block, n = topology.node_of(s) * scaleup, len(world.topk[s])
             meta = designed_meta(world, s, sent[s].slot_idx, topology.node_ranks(topology.node_of(f)))
             np.testing.assert_array_equal(to_host(box.header[PARITY, block]), [n, int(new_routing)])
@@ -164,12 +163,12 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
     boxes = inboxes(world, scaleup)
     expected = {}
     for f, box in enumerate(boxes):
-        for src in forwarded_for(topology, f):
+        for src in topology.forwarders(f):
             held = _partials(rng, world, world.max_tokens, scaleup)
             for j, (tokens, meta, rows) in enumerate(held):
                 fill_combine_inbox(box, PARITY, topology.node_of(src) * scaleup + j, tokens, meta, rows, xp)
             expected[src, f] = held
-        world.kernels.node_reduce(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
+        world.kernels.node_reduce(box, device_ranks(world, topology.forwarders(f)), [v.rows for v in world.views],
                                   [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden,
                                   step=world.step(PARITY), ahead=0, stream=0)
     k = world.num_topk
@@ -238,7 +237,7 @@ def test_forwarded_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidden, expa
         _send_partials(world, buffers, topology, d, received, ys[d], step, row_weights[d])
     from_rank = [_partial_rows(world, sent, received, ys, row_weights, d) for d in range(ranks)]
     for f, box in enumerate(boxes):
-        k.node_reduce(box, device_ranks(world, forwarded_for(topology, f)), [v.rows for v in world.views],
+        k.node_reduce(box, device_ranks(world, topology.forwarders(f)), [v.rows for v in world.views],
                       [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden, step=step, ahead=0,
                       stream=0)
     for s in range(ranks):

@@ -60,7 +60,7 @@ class ForwardedRoute:
 
     def _forwarders(self) -> List[int]:
         """This rank's forwarders in the other nodes, which are also the ranks it forwards for."""
-        return [self.ctx.topology.forwarder(self.ctx.rank, node) for node in self._remote_nodes()]
+        return self.ctx.topology.forwarders(self.ctx.rank)
 
     def _node_ranks(self) -> range:
         """The ranks of this rank's node."""

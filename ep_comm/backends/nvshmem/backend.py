@@ -28,6 +28,10 @@ compact mode the rows this rank received from itself are not sent: ``combine_red
 partials straight from ``y`` (with one rank there is no send launch at all); expand mode sends its
 own partials too (``combine_expand_kernel`` computes them).
 
+Both end their send half through a route (``nvshmem.forwarding``): ``FlatRoute``, or with ``Buffer(forwarding=True)``
+across several nodes ``ForwardedRoute``, which sends to the other nodes through their forwarders' inboxes (inbox send,
+inbox signal and wait, relay; combine meta words, node reduce, the source's reduce in the forwarded order).
+
 Everything is enqueued on the caller's current stream (``CupyDevice``), with Numba's
 CUDA-array-interface stream sync off during our launches: every array we pass was made on, or
 handed in for, that same stream. The host waits only where ``cpu_sync=True`` needs it, by polling a
@@ -74,12 +78,14 @@ from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.interface import BackendSettings, Traffic
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
 from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch
+from ep_comm.backends.nvshmem.forwarding import FlatRoute, ForwardedRoute
 from ep_comm.backends.nvshmem.prepared import PreparedCalls
 from ep_comm.backends.nvshmem.steps import NvshmemContext, StepRunner
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.backends.sm_grid import grid_shape, sms_in_effect
 from ep_comm.contract import layout as lay
 from ep_comm.contract.arrays import Array, to_host
+from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout, word_dtype
 from ep_comm.contract.topology import Topology
@@ -100,26 +106,30 @@ def puts_peers(settings: BackendSettings, num_ranks: int, me: int) -> Tuple[int,
 
 # the pieces of a forwarded step on this backend that are not built (docs/design.md, "Forwarding on nvshmem")
 FORWARDING_NOT_BUILT = (
-    "the launch sequence of a forwarded dispatch and combine",
-    "the scatter's skip of other nodes",
-    "the inbox's staging blocks and puts",
+    "the inbox's staging blocks and puts (a forwarder or a rank of its node reached through NVSHMEM puts: "
+    "transport='puts', or ranks out of load/store reach)",
 )
 
 
-def refuse_forwarding(num_ranks: int, settings: BackendSettings) -> None:
-    """ValueError when ``settings.forwarding`` asks for forwarding across several nodes (nodes of
-    ``settings.scaleup_ranks`` ranks): the kernels, the inbox counts and the inbox signals are built, the launch path
-    is not (:data:`FORWARDING_NOT_BUILT`). One node forwards nothing (every rank is its own node's; the contract's
-    forwarded results are the flat ones, as on the mpi backend): accepted. Every rank agreed on both settings
+def forward_inbox(num_ranks: int, settings: BackendSettings, sym: SymmetricLayout) -> Optional[ForwardInbox]:
+    """The forwarding inbox after ``sym`` of a Buffer that forwards across several nodes (``settings.forwarding``
+    with nodes of ``settings.scaleup_ranks`` ranks), or None: flat, or one node (every rank is its own node's: the
+    forwarded results are the flat ones, as on the mpi backend). A forwarded step writes its node's ranks and the
+    other nodes' inboxes through peer views, so ``transport="puts"`` (every rank through puts) raises ValueError, before
+    anything is allocated, naming what is not built (:data:`FORWARDING_NOT_BUILT`); with ``"auto"`` every rank must be
+    in load/store reach (``NvshmemTransport`` raises otherwise, on every rank). Every rank agreed on these settings
     (``contract.agreement``), so every rank raises alike."""
     if not settings.forwarding:
-        return
-    nodes = Topology.of(num_ranks, settings.scaleup_ranks).num_nodes
-    if nodes > 1:
-        raise ValueError(f"forwarding=True with {nodes} nodes (scaleup_ranks={settings.scaleup_ranks} of {num_ranks} "
-                         "ranks) is built on the mpi backend only: on nvshmem " + "; ".join(FORWARDING_NOT_BUILT) +
-                         " are not built (a forwarded step would send flat, so it is refused); use forwarding=False, "
-                         "or backend='mpi'")
+        return None
+    topology = Topology.of(num_ranks, settings.scaleup_ranks)
+    if topology.num_nodes == 1:
+        return None
+    if settings.transport != "auto":
+        raise ValueError(f"forwarding=True with {topology.num_nodes} nodes (scaleup_ranks={settings.scaleup_ranks} of "
+                         f"{num_ranks} ranks) and transport={settings.transport!r}: on nvshmem "
+                         + "; ".join(FORWARDING_NOT_BUILT) + " are not built; use transport='auto' (every rank in "
+                         "load/store reach), forwarding=False, or backend='mpi'")
+    return ForwardInbox(sym, topology.scaleup_ranks)
 
 
 class NvshmemBackend:
@@ -155,13 +165,15 @@ class NvshmemBackend:
         self.ctx = NvshmemContext(geo, self.rank, settings.deterministic, xp, self.kernels, transport, device,
                                   self.runner, device.kernel_array(own.rows), device.kernel_array(own.meta),
                                   device.kernel_array(own.counts))
-        self.dispatcher, self.combiner = NvshmemDispatch(self.ctx), NvshmemCombine(self.ctx)
+        route = FlatRoute(self.ctx) if transport.forward is None else ForwardedRoute(self.ctx)
+        self.dispatcher, self.combiner = NvshmemDispatch(self.ctx, route), NvshmemCombine(self.ctx, route)
         # the Backend interface's calls of the protocols, bound to them once
         d, c = self.dispatcher, self.combiner
         self.pack_fp8, self.dispatch, self.dispatch_send = d.pack_fp8, d.dispatch, d.dispatch_send
         self.combine, self.combine_send = c.combine, c.combine_send
-        # the prepared paths of the eager calls (Buffer offers each call there)
-        self.prepared = PreparedCalls(self.ctx, self.dispatcher, self.combiner)
+        # the prepared paths of the eager calls (Buffer offers each call there); a forwarded step takes the general path
+        self.prepared: Optional[PreparedCalls] = None if transport.forward is not None else PreparedCalls(
+            self.ctx, self.dispatcher, self.combiner)
 
     @classmethod
     def open(cls, comm: MPI.Comm, geo: Geometry, settings: BackendSettings, transport_type: type,
@@ -178,17 +190,17 @@ class NvshmemBackend:
         Returns:
             The backend; its kernels sized for ``settings.num_sms`` (ValueError on every rank, with
             everything released, when that exceeds any rank's SM count; the duplicated communicator is freed too
-            when building the transport raises). ``settings.forwarding`` with several
-            nodes raises ValueError before anything is allocated (:func:`refuse_forwarding`).
+            when building the transport raises). ``settings.forwarding`` with several nodes and what is not built of
+            it raises ValueError before anything is allocated (:func:`forward_inbox`).
         """
-        refuse_forwarding(geo.num_ranks, settings)  # before anything is allocated
-        check_index_range(geo.num_ranks, geo.max_tokens, geo.num_topk)  # before anything collective is allocated
-        comm = comm.Dup()
         sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                               geo.experts_per_rank)
+        inbox = forward_inbox(geo.num_ranks, settings, sym)  # before anything is allocated
+        check_index_range(geo.num_ranks, geo.max_tokens, geo.num_topk)  # before anything collective is allocated
+        comm = comm.Dup()
         try:
             transport = transport_type(comm, sym, word_dtype(geo.hidden, geo.dtype.itemsize),
-                                       puts_peers(settings, comm.size, comm.rank))
+                                       puts_peers(settings, geo.num_ranks, comm.rank), inbox)
         except BaseException:  # the heap was not built: nothing else to release
             comm.Free()
             raise

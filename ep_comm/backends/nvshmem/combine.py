@@ -11,6 +11,7 @@ import numpy as np
 
 from ep_comm._launcher.device_arrays import aligned16
 from ep_comm.backends.interface import CombineRequest, ReceiveHalf
+from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array
 from ep_comm.handle import CombineOutput, EPHandle
@@ -19,9 +20,11 @@ from ep_comm.launching import weight_return
 
 class NvshmemCombine:
     """``NvshmemBackend``'s ``combine`` and ``combine_send``, over the backend's context ``ctx``; its steps run through
-    ``ctx.runner``. Its pieces (send, reduce) are public to the prepared path."""
+    ``ctx.runner``, its rows travel by ``route`` (a ``FlatRoute``, or a ``ForwardedRoute`` through the forwarders).
+    Its pieces (send, reduce) are public to the prepared path."""
 
-    def __init__(self, ctx: NvshmemContext):
+    def __init__(self, ctx: NvshmemContext, route: FlatRoute):
+        self.route = route
         self.ctx, self.geo, self.rank, self.xp = ctx, ctx.geo, ctx.rank, ctx.xp
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
         self.profile = ctx.runner.profile
@@ -42,16 +45,17 @@ class NvshmemCombine:
         with self.profile.phase("combine", "send"):
             self.runner.run_recorded(combine_send_key(h, y, weights), combine_send_roots(h, y, weights),
                                      functools.partial(self.send, stream, h, y, weights))
-            self.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
-        self.runner.signal("combine", stream, hooked)
-        return functools.partial(self._combine_receive, request, y, weights, hooked)
+            self.route.flush(functools.partial(self.transport.flush, stream, lambda: h.psum_num_recv_tokens_per_rank,
+                                               with_meta=weights is not None))
+        arrive = self.route.combine_sent(stream, hooked, h)
+        return functools.partial(self._combine_receive, request, y, weights, arrive)
 
-    def _combine_receive(self, request: CombineRequest, y: Array, weights: Optional[Array], hooked: bool,
+    def _combine_receive(self, request: CombineRequest, y: Array, weights: Optional[Array], arrive: Arrive,
                          stream: Any) -> CombineOutput:
-        """The receive half of a combine, on ``stream``: the wait, then the reduce (with this rank's own rows from
-        ``y``)."""
+        """The receive half of a combine, on ``stream``: the wait (the route's), then the reduce (with this rank's
+        own rows from ``y``)."""
         h = request.handle
-        self.runner.wait("combine", hooked, with_counts=False)
+        arrive(stream)
         arrived = self.device.progress() if h.cpu_sync else None
         with self.profile.phase("combine", "reduce"):
             x, back = self._combine_reduce(stream, h, y, request.bias_terms, weights is not None)
@@ -64,13 +68,14 @@ class NvshmemCombine:
         reduce reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
         the caller then puts: the block of this rank's own compact rows too, unwritten and never read)."""
         xp, t, k = self.xp, self.transport, self.kernels
-        k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.rows, my_rank=self.rank,
-                          step=t.step, ahead=1, expand=h.expand, stream=stream, weights=weights if h.expand else None)
+        k.combine_scatter(y, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, self.route.combine_rows,
+                          my_rank=self.rank, step=t.step, ahead=1, expand=h.expand, stream=stream,
+                          weights=weights if h.expand else None)
         if weights is not None:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
             weight_return.send_weights(functools.partial(k.launcher, stream=stream), bits, h.expand,
-                                       h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, t.meta, my_rank=self.rank,
-                                       step=t.step, ahead=1, max_blocks=k.num_blocks)
+                                       h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, self.route.combine_metas,
+                                       my_rank=self.rank, step=t.step, ahead=1, max_blocks=k.num_blocks)
 
     def _combine_reduce(self, stream: Any, h: EPHandle, y: Array, bias_terms: Sequence[Array],
                         with_weights: bool) -> tuple:
@@ -96,12 +101,12 @@ class NvshmemCombine:
         k, t = self.kernels, self.transport
         own = {} if h.expand else dict(y=y, recv_rank_psum=h.psum_num_recv_tokens_per_rank)
         k.combine_reduce(self.ctx.own_rows, t.step, h.dst_buffer_slot_idx, h.topk_idx, x, my_rank=self.rank,
-                         stream=stream, bias=list(terms), **own)
+                         stream=stream, bias=list(terms), node_size=self.route.node_size, **own)
         if back is not None:
             weight_return.gather_weights(functools.partial(k.launcher, stream=stream), self.ctx.own_meta, t.step,
                                          h.dst_buffer_slot_idx, h.topk_idx, back.view(self.xp.int32),
                                          experts_per_rank=self.geo.experts_per_rank, my_rank=self.rank,
-                                         max_blocks=k.num_blocks)
+                                         max_blocks=k.num_blocks, node_size=self.route.node_size)
 
 
 def combine_send_key(h: EPHandle, y: Array, weights: Optional[Array]) -> tuple:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
+from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, Sent
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
@@ -23,9 +24,11 @@ from ep_comm.launching.fp8 import Fp8Rows, payload_arrays, payload_key
 
 class NvshmemDispatch:
     """``NvshmemBackend``'s ``pack_fp8``, ``dispatch`` and ``dispatch_send``, over the backend's context ``ctx``; its
-    steps run through ``ctx.runner``. Its pieces (counts, scatter, receive) are public to the prepared path."""
+    steps run through ``ctx.runner``, its rows travel by ``route`` (a ``FlatRoute``, or a ``ForwardedRoute`` through
+    the forwarders). Its pieces (counts, scatter, receive) are public to the prepared path."""
 
-    def __init__(self, ctx: NvshmemContext):
+    def __init__(self, ctx: NvshmemContext, route: FlatRoute):
+        self.route = route
         self.ctx, self.geo, self.rank, self.xp = ctx, ctx.geo, ctx.rank, ctx.xp
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
         self.profile, self.capture = ctx.runner.profile, ctx.runner.capture
@@ -60,13 +63,15 @@ class NvshmemDispatch:
                 local: Optional[tuple] = None) -> None:
         """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
         ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
-        the staging blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a
-        compact replay, where the rows for this rank itself go."""
+        the staging blocks with puts, which :meth:`_flush` sends; forwarded, only those of this rank's node:
+        ``route.written``); ``local``: ``(recv_x, received psum [R])`` of a compact replay, where the rows for this rank
+        itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
-                                 mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum)
+                                 mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum,
+                                 written=self.route.written)
 
     def _flush(self, stream: Any, psum: Callable[[], Array]) -> None:
         """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as
@@ -101,10 +106,11 @@ class NvshmemDispatch:
         send_block = self.send_block(block)
         self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
                                  functools.partial(self.count_and_scatter, stream, idx, x, weights, block))
-        self._flush(stream, functools.partial(self.send_psum, block, num_tokens))
-        self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
-        return functools.partial(self._receive_new, request, routing, block, hooked)
+        self.route.flush(functools.partial(self._flush, stream, functools.partial(self.send_psum, block, num_tokens)))
+        arrive = self.route.dispatch_sent(stream, hooked, Sent(x, idx, weights, routing.dst_buffer_slot_idx,
+                                                               k.count_words_view(send_block)))
+        return functools.partial(self._receive_new, request, routing, block, arrive)
 
     def send_block(self, block: Array) -> Array:
         """The count's ``[Kernels.send_words(T)]`` words of a new routing's count block (int32, one allocation: the
@@ -162,7 +168,7 @@ class NvshmemDispatch:
                                        expand=expand, stable=self.deterministic, stream=stream,
                                        block=self.receive_block(block), record=self.runner.record)
 
-    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool,
+    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, arrive: Arrive,
                      stream: Any) -> DispatchOutput:
         """The receive half of a dispatch of a new routing, on ``stream``: counts (into the count block ``block``'s
         :meth:`receive_block`, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
@@ -170,7 +176,7 @@ class NvshmemDispatch:
         it the next call checks the verdicts, and a compact receive counts in its copy's launch
         (``Kernels.receive_counted``)."""
         expand, alignment = request.expand, request.expert_alignment
-        self.runner.wait("dispatch", hooked, with_counts=True)
+        arrive(stream)  # a split step's wait (the route's)
         recv_block = self.receive_block(block)
         counted = recv_block if self.counts_in_copy(expand, request.cpu_sync) else None
         if counted is None:
@@ -227,22 +233,23 @@ class NvshmemDispatch:
                                  cached_send_roots(h, x, weights, local is not None, block),
                                  functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
                                                    kernel_launches.SLOT_CACHED, local))
-        self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
-        self.runner.signal("dispatch", stream, hooked)
-        return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
+        self.route.flush(functools.partial(self._flush, stream,
+                                           functools.partial(self.handle_value, h, "send_psum", _send_psum)))
+        arrive = self.route.dispatch_sent(stream, hooked, Sent(x, h.topk_idx, weights, h.dst_buffer_slot_idx, None))
+        return functools.partial(self._receive_cached, request, counts, (outputs, block), arrive)
 
     @staticmethod
     def cached_send_key(h: EPHandle, x: Any, weighted: bool, local: Optional[tuple]) -> tuple:
         """The recorded-call key of a replay's scatter; ``local``: ``(recv_x, psum)`` of a compact replay, or None."""
         return ("cached send", payload_key(x), h.topk_idx.dtype.char, weighted, None if local is None else local[0].shape)
 
-    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool,
+    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, arrive: Arrive,
                         stream: Any) -> DispatchOutput:
         """The receive half of a replay, on ``stream``: the rows into the ``outputs`` allocated before the send. No host
         wait, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The eager path"); the outcome of
         the wait is raised by the next call."""
         h = request.handle
-        self.runner.wait("dispatch", hooked, with_counts=False)
+        arrive(stream)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
         layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
@@ -292,6 +299,7 @@ class NvshmemDispatch:
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
                              expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
                              deterministic=self.deterministic, cpu_sync=request.cpu_sync)
+        self.route.keep_ids(handle, arrays[1])
         with_weights = request.topk_weights is not None
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
 
