@@ -24,7 +24,7 @@ from ep_comm._launcher import prebound as bound_module
 from ep_comm._launcher import raw as raw_module
 from ep_comm._launcher.param_blocks import ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm._launcher.prebound import PreboundKernel
-from ep_comm._launcher.recorded_calls import RecordedCalls
+from ep_comm._launcher.recorded_calls import RecordedCalls, call_key
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -382,12 +382,17 @@ def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driv
     bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     fixed = FakeCupyArray(0x9000, (6,), np.int32)
     plans, on = RecordedCalls(enabled=True), raw_module.stream(0x5)
-    root = FakeCupyArray(0x1000, (64,), np.int32)
-    plans.run("key", on, (root,), _two_launches(bound, FakeCupyArray(0x1010, (6,), np.int32), fixed))
+    ran = []
+
+    def path(stream, root):
+        ran.append(root)
+        _two_launches(bound, FakeCupyArray(root.data.ptr + 0x10, (6,), np.int32), fixed)()
+
+    plans.run(on, path, "s", FakeCupyArray(0x1000, (64,), np.int32))
     assert plans.built == 1 and len(driver.launches) == 1  # the first launch of a kind goes through Numba
     del driver.launches[:]
-    later = FakeCupyArray(0x7000, (64,), np.int32)
-    plans.run("key", on, (later,), lambda: pytest.fail("a planned call must not run its path"))
+    plans.run(on, path, "s", FakeCupyArray(0x7000, (64,), np.int32))
+    assert len(ran) == 1, "a recorded call must not run its path again"
     assert driver.launches == [raw((FakeCupyArray(0x7010, (6,), np.int32), 3, True), 4, 64),
                                raw((fixed, 5, False), 2, 32, 16)]
 
@@ -399,10 +404,42 @@ def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_plann
     arrays = (FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32))
     runs = []
     for plans, launch in ((allocating, bound), (RecordedCalls(enabled=True), cooperative), (RecordedCalls(enabled=False), bound)):
+        def path(stream, root, launch=launch):
+            runs.append(_two_launches(launch, *arrays)())
+
         for _ in range(2):
-            plans.run("key", raw_module.stream(0x5), arrays[:1], lambda: runs.append(_two_launches(launch, *arrays)()))
+            plans.run(raw_module.stream(0x5), path, "s", arrays[0])
         assert plans.built == 0
     assert len(runs) == 6  # every call ran its own launches
+
+
+class _Carving:
+    """An object a recorded call takes by its ``launch_key``."""
+
+    def __init__(self, launch_key):
+        self.launch_key = launch_key
+
+
+def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
+    """``call_key``: an array's shape, strides, dtype and 16-byte misalignment, a scalar's type and value, a tuple's
+    items, an object's ``launch_key``, and the function; the arrays are the roots, in order."""
+    def key(*args, path=_two_launches):
+        return call_key(path, args, {})
+
+    base = (FakeCupyArray(0x1000, (4, 6), np.int32), 3, (True, None), _Carving(("rows", 7)))
+    assert key(*base)[1:] == ([base[0]], [0x1000])
+    same = (FakeCupyArray(0x7010, (4, 6), np.int32),) + base[1:]  # another pointer, 16 bytes apart: the same words
+    assert key(*same)[0] == key(*base)[0]
+    others = [(FakeCupyArray(0x1008, (4, 6), np.int32),) + base[1:],
+              (FakeCupyArray(0x1000, (4, 6), np.int32, strides=(4, 16)),) + base[1:],
+              (FakeCupyArray(0x1000, (6, 4), np.int32),) + base[1:],
+              (FakeCupyArray(0x1000, (4, 6), np.float32),) + base[1:],
+              base[:1] + (3.0,) + base[2:], base[:2] + ((1, None),) + base[3:], base[:2] + ((True,), None) + base[3:],
+              base[:3] + (_Carving(("rows", 8)),)]
+    keys = {key(*args)[0] for args in others} | {key(*base)[0], key(*base, path=raw)[0]}
+    assert len(keys) == len(others) + 2
+    with pytest.raises(TypeError, match="argument .*object.* gives no launch words"):
+        key(object())
 
 
 class _appending:

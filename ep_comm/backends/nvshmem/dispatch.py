@@ -18,7 +18,7 @@ from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
 from ep_comm.launching import kernel_launches
-from ep_comm.launching.fp8 import Fp8Rows, payload_arrays, payload_key
+from ep_comm.launching.fp8 import Fp8Rows
 
 
 class NvshmemDispatch:
@@ -99,8 +99,7 @@ class NvshmemDispatch:
         num_tokens = idx.shape[0]
         block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
         send_block = self.send_block(block)
-        self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
-                                 functools.partial(self.count_and_scatter, stream, idx, x, weights, block))
+        self.runner.run_recorded(self.count_and_scatter, stream, idx, x, weights, block)
         self._flush(stream, functools.partial(self.send_psum, block, num_tokens))
         self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
         routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
@@ -136,10 +135,6 @@ class NvshmemDispatch:
             views += (recv.num_aligned_per_expert, recv.totals[:1].reshape(()), recv.totals[1:].reshape(()))
         return recarving(block, (send.count_words,)), recarving(block, views)
 
-    def send_key(self, idx: Array, x: Any, weighted: bool) -> tuple:
-        """The recorded-call key of a new routing's count and scatter (:meth:`count_and_scatter`)."""
-        return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
-
     def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], block: Array) -> None:
         """On ``stream``: count routing ``idx [T, K]`` into the count block ``block`` (:meth:`send_block`), then
         scatter ``x`` with its ``weights`` at the slots the count assigned (stable ones where ``Kernels.send_stable``
@@ -149,10 +144,6 @@ class NvshmemDispatch:
             send = self.kernels.count(idx, stable=stable, stream=stream, block=self.send_block(block))
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
         self.scatter(stream, x, idx, weights, send.slot_idx, mode)
-
-    def receive_count_key(self, expand: bool, alignment: int) -> tuple:
-        """The recorded-call key of a new routing's receive count (:meth:`receive_count`)."""
-        return ("receive_count", expand, alignment, self.deterministic)
 
     def receive_count(self, stream: Any, block: Array, expand: bool, alignment: int) -> None:
         """The receive count of a new routing, on ``stream``, into the count block ``block`` (its
@@ -174,8 +165,7 @@ class NvshmemDispatch:
         recv_block = self.receive_block(block)
         counted = recv_block if self.counts_in_copy(expand, request.cpu_sync) else None
         if counted is None:
-            self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
-                                     functools.partial(self.receive_count, stream, block, expand, alignment))
+            self.runner.run_recorded(self.receive_count, stream, block, expand, alignment)
         recv = self.kernels.receive_layout(recv_block)
         if request.cpu_sync:
             counts = self.received_counts()
@@ -183,7 +173,7 @@ class NvshmemDispatch:
             # 0-d views, as the prepared path's (count_carving): filled by a launch yet to come when the copy counts
             counts = (recv.totals[:1].reshape(()), recv.totals[1:].reshape(()), recv.num_aligned_per_expert)
         out = self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                            counts, None, self.place_mode, count_block=block, counted=counted)
+                            counts, None, self.place_mode, counted=counted)
         if not request.cpu_sync:
             self.runner.defer_verdict()  # after the launch that writes the record
         if request.stats is not None:
@@ -223,18 +213,11 @@ class NvshmemDispatch:
         outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
         local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
         x, weights = request.x, request.topk_weights
-        self.runner.run_recorded(self.cached_send_key(h, x, weights is not None, local),
-                                 cached_send_roots(h, x, weights, local is not None, block),
-                                 functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                                   kernel_launches.SLOT_CACHED, local))
+        self.runner.run_recorded(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+                                 kernel_launches.SLOT_CACHED, local)
         self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
         self.runner.signal("dispatch", stream, hooked)
         return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
-
-    @staticmethod
-    def cached_send_key(h: EPHandle, x: Any, weighted: bool, local: Optional[tuple]) -> tuple:
-        """The recorded-call key of a replay's scatter; ``local``: ``(recv_x, psum)`` of a compact replay, or None."""
-        return ("cached send", payload_key(x), h.topk_idx.dtype.char, weighted, None if local is None else local[0].shape)
 
     def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool,
                         stream: Any) -> DispatchOutput:
@@ -265,8 +248,7 @@ class NvshmemDispatch:
 
     def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
                  recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
-                 skip_source: int = -1, count_block: Optional[Array] = None,
-                 counted: Optional[Array] = None) -> DispatchOutput:
+                 skip_source: int = -1, counted: Optional[Array] = None) -> DispatchOutput:
         """Allocate the outputs (unless given), copy the received rows into them (on ``stream``), and make the handle.
 
         ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
@@ -274,19 +256,16 @@ class NvshmemDispatch:
         ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
         reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
         ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1; ``count_block``: a new routing's count block (whose views ``layout`` are; the recorded
-        copy's root), else None; ``counted``: its receive block (:meth:`receive_block`) when the copy also counts
-        (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded call."""
+        (compact only), or -1; ``counted``: a new routing's receive block (:meth:`receive_block`) when the copy also
+        counts (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded
+        call."""
         rank_psum, expert_psum, unaligned = layout
-        arrays, block = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
+        arrays, _ = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
         options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
-        receive_copy = functools.partial(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
         if request.cpu_sync:  # exact output shapes change from call to call: not recorded
-            receive_copy()
+            self.receive_copy(stream, rank_psum, expert_psum, arrays, options, counted)
         else:
-            key = receive_copy_key(options, arrays[0], request.topk_weights is not None)
-            roots = (rank_psum, expert_psum, block) if count_block is None else (count_block, block)
-            self.runner.run_recorded(key if counted is None else key + ("counted",), roots, receive_copy)
+            self.runner.run_recorded(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
         received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
                             int(arrays[0].shape[0]))
         handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
@@ -404,23 +383,3 @@ def _align_up(values: Array, alignment: int) -> Array:
 def _add_counts(xp: Any, stats: Array, counts: Array) -> None:
     """``stats += counts`` in ``stats``'s dtype, without a temporary (a captured call must not free one)."""
     xp.add(stats, counts, out=stats, casting="unsafe")
-
-
-
-def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tuple:
-    """The per-call arrays of a new routing's count and scatter (``RecordedCalls.run``), in order."""
-    return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
-
-
-def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: bool, block: Array) -> tuple:
-    """The per-call arrays of a replay's scatter, in order: the payload, the handle's routing, the outputs'
-    ``block`` and the handle's psum where the scatter writes this rank's own rows into ``recv_x`` (``local``: a
-    compact replay), the weights."""
-    return (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + (
-        (block, h.psum_num_recv_tokens_per_rank) if local else ()) + (() if weights is None else (weights,))
-
-
-def receive_copy_key(options: tuple, recv_x: Array, weighted: bool) -> tuple:
-    """The recorded-call key of a receive copy into worst-case outputs (``NvshmemDispatch.receive_copy``'s
-    ``options``)."""
-    return ("receive copy", *options, recv_x.shape, recv_x.dtype.char, weighted)

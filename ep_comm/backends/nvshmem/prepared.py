@@ -3,7 +3,7 @@ in front of its launches.
 
 The first call of a shape (per Buffer, operation and call shape: token count, payload shape, options) takes the
 general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its calls); when
-it returns, a :class:`_Entry` is kept for the shape: the call keys of its pieces, the layout of its one output
+it returns, a :class:`_Entry` is kept for the shape: its options, the layout of its one output
 allocation and of its count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no
 slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
 GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
@@ -26,22 +26,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
-from ep_comm.backends.nvshmem.combine import (
-    NvshmemCombine,
-    combine_send_key,
-    combine_send_roots,
-    reduce_key,
-    reduce_roots,
-)
+from ep_comm.backends.nvshmem.combine import NvshmemCombine, own_rows
 from ep_comm.backends.nvshmem.dispatch import (
     NvshmemDispatch,
     _device_counts,
     _send_psum,
-    cached_send_roots,
     copy_recorded_metadata,
     host_counts,
-    receive_copy_key,
-    send_roots,
 )
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, as_float32
@@ -73,6 +64,12 @@ def _arranged(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Arr
     return views[0], views[1], views[3] if weighted else scratch, views[2]
 
 
+def _launch(on: Any, path: Callable[..., None], stream: Any, *args: Any) -> None:
+    """``path(stream, *args)``, not recorded (``RecordedCalls.run``'s signature): a piece of an exact output shape
+    past ``_MAX_EXACT_COPIES``."""
+    path(stream, *args)
+
+
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     """What the argument checks of an input array depend on: ``(type, shape, dtype, strides, data pointer modulo 16,
     GPU)`` (``placement``: the device's ``(pointer, GPU)`` of an array)."""
@@ -81,16 +78,14 @@ def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
 
 
 class _Entry:
-    """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
-    its carvings and options (set by the builders of :class:`PreparedCalls`)."""
+    """The prepared path of one call shape: the identities its inputs must have, its carvings and options (set by the
+    builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "keys", "count", "count_views", "counted", "outputs", "scratch", "options", "weighted",
-                 "exact")
+    __slots__ = ("inputs", "count", "count_views", "counted", "outputs", "scratch", "options", "weighted", "exact")
 
-    def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
-                 scratch: Optional[Array], options: tuple, weighted: bool, counted: bool = False):
+    def __init__(self, inputs: Tuple[Optional[Identity], ...], count: Any, outputs: Any, scratch: Optional[Array],
+                 options: tuple, weighted: bool, counted: bool = False):
         self.inputs = inputs
-        self.keys = keys
         # a new routing: the count block's recarvings, (the block and the views its launches take, the views its
         # handle holds) (NvshmemDispatch.count_carvings); None otherwise
         self.count, self.count_views = count or (None, None)
@@ -99,7 +94,7 @@ class _Entry:
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
         self.weighted = weighted
-        # (received rows, expanded rows) -> (recarving, (send key, copy key), scratch weights) of cpu_sync=True calls
+        # (received rows, expanded rows) -> (recarving, recorded or not, scratch weights) of cpu_sync=True calls
         self.exact: Dict[Tuple[int, int], tuple] = {}
 
 
@@ -118,7 +113,7 @@ class PreparedCalls:
         self._placement = ctx.device.placement
         self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: the step flushes its staged rows
         self._entries: Dict[tuple, _Entry] = {}
-        self._exact_copies: set = set()  # the recorded-call keys of exact shapes (at most _MAX_EXACT_COPIES)
+        self._exact_copies: set = set()  # the exact shapes whose pieces are recorded (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
     # ----------------------------------------------------------------- dispatch
@@ -196,22 +191,13 @@ class PreparedCalls:
         options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
         count = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync) if new else None
         counted = new and dispatcher.counts_in_copy(h.expand, h.cpu_sync)
-        outputs, scratch, copy_key = None, None, None
+        outputs, scratch = None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes, None)  # worst-case outputs
             outputs = self._output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
-            copy_key = receive_copy_key(options, arrays[0], weighted)
-            if counted:
-                copy_key += ("counted",)
-        if new:
-            keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
-                    copy_key)
-        else:
-            local = None if h.expand else (out.recv_x, None)
-            keys = (dispatcher.cached_send_key(h, x, weighted, local), None, copy_key)
-        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted, counted)
+        self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, counted)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
         """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
@@ -235,42 +221,37 @@ class PreparedCalls:
         return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
 
     def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
-        """``(carving, block, (send key, copy key), scratch)``: a new output block of the exact shapes of ``exact``
-        (received rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that
-        carves its outputs (``_arranged(carving.views(block), entry.weighted, scratch)``: made when the call needs
-        them, a new routing's after its receive copy is launched), and the recorded-call keys of the pieces whose
-        launches depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``;
-        otherwise the entry's key) and the receive copy (its grid and array shapes). A key is None past
-        ``_MAX_EXACT_COPIES`` shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the
-        entry's): a known shape costs one lookup of its two row counts and one allocation, all that runs between a
-        poll and the copy."""
+        """``(carving, block, recorded, scratch)``: a new output block of the exact shapes of ``exact`` (received
+        rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that carves its
+        outputs (``_arranged(carving.views(block), entry.weighted, scratch)``: made when the call needs them, a new
+        routing's after its receive copy is launched), and whether the pieces whose launches depend on that shape (a
+        compact replay's scatter, which writes this rank's own rows into ``recv_x``; the receive copy: its grid and
+        array shapes) are recorded calls: False past ``_MAX_EXACT_COPIES`` shapes, where they launch pre-bound. Kept
+        per entry (``width``, the payload's, is the entry's): a known shape costs one lookup of its two row counts and
+        one allocation, all that runs between a poll and the copy."""
         held = entry.exact.get(exact)
         if held is not None:
-            carving, keys, scratch = held
-            return carving, carving.block(), keys, scratch
+            carving, recorded, scratch = held
+            return carving, carving.block(), recorded, scratch
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
         arrays, block = dispatcher.carve_outputs(
             dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact), None)
-        send_key = entry.keys[0]
-        if entry.count is None and not expand:  # a compact replay: its scatter's recv_x has the exact shape
-            send_key = self._exact_key(send_key[:-1] + (arrays[0].shape,))
-        keys = (send_key, self._exact_key(receive_copy_key(entry.options, arrays[0], entry.weighted)
-                                          + (arrays[3].shape[0],)))
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
-        held = entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
+        shape = (entry.options, entry.weighted, entry.count is None, width, exact)
+        held = entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), self._may_record(shape),
                                      None if entry.weighted else arrays[2])
-        return held[0], block, keys, held[2]
+        return held[0], block, held[1], held[2]
 
-    def _exact_key(self, key: tuple) -> Optional[tuple]:
-        """``key``, a recorded-call key of an exact output shape, or None when ``_MAX_EXACT_COPIES`` such keys were
-        recorded already (recorded calls are kept for good: their number is bounded here)."""
-        if key not in self._exact_copies:
+    def _may_record(self, shape: tuple) -> bool:
+        """Whether the pieces of exact output ``shape`` are recorded: False when ``_MAX_EXACT_COPIES`` such shapes
+        were recorded already (recorded calls are kept for good: their number is bounded here)."""
+        if shape not in self._exact_copies:
             if len(self._exact_copies) >= _MAX_EXACT_COPIES:
-                return None
-            self._exact_copies.add(key)
-        return key
+                return False
+            self._exact_copies.add(shape)
+        return True
 
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
@@ -286,26 +267,24 @@ class PreparedCalls:
         dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         block, (words,) = entry.count.new()
-        recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights), dispatcher.count_and_scatter, stream, idx,
-                     x, weights, block)
+        recorded.run(on, dispatcher.count_and_scatter, stream, idx, x, weights, block)
         if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
             self._ctx.transport.flush(stream, functools.partial(dispatcher.send_psum, block, idx.shape[0]),
                                       with_meta=True)
         self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
         counted = entry.counted  # the copy's launch counts too
         if not counted:
-            recorded.run(entry.keys[1], on, (block,), dispatcher.receive_count, stream, block, *entry.options[:2])
+            recorded.run(on, dispatcher.receive_count, stream, block, *entry.options[:2])
         if cpu_sync:
             marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
         rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
         if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            carving, out_block, (_, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
-                                                                             (num_recv, num_expanded))
+            carving, out_block, record, scratch = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
-            carving, out_block, copy_key, scratch = entry.outputs, entry.outputs.block(), entry.keys[2], entry.scratch
-        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, carving, out_block, scratch,
-                     block)
+            carving, out_block, record, scratch = entry.outputs, entry.outputs.block(), True, entry.scratch
+        (recorded.run if record else _launch)(on, self._receive_copy, stream, entry.options, entry.weighted,
+                                              entry.counted, carving, out_block, scratch, block)
         ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
         if not cpu_sync:
             runner.defer_verdict()  # after the launch that writes the record
@@ -317,31 +296,30 @@ class PreparedCalls:
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
-    def _receive_copy(self, stream: Any, entry: _Entry, carving: Any, out_block: Array, scratch: Optional[Array],
-                      source: Any) -> None:
-        """The receive copy of a call of ``entry`` into ``out_block``, as the first call of its recorded call runs it
-        (later calls launch it on their roots' pointers alone: no view is made for it): the outputs are ``carving``'s
-        views of ``out_block`` (and ``scratch`` weights where none are carved); ``source`` the count block of a new
-        routing (its receive count's psums; also counted in the copy where ``entry.counted``), or the handle a replay
-        replays (its psums)."""
+    def _receive_copy(self, stream: Any, options: tuple, weighted: bool, counted: bool, carving: Any,
+                      out_block: Array, scratch: Optional[Array], source: Any) -> None:
+        """The receive copy of a call of an entry (its ``options``, ``weighted``, ``counted``) into ``out_block``, as
+        the first call of its recorded call runs it (later calls launch it on their roots' pointers alone: no view is
+        made for it): the outputs are ``carving``'s views of ``out_block`` (and ``scratch`` weights where none are
+        carved); ``source`` the count block of a new routing (its receive count's psums; also counted in the copy
+        where ``counted``), or the ``(rank psum, expert psum)`` of the handle a replay replays."""
         dispatcher = self._dispatcher
-        arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-        if type(source) is EPHandle:
-            dispatcher.receive_copy(stream, source.psum_num_recv_tokens_per_rank, source.psum_num_recv_tokens_per_expert,
-                                    arrays, entry.options)
+        arrays = _arranged(carving.views(out_block), weighted, scratch)
+        if type(source) is tuple:
+            dispatcher.receive_copy(stream, source[0], source[1], arrays, options)
             return
         recv_block = dispatcher.receive_block(source)
         recv = dispatcher.kernels.receive_layout(recv_block)
-        dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, entry.options,
-                                recv_block if entry.counted else None)
+        dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options,
+                                recv_block if counted else None)
 
-    def _replay_scatter(self, stream: Any, x: Array, h: EPHandle, weights: Optional[Array], carving: Any,
-                        out_block: Array) -> None:
-        """A compact replay's scatter of ``x`` by handle ``h``, as the first call of its recorded call runs it: this
-        rank's own rows go straight into ``recv_x``, ``carving``'s first view of ``out_block``, made here (later calls
-        launch it on their roots' pointers alone)."""
-        self._dispatcher.scatter(stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
-                                 (carving.views(out_block)[0], h.psum_num_recv_tokens_per_rank))
+    def _replay_scatter(self, stream: Any, x: Array, idx: Array, weights: Optional[Array], slot_idx: Array,
+                        carving: Any, out_block: Array, psum: Array) -> None:
+        """A compact replay's scatter of ``x`` by the handle's ``idx``, ``slot_idx`` and ``psum``, as the first call
+        of its recorded call runs it: this rank's own rows go straight into ``recv_x``, ``carving``'s first view of
+        ``out_block``, made here (later calls launch it on their roots' pointers alone)."""
+        self._dispatcher.scatter(stream, x, idx, weights, slot_idx, kernel_launches.SLOT_CACHED,
+                                 (carving.views(out_block)[0], psum))
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
@@ -355,29 +333,28 @@ class PreparedCalls:
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
             num_recv, num_expanded, aligned = host_counts(h)
-            carving, out_block, (send_key, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
-                                                                                    (num_recv, num_expanded))
+            carving, out_block, record, scratch = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
             held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
             num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
-            carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
-            send_key, copy_key = entry.keys[0], entry.keys[2]
+            carving, out_block, record, scratch = entry.outputs, entry.outputs.block(), True, entry.scratch
+        launch = recorded.run if record else _launch
         psum, expert_psum = h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert
-        roots = cached_send_roots(h, x, weights, not entry.options[0], out_block)
         if entry.options[0]:  # expand: the outputs now, the handle's expanded rows into their metadata
             arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
-            recorded.run(send_key, on, roots, dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
+            recorded.run(on, dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
                          kernel_launches.SLOT_CACHED, None)
         else:
             arrays = None
-            recorded.run(send_key, on, roots, self._replay_scatter, stream, x, h, weights, carving, out_block)
+            launch(on, self._replay_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, carving, out_block,
+                   psum)
         if self._puts:
             transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
                             with_meta=True)
         transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
-        recorded.run(copy_key, on, (psum, expert_psum, out_block), self._receive_copy, stream, entry, carving,
-                     out_block, scratch, h)
+        launch(on, self._receive_copy, stream, entry.options, entry.weighted, False, carving, out_block, scratch,
+               (psum, expert_psum))
         if arrays is None:
             arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
         received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
@@ -427,23 +404,23 @@ class PreparedCalls:
         """Keep the entry of a combine's shape (no bias; float32 ``weights`` or None) after its general call."""
         device, weighted = self._ctx.device, weights is not None
         arrays, block = device.carve(self._combiner.combine_shapes(h, weighted))
-        keys = (combine_send_key(h, y, weights), reduce_key(h, y, weighted, ()))
         inputs = (identity(y, self._placement), None if weights is None else identity(weights, self._placement))
-        self._entries[key] = _Entry(inputs, keys, None, device.recarving(block, arrays), None, (), weighted)
+        self._entries[key] = _Entry(inputs, None, device.recarving(block, arrays), None, (), weighted)
 
     def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle, weights: Optional[Array]) -> CombineOutput:
         """A combine: the rows (and ``weights``) back, signal and wait, the reduce into a new ``x`` (and the gathered
         weights); one poll for a ``cpu_sync`` handle."""
         ctx, runner, combiner = self._ctx, self._runner, self._combiner
         stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, weights), combiner.send, stream, h, y, weights)
+        runner.recorded.run(on, combiner.send, stream, y, weights, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank,
+                            h.expand)
         if self._puts:
             ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
         ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
         arrived = ctx.device.progress() if h.cpu_sync else None
         block, outputs = entry.outputs.new()
         x, back = outputs[0], outputs[1] if entry.weighted else None
-        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()), combiner.reduce, stream, h, y, x, back, ())
+        runner.recorded.run(on, combiner.reduce, stream, h.dst_buffer_slot_idx, h.topk_idx, x, back, (), own_rows(h, y))
         if arrived is not None:
             runner.check_arrival(arrived, "combine")
         return CombineOutput(x, back)
