@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -77,6 +77,20 @@ def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     return type(a), a.shape, a.dtype, a.strides, ptr % 16, gpu
 
 
+class Unprepared:
+    """The prepared path's answer to a call it does not take: ``Buffer`` runs its general path, then hands the output
+    and this answer to ``PreparedCalls.learn_dispatch`` (``learn_combine``). ``key``: the call shape to learn (None:
+    nothing to learn), ``inputs``: the caller's arrays the entry is learnt from."""
+
+    __slots__ = ("key", "inputs")
+
+    def __init__(self, key: Optional[tuple], inputs: tuple = ()):
+        self.key, self.inputs = key, inputs
+
+
+NOT_PREPARED = Unprepared(None)  # a call whose shape is not to be learnt
+
+
 class _Entry:
     """The prepared path of one call shape: the identities its inputs must have, its carvings and options (set by the
     builders of :class:`PreparedCalls`)."""
@@ -103,9 +117,9 @@ class PreparedCalls:
     They run the pieces of the backend's ``dispatcher`` and ``combiner`` over its context ``ctx``, on the caller's
     stream (taken once per call and passed to every piece), numbered by its step runner (``ctx.runner``).
 
-    :meth:`dispatch` and :meth:`combine` take the caller's arguments as they are (unchecked) and ``general``, the
-    Buffer's general path: they call it for anything they do not prepare, and build an entry after its first call
-    of a shape they do."""
+    :meth:`dispatch` and :meth:`combine` take the caller's arguments as they are (unchecked) and answer
+    :class:`Unprepared` for a call they do not take; ``Buffer`` then runs its general path and hands its output to
+    :meth:`learn_dispatch` (:meth:`learn_combine`), which keeps an entry for the first call of a shape they prepare."""
 
     def __init__(self, ctx: NvshmemContext, dispatcher: NvshmemDispatch, combiner: NvshmemCombine):
         self._ctx, self._runner, self._dispatcher, self._combiner = ctx, ctx.runner, dispatcher, combiner
@@ -117,19 +131,14 @@ class PreparedCalls:
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
     # ----------------------------------------------------------------- dispatch
-    def dispatch(self, general: Callable[..., DispatchOutput], checked: HandleChecks, x: Any, topk_idx: Any,
-                 topk_weights: Any, handle: Any, expand: Any, alignment: Any, zero_padding: Any,
-                 cpu_sync: Any) -> DispatchOutput:
+    def dispatch(self, checked: HandleChecks, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, expand: Any,
+                 alignment: Any, zero_padding: Any, cpu_sync: Any) -> Union[DispatchOutput, Unprepared]:
         """``Buffer.dispatch`` without ``stats``, FP8 or a hook: prepared when its shape was seen with inputs of the
-        same identity, else ``general(...)``."""
-        args = (x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, None, False, False)
+        same identity, else :class:`Unprepared`."""
         key = self._dispatch_key(x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync)
         entry = None if key is None else self._entries.get(key)
         if entry is None:
-            out = general(*args)
-            if key is not None and self._may_learn(x, (topk_idx, topk_weights), topk_idx):
-                self._learn_dispatch(key, x, topk_idx, topk_weights, out)
-            return out
+            return NOT_PREPARED if key is None else Unprepared(key, (x, topk_idx, topk_weights))
         if handle is not None:
             checked.check(handle, "an earlier dispatch")
         place = self._placement
@@ -137,7 +146,7 @@ class PreparedCalls:
                 or (handle is None and identity(topk_idx, place) != entry.inputs[1])
                 or (topk_weights is not None and identity(topk_weights, place) != entry.inputs[2])
                 or not self._enter("dispatch", cpu_sync)):
-            return general(*args)
+            return NOT_PREPARED
         if topk_weights is not None:
             topk_weights = as_float32(self._ctx.xp, topk_weights, copy=True)
         body = self._dispatch_new if handle is None else self._dispatch_cached
@@ -164,6 +173,14 @@ class PreparedCalls:
             return None
         return ("cached", x.shape, weights_shape, handle.topk_weights is None, handle.num_tokens, handle.expand,
                 handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype, cpu_sync)
+
+    def learn_dispatch(self, answer: Unprepared, out: DispatchOutput) -> None:
+        """After the general path's dispatch gave ``out`` for a call this path ``answer``-ed, keep its entry where its
+        shape may be prepared."""
+        if answer.key is not None:
+            x, idx, weights = answer.inputs
+            if self._may_learn(x, (idx, weights), idx):
+                self._learn_dispatch(answer.key, x, idx, weights, out)
 
     def _may_learn(self, rows: Any, inputs: Tuple[Any, ...], ids: Any) -> bool:
         """Whether the call just made may be prepared: no profiling, no capture, payload ``rows`` that the kernels
@@ -374,31 +391,35 @@ class PreparedCalls:
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any,
-                weights: Any) -> CombineOutput:
+    def combine(self, checked: HandleChecks, y: Any, handle: Any, weights: Any) -> Union[CombineOutput, Unprepared]:
         """``Buffer.combine`` without bias or a hook: prepared when its shape was seen with a ``y`` and ``topk_weights``
-        ``weights`` (or None) of the same identity and ``handle`` passed the handle check, else ``general(...)``."""
+        ``weights`` (or None) of the same identity and ``handle`` passed the handle check, else
+        :class:`Unprepared`."""
         nd = self._ndarray
         if type(y) is not nd or type(handle) is not EPHandle or (weights is not None and type(weights) is not nd):
-            return general(y, handle, weights, None, False)
+            return NOT_PREPARED
         key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype,
                None if weights is None else weights.shape)
         entry = self._entries.get(key)
         if entry is None:
-            out = general(y, handle, weights, None, False)
-            # float32 weights only: the general path takes others through a conversion, which the prepared one skips
-            if self._may_learn(y, (weights,), None) and (weights is None or weights.dtype == np.float32):
-                self._learn_combine(key, y, weights, handle)
-            return out
+            return Unprepared(key, (y, weights, handle))
         checked.check(handle, "dispatch")
         place = self._placement
         if (identity(y, place) != entry.inputs[0]
                 or (weights is not None and identity(weights, place) != entry.inputs[1])
                 or not self._enter("combine", handle.cpu_sync)):
-            return general(y, handle, weights, None, False)
+            return NOT_PREPARED
         out = self._runner.steps.run("combine", False, self._combine, entry, y, handle, weights)
         self.replayed += 1
         return out
+
+    def learn_combine(self, answer: Unprepared, out: CombineOutput) -> None:
+        """After the general path's combine for a call this path ``answer``-ed, keep its entry where its shape may be
+        prepared: float32 weights only (the general path takes others through a conversion, which this one skips)."""
+        if answer.key is not None:
+            y, weights, handle = answer.inputs
+            if self._may_learn(y, (weights,), None) and (weights is None or weights.dtype == np.float32):
+                self._learn_combine(answer.key, y, weights, handle)
 
     def _learn_combine(self, key: tuple, y: Array, weights: Optional[Array], h: EPHandle) -> None:
         """Keep the entry of a combine's shape (no bias; float32 ``weights`` or None) after its general call."""
