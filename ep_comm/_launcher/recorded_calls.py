@@ -145,7 +145,8 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
     array's shape, byte strides, dtype and data pointer modulo 16 (the array is a root); a scalar (None, bool, int,
     float, str, NumPy scalar or dtype) with its type; a tuple's type and length, its items following; an object's
     ``launch_key`` (a hashable value holding every word its launches take from it, no per-call array). Anything else
-    raises TypeError: its words would not be in the key.
+    raises TypeError: its words would not be in the key; so does a ``path`` made per call (a partial, a lambda, a
+    nested function), whose key would never be found again.
 
     Args:
         path: the call's launches (through ``Kernels``), a function or a bound method whose owner's state its
@@ -154,6 +155,9 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
         pointers: per array type the calls take, its data pointer (``CupyDevice.array_pointers``); any other array
             is read through ``param_blocks.array_fields`` (CuPy-like or ``__cuda_array_interface__``).
     """
+    if "<locals>" in getattr(path, "__qualname__", "<locals>"):
+        raise TypeError(f"recorded call {path!r}: a partial, lambda or nested function is new at every call (its key "
+                        "would never be found again): give a function or bound method and its arguments")
     words: List[Any] = [path]
     roots: List[Any] = []
     at: List[int] = []

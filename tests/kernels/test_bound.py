@@ -9,6 +9,7 @@ small dispatch and combine are compared with the ones Numba's own launch builds 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import weakref
 from types import SimpleNamespace
@@ -378,21 +379,27 @@ def _two_launches(bound, first, second):
     return lambda: (bound(4, 64, "s", 0, first, 3, True), bound(2, 32, "s", 16, second, 5, False))
 
 
+class _Call:
+    """A recorded call's launches (``_two_launches``) of ``launch``, a view ``offset`` bytes into its root and then
+    ``held``, a long-lived array; ``ran``: the roots it ran on."""
+
+    def __init__(self, launch, offset: int, held):
+        self.launch, self.offset, self.held, self.ran = launch, offset, held, []
+
+    def path(self, stream, root):
+        self.ran.append(root)
+        _two_launches(self.launch, FakeCupyArray(root.data.ptr + self.offset, (6,), np.int32), self.held)()
+
+
 def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driver):
-    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     fixed = FakeCupyArray(0x9000, (6,), np.int32)
+    call = _Call(PreboundKernel(FakeDispatcher(), to_numba=lambda a: a), 0x10, fixed)
     plans, on = RecordedCalls(enabled=True), raw_module.stream(0x5)
-    ran = []
-
-    def path(stream, root):
-        ran.append(root)
-        _two_launches(bound, FakeCupyArray(root.data.ptr + 0x10, (6,), np.int32), fixed)()
-
-    plans.run(on, path, "s", FakeCupyArray(0x1000, (64,), np.int32))
+    plans.run(on, call.path, "s", FakeCupyArray(0x1000, (64,), np.int32))
     assert plans.built == 1 and len(driver.launches) == 1  # the first launch of a kind goes through Numba
     del driver.launches[:]
-    plans.run(on, path, "s", FakeCupyArray(0x7000, (64,), np.int32))
-    assert len(ran) == 1, "a recorded call must not run its path again"
+    plans.run(on, call.path, "s", FakeCupyArray(0x7000, (64,), np.int32))
+    assert len(call.ran) == 1, "a recorded call must not run its path again"
     assert driver.launches == [raw((FakeCupyArray(0x7010, (6,), np.int32), 3, True), 4, 64),
                                raw((fixed, 5, False), 2, 32, 16)]
 
@@ -401,16 +408,27 @@ def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_plann
     allocating = RecordedCalls(enabled=True, allocations=lambda held: _appending(held))
     cooperative = PreboundKernel(FakeDispatcher(dict(cooperative=True)), to_numba=lambda a: a)
     bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
-    arrays = (FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32))
-    runs = []
+    root, held = FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32)
+    calls = []
     for plans, launch in ((allocating, bound), (RecordedCalls(enabled=True), cooperative), (RecordedCalls(enabled=False), bound)):
-        def path(stream, root, launch=launch):
-            runs.append(_two_launches(launch, *arrays)())
-
+        calls.append(_Call(launch, 0, held))
         for _ in range(2):
-            plans.run(raw_module.stream(0x5), path, "s", arrays[0])
+            plans.run(raw_module.stream(0x5), calls[-1].path, "s", root)
         assert plans.built == 0
-    assert len(runs) == 6  # every call ran its own launches
+    assert [len(call.ran) for call in calls] == [2, 2, 2]  # every call ran its own launches
+
+
+class _appending:
+    """An allocator hook that reports one allocation."""
+
+    def __init__(self, held):
+        held.append("an allocation")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class _Carving:
@@ -422,7 +440,8 @@ class _Carving:
 
 def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
     """``call_key``: an array's shape, strides, dtype and 16-byte misalignment, a scalar's type and value, a tuple's
-    items, an object's ``launch_key``, and the function; the arrays are the roots, in order."""
+    items, an object's ``launch_key``, and the function; the arrays are the roots, in order. A function made per call
+    is refused."""
     def key(*args, path=_two_launches):
         return call_key(path, args, {})
 
@@ -440,19 +459,9 @@ def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
     assert len(keys) == len(others) + 2
     with pytest.raises(TypeError, match="argument .*object.* gives no launch words"):
         key(object())
-
-
-class _appending:
-    """An allocator hook that reports one allocation."""
-
-    def __init__(self, held):
-        held.append("an allocation")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    for made_per_call in (functools.partial(_two_launches, None), lambda stream: None):
+        with pytest.raises(TypeError, match="new at every call"):
+            key(path=made_per_call)
 
 
 def test_launches_are_recorded_per_thread(driver):
