@@ -71,15 +71,15 @@ def test_the_prepared_path_over_puts_gives_the_bytes_of_the_general_path():
 def test_exact_shapes_past_the_recorded_ones_launch_unrecorded_and_give_the_bytes_of_the_general_path(expand,
                                                                                                     monkeypatch):
     """``cpu_sync=True`` calls of two exact output shapes with room for one: the pieces of the second launch as they
-    are (``prepared._launch``), not recorded, and every call gives the general path's bytes."""
+    are (``dispatch.launch_now``), not recorded, and every call gives the general path's bytes."""
     unrecorded = []
     monkeypatch.setattr(prepared_module, "_MAX_EXACT_COPIES", 1)
-    monkeypatch.setattr(prepared_module, "_launch",
-                        lambda on, path, stream, *args: unrecorded.append(path.__name__) or path(stream, *args))
+    monkeypatch.setattr(prepared_module, "launch_now",
+                        lambda path, stream, *args: unrecorded.append(path.__name__) or path(stream, *args))
     general, prepared = _buffer(False), _buffer(True)
     assert_same_outputs(_calls(general, expand, True), _calls(prepared, expand, True))
     assert len(prepared._backend.prepared._exact_copies) == 1
-    assert "_receive_copy" in unrecorded and ("_replay_scatter" in unrecorded) is not expand
+    assert {"carved_receive_copy", "scatter" if expand else "carved_scatter"} <= set(unrecorded)
 
 
 def _weighted_combines(buf, expand: bool) -> list:

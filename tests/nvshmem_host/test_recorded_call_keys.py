@@ -63,12 +63,12 @@ def _combined(x: np.ndarray, expand: bool) -> np.ndarray:
     return total
 
 
-# every recorded piece, by the function a recorded call is given: those of both paths, the general path's receive
-# copy, and the prepared path's own (which make their views inside the recorded call)
+# every recorded piece, by the function a recorded call is given: those of both paths, and the general path's receive
+# copy of a new routing (the prepared path's makes its views inside the recorded call, as a replay's does on both)
 SHARED_PIECES = {"NvshmemDispatch.count_and_scatter", "NvshmemDispatch.receive_count", "NvshmemDispatch.scatter",
-                 "NvshmemCombine.send", "NvshmemCombine.reduce"}
-PIECES = {False: SHARED_PIECES | {"NvshmemDispatch.receive_copy"},
-          True: SHARED_PIECES | {"PreparedCalls._receive_copy", "PreparedCalls._replay_scatter"}}
+                 "NvshmemDispatch.carved_scatter", "NvshmemDispatch.carved_receive_copy", "NvshmemCombine.send",
+                 "NvshmemCombine.reduce"}
+PIECES = {False: SHARED_PIECES | {"NvshmemDispatch.receive_copy"}, True: SHARED_PIECES}
 
 
 @pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])

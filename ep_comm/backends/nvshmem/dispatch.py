@@ -1,14 +1,14 @@
 """The dispatch protocol of ``NvshmemBackend`` (``NvshmemDispatch``, given an ``NvshmemContext``): the FP8 payload,
 the send half of a new routing (count and scatter, the count exchange) or of a handle's replay (recorded slots,
-outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). The steps
-are listed in ``ep_comm.backends.nvshmem``'s docstring.
+outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). A replay's
+steps (``NvshmemDispatch.replay_send``, ``replay_receive``) are the prepared path's too.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
-from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
+from ep_comm.handle import DispatchOutput, EPHandle, Routing, make_handle
 from ep_comm.launching import kernel_launches
 from ep_comm.launching.fp8 import Fp8Rows
 
@@ -35,6 +35,7 @@ class NvshmemDispatch:
         self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
         self._puts_phase = functools.partial(self.profile.phase, "dispatch", "puts")  # made only where puts run
+        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: a send flushes its staged rows
 
     def pack_fp8(self, x: Any) -> Fp8Rows:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
@@ -173,7 +174,7 @@ class NvshmemDispatch:
             # 0-d views, as the prepared path's (count_carving): filled by a launch yet to come when the copy counts
             counts = (recv.totals[:1].reshape(()), recv.totals[1:].reshape(()), recv.num_aligned_per_expert)
         out = self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                            counts, None, self.place_mode, counted=counted)
+                            counts, counted)
         if not request.cpu_sync:
             self.runner.defer_verdict()  # after the launch that writes the record
         if request.stats is not None:
@@ -201,39 +202,116 @@ class NvshmemDispatch:
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:
-        """The send half, on ``stream``, of a replay of the handle's routing (recorded slots and layout, no counting,
-        no count exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
-        scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
-        them."""
+        """The send half, on ``stream``, of a replay of the handle's routing (:meth:`replay_send`; the outputs
+        allocated first, exact with ``cpu_sync``, their receive copy then not recorded); returns its receive half."""
         h, request = request.handle, self._contiguous_request(request)
         if request.cpu_sync:
             counts = host_counts(h)
         else:
             counts = self.handle_value(h, "device_counts", _device_counts)
-        outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
-        local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
-        x, weights = request.x, request.topk_weights
-        self.runner.run_recorded(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                 kernel_launches.SLOT_CACHED, local)
-        self._flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum))
+        weighted = request.topk_weights is not None
+        arrays, block = self._alloc_outputs(request, counts[:2])
+        outputs = (self.output_carving(block, arrays, weighted), block, None if weighted else arrays[2])
+        made = self.replay_send(self.runner.run_recorded, stream, request.x, h, request.topk_weights, outputs, weighted)
         self.runner.signal("dispatch", stream, hooked)
-        return functools.partial(self._receive_cached, request, counts, (outputs, block), hooked)
+        return functools.partial(self._receive_cached, request, counts, outputs, made, hooked)
 
-    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, hooked: bool,
-                        stream: Any) -> DispatchOutput:
-        """The receive half of a replay, on ``stream``: the rows into the ``outputs`` allocated before the send. No host
-        wait, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The eager path"); the outcome of
-        the wait is raised by the next call."""
+    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, made: Optional[tuple],
+                        hooked: bool, stream: Any) -> DispatchOutput:
+        """The receive half of a replay, on ``stream``: the wait, the stats, then :meth:`replay_receive` into the
+        ``outputs`` allocated before the send (``made``: their arrays where the send made them)."""
         h = request.handle
         self.runner.wait("dispatch", hooked, with_counts=False)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
-        layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
-                  h.num_unaligned_recv_tokens_per_expert)
-        out = self._receive(stream, request, h.routing, layout, counts, h.recv_src_metadata,
-                            kernel_launches.PLACE_CACHED, outputs=outputs,
-                            skip_source=-1 if request.expand else self.rank)
-        return out
+        options = (request.expand, request.expert_alignment, request.zero_padding, kernel_launches.PLACE_CACHED,
+                   -1 if request.expand else self.rank)
+        copy = launch_now if request.cpu_sync else self.runner.run_recorded
+        arrays = self.replay_receive(copy, stream, h, outputs, options, request.topk_weights is not None, made)
+        received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, counts[2],
+                    h.num_unaligned_recv_tokens_per_expert, counts[0], counts[1])
+        return self.output(options, arrays, received, h.routing, request.topk_weights, request.cpu_sync)
+
+    def replay_send(self, launch: Launch, stream: Any, x: Any, h: EPHandle, weights: Optional[Array], outputs: tuple,
+                    weighted: bool) -> Optional[tuple]:
+        """The send steps of a replay of handle ``h`` (both paths run these, in this order), on ``stream``: in expand
+        mode the outputs' arrays first, the handle's expanded rows copied into their metadata (not received again);
+        the scatter of ``x`` (and ``weights``) at the handle's recorded slots (compact: this rank's own rows straight
+        into ``recv_x``, made inside the launch, which the receive then skips); the puts of the staged rows. No count
+        exchange: the handle gave every count.
+
+        Args:
+            launch: how the scatter is launched (:data:`Launch`: a recorded call or as it is).
+            outputs: ``(carving, block, scratch)``: the outputs' recarving (:meth:`output_carving`), a new block of
+                its layout, and the float32 weights the kernels write where none are carved (else None).
+            weighted: whether the outputs carve weights.
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` where made (expand), else None.
+        """
+        carving, block, scratch = outputs
+        arrays = None
+        if h.expand:
+            arrays = arranged_outputs(carving.views(block), weighted, scratch)
+            copy_recorded_metadata(arrays[3], h.recv_src_metadata)
+            launch(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
+                   None)
+        else:
+            launch(self.carved_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, carving, block,
+                   h.psum_num_recv_tokens_per_rank)
+        if self._puts:
+            self.transport.flush(stream, functools.partial(self.handle_value, h, "send_psum", _send_psum),
+                                 with_meta=True, timed=self._puts_phase)
+        return arrays
+
+    def replay_receive(self, launch: Launch, stream: Any, h: EPHandle, outputs: tuple, options: tuple, weighted: bool,
+                       made: Optional[tuple]) -> tuple:
+        """The receive steps of a replay of handle ``h`` after its wait (both paths run these), on ``stream``: the
+        received rows into ``outputs`` (:meth:`replay_send`'s), launched by ``launch``, ``options`` as
+        :meth:`receive_copy` takes them; the outputs' arrays (``made`` where the send made them, else made after the
+        launch)."""
+        carving, block, scratch = outputs
+        launch(self.carved_receive_copy, stream, options, weighted, False, carving, block, scratch,
+               (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert))
+        return made if made is not None else arranged_outputs(carving.views(block), weighted, scratch)
+
+    def carved_scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, carving: Any,
+                       block: Array, psum: Array) -> None:
+        """A compact replay's scatter (:meth:`scatter` at recorded slots ``slot_idx``) with this rank's own rows
+        straight into ``recv_x``, ``carving``'s first view of ``block``, made here: a recorded call's later calls
+        launch it on their roots' pointers alone; ``psum``: the handle's received psum [R]."""
+        self.scatter(stream, x, idx, weights, slot_idx, kernel_launches.SLOT_CACHED, (carving.views(block)[0], psum))
+
+    def carved_receive_copy(self, stream: Any, options: tuple, weighted: bool, counted: bool, carving: Any,
+                            block: Array, scratch: Optional[Array], source: Any) -> None:
+        """:meth:`receive_copy` into ``carving``'s views of ``block`` (and ``scratch`` weights where none are carved),
+        made here: a recorded call's later calls launch it on their roots' pointers alone. ``source``: the count
+        block of a new routing (its receive count's psums; also counted in the copy where ``counted``), or the
+        ``(rank psum, expert psum)`` of the handle a replay replays."""
+        arrays = arranged_outputs(carving.views(block), weighted, scratch)
+        if type(source) is tuple:
+            self.receive_copy(stream, source[0], source[1], arrays, options)
+            return
+        recv_block = self.receive_block(source)
+        recv = self.kernels.receive_layout(recv_block)
+        self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options, recv_block if counted else None)
+
+    def output(self, options: tuple, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
+               cpu_sync: bool) -> DispatchOutput:
+        """The ``DispatchOutput`` of ``arrays`` and its handle (``handle.make_handle``): ``options`` as
+        :meth:`receive_copy` takes them, ``received`` ``(rank psum, expert psum, aligned counts, unaligned counts,
+        received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx, is_token_in_rank,
+        dst_buffer_slot_idx)``."""
+        expand, alignment, zero_padding = options[:3]
+        fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
+        handle = make_handle(routing, fields, weights, geometry=self.geo, expand=expand, expert_alignment=alignment,
+                             zero_padding=zero_padding, deterministic=self.deterministic, cpu_sync=cpu_sync)
+        return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
+
+    def output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
+        """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
+        carved from ``block``; the weights only where given (else a scratch array outside the block)."""
+        return self.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
 
     def handle_value(self, h: EPHandle, name: str, derive: Any) -> Any:
         """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture
@@ -247,32 +325,20 @@ class NvshmemDispatch:
         return value
 
     def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
-                 recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
-                 skip_source: int = -1, counted: Optional[Array] = None) -> DispatchOutput:
-        """Allocate the outputs (unless given), copy the received rows into them (on ``stream``), and make the handle.
+                 counted: Optional[Array] = None) -> DispatchOutput:
+        """A new routing's outputs allocated, the received rows copied into them (on ``stream``), and its handle.
 
-        ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
-        ``counts``: ``(received rows, expanded rows, aligned counts [L])``, host values with
-        ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
-        reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
-        ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1; ``counted``: a new routing's receive block (:meth:`receive_block`) when the copy also
-        counts (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded
-        call."""
+        ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device; ``counts``: ``(received
+        rows, expanded rows, aligned counts [L])``, host values with ``cpu_sync``; ``counted``: the receive block
+        (:meth:`receive_block`) when the copy also counts (:meth:`receive_copy`), else None. With ``cpu_sync=False``
+        (worst-case shapes) the copy is a recorded call."""
         rank_psum, expert_psum, unaligned = layout
-        arrays, _ = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
-        options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
-        if request.cpu_sync:  # exact output shapes change from call to call: not recorded
-            self.receive_copy(stream, rank_psum, expert_psum, arrays, options, counted)
-        else:
-            self.runner.run_recorded(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
-        received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
-                            int(arrays[0].shape[0]))
-        handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
-                             expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
-                             deterministic=self.deterministic, cpu_sync=request.cpu_sync)
-        with_weights = request.topk_weights is not None
-        return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
+        arrays, _ = self._alloc_outputs(request, counts[:2])
+        options = (request.expand, request.expert_alignment, request.zero_padding, self.place_mode, -1)
+        copy = launch_now if request.cpu_sync else self.runner.run_recorded  # exact shapes change from call to call
+        copy(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
+        received = (rank_psum, expert_psum, counts[2], unaligned, counts[0], counts[1])
+        return self.output(options, arrays, received, routing, request.topk_weights, request.cpu_sync)
 
     def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple,
                      counted: Optional[Array] = None) -> None:
@@ -293,24 +359,21 @@ class NvshmemDispatch:
                                       expert_psum=expert_psum, alignment=alignment, zero_padding=zero_padding,
                                       stream=stream, skip_source=skip_source)
 
-    def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
+    def _alloc_outputs(self, request: DispatchRequest, exact: tuple) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``request``
         (:meth:`carve_outputs`; ``exact``: ``(received rows, expanded rows)``, used with ``cpu_sync``)."""
         with self.profile.phase("dispatch", "alloc outputs"):
             shapes = self.output_shapes(request.x.shape[1], request.expand, request.expert_alignment,
                                         request.topk_weights is not None, exact if request.cpu_sync else None)
-            return self.carve_outputs(shapes, recorded if request.expand else None)
+            return self.carve_outputs(shapes)
 
-    def carve_outputs(self, shapes: list, recorded: Optional[Array]) -> tuple:
+    def carve_outputs(self, shapes: list) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``shapes``
         (:meth:`output_shapes`), not yet filled, carved from ``block``, one allocation; the weights a scratch array
-        when none were given; with ``recorded`` (the metadata of an expand replay's handle) its expanded rows copied
-        in."""
+        when none were given."""
         arrays, block = self.device.carve(shapes)
         recv_x, recv_idx, metadata = arrays[:3]
         recv_w = arrays[3] if len(arrays) > 3 else self._scratch_weights(shapes[1][0])
-        if recorded is not None:
-            copy_recorded_metadata(metadata, recorded)
         return (recv_x, recv_idx, recv_w, metadata), block
 
     def output_shapes(self, width: int, expand: bool, alignment: int, weighted: bool,
@@ -335,6 +398,20 @@ class NvshmemDispatch:
         if self._scratch.size < size:
             self._scratch = self.xp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
+
+
+Launch = Callable[..., None]  # (path, stream, *args): a piece launched as a recorded call, or as it is (launch_now)
+
+
+def launch_now(path: Callable[..., None], stream: Any, *args: Any) -> None:
+    """A piece launched as it is, not recorded (a :data:`Launch`): ``path(stream, *args)``."""
+    path(stream, *args)
+
+
+def arranged_outputs(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
+    """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
+    (``NvshmemDispatch.output_carving``'s order), the weights ``scratch`` where none are carved."""
+    return views[0], views[1], views[3] if weighted else scratch, views[2]
 
 
 def copy_recorded_metadata(metadata: Array, recorded: Array) -> None:

@@ -27,16 +27,10 @@ import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem.combine import NvshmemCombine, own_rows
-from ep_comm.backends.nvshmem.dispatch import (
-    NvshmemDispatch,
-    _device_counts,
-    _send_psum,
-    copy_recorded_metadata,
-    host_counts,
-)
+from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, _device_counts, arranged_outputs, host_counts, launch_now
 from ep_comm.backends.nvshmem.steps import NvshmemContext
 from ep_comm.contract.arrays import Array, as_float32
-from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks, make_handle
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.launching import kernel_launches
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
@@ -56,18 +50,6 @@ Identity = Tuple[Any, ...]
 def _bytes(shapes: Any) -> int:
     """The bytes of arrays of ``(shape, dtype)`` ``shapes``."""
     return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
-
-
-def _arranged(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
-    """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
-    (``PreparedCalls._output_carving``'s order), the weights ``scratch`` where none are carved."""
-    return views[0], views[1], views[3] if weighted else scratch, views[2]
-
-
-def _launch(on: Any, path: Callable[..., None], stream: Any, *args: Any) -> None:
-    """``path(stream, *args)``, not recorded (``RecordedCalls.run``'s signature): a piece of an exact output shape
-    past ``_MAX_EXACT_COPIES``."""
-    path(stream, *args)
 
 
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
@@ -211,8 +193,8 @@ class PreparedCalls:
         outputs, scratch = None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
-            arrays, block = dispatcher.carve_outputs(shapes, None)  # worst-case outputs
-            outputs = self._output_carving(block, arrays, weighted)
+            arrays, block = dispatcher.carve_outputs(shapes)  # worst-case outputs
+            outputs = dispatcher.output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
         self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, counted)
 
@@ -232,15 +214,10 @@ class PreparedCalls:
         missing, seen = self._ctx.transport.wait_state()
         return not (missing or seen)
 
-    def _output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
-        """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
-        carved from ``block``; the weights only where given (else a scratch array outside the block)."""
-        return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
-
     def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
         """``(carving, block, recorded, scratch)``: a new output block of the exact shapes of ``exact`` (received
         rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that carves its
-        outputs (``_arranged(carving.views(block), entry.weighted, scratch)``: made when the call needs them, a new
+        outputs (``arranged_outputs(carving.views(block), entry.weighted, scratch)``: made when the call needs them, a new
         routing's after its receive copy is launched), and whether the pieces whose launches depend on that shape (a
         compact replay's scatter, which writes this rank's own rows into ``recv_x``; the receive copy: its grid and
         array shapes) are recorded calls: False past ``_MAX_EXACT_COPIES`` shapes, where they launch pre-bound. Kept
@@ -252,12 +229,11 @@ class PreparedCalls:
             return carving, carving.block(), recorded, scratch
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
-        arrays, block = dispatcher.carve_outputs(
-            dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact), None)
+        arrays, block = dispatcher.carve_outputs(dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact))
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
         shape = (entry.options, entry.weighted, entry.count is None, width, exact)
-        held = entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), self._may_record(shape),
+        held = entry.exact[exact] = (dispatcher.output_carving(block, arrays, entry.weighted), self._may_record(shape),
                                      None if entry.weighted else arrays[2])
         return held[0], block, held[1], held[2]
 
@@ -300,8 +276,9 @@ class PreparedCalls:
             carving, out_block, record, scratch = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
         else:
             carving, out_block, record, scratch = entry.outputs, entry.outputs.block(), True, entry.scratch
-        (recorded.run if record else _launch)(on, self._receive_copy, stream, entry.options, entry.weighted,
-                                              entry.counted, carving, out_block, scratch, block)
+        (functools.partial(recorded.run, on) if record else launch_now)(
+            dispatcher.carved_receive_copy, stream, entry.options, entry.weighted, entry.counted, carving, out_block,
+            scratch, block)
         ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
         if not cpu_sync:
             runner.defer_verdict()  # after the launch that writes the record
@@ -309,43 +286,18 @@ class PreparedCalls:
         elif entry.outputs is not None:  # the copy is enqueued: the poll, then views of the exact rows
             num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
             rows, scratch = num_recv, None
-        arrays = _arranged(carving.views(out_block, rows), entry.weighted, scratch)
+        arrays = arranged_outputs(carving.views(out_block, rows), entry.weighted, scratch)
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
-        return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
-
-    def _receive_copy(self, stream: Any, options: tuple, weighted: bool, counted: bool, carving: Any,
-                      out_block: Array, scratch: Optional[Array], source: Any) -> None:
-        """The receive copy of a call of an entry (its ``options``, ``weighted``, ``counted``) into ``out_block``, as
-        the first call of its recorded call runs it (later calls launch it on their roots' pointers alone: no view is
-        made for it): the outputs are ``carving``'s views of ``out_block`` (and ``scratch`` weights where none are
-        carved); ``source`` the count block of a new routing (its receive count's psums; also counted in the copy
-        where ``counted``), or the ``(rank psum, expert psum)`` of the handle a replay replays."""
-        dispatcher = self._dispatcher
-        arrays = _arranged(carving.views(out_block), weighted, scratch)
-        if type(source) is tuple:
-            dispatcher.receive_copy(stream, source[0], source[1], arrays, options)
-            return
-        recv_block = dispatcher.receive_block(source)
-        recv = dispatcher.kernels.receive_layout(recv_block)
-        dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options,
-                                recv_block if counted else None)
-
-    def _replay_scatter(self, stream: Any, x: Array, idx: Array, weights: Optional[Array], slot_idx: Array,
-                        carving: Any, out_block: Array, psum: Array) -> None:
-        """A compact replay's scatter of ``x`` by the handle's ``idx``, ``slot_idx`` and ``psum``, as the first call
-        of its recorded call runs it: this rank's own rows go straight into ``recv_x``, ``carving``'s first view of
-        ``out_block``, made here (later calls launch it on their roots' pointers alone)."""
-        self._dispatcher.scatter(stream, x, idx, weights, slot_idx, kernel_launches.SLOT_CACHED,
-                                 (carving.views(out_block)[0], psum))
+        return dispatcher.output(entry.options, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
-        """A replay of handle ``h``: the output block first (worst-case shapes; ``cpu_sync``: the exact shapes the
-        handle gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``),
-        signal and wait, the receive copy, then the outputs' views (expand: before the scatter, the handle's expanded
-        rows are copied into the new metadata). No poll, ``cpu_sync`` or not: the handle gave every count
-        (``docs/design.md``, "The eager path"); the outcome of the wait is the next call's to raise."""
-        dispatcher, runner, transport, recorded = self._dispatcher, self._runner, self._ctx.transport, self._runner.recorded
+        """A replay of handle ``h``, the steps of ``NvshmemDispatch.replay_send`` and ``replay_receive`` around one
+        signal and wait, into the entry's output block (worst-case shapes; ``cpu_sync``: the exact shapes the handle
+        gives, their pieces recorded per shape up to ``_MAX_EXACT_COPIES``). No poll, ``cpu_sync`` or not: the handle
+        gave every count (``docs/design.md``, "The eager path"); the outcome of the wait is the next call's to
+        raise."""
+        dispatcher = self._dispatcher
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
@@ -355,40 +307,15 @@ class PreparedCalls:
             held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
             num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
             carving, out_block, record, scratch = entry.outputs, entry.outputs.block(), True, entry.scratch
-        launch = recorded.run if record else _launch
-        psum, expert_psum = h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert
-        if entry.options[0]:  # expand: the outputs now, the handle's expanded rows into their metadata
-            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-            copy_recorded_metadata(arrays[3], h.recv_src_metadata)
-            recorded.run(on, dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                         kernel_launches.SLOT_CACHED, None)
-        else:
-            arrays = None
-            launch(on, self._replay_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, carving, out_block,
-                   psum)
-        if self._puts:
-            transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
-                            with_meta=True)
-        transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
-        launch(on, self._receive_copy, stream, entry.options, entry.weighted, False, carving, out_block, scratch,
-               (psum, expert_psum))
-        if arrays is None:
-            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-        received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
-        return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
-                            weights, cpu_sync)
-
-    def _output(self, entry: _Entry, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
-                cpu_sync: bool) -> DispatchOutput:
-        """The ``DispatchOutput`` and its handle (``handle.make_handle``): ``received`` is ``(rank psum, expert psum,
-        aligned counts, unaligned counts, received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx,
-        is_token_in_rank, dst_buffer_slot_idx)``."""
-        ctx = self._ctx
-        expand, alignment, zero_padding = entry.options[:3]
-        fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
-        handle = make_handle(routing, fields, weights, geometry=ctx.geo, expand=expand, expert_alignment=alignment,
-                             zero_padding=zero_padding, deterministic=ctx.deterministic, cpu_sync=cpu_sync)
-        return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
+        launch = functools.partial(self._runner.recorded.run, on) if record else launch_now
+        outputs = (carving, out_block, scratch)
+        made = dispatcher.replay_send(launch, stream, x, h, weights, outputs, entry.weighted)
+        self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, None)
+        arrays = dispatcher.replay_receive(launch, stream, h, outputs, entry.options, entry.weighted, made)
+        received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
+                    h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
+        return dispatcher.output(entry.options, arrays, received, (h.topk_idx, h.is_token_in_rank,
+                                                                     h.dst_buffer_slot_idx), weights, cpu_sync)
 
     # ------------------------------------------------------------------ combine
     def combine(self, checked: HandleChecks, y: Any, handle: Any, weights: Any) -> Union[CombineOutput, Unprepared]:
