@@ -1,16 +1,17 @@
 """The combine protocol of ``NvshmemBackend`` (``NvshmemCombine``, given an ``NvshmemContext``): the send half
 (``Kernels.combine_scatter`` back into the sources' buffers, the weights' return route, puts, signal) and the receive
-half (wait, then ``combine_reduce`` with the bias; in compact mode this rank's own rows straight from ``y``).
+half (wait, then ``combine_reduce`` with the bias; in compact mode this rank's own rows straight from ``y``). Their
+steps (``NvshmemCombine.send_steps``, ``receive_steps``) are the prepared path's too.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ep_comm.backends.interface import CombineRequest, ReceiveHalf
-from ep_comm.backends.nvshmem.steps import NvshmemContext
+from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext
 from ep_comm.contract.arrays import Array
 from ep_comm.handle import CombineOutput, EPHandle
 from ep_comm.launching import weight_return
@@ -24,6 +25,7 @@ class NvshmemCombine:
         self.ctx, self.geo, self.rank, self.xp = ctx, ctx.geo, ctx.rank, ctx.xp
         self.kernels, self.transport, self.device, self.runner = ctx.kernels, ctx.transport, ctx.device, ctx.runner
         self.profile = ctx.runner.profile
+        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: a send flushes its staged rows
 
     def combine(self, request: CombineRequest) -> CombineOutput:
         """One collective combine of ``request.y`` along the routes of ``request.handle``."""
@@ -36,27 +38,49 @@ class NvshmemCombine:
         return self.runner.split("combine", request.handle.cpu_sync, self._combine, request)
 
     def _combine(self, seq: int, stream: Any, request: CombineRequest, hooked: bool) -> Callable[[Any], CombineOutput]:
-        """The send half of a combine, on ``stream``; returns its receive half."""
+        """The send half of a combine, on ``stream`` (:meth:`send_steps`, timed as phase ``send``, then the signal);
+        returns its receive half."""
         h, weights, y = request.handle, self.ctx.as_contiguous(request.topk_weights), self.ctx.as_rows(request.y)
         with self.profile.phase("combine", "send"):
-            self.runner.run_recorded(self.send, stream, y, weights, h.recv_src_metadata,
-                                     h.psum_num_recv_tokens_per_rank, h.expand)
-            self.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
+            self.send_steps(self.runner.run_recorded, stream, h, y, weights)
         self.runner.signal("combine", stream, hooked)
         return functools.partial(self._combine_receive, request, y, weights, hooked)
 
     def _combine_receive(self, request: CombineRequest, y: Array, weights: Optional[Array], hooked: bool,
                          stream: Any) -> CombineOutput:
-        """The receive half of a combine, on ``stream``: the wait, then the reduce (with this rank's own rows from
-        ``y``)."""
+        """The receive half of a combine, on ``stream``: the wait, the outputs and bias terms, then
+        :meth:`receive_steps` (the reduce timed as phase ``reduce``)."""
         h = request.handle
         self.runner.wait("combine", hooked, with_counts=False)
+        terms = tuple(_bias_term(self.xp, b) for b in request.bias_terms)
+        arrays, _ = self.device.carve(self.combine_shapes(h, weights is not None))  # one allocation for both
+        back = arrays[1] if weights is not None else None
+        return self.receive_steps(self._timed_reduce, stream, h, y, arrays[0], back, terms)
+
+    def send_steps(self, launch: Launch, stream: Any, h: EPHandle, y: Array, weights: Optional[Array]) -> None:
+        """The send steps of a combine along handle ``h`` (both paths run these, in this order), on ``stream``: the
+        rows of ``y`` (and ``weights``) back (:meth:`send`, launched by ``launch``: a :data:`Launch`), then the puts
+        of the staged rows."""
+        launch(self.send, stream, y, weights, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank, h.expand)
+        if self._puts:
+            self.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
+
+    def receive_steps(self, launch: Launch, stream: Any, h: EPHandle, y: Array, x: Array, back: Optional[Array],
+                      terms: tuple) -> CombineOutput:
+        """The receive steps of a combine after its wait (both paths run these, in this order), on ``stream``: the
+        progress marker of a ``cpu_sync`` handle, the reduce (:meth:`reduce`, launched by ``launch``) into ``x [T,
+        H]`` (and ``back``, float32 ``[T, K]``, the gathered weights) with the bias ``terms``, then that handle's one
+        poll."""
         arrived = self.device.progress() if h.cpu_sync else None
-        with self.profile.phase("combine", "reduce"):
-            x, back = self._combine_reduce(stream, h, y, request.bias_terms, weights is not None)
+        launch(self.reduce, stream, h.dst_buffer_slot_idx, h.topk_idx, x, back, terms, own_rows(h, y))
         if arrived is not None:
             self.runner.check_arrival(arrived, "combine")
         return CombineOutput(x, back)
+
+    def _timed_reduce(self, path: Callable[..., None], stream: Any, *args: Any) -> None:
+        """The general path's :data:`Launch` of the reduce: a recorded call timed as phase ``reduce``."""
+        with self.profile.phase("combine", "reduce"):
+            self.runner.run_recorded(path, stream, *args)
 
     def send(self, stream: Any, y: Array, weights: Optional[Array], metadata: Array, psum: Array,
              expand: bool) -> None:
@@ -72,18 +96,6 @@ class NvshmemCombine:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
             weight_return.send_weights(functools.partial(k.launcher, stream=stream), bits, expand, metadata, psum,
                                        t.meta, my_rank=self.rank, step=t.step, ahead=1, max_blocks=k.num_blocks)
-
-    def _combine_reduce(self, stream: Any, h: EPHandle, y: Array, bias_terms: Sequence[Array],
-                        with_weights: bool) -> tuple:
-        """``(x [T, H], gathered weights [T, K] float32 or None)``, reduced on ``stream``, from the rows every rank sent
-        back and, in compact mode, this rank's own rows straight from ``y``: one allocation for both, one recorded
-        call."""
-        terms = tuple(_bias_term(self.xp, b) for b in bias_terms)
-        arrays, _ = self.device.carve(self.combine_shapes(h, with_weights))
-        x, back = arrays[0], arrays[1] if with_weights else None
-        self.runner.run_recorded(self.reduce, stream, h.dst_buffer_slot_idx, h.topk_idx, x, back, terms,
-                                 own_rows(h, y))
-        return x, back
 
     def combine_shapes(self, h: EPHandle, with_weights: bool) -> list:
         """The ``(shape, dtype)`` of a combine's outputs: ``x [T, H]`` and, ``with_weights``, float32 ``[T, K]``."""

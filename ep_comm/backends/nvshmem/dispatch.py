@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
-from ep_comm.backends.nvshmem.steps import NvshmemContext
+from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
 from ep_comm.handle import DispatchOutput, EPHandle, Routing, make_handle
@@ -398,14 +398,6 @@ class NvshmemDispatch:
         if self._scratch.size < size:
             self._scratch = self.xp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
-
-
-Launch = Callable[..., None]  # (path, stream, *args): a piece launched as a recorded call, or as it is (launch_now)
-
-
-def launch_now(path: Callable[..., None], stream: Any, *args: Any) -> None:
-    """A piece launched as it is, not recorded (a :data:`Launch`): ``path(stream, *args)``."""
-    path(stream, *args)
 
 
 def arranged_outputs(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:

@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
-from ep_comm.backends.nvshmem.combine import NvshmemCombine, own_rows
-from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, _device_counts, arranged_outputs, host_counts, launch_now
-from ep_comm.backends.nvshmem.steps import NvshmemContext
+from ep_comm.backends.nvshmem.combine import NvshmemCombine
+from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, _device_counts, arranged_outputs, host_counts
+from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 from ep_comm.launching import kernel_launches
@@ -356,19 +356,12 @@ class PreparedCalls:
         self._entries[key] = _Entry(inputs, None, device.recarving(block, arrays), None, (), weighted)
 
     def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle, weights: Optional[Array]) -> CombineOutput:
-        """A combine: the rows (and ``weights``) back, signal and wait, the reduce into a new ``x`` (and the gathered
-        weights); one poll for a ``cpu_sync`` handle."""
-        ctx, runner, combiner = self._ctx, self._runner, self._combiner
-        stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        runner.recorded.run(on, combiner.send, stream, y, weights, h.recv_src_metadata, h.psum_num_recv_tokens_per_rank,
-                            h.expand)
-        if self._puts:
-            ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
-        ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
-        arrived = ctx.device.progress() if h.cpu_sync else None
-        block, outputs = entry.outputs.new()
-        x, back = outputs[0], outputs[1] if entry.weighted else None
-        runner.recorded.run(on, combiner.reduce, stream, h.dst_buffer_slot_idx, h.topk_idx, x, back, (), own_rows(h, y))
-        if arrived is not None:
-            runner.check_arrival(arrived, "combine")
-        return CombineOutput(x, back)
+        """A combine, the steps of ``NvshmemCombine.send_steps`` and ``receive_steps`` around one signal and wait, the
+        reduce into the entry's outputs."""
+        combiner = self._combiner
+        stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
+        launch = functools.partial(self._runner.recorded.run, on)
+        combiner.send_steps(launch, stream, h, y, weights)
+        self._ctx.transport.exchange(stream, _COMBINE, self._runner.timeout_s, None)
+        _, outputs = entry.outputs.new()
+        return combiner.receive_steps(launch, stream, h, y, outputs[0], outputs[1] if entry.weighted else None, ())

@@ -236,6 +236,14 @@ class StepRunner:
         self.recorded.run(raw.stream(self.device.handle()), path, stream, *args)
 
 
+Launch = Callable[..., None]  # (path, stream, *args): a piece launched as a recorded call, or as it is (launch_now)
+
+
+def launch_now(path: Callable[..., None], stream: Any, *args: Any) -> None:
+    """A piece launched as it is, not recorded (a :data:`Launch`): ``path(stream, *args)``."""
+    path(stream, *args)
+
+
 @dataclass(frozen=True)
 class NvshmemContext:
     """What the dispatch and combine protocols of one ``NvshmemBackend`` work with: its geometry, rank and mode, the
