@@ -26,22 +26,23 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
 LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem.prepared), each recorded call looked up as on the
-# GPU (recorded_calls.call_key): measured 39-41 / 34-35 / 27 (issue 51: each key read from the call's arguments in
-# one pass, no key, roots or layout function of its own; a replay and a combine run the general path's steps,
-# NvshmemDispatch.replay_send and replay_receive, NvshmemCombine.send_steps and receive_steps: 2 calls); before: 43-46 / 36-37 / 28 (issue 47, third pass: a
+# GPU (recorded_calls.call_key): measured 41-43 / 34-35 / 27 (issue 51: each key read from the call's arguments in
+# one pass, no key, roots or layout function of its own; each operation runs the general path's two step functions,
+# NvshmemDispatch.new_send/new_receive, replay_send/replay_receive, NvshmemCombine.send_steps/receive_steps: 2
+# calls); before: 43-46 / 36-37 / 28 (issue 47, third pass: a
 # recorded call's layout read without a comprehension frame, a new routing's count_in_copy choice learned once per
 # shape, a combine's one output made without a views call; the arrays carved fewer, which no call count shows, VIEWS
 # below); 47-49 / 38-39 / 30 (second pass), 59 / 49-50 / 40-42 (first); at 635f594 (the general path, lookups not
 # counted) 132 / 101 / 92
-PYTHON_CALLS = {"new": 41, "cached": 35, "combine": 27}
-# tools/host_pairs.py measures the same pairs: 60-61 / 70-72 (before issue 51: 63-64 / 75-78; 68 / 83; 91 / 105)
-PAIR_CALLS = {"cached": 61, "new": 72}
-# cpu_sync=True calls of a prepared shape: measured 49-50 / 36-37 / 33 (issue 51); before 54-55 / 38-39 / 34 (a new
+PYTHON_CALLS = {"new": 43, "cached": 35, "combine": 27}
+# tools/host_pairs.py measures the same pairs: 60-61 / 72-74 (before issue 51: 63-64 / 75-78; 68 / 83; 91 / 105)
+PAIR_CALLS = {"cached": 61, "new": 74}
+# cpu_sync=True calls of a prepared shape: measured 51-52 / 36-37 / 33 (issue 51); before 54-55 / 38-39 / 34 (a new
 # routing's poll, verdict and counts read from one read of the mapped record; a compact one's exact outputs carved as
 # views of the exact rows after the poll, no worst-case views sliced; a replay as its cpu_sync=False twin, no poll; a
 # combine's poll); 57-58 / 40-41 / 36 (second pass), 69 / 49-50 / 46-48 (first); before issue 47 (c0b50a8, lookups
 # not counted) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 50, "cached": 37, "combine": 33}
+PYTHON_CALLS_SYNC = {"new": 52, "cached": 37, "combine": 33}
 # a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 31
 # with a cpu_sync=False handle, 37 with a cpu_sync=True one (before the third pass 33 / 39); since issue 51 30 / 36
 WEIGHTED_COMBINE_CALLS = {False: 30, True: 36}

@@ -1,14 +1,15 @@
 """The dispatch protocol of ``NvshmemBackend`` (``NvshmemDispatch``, given an ``NvshmemContext``): the FP8 payload,
 the send half of a new routing (count and scatter, the count exchange) or of a handle's replay (recorded slots,
-outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). A replay's
-steps (``NvshmemDispatch.replay_send``, ``replay_receive``) are the prepared path's too.
+outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). Their
+steps are written once, for both paths: ``NvshmemDispatch.new_send`` and ``new_receive``, ``replay_send`` and
+``replay_receive``; the prepared path runs them too.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
-from ep_comm.handle import DispatchOutput, EPHandle, Routing, make_handle
+from ep_comm.handle import DispatchOutput, EPHandle, make_handle
 from ep_comm.launching import kernel_launches
 from ep_comm.launching.fp8 import Fp8Rows
 
@@ -36,6 +37,7 @@ class NvshmemDispatch:
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
         self._puts_phase = functools.partial(self.profile.phase, "dispatch", "puts")  # made only where puts run
         self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: a send flushes its staged rows
+        self._count_carvings: Dict[tuple, tuple] = {}  # count_carvings' by argument
 
     def pack_fp8(self, x: Any) -> Fp8Rows:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
@@ -61,19 +63,13 @@ class NvshmemDispatch:
                 local: Optional[tuple] = None) -> None:
         """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
         ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
-        the staging blocks with puts, which :meth:`_flush` sends); ``local``: ``(recv_x, received psum [R])`` of a
+        the staging blocks with puts, which the send steps then put); ``local``: ``(recv_x, received psum [R])`` of a
         compact replay, where the rows for this rank itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
                                  mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum)
-
-    def _flush(self, stream: Any, psum: Callable[[], Array]) -> None:
-        """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as
-        phase ``puts``), ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per
-        destination."""
-        self.transport.flush(stream, psum, with_meta=True, timed=self._puts_phase)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` as the kernels read rows (``NvshmemContext.as_rows``; an ``Fp8Rows``' arrays are
@@ -86,25 +82,83 @@ class NvshmemDispatch:
 
     def _dispatch_new(self, seq: int, stream: Any, request: DispatchRequest,
                       hooked: bool) -> Callable[[Any], DispatchOutput]:
-        """The send half of a dispatch of a new routing, on ``stream``; returns its receive half.
+        """The send half of a dispatch of a new routing, on ``stream`` (the routing check of a captured call, then
+        :meth:`new_send`, then the signal with the count words); returns its receive half.
 
-        One allocation before the first launch: the int32 block of the receive count (``Kernels.recv_words``) and
-        of the count (``Kernels.send_words``); count and scatter run as one recorded call (ids out of range or named
+        One allocation before the first launch: the count block (:meth:`count_carvings`; ids out of range or named
         twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
-        k = self.kernels
         request = self._contiguous_request(request)
-        idx, x, weights = request.topk_idx, request.x, request.topk_weights
+        idx = request.topk_idx
         if self.capture.active:  # a replay's verdict is reported by this rank's next call (CapturePolicy)
             with self.profile.phase("dispatch", "check"):
-                k.check_routing(idx, into=self.capture.checks, stream=stream)
-        num_tokens = idx.shape[0]
-        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
-        send_block = self.send_block(block)
-        self.runner.run_recorded(self.count_and_scatter, stream, idx, x, weights, block)
-        self._flush(stream, functools.partial(self.send_psum, block, num_tokens))
-        self.runner.signal("dispatch", stream, hooked, k.count_words_view(send_block))
-        routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
-        return functools.partial(self._receive_new, request, routing, block, hooked)
+                self.kernels.check_routing(idx, into=self.capture.checks, stream=stream)
+        launch, views = self.count_carvings(idx.shape[0], idx.dtype, not request.cpu_sync)
+        block, (words,) = launch.new()
+        self.new_send(self.runner.run_recorded, stream, idx, request.x, request.topk_weights, block)
+        self.runner.signal("dispatch", stream, hooked, words)
+        return functools.partial(self._receive_new, request, block, views, hooked)
+
+    def _receive_new(self, request: DispatchRequest, block: Array, views: Any, hooked: bool,
+                     stream: Any) -> DispatchOutput:
+        """The receive half of a dispatch of a new routing, on ``stream``: the wait, :meth:`new_receive` (outputs of
+        the worst case, or with ``cpu_sync`` exact ones after the poll, their copy then not recorded), the stats."""
+        self.runner.wait("dispatch", hooked, with_counts=True)
+        expand, weighted = request.expand, request.topk_weights is not None
+        options = self.receive_options(expand, request.expert_alignment, request.zero_padding, True)
+        plan = RoutingPlan(options, weighted, self.counts_in_copy(expand, request.cpu_sync), views)
+        worst = None if request.cpu_sync else self._carved_outputs(request, None)
+        out = self.new_receive(self.runner.run_recorded, stream, block, plan, request.topk_weights, request.cpu_sync,
+                               worst, functools.partial(self._exact_outputs, request))
+        if request.stats is not None:
+            _add_counts(self.xp, request.stats, out.handle.num_unaligned_recv_tokens_per_expert)
+        return out
+
+    def new_send(self, launch: Launch, stream: Any, idx: Array, x: Any, weights: Optional[Array],
+                 block: Array) -> None:
+        """The send steps of a new routing ``idx [T, K]`` (both paths run these, in this order), on ``stream``: count
+        and scatter (:meth:`count_and_scatter`, launched by ``launch``: a :data:`Launch`) of ``x`` and ``weights``
+        into count block ``block``, then the puts of the staged rows."""
+        launch(self.count_and_scatter, stream, idx, x, weights, block)
+        if self._puts:
+            self.transport.flush(stream, functools.partial(self.send_psum, block, idx.shape[0]), with_meta=True,
+                                 timed=self._puts_phase)
+
+    def new_receive(self, launch: Launch, stream: Any, block: Array, plan: RoutingPlan, weights: Optional[Array],
+                    cpu_sync: bool, worst: Optional[tuple], exact: Callable[[int, int], tuple]) -> DispatchOutput:
+        """The receive steps of a new routing after its wait (both paths run these, in this order), on ``stream``:
+        the receive count into count block ``block`` (unless the copy counts, ``plan.counted``), then the receive
+        copy, then the handle's views of the block, then the verdicts (deferred with ``cpu_sync=False``, else one
+        poll and raised) and the outputs.
+
+        Args:
+            launch: how the pieces are launched (a :data:`Launch`).
+            worst: ``(carving, block, scratch)`` of worst-case outputs (:meth:`replay_send`'s ``outputs``), copied
+                into before the poll (``cpu_sync``: the outputs are then views of their first received rows); None:
+                ``exact(received rows, expanded rows)`` gives ``(carving, block, launch, scratch)`` of exact ones
+                after the poll, and how their copy is launched.
+        """
+        options, weighted, counted = plan.options, plan.weighted, plan.counted
+        if not counted:
+            launch(self.receive_count, stream, block, options[0], options[1])
+        if cpu_sync:
+            marker = self.device.progress()  # after the receive count: the poll does not wait for the copy
+        rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
+        if worst is None:
+            num_recv, num_expanded, aligned = self.received_counts(marker)
+            carving, out_block, copy, scratch = exact(num_recv, num_expanded)
+        else:
+            (carving, out_block, scratch), copy = worst, launch
+        copy(self.carved_receive_copy, stream, options, weighted, counted, carving, out_block, scratch, block)
+        ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = plan.views.views(block)
+        if not cpu_sync:
+            self.runner.defer_verdict()  # after the launch that writes the record
+            aligned, num_recv, num_expanded = device_counts
+        elif worst is not None:  # the copy is enqueued: the poll, then views of the exact rows
+            num_recv, num_expanded, aligned = self.received_counts(marker)
+            rows, scratch = num_recv, None
+        arrays = arranged_outputs(carving.views(out_block, rows), weighted, scratch)
+        received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
+        return self.output(options, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
     def send_block(self, block: Array) -> Array:
         """The count's ``[Kernels.send_words(T)]`` words of a new routing's count block (int32, one allocation: the
@@ -126,7 +180,17 @@ class NvshmemDispatch:
         besides it, ``(count_words,)`` (the recorded calls take the whole block as their root); ``handle.views(block)``
         what the handle holds, made after the launches: ``(the ids' copy, is_token_in_rank, slot_idx, the receive
         count's rank psum, expert psum, unaligned counts)`` and, ``device_counts`` (``cpu_sync=False``), its aligned
-        counts, received rows N and expanded rows M (0-d arrays)."""
+        counts, received rows N and expanded rows M (0-d arrays). Kept per argument (a full table is cleared)."""
+        key = (num_tokens, ids_dtype, device_counts)
+        held = self._count_carvings.get(key)
+        if held is None:
+            if len(self._count_carvings) >= _MAX_COUNT_CARVINGS:
+                self._count_carvings.clear()
+            held = self._count_carvings[key] = self._new_count_carvings(num_tokens, ids_dtype, device_counts)
+        return held
+
+    def _new_count_carvings(self, num_tokens: int, ids_dtype: Any, device_counts: bool) -> tuple:
+        """:meth:`count_carvings`, made anew (from one block of the layout)."""
         k, recarving = self.kernels, self.device.recarving
         block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
         send, recv = k.send_layout(self.send_block(block), num_tokens), k.receive_layout(self.receive_block(block))
@@ -153,33 +217,6 @@ class NvshmemDispatch:
             self.kernels.receive_count(self.ctx.own_counts, self.ctx.own_meta, self.transport.step, alignment=alignment,
                                        expand=expand, stable=self.deterministic, stream=stream,
                                        block=self.receive_block(block), record=self.runner.record)
-
-    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, hooked: bool,
-                     stream: Any) -> DispatchOutput:
-        """The receive half of a dispatch of a new routing, on ``stream``: counts (into the count block ``block``'s
-        :meth:`receive_block`, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
-        routing error of any rank's bad verdict (every rank raises it here, in step), else the exact outputs; without
-        it the next call checks the verdicts, and a compact receive counts in its copy's launch
-        (``Kernels.receive_counted``)."""
-        expand, alignment = request.expand, request.expert_alignment
-        self.runner.wait("dispatch", hooked, with_counts=True)
-        recv_block = self.receive_block(block)
-        counted = recv_block if self.counts_in_copy(expand, request.cpu_sync) else None
-        if counted is None:
-            self.runner.run_recorded(self.receive_count, stream, block, expand, alignment)
-        recv = self.kernels.receive_layout(recv_block)
-        if request.cpu_sync:
-            counts = self.received_counts()
-        else:
-            # 0-d views, as the prepared path's (count_carving): filled by a launch yet to come when the copy counts
-            counts = (recv.totals[:1].reshape(()), recv.totals[1:].reshape(()), recv.num_aligned_per_expert)
-        out = self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                            counts, counted)
-        if not request.cpu_sync:
-            self.runner.defer_verdict()  # after the launch that writes the record
-        if request.stats is not None:
-            _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
-        return out
 
     def counts_in_copy(self, expand: bool, cpu_sync: bool) -> bool:
         """Whether a new routing's receive counts in its copy's launch (:meth:`receive_copy`'s ``counted``): compact,
@@ -210,8 +247,7 @@ class NvshmemDispatch:
         else:
             counts = self.handle_value(h, "device_counts", _device_counts)
         weighted = request.topk_weights is not None
-        arrays, block = self._alloc_outputs(request, counts[:2])
-        outputs = (self.output_carving(block, arrays, weighted), block, None if weighted else arrays[2])
+        outputs = self._carved_outputs(request, counts[:2])
         made = self.replay_send(self.runner.run_recorded, stream, request.x, h, request.topk_weights, outputs, weighted)
         self.runner.signal("dispatch", stream, hooked)
         return functools.partial(self._receive_cached, request, counts, outputs, made, hooked)
@@ -224,8 +260,7 @@ class NvshmemDispatch:
         self.runner.wait("dispatch", hooked, with_counts=False)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
-        options = (request.expand, request.expert_alignment, request.zero_padding, kernel_launches.PLACE_CACHED,
-                   -1 if request.expand else self.rank)
+        options = self.receive_options(request.expand, request.expert_alignment, request.zero_padding, False)
         copy = launch_now if request.cpu_sync else self.runner.run_recorded
         arrays = self.replay_receive(copy, stream, h, outputs, options, request.topk_weights is not None, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, counts[2],
@@ -324,21 +359,12 @@ class NvshmemDispatch:
             value = h.derived[name] = derive(self.xp, h)
         return value
 
-    def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
-                 counted: Optional[Array] = None) -> DispatchOutput:
-        """A new routing's outputs allocated, the received rows copied into them (on ``stream``), and its handle.
-
-        ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device; ``counts``: ``(received
-        rows, expanded rows, aligned counts [L])``, host values with ``cpu_sync``; ``counted``: the receive block
-        (:meth:`receive_block`) when the copy also counts (:meth:`receive_copy`), else None. With ``cpu_sync=False``
-        (worst-case shapes) the copy is a recorded call."""
-        rank_psum, expert_psum, unaligned = layout
-        arrays, _ = self._alloc_outputs(request, counts[:2])
-        options = (request.expand, request.expert_alignment, request.zero_padding, self.place_mode, -1)
-        copy = launch_now if request.cpu_sync else self.runner.run_recorded  # exact shapes change from call to call
-        copy(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
-        received = (rank_psum, expert_psum, counts[2], unaligned, counts[0], counts[1])
-        return self.output(options, arrays, received, routing, request.topk_weights, request.cpu_sync)
+    def receive_options(self, expand: bool, alignment: int, zero_padding: bool, new: bool) -> tuple:
+        """The options of a receive copy (:meth:`receive_copy`) of a ``new`` routing or a replay: a new routing's
+        placement (:attr:`place_mode`) or a replay's (recorded), and the source whose rows a compact replay's scatter
+        wrote into ``recv_x`` itself (this rank), else -1."""
+        mode = self.place_mode if new else kernel_launches.PLACE_CACHED
+        return expand, alignment, zero_padding, mode, -1 if new or expand else self.rank
 
     def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple,
                      counted: Optional[Array] = None) -> None:
@@ -359,7 +385,20 @@ class NvshmemDispatch:
                                       expert_psum=expert_psum, alignment=alignment, zero_padding=zero_padding,
                                       stream=stream, skip_source=skip_source)
 
-    def _alloc_outputs(self, request: DispatchRequest, exact: tuple) -> tuple:
+    def _carved_outputs(self, request: DispatchRequest, exact: Optional[tuple]) -> tuple:
+        """``(carving, block, scratch)`` of new outputs of ``request`` (:meth:`_alloc_outputs`, :meth:`replay_send`'s
+        ``outputs``)."""
+        weighted = request.topk_weights is not None
+        arrays, block = self._alloc_outputs(request, exact)
+        return self.output_carving(block, arrays, weighted), block, None if weighted else arrays[2]
+
+    def _exact_outputs(self, request: DispatchRequest, num_recv: int, num_expanded: int) -> tuple:
+        """``(carving, block, launch_now, scratch)``: the general path's exact outputs of a ``cpu_sync=True`` new
+        routing (``new_receive``'s ``exact``), their copy not recorded (their shapes change from call to call)."""
+        carving, block, scratch = self._carved_outputs(request, (num_recv, num_expanded))
+        return carving, block, launch_now, scratch
+
+    def _alloc_outputs(self, request: DispatchRequest, exact: Optional[tuple]) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``request``
         (:meth:`carve_outputs`; ``exact``: ``(received rows, expanded rows)``, used with ``cpu_sync``)."""
         with self.profile.phase("dispatch", "alloc outputs"):
@@ -398,6 +437,21 @@ class NvshmemDispatch:
         if self._scratch.size < size:
             self._scratch = self.xp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
+
+
+_MAX_COUNT_CARVINGS = 64  # count block layouts kept (token count, ids dtype, device counts)
+
+
+class RoutingPlan(NamedTuple):
+    """What the receive steps of a new routing (``NvshmemDispatch.new_receive``) take besides its arrays: the receive
+    copy's ``options`` (``(expand, expert_alignment, zero_padding, placement mode, skip_source)``), whether the
+    outputs carve weights, whether the copy counts (``NvshmemDispatch.counts_in_copy``) and the recarving of the
+    handle's views of the count block (``NvshmemDispatch.count_carvings``). The prepared path keeps one per shape."""
+
+    options: tuple
+    weighted: bool
+    counted: bool
+    views: Any
 
 
 def arranged_outputs(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:

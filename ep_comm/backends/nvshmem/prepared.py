@@ -7,9 +7,10 @@ it returns, a :class:`_Entry` is kept for the shape: its options, the layout of 
 allocation and of its count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no
 slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
 GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
-(the argument checks, the request objects, the contiguity copies, the views) and runs the same pieces: the same
-recorded calls, launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels``
-calls), the same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
+(the argument checks, the request objects, the contiguity copies, the views) and runs the same steps, the general
+path's step functions (``NvshmemDispatch.new_send``/``new_receive``, ``replay_send``/``replay_receive``,
+``NvshmemCombine.send_steps``/``receive_steps``) around one signal-and-wait launch: the same recorded calls, launched
+again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the same poll. Everything else takes the general path (``docs/design.md``, "The eager
 path", names the conditions).
 
 Never skipped: the capture check (``CapturePolicy.begin``), the routing verdict of a captured dispatch
@@ -27,11 +28,10 @@ import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
-from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, _device_counts, arranged_outputs, host_counts
+from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, RoutingPlan, _device_counts, host_counts
 from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
-from ep_comm.launching import kernel_launches
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
 # exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and receive copies recorded for
@@ -77,15 +77,14 @@ class _Entry:
     """The prepared path of one call shape: the identities its inputs must have, its carvings and options (set by the
     builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "count", "count_views", "counted", "outputs", "scratch", "options", "weighted", "exact")
+    __slots__ = ("inputs", "count", "plan", "outputs", "scratch", "options", "weighted", "exact")
 
     def __init__(self, inputs: Tuple[Optional[Identity], ...], count: Any, outputs: Any, scratch: Optional[Array],
-                 options: tuple, weighted: bool, counted: bool = False):
+                 options: tuple, weighted: bool, plan: Optional[RoutingPlan] = None):
         self.inputs = inputs
-        # a new routing: the count block's recarvings, (the block and the views its launches take, the views its
-        # handle holds) (NvshmemDispatch.count_carvings); None otherwise
-        self.count, self.count_views = count or (None, None)
-        self.counted = counted  # a new routing's receive counts in its copy's launch (counts_in_copy)
+        # a new routing: the count block's recarving (the block and the count words its signal sends,
+        # NvshmemDispatch.count_carvings) and its receive steps' plan; None otherwise
+        self.count, self.plan = count, plan
         self.outputs = outputs  # the outputs' recarving (worst-case shapes), or None (exact outputs)
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
@@ -107,7 +106,6 @@ class PreparedCalls:
         self._ctx, self._runner, self._dispatcher, self._combiner = ctx, ctx.runner, dispatcher, combiner
         self._ndarray = ctx.xp.ndarray
         self._placement = ctx.device.placement
-        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: the step flushes its staged rows
         self._entries: Dict[tuple, _Entry] = {}
         self._exact_copies: set = set()  # the exact shapes whose pieces are recorded (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
@@ -185,18 +183,18 @@ class PreparedCalls:
                   None if weights is None else identity(weights, place))
         weighted = h.topk_weights is not None
         new = idx is not None
-        skip_source = -1 if new or h.expand else self._ctx.rank
-        mode = dispatcher.place_mode if new else kernel_launches.PLACE_CACHED
-        options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
-        count = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync) if new else None
-        counted = new and dispatcher.counts_in_copy(h.expand, h.cpu_sync)
+        options = dispatcher.receive_options(h.expand, h.expert_alignment, h.zero_padding, new)
+        count, plan = None, None
+        if new:
+            count, views = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync)
+            plan = RoutingPlan(options, weighted, dispatcher.counts_in_copy(h.expand, h.cpu_sync), views)
         outputs, scratch = None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes)  # worst-case outputs
             outputs = dispatcher.output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
-        self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, counted)
+        self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, plan)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
         """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
@@ -214,19 +212,26 @@ class PreparedCalls:
         missing, seen = self._ctx.transport.wait_state()
         return not (missing or seen)
 
-    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
-        """``(carving, block, recorded, scratch)``: a new output block of the exact shapes of ``exact`` (received
+    def _exact_outputs(self, entry: _Entry, width: int, on: Any, num_recv: int, num_expanded: int) -> tuple:
+        """``(carving, block, launch, scratch)``: a new output block of the exact shapes of ``exact`` (received
         rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that carves its
-        outputs (``arranged_outputs(carving.views(block), entry.weighted, scratch)``: made when the call needs them, a new
-        routing's after its receive copy is launched), and whether the pieces whose launches depend on that shape (a
+        outputs (``arranged_outputs(carving.views(block), entry.weighted, scratch)``: made when the call needs them,
+        a new routing's after its receive copy is launched), and how the pieces whose launches depend on that shape (a
         compact replay's scatter, which writes this rank's own rows into ``recv_x``; the receive copy: its grid and
-        array shapes) are recorded calls: False past ``_MAX_EXACT_COPIES`` shapes, where they launch pre-bound. Kept
-        per entry (``width``, the payload's, is the entry's): a known shape costs one lookup of its two row counts and
-        one allocation, all that runs between a poll and the copy."""
+        array shapes) are launched (a ``Launch``): recorded calls on stream ``on``, but past ``_MAX_EXACT_COPIES``
+        shapes pre-bound. Kept per entry (``width``, the payload's, is the entry's): a known shape costs one lookup of
+        its two row counts and one allocation, all that runs between a poll and the copy."""
+        exact = (num_recv, num_expanded)
         held = entry.exact.get(exact)
-        if held is not None:
-            carving, recorded, scratch = held
-            return carving, carving.block(), recorded, scratch
+        if held is None:
+            held, block = self._new_exact_outputs(entry, width, exact)
+        else:
+            block = held[0].block()
+        carving, recorded, scratch = held
+        return carving, block, functools.partial(self._runner.recorded.run, on) if recorded else launch_now, scratch
+
+    def _new_exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
+        """``((carving, recorded, scratch), block)``: :meth:`_exact_outputs` of a shape not kept yet, now kept."""
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
         arrays, block = dispatcher.carve_outputs(dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact))
@@ -235,7 +240,7 @@ class PreparedCalls:
         shape = (entry.options, entry.weighted, entry.count is None, width, exact)
         held = entry.exact[exact] = (dispatcher.output_carving(block, arrays, entry.weighted), self._may_record(shape),
                                      None if entry.weighted else arrays[2])
-        return held[0], block, held[1], held[2]
+        return held, block
 
     def _may_record(self, shape: tuple) -> bool:
         """Whether the pieces of exact output ``shape`` are recorded: False when ``_MAX_EXACT_COPIES`` such shapes
@@ -248,47 +253,21 @@ class PreparedCalls:
 
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
-        """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
-        the handle. Before the first launch one allocation and one view (the count block and its count words: every
-        recorded call takes the whole block as its root); the handle's views of the block are made after the last
-        launch (before the poll). ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll
-        (it reads the counts on the device), then one poll, the verdicts, and the outputs are views of the exact rows
-        of those (made once the rows are known, no slicing); ``cpu_sync`` expand: one poll, the verdicts, exact
-        outputs (carved as kept per shape) and their copy (recorded per shape); else the recorded copy into
-        worst-case outputs. After the poll: no loop over ranks or experts (the counts per expert are one ``tolist``
-        of the mapped record)."""
-        dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
+        """A dispatch of a new routing, the steps of ``NvshmemDispatch.new_send`` and ``new_receive`` around one signal
+        and wait. Before the first launch one allocation and one view (the count block and its count words: every
+        recorded call takes the whole block as its root). ``cpu_sync`` compact: the copy into the entry's worst-case
+        outputs is enqueued before the poll, the outputs are views of the exact rows; ``cpu_sync`` expand (and compact
+        past ``_VIEWS_MAX_BYTES``): exact outputs after the poll (carved as kept per shape, their copy recorded per
+        shape); else the recorded copy into worst-case outputs."""
+        dispatcher = self._dispatcher
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
+        launch = functools.partial(self._runner.recorded.run, on)
         block, (words,) = entry.count.new()
-        recorded.run(on, dispatcher.count_and_scatter, stream, idx, x, weights, block)
-        if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
-            self._ctx.transport.flush(stream, functools.partial(dispatcher.send_psum, block, idx.shape[0]),
-                                      with_meta=True)
-        self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
-        counted = entry.counted  # the copy's launch counts too
-        if not counted:
-            recorded.run(on, dispatcher.receive_count, stream, block, *entry.options[:2])
-        if cpu_sync:
-            marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
-        rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
-        if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
-            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            carving, out_block, record, scratch = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
-        else:
-            carving, out_block, record, scratch = entry.outputs, entry.outputs.block(), True, entry.scratch
-        (functools.partial(recorded.run, on) if record else launch_now)(
-            dispatcher.carved_receive_copy, stream, entry.options, entry.weighted, entry.counted, carving, out_block,
-            scratch, block)
-        ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
-        if not cpu_sync:
-            runner.defer_verdict()  # after the launch that writes the record
-            aligned, num_recv, num_expanded = device_counts
-        elif entry.outputs is not None:  # the copy is enqueued: the poll, then views of the exact rows
-            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            rows, scratch = num_recv, None
-        arrays = arranged_outputs(carving.views(out_block, rows), entry.weighted, scratch)
-        received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
-        return dispatcher.output(entry.options, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
+        dispatcher.new_send(launch, stream, idx, x, weights, block)
+        self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, words)
+        worst = None if entry.outputs is None else (entry.outputs, entry.outputs.block(), entry.scratch)
+        return dispatcher.new_receive(launch, stream, block, entry.plan, weights, cpu_sync, worst,
+                                      functools.partial(self._exact_outputs, entry, x.shape[1], on))
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
@@ -302,12 +281,12 @@ class PreparedCalls:
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
             num_recv, num_expanded, aligned = host_counts(h)
-            carving, out_block, record, scratch = self._exact_outputs(entry, x.shape[1], (num_recv, num_expanded))
+            carving, out_block, launch, scratch = self._exact_outputs(entry, x.shape[1], on, num_recv, num_expanded)
         else:
             held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
             num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
-            carving, out_block, record, scratch = entry.outputs, entry.outputs.block(), True, entry.scratch
-        launch = functools.partial(self._runner.recorded.run, on) if record else launch_now
+            carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
+            launch = functools.partial(self._runner.recorded.run, on)
         outputs = (carving, out_block, scratch)
         made = dispatcher.replay_send(launch, stream, x, h, weights, outputs, entry.weighted)
         self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, None)
