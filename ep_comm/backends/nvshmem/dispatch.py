@@ -245,7 +245,7 @@ class NvshmemDispatch:
         if request.cpu_sync:
             counts = host_counts(h)
         else:
-            counts = self.handle_value(h, "device_counts", _device_counts)
+            counts = self.device_counts(h)
         weighted = request.topk_weights is not None
         outputs = self._carved_outputs(request, counts[:2])
         made = self.replay_send(self.runner.run_recorded, stream, request.x, h, request.topk_weights, outputs, weighted)
@@ -347,6 +347,11 @@ class NvshmemDispatch:
         """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
         carved from ``block``; the weights only where given (else a scratch array outside the block)."""
         return self.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
+
+    def device_counts(self, h: EPHandle) -> tuple:
+        """``(num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert)`` of handle ``h`` on the device, for
+        the outputs of a ``cpu_sync=False`` replay (kept with the handle as ``h.derived["device_counts"]``)."""
+        return self.handle_value(h, "device_counts", _device_counts)
 
     def handle_value(self, h: EPHandle, name: str, derive: Any) -> Any:
         """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture

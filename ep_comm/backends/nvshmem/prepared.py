@@ -28,7 +28,7 @@ import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
-from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, RoutingPlan, _device_counts, host_counts
+from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, RoutingPlan, host_counts
 from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
@@ -283,8 +283,8 @@ class PreparedCalls:
             num_recv, num_expanded, aligned = host_counts(h)
             carving, out_block, launch, scratch = self._exact_outputs(entry, x.shape[1], on, num_recv, num_expanded)
         else:
-            held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
-            num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
+            held = h.derived.get("device_counts")  # dispatcher.device_counts', kept with the handle (never captured here)
+            num_recv, num_expanded, aligned = held or dispatcher.device_counts(h)
             carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
             launch = functools.partial(self._runner.recorded.run, on)
         outputs = (carving, out_block, scratch)
