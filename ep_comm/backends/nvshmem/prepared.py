@@ -34,9 +34,9 @@ from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
-# exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and receive copies recorded for
-# them per Buffer (each exact shape's grid and array shapes are its own); past that many, an exact copy launches
-# pre-bound
+# exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and those whose pieces (the receive
+# copy, a compact replay's scatter: each exact shape's grid and array shapes are its own) are recorded per Buffer;
+# past that many, those pieces launch pre-bound
 _MAX_EXACT, _MAX_EXACT_COPIES = 256, 256
 # a compact new routing with cpu_sync=True returns views of worst-case outputs (its copy enqueued before the poll)
 # only where those take at most this many bytes (decode shapes); larger ones (R * max_tokens rows at prefill, many
@@ -288,7 +288,9 @@ class PreparedCalls:
             carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
             launch = functools.partial(self._runner.recorded.run, on)
         outputs = (carving, out_block, scratch)
-        made = dispatcher.replay_send(launch, stream, x, h, weights, outputs, entry.weighted)
+        # an expand replay's scatter does not depend on the exact shape: recorded whatever the shape
+        send = functools.partial(self._runner.recorded.run, on) if entry.options[0] else launch
+        made = dispatcher.replay_send(send, stream, x, h, weights, outputs, entry.weighted)
         self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, None)
         arrays = dispatcher.replay_receive(launch, stream, h, outputs, entry.options, entry.weighted, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
