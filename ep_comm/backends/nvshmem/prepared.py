@@ -1,22 +1,22 @@
-"""The prepared path of the nvshmem backend: an eager call of a shape seen before, with a few attribute reads
-in front of its launches.
+"""The prepared path of the nvshmem backend: an eager call of a shape seen before, with a few attribute reads in front
+of its launches.
 
 The first call of a shape (per Buffer, operation and call shape: token count, payload shape, options) takes the
-general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its calls); when
-it returns, a :class:`_Entry` is kept for the shape: its options, the layout of its one output
-allocation and of its count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no
-slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
-GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
-(the argument checks, the request objects, the contiguity copies, the views) and runs the same steps, the general
-path's step functions (``NvshmemDispatch.new_send``/``new_receive``, ``replay_send``/``replay_receive``,
-``NvshmemCombine.send_steps``/``receive_steps``) around one signal-and-wait launch: the same recorded calls, launched
-again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the same poll. Everything else takes the general path (``docs/design.md``, "The eager
-path", names the conditions).
+general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its calls); when it
+returns, a :class:`_Entry` is kept for the shape: its options, the layout of its one output allocation and of its
+count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no slicing), and the *identity*
+of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment, GPU; :func:`identity`). A later
+call of the shape whose inputs have that identity skips what the identity proves (the argument checks, the request
+objects, the contiguity copies, the views) and runs the same steps, the general path's step functions
+(``NvshmemDispatch.new_send``/``new_receive``, ``replay_send``/``replay_receive``,
+``NvshmemCombine.send_steps``/``receive_steps``) around one signal-and-wait launch: the same recorded calls,
+launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the same
+poll. Everything else takes the general path (``docs/design.md``, "The eager path", names the conditions).
 
 Never skipped: the capture check (``CapturePolicy.begin``), the routing verdict of a captured dispatch
-(``raise_for_checks``), the step numbering and its abort record on failure (``Steps.run``), the routing verdicts
-on the device (checked by the count kernel, raised after the poll or by the next call). A call that finds a
-deferred verdict to check, a rank missing or an abort record seen takes the general path, which raises them.
+(``raise_for_checks``), the step numbering and its abort record on failure (``Steps.run``), the routing verdicts on
+the device (checked by the count kernel, raised after the poll or by the next call). A call that finds a deferred
+verdict to check, a rank missing or an abort record seen takes the general path, which raises them.
 """
 from __future__ import annotations
 
@@ -234,7 +234,8 @@ class PreparedCalls:
         """``((carving, recorded, scratch), block)``: :meth:`_exact_outputs` of a shape not kept yet, now kept."""
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
-        arrays, block = dispatcher.carve_outputs(dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact))
+        shapes = dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact)
+        arrays, block = dispatcher.carve_outputs(shapes)
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
         shape = (entry.options, entry.weighted, entry.count is None, width, exact)
@@ -283,7 +284,7 @@ class PreparedCalls:
             num_recv, num_expanded, aligned = host_counts(h)
             carving, out_block, launch, scratch = self._exact_outputs(entry, x.shape[1], on, num_recv, num_expanded)
         else:
-            held = h.derived.get("device_counts")  # dispatcher.device_counts', kept with the handle (never captured here)
+            held = h.derived.get("device_counts")  # dispatcher.device_counts', kept with the handle (not captured)
             num_recv, num_expanded, aligned = held or dispatcher.device_counts(h)
             carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
             launch = functools.partial(self._runner.recorded.run, on)
