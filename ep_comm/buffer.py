@@ -203,8 +203,14 @@ class Buffer:
         prepared = self._prepared
         if (prepared is not None and self._pending is None and stats is None and use_fp8 is False
                 and return_recv_hook is False):
-            return prepared.dispatch(self._dispatch, self._checked_handles, x, topk_idx, topk_weights, handle, expand,
-                                     expert_alignment, zero_padding, cpu_sync)
+            out = prepared.dispatch(self._checked_handles, x, topk_idx, topk_weights, handle, expand, expert_alignment,
+                                    zero_padding, cpu_sync)
+            if type(out) is DispatchOutput:
+                return out
+            general = self._dispatch(x, topk_idx, topk_weights, handle, expand, expert_alignment, zero_padding,
+                                     cpu_sync, None, False, False)
+            prepared.learn_dispatch(out, general)
+            return general
         return self._dispatch(x, topk_idx, topk_weights, handle, expand, expert_alignment, zero_padding, cpu_sync,
                               stats, use_fp8, return_recv_hook)
 
@@ -241,7 +247,12 @@ class Buffer:
         """
         prepared = self._prepared
         if prepared is not None and self._pending is None and bias is None and return_recv_hook is False:
-            return prepared.combine(self._combine, self._checked_handles, y, handle, topk_weights)
+            out = prepared.combine(self._checked_handles, y, handle, topk_weights)
+            if type(out) is CombineOutput:
+                return out
+            general = self._combine(y, handle, topk_weights, None, False)
+            prepared.learn_combine(out, general)
+            return general
         return self._combine(y, handle, topk_weights, bias, return_recv_hook)
 
     @holds_captured_memory

@@ -60,7 +60,9 @@ def main() -> None:
         stats.sort_stats("tottime").print_stats(args.top)
         print("\n".join(text.getvalue().splitlines()[:args.top + 12]))
     counts = buf._backend.runner.recorded.launch_counts()
-    print("recorded calls (launches; None: not recordable):", {str(key)[:90]: n for key, n in counts.items()})
+    # a key starts with the recorded function (recorded_calls.call_key): named by it, then its argument words
+    print("recorded calls (launches; None: not recordable):",
+          {f"{key[0].__qualname__}{str(key[1:])[:70]}": n for key, n in counts.items()})
     buf.close()
 
 

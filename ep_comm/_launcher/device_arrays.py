@@ -1,5 +1,7 @@
 """The arrays a launch takes: Numba device views of CUDA arrays, made once per memory descriptor, and whether
-a row copy between word arrays may move 16 bytes per access. Nothing here copies payload data."""
+a row copy between word arrays may move 16 bytes per access (a choice a recorded call's key must hold: its rule,
+``docs/design.md``, "Recorded calls", reads every array argument's pointer modulo 16). Nothing here copies payload
+data."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -11,7 +13,7 @@ from numba import cuda
 from ep_comm._launcher.param_blocks import array_fields
 from ep_comm.contract.arrays import Array
 
-__all__ = ["DeviceViews", "aligned16", "wide_rows"]
+__all__ = ["DeviceViews", "wide_rows"]
 
 
 def _pointer_and_strides(a: Array) -> tuple:
@@ -20,12 +22,6 @@ def _pointer_and_strides(a: Array) -> tuple:
         return a.__array_interface__["data"][0], a.strides
     ptr, _, strides, _ = array_fields(a)
     return ptr, strides
-
-
-def aligned16(a: Array) -> bool:
-    """Whether array ``a``'s data starts on 16 bytes: with its shape, dtype and strides, what decides whether the
-    kernels copy its rows 16 bytes per access (:func:`wide_rows`), so a recorded call's key must hold it."""
-    return _pointer_and_strides(a)[0] % 16 == 0
 
 
 def wide_rows(*arrays: Array) -> bool:

@@ -2,36 +2,30 @@
 
 An eager call of a Buffer launches the same kernels with the same shapes, scalars and grids at every call of
 one shape (token count, mode, options); only the data pointers of its per-call arrays change (the caller's
-``x`` and ``topk_idx``, the call's outputs and scratch). A :class:`RecordedCall` is built from one recorded call
+``x`` and ``topk_idx``, the call's outputs and scratch). A call is given as a function and its arguments
+(:meth:`RecordedCalls.run`); :func:`call_key` reads from those arguments, in one pass, both its lookup key and its
+*roots* (the arrays among them). A :class:`RecordedCall` is built from the first call of a key
 (:func:`ep_comm._launcher.prebound.recording`): per launch the compiled function, the launch configuration and a
-parameter block with every slot filled; for each array parameter that lies inside one of the call's *roots*
-(the per-call arrays the caller names) the root's index and the byte offset. A replay writes
-``root pointer + offset`` into those slots and launches, one driver call per kernel
-(:func:`ep_comm._launcher.raw.launch`): no argument typing, no views, no allocation.
+parameter block with every slot filled; for each array parameter that lies inside one of the roots the root's
+index and the byte offset. A replay writes ``root pointer + offset`` into those slots and launches, one driver call
+per kernel (:func:`ep_comm._launcher.raw.launch`): no argument typing, no views, no allocation.
 
-A replay keeps every other word of the recorded parameter blocks: shapes, strides, scalars, grids, and the
-kernel specialisation that Numba chose for each array's dtype and layout. So a recorded call is looked up by
-the caller's key (its scalars and options) *and* the layout of its roots: shape, byte strides, dtype and the
-data pointer modulo 16 of each (:meth:`RecordedCalls.shape_key`), computed here from the roots themselves, so that no
-caller can leave one out (``docs/design.md``, "Recorded calls", states the rule). A root may have any strides
-(a transposed or strided view): its byte span runs from its lowest to its highest element.
-
-Every array parameter outside the roots is taken as long-lived (workspaces, symmetric-heap views, stand-ins):
-the recorded call holds a reference to it. A caller must therefore name as roots every array a call makes or is
-given: :class:`RecordedCalls` refuses to record a call that allocated anything through the array module's allocator
-outside its roots (``allocations``).
+What the key must hold, and what a call may take besides its arguments, is stated once: ``docs/design.md``,
+"Recorded calls" (the rule of the key). Every array parameter outside the roots is held by the recorded call as
+long-lived; a call that allocates anything outside its roots is not recorded (``allocations``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 from cuda.bindings.driver import CUstream
 
 from ep_comm._launcher import raw
-from ep_comm._launcher.param_blocks import ParamBlock, _ArraySlot, _TupleSlot, array_fields
+from ep_comm._launcher.param_blocks import ParamBlock, _array, _ArraySlot, _TupleSlot, array_fields
 from ep_comm._launcher.prebound import Recorded, recording
 
-__all__ = ["RecordedCall", "RecordedCalls", "record_call"]
+__all__ = ["RecordedCall", "RecordedCalls", "call_key", "record_call"]
 
 _DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
@@ -141,10 +135,63 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
 
 
 _UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
+_WORDS = frozenset((type(None), bool, int, float, str))  # scalar arguments, kept in the key as (type, value)
+Pointers = Mapping[type, Callable[[Any], int]]  # per array type, its data pointer (no Python call: attrgetter)
+
+
+def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers) -> Tuple[tuple, List[Any], List[int]]:
+    """``(key, roots, root pointers)`` of the call ``path(stream, *args)``, read in one pass over ``args``
+    (``docs/design.md``, "Recorded calls", states the rule): the key is ``path`` and, per argument in order, an
+    array's shape, byte strides, dtype and data pointer modulo 16 (the array is a root); a scalar (None, bool, int,
+    float, str, NumPy scalar or dtype) with its type; a tuple's type and length, its items following; an object's
+    ``launch_key`` (a hashable value holding every word its launches take from it, no per-call array). Anything else
+    raises TypeError: its words would not be in the key; so does a ``path`` made per call (a partial, a lambda, a
+    nested function), whose key would never be found again.
+
+    Args:
+        path: the call's launches (through ``Kernels``), a function or a bound method whose owner's state its
+            launches read is fixed for the owner's life.
+        args: ``path``'s arguments after the stream.
+        pointers: per array type the calls take, its data pointer (``CupyDevice.array_pointers``); any other array
+            is read through ``param_blocks.array_fields`` (CuPy-like or ``__cuda_array_interface__``).
+    """
+    if "<locals>" in getattr(path, "__qualname__", "<locals>"):
+        raise TypeError(f"recorded call {path!r}: a partial, lambda or nested function is new at every call (its key "
+                        "would never be found again): give a function or bound method and its arguments")
+    words: List[Any] = [path]
+    roots: List[Any] = []
+    at: List[int] = []
+    pending = list(args)
+    for a in pending:  # one loop, no frame per argument: a tuple's items are appended to it, and read in turn
+        kind = type(a)
+        pointer = pointers.get(kind)
+        if pointer is not None:
+            ptr = pointer(a)
+            words.append((a.shape, a.strides, a.dtype, ptr & 15))
+        elif kind in _WORDS or isinstance(a, (np.generic, np.dtype)):
+            words.append((kind, a))
+            continue
+        elif isinstance(a, tuple):
+            words.append((kind, len(a)))
+            pending.extend(a)
+            continue
+        elif getattr(a, "launch_key", None) is not None:
+            words.append((kind, a.launch_key))
+            continue
+        elif _array(a) is not None:
+            ptr, shape, strides, _ = array_fields(a)
+            words.append((shape, strides, a.dtype, ptr & 15))
+        else:
+            raise TypeError(f"recorded call {getattr(path, '__qualname__', path)}: argument {a!r} of type "
+                            f"{kind.__name__} gives no launch words: a recorded call takes arrays, scalars, tuples "
+                            "of those and objects with a launch_key (docs/design.md, 'Recorded calls')")
+        roots.append(a)
+        at.append(ptr)
+    return tuple(words), roots, at
 
 
 class RecordedCalls:
-    """The recorded calls of one owner (a backend's Kernels), by call key.
+    """The recorded calls of one owner (a backend's Kernels), by call key (:func:`call_key`).
 
     Args:
         enabled: False (the CUDA simulator, ``EP_COMM_NUMBA_LAUNCH=1``): every call runs its path, nothing is
@@ -152,57 +199,44 @@ class RecordedCalls:
         allocations: ``held -> context`` in which every allocation through the array module is appended to
             ``held`` (``CupyDevice.allocations_into``), or None: a call that allocates outside its roots is then
             not detected.
+        pointers: per array type the calls take, its data pointer (:func:`call_key`).
     """
 
-    def __init__(self, enabled: bool, allocations: Optional[Callable[[List[Any]], Any]] = None):
+    def __init__(self, enabled: bool, allocations: Optional[Callable[[List[Any]], Any]] = None,
+                 pointers: Optional[Pointers] = None):
         self.enabled = enabled
         self._allocations = allocations
+        self._pointers = pointers or {}
         self._calls: Dict[Hashable, Any] = {}
-        self.built = 0  # calls recorded so far (a first call at a new shape records one)
+        self.built = 0  # calls recorded so far (a first call at a new key records one)
 
-    def run(self, key: Hashable, on: CUstream, roots: Sequence[Any], path: Callable[..., None], *args: Any) -> None:
-        """One call of shape ``key`` over ``roots``: launch the call recorded for ``key`` and the roots' layout
-        (:meth:`shape_key`) again with the roots' pointers on stream ``on``; the first such call runs
-        ``path(*args)`` (the launches through ``Kernels``, on the same stream) and records it (``args``: no
-        ``functools.partial`` to build at every call of a recorded one).
+    def run(self, on: CUstream, path: Callable[..., None], stream: Any, *args: Any) -> None:
+        """The call ``path(stream, *args)`` (its launches through ``Kernels``, on ``stream``): the call recorded for
+        its key (:func:`call_key`) launched again on stream ``on`` with its roots' pointers; the first call of a key
+        runs it and records it.
 
         Args:
-            key: what the launches' scalars and grids depend on besides the roots' layout (options, modes); None:
-                a call not to be recorded (it runs ``path(*args)``).
-            on: the stream (``raw.stream(handle)``).
-            roots: the call's per-call arrays, in the same order at every call of ``key``: every array the call is
-                given or makes that its launches read or write (any other array a launch takes is held as
-                long-lived by the recorded call).
-            path: the call's launches through ``Kernels`` (its arrays views of ``roots`` or long-lived).
-            args: ``path``'s arguments.
+            on: the stream (``raw.stream(handle)``), the same as ``stream``.
+            path: the call's launches; every array they take is an argument (a root), a view of one, or long-lived
+                (held by the recorded call).
+            stream: the stream ``path`` launches on (not in the key).
+            args: ``path``'s arguments after the stream: arrays, scalars, tuples of those, objects with a
+                ``launch_key``.
         """
-        if not self.enabled or key is None:
-            path(*args)
+        if not self.enabled:
+            path(stream, *args)
             return
-        pointers = [r.data.ptr for r in roots]
-        shape_key = self.shape_key(key, roots, pointers)
-        recorded = self._calls.get(shape_key)
+        key, roots, pointers = call_key(path, args, self._pointers)
+        recorded = self._calls.get(key)
         if recorded is None:
-            self._calls[shape_key] = self._record(roots, path, args)
+            self._calls[key] = self._record(roots, path, (stream, *args))
         elif recorded is _UNRECORDABLE:
-            path(*args)
+            path(stream, *args)
         else:
             recorded(on, pointers)
 
-    @staticmethod
-    def shape_key(key: Hashable, roots: Sequence[Any], pointers: Sequence[int]) -> Hashable:
-        """What a recorded call is looked up by: the caller's ``key`` and the layout of its ``roots`` (at
-        ``pointers``), what a replay keeps of them besides their pointers: per root its shape, byte strides, dtype
-        and 16-byte misalignment (``pointer % 16``, the rows' copy width). Two calls whose roots agree on these make
-        the same launches with the same words but for the roots' data pointers."""
-        layout = []
-        for r, p in zip(roots, pointers):  # a loop, not a comprehension: no frame of its own
-            layout.append((r.shape, r.strides, r.dtype, p & 15))
-        return key, tuple(layout)
-
     def launch_counts(self) -> Dict[Hashable, Optional[int]]:
-        """Per ``(call key, roots' layout)`` seen, the launches of its recorded call (None: its calls cannot be
-        recorded)."""
+        """Per call key seen, the launches of its recorded call (None: its calls cannot be recorded)."""
         return {key: None if recorded is _UNRECORDABLE else len(recorded) for key, recorded in self._calls.items()}
 
     def _record(self, roots: Sequence[Any], path: Callable[..., None], args: tuple) -> Any:

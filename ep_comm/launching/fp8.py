@@ -8,14 +8,13 @@ in the buffer dtype (``shape``, ``dtype``), the rows that cross the link and lan
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ep_comm._launcher.device_arrays import aligned16
 from ep_comm.contract.fp8 import packed_row_bytes
 
-__all__ = ["Fp8Rows", "payload_arrays", "payload_key"]
+__all__ = ["Fp8Rows"]
 
 from ep_comm.contract.arrays import Array
 
@@ -46,18 +45,3 @@ class Fp8Rows(NamedTuple):
         """``(T, packed_row_bytes(H) / itemsize)``: the packed rows as a payload in the buffer dtype."""
         return int(self.tokens.shape[0]), packed_row_bytes(self.hidden) // self.dtype.itemsize
 
-
-def payload_arrays(x: Any) -> Tuple[Array, ...]:
-    """The device arrays a payload is read from: ``x`` itself, or an :class:`Fp8Rows`' one or two arrays."""
-    if isinstance(x, Fp8Rows):
-        return (x.tokens,) if x.scales is None else (x.tokens, x.scales)
-    return (x,)
-
-
-def payload_key(x: Any) -> Tuple[Any, ...]:
-    """What the launches of a payload's scatter depend on besides the routing: its kind (plain rows, FP8 pair,
-    FP8 cast), the dtype of the array read, its shape and whether it starts on 16 bytes (the rows' copy width,
-    :func:`~ep_comm._launcher.device_arrays.aligned16`); the payload is C-contiguous."""
-    if isinstance(x, Fp8Rows):
-        return ("fp8 cast" if x.cast else "fp8 pair", x.tokens.dtype.char, tuple(x.tokens.shape), aligned16(x.tokens))
-    return ("rows", x.dtype.char, tuple(x.shape), aligned16(x))

@@ -17,9 +17,10 @@ from typing import Any, Callable, Iterator, List, Optional
 import numpy as np
 
 from ep_comm._launcher import prebound
-from ep_comm._launcher.recorded_calls import RecordedCalls
+from ep_comm._launcher.recorded_calls import call_key
 from ep_comm.backends.nvshmem import backend as nvshmem_backend
 from ep_comm.contract import arrays as host
+from helpers.fake_gpu import HostDevice
 
 _CTYPES = np._core._internal.__file__  # NumPy's ndarray.ctypes (a data pointer, an attribute on CuPy arrays)
 ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "array", "asarray",
@@ -57,10 +58,9 @@ class Counts:
 
 
 class ReplayedCalls:
-    """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: each call reads its roots' data pointers and looks
-    its plan up by the production lookup (``RecordedCalls.shape_key``: the caller's key and the roots' layout); the first
-    call of a lookup runs its path (noting its launches), every later call replays them, one ``LaunchCounter.launch``
-    per kernel."""
+    """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: each call reads its key, roots and their data
+    pointers from its arguments by the production lookup (``recorded_calls.call_key``); the first call of a key runs
+    its path (noting its launches), every later call replays them, one ``LaunchCounter.launch`` per kernel."""
 
     enabled = True
 
@@ -69,17 +69,13 @@ class ReplayedCalls:
         self._plans: dict = {}
         self.built = 0
 
-    def run(self, key: Any, on: Any, roots: Any, path: Callable[..., None], *args: Any) -> None:
-        if key is None:  # a call not to be recorded: launched pre-bound
-            path(*args)
-            return
-        pointers = [root.ctypes.data for root in roots]
-        shape_key = RecordedCalls.shape_key(key, roots, pointers)
-        kernels = self._plans.get(shape_key)
+    def run(self, on: Any, path: Callable[..., None], stream: Any, *args: Any) -> None:
+        key, _, _ = call_key(path, args, HostDevice.array_pointers)
+        kernels = self._plans.get(key)
         if kernels is None:
             with self._counter.noting() as noted:
-                path(*args)
-            self._plans[shape_key] = tuple(noted)
+                path(stream, *args)
+            self._plans[key] = tuple(noted)
             self.built += 1
             return
         for kernel in kernels:

@@ -4,13 +4,15 @@ in the Numba CUDA simulator (or stubbed by the test).
 
 The tests drive it with the requests ``Buffer`` makes (:func:`dispatch`, :func:`combine`), mostly at the small
 geometry ``SMALL_GEO`` with the routing ``SMALL_IDX``, and watch its kernel launches with :func:`launch_log`."""
+import operator
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 from mpi4py import MPI
 
 from ep_comm._launcher import prebound, raw
-from ep_comm._launcher.recorded_calls import RecordedCalls
+from ep_comm._launcher.recorded_calls import RecordedCalls, call_key
 from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
@@ -107,6 +109,7 @@ class HostDevice:
     """``CupyDevice`` on the host: no streams, no events, reads are copies."""
 
     xp = np
+    array_pointers = {np.ndarray: operator.attrgetter("ctypes.data")}
 
     def kernel_array(self, a):
         return a
@@ -160,6 +163,7 @@ class HostDevice:
             self._block = (block.shape, block.dtype)
             self._views = tuple((v.shape, v.dtype, v.__array_interface__["data"][0] - base, v.strides) for v in views)
             self._whole = len(views) == 1 and views[0] is block
+            self.launch_key = (self._block, self._views, self._whole)
 
         def new(self):
             block = np.empty(*self._block)
@@ -211,27 +215,26 @@ class HostDevice:
 
 class RootCheckingCalls(RecordedCalls):
     """The simulator's recorded calls, in check mode: every call runs its launches (nothing is recorded), and each is
-    held to the first call of its key and roots' layout (``RecordedCalls.shape_key``, as on a GPU). A replay on a
-    GPU keeps every word of the first call's parameter blocks but the roots' data pointers, so each later call must
+    held to the first call of its key (``recorded_calls.call_key``, read from its arguments as on a GPU). A replay on
+    a GPU keeps every word of the first call's parameter blocks but the roots' data pointers, so each later call must
     make the same launches (kernel, grid, block, shared bytes) with the same words: the same scalars; for every array
     argument the same shape, strides and dtype and, inside a root, the same root and byte offset from the root's data
     pointer; outside every root (held as long-lived by a recorded call) the same data pointer. This holds whichever
     path (general or prepared) makes the call."""
 
     def __init__(self):
-        super().__init__(enabled=False)
+        super().__init__(enabled=False, pointers=HostDevice.array_pointers)
         self.layouts = {}
+        self.compared = Counter()  # per function (``__qualname__``), its calls held to an earlier call of their key
 
-    def run(self, key, on, roots, path, *args):
-        if key is None:  # a call not to be recorded: nothing is replayed
-            return super().run(key, on, roots, path, *args)
-        pointers = [_pointer(r) for r in roots]
-        shape_key = self.shape_key(key, roots, pointers)  # the production lookup: a key it misses shows here
+    def run(self, on, path, stream, *args):
+        key, roots, pointers = call_key(path, args, self._pointers)  # the production lookup: a key it misses shows here
         with prebound.recording() as seen:
-            super().run(key, on, roots, path, *args)
+            super().run(on, path, stream, *args)
         spans = [_span(r, p) for r, p in zip(roots, pointers)]
         made = tuple((config, _words(args, spans)) for _, config, args in seen)
-        first = self.layouts.setdefault(shape_key, made)
+        first = self.layouts.setdefault(key, made)
+        self.compared[path.__qualname__] += first is not made
         assert made == first, (f"recorded call {key!r}: launches (config, words) {made}, but its first call's were "
                                f"{first}: a replay on a GPU would launch those")
 

@@ -9,6 +9,7 @@ small dispatch and combine are compared with the ones Numba's own launch builds 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import weakref
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from ep_comm._launcher import prebound as bound_module
 from ep_comm._launcher import raw as raw_module
 from ep_comm._launcher.param_blocks import ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm._launcher.prebound import PreboundKernel
-from ep_comm._launcher.recorded_calls import RecordedCalls
+from ep_comm._launcher.recorded_calls import RecordedCalls, call_key
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -378,16 +379,27 @@ def _two_launches(bound, first, second):
     return lambda: (bound(4, 64, "s", 0, first, 3, True), bound(2, 32, "s", 16, second, 5, False))
 
 
+class _Call:
+    """A recorded call's launches (``_two_launches``) of ``launch``, a view ``offset`` bytes into its root and then
+    ``held``, a long-lived array; ``ran``: the roots it ran on."""
+
+    def __init__(self, launch, offset: int, held):
+        self.launch, self.offset, self.held, self.ran = launch, offset, held, []
+
+    def path(self, stream, root):
+        self.ran.append(root)
+        _two_launches(self.launch, FakeCupyArray(root.data.ptr + self.offset, (6,), np.int32), self.held)()
+
+
 def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driver):
-    bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
     fixed = FakeCupyArray(0x9000, (6,), np.int32)
+    call = _Call(PreboundKernel(FakeDispatcher(), to_numba=lambda a: a), 0x10, fixed)
     plans, on = RecordedCalls(enabled=True), raw_module.stream(0x5)
-    root = FakeCupyArray(0x1000, (64,), np.int32)
-    plans.run("key", on, (root,), _two_launches(bound, FakeCupyArray(0x1010, (6,), np.int32), fixed))
+    plans.run(on, call.path, "s", FakeCupyArray(0x1000, (64,), np.int32))
     assert plans.built == 1 and len(driver.launches) == 1  # the first launch of a kind goes through Numba
     del driver.launches[:]
-    later = FakeCupyArray(0x7000, (64,), np.int32)
-    plans.run("key", on, (later,), lambda: pytest.fail("a planned call must not run its path"))
+    plans.run(on, call.path, "s", FakeCupyArray(0x7000, (64,), np.int32))
+    assert len(call.ran) == 1, "a recorded call must not run its path again"
     assert driver.launches == [raw((FakeCupyArray(0x7010, (6,), np.int32), 3, True), 4, 64),
                                raw((fixed, 5, False), 2, 32, 16)]
 
@@ -396,13 +408,14 @@ def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_plann
     allocating = RecordedCalls(enabled=True, allocations=lambda held: _appending(held))
     cooperative = PreboundKernel(FakeDispatcher(dict(cooperative=True)), to_numba=lambda a: a)
     bound = PreboundKernel(FakeDispatcher(), to_numba=lambda a: a)
-    arrays = (FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32))
-    runs = []
+    root, held = FakeCupyArray(0x1000, (6,), np.int32), FakeCupyArray(0x2000, (6,), np.int32)
+    calls = []
     for plans, launch in ((allocating, bound), (RecordedCalls(enabled=True), cooperative), (RecordedCalls(enabled=False), bound)):
+        calls.append(_Call(launch, 0, held))
         for _ in range(2):
-            plans.run("key", raw_module.stream(0x5), arrays[:1], lambda: runs.append(_two_launches(launch, *arrays)()))
+            plans.run(raw_module.stream(0x5), calls[-1].path, "s", root)
         assert plans.built == 0
-    assert len(runs) == 6  # every call ran its own launches
+    assert [len(call.ran) for call in calls] == [2, 2, 2]  # every call ran its own launches
 
 
 class _appending:
@@ -416,6 +429,39 @@ class _appending:
 
     def __exit__(self, *exc):
         return False
+
+
+class _Carving:
+    """An object a recorded call takes by its ``launch_key``."""
+
+    def __init__(self, launch_key):
+        self.launch_key = launch_key
+
+
+def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
+    """``call_key``: an array's shape, strides, dtype and 16-byte misalignment, a scalar's type and value, a tuple's
+    items, an object's ``launch_key``, and the function; the arrays are the roots, in order. A function made per call
+    is refused."""
+    def key(*args, path=_two_launches):
+        return call_key(path, args, {})
+
+    base = (FakeCupyArray(0x1000, (4, 6), np.int32), 3, (True, None), _Carving(("rows", 7)))
+    assert key(*base)[1:] == ([base[0]], [0x1000])
+    same = (FakeCupyArray(0x7010, (4, 6), np.int32),) + base[1:]  # another pointer, 16 bytes apart: the same words
+    assert key(*same)[0] == key(*base)[0]
+    others = [(FakeCupyArray(0x1008, (4, 6), np.int32),) + base[1:],
+              (FakeCupyArray(0x1000, (4, 6), np.int32, strides=(4, 16)),) + base[1:],
+              (FakeCupyArray(0x1000, (6, 4), np.int32),) + base[1:],
+              (FakeCupyArray(0x1000, (4, 6), np.float32),) + base[1:],
+              base[:1] + (3.0,) + base[2:], base[:2] + ((1, None),) + base[3:], base[:2] + ((True,), None) + base[3:],
+              base[:3] + (_Carving(("rows", 8)),)]
+    keys = {key(*args)[0] for args in others} | {key(*base)[0], key(*base, path=raw)[0]}
+    assert len(keys) == len(others) + 2
+    with pytest.raises(TypeError, match="argument .*object.* gives no launch words"):
+        key(object())
+    for made_per_call in (functools.partial(_two_launches, None), lambda stream: None):
+        with pytest.raises(TypeError, match="new at every call"):
+            key(path=made_per_call)
 
 
 def test_launches_are_recorded_per_thread(driver):

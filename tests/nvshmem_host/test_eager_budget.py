@@ -26,21 +26,26 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
 LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem.prepared), each recorded call looked up as on the
-# GPU (RecordedCalls.shape_key): measured 43-46 / 36-37 / 28 (issue 47, third pass: a recorded call's layout read
-# without a comprehension frame, a new routing's count_in_copy choice learned once per shape, a combine's one output
-# made without a views call; the arrays carved fewer, which no call count shows, VIEWS below);
-# before: 47-49 / 38-39 / 30 (second pass), 59 / 49-50 / 40-42 (first); at 635f594 (the general path, lookups not
+# GPU (recorded_calls.call_key): measured 41-43 / 34-35 / 27 (issue 51: each key read from the call's arguments in
+# one pass, no key, roots or layout function of its own; each operation runs the general path's two step functions,
+# NvshmemDispatch.new_send/new_receive, replay_send/replay_receive, NvshmemCombine.send_steps/receive_steps: 2
+# calls); before: 43-46 / 36-37 / 28 (issue 47, third pass: a
+# recorded call's layout read without a comprehension frame, a new routing's count_in_copy choice learned once per
+# shape, a combine's one output made without a views call; the arrays carved fewer, which no call count shows, VIEWS
+# below); 47-49 / 38-39 / 30 (second pass), 59 / 49-50 / 40-42 (first); at 635f594 (the general path, lookups not
 # counted) 132 / 101 / 92
-PYTHON_CALLS = {"new": 46, "cached": 37, "combine": 28}
-PAIR_CALLS = {"cached": 65, "new": 78}  # tools/host_pairs.py measures the same pairs (before: 68 / 83; 91 / 105)
-# cpu_sync=True calls of a prepared shape: measured 54-55 / 38-39 / 34 (a new routing's poll, verdict and counts read
-# from one read of the mapped record; a compact one's exact outputs carved as views of the exact rows after the poll,
-# no worst-case views sliced; a replay as its cpu_sync=False twin, no poll; a combine's poll); before: 57-58 / 40-41 /
-# 36 (second pass), 69 / 49-50 / 46-48 (first); before issue 47 (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
-PYTHON_CALLS_SYNC = {"new": 55, "cached": 39, "combine": 34}
+PYTHON_CALLS = {"new": 43, "cached": 35, "combine": 27}
+# tools/host_pairs.py measures the same pairs: 60-61 / 72-74 (before issue 51: 63-64 / 75-78; 68 / 83; 91 / 105)
+PAIR_CALLS = {"cached": 61, "new": 74}
+# cpu_sync=True calls of a prepared shape: measured 51-52 / 36-37 / 33 (issue 51); before 54-55 / 38-39 / 34 (a new
+# routing's poll, verdict and counts read from one read of the mapped record; a compact one's exact outputs carved as
+# views of the exact rows after the poll, no worst-case views sliced; a replay as its cpu_sync=False twin, no poll; a
+# combine's poll); 57-58 / 40-41 / 36 (second pass), 69 / 49-50 / 46-48 (first); before issue 47 (c0b50a8, lookups
+# not counted) 90-99 / 131-141 / 36
+PYTHON_CALLS_SYNC = {"new": 52, "cached": 37, "combine": 33}
 # a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 31
-# with a cpu_sync=False handle, 37 with a cpu_sync=True one (before the third pass 33 / 39)
-WEIGHTED_COMBINE_CALLS = {False: 31, True: 37}
+# with a cpu_sync=False handle, 37 with a cpu_sync=True one (before the third pass 33 / 39); since issue 51 30 / 36
+WEIGHTED_COMBINE_CALLS = {False: 30, True: 36}
 # arrays carved per call by the device's recarvings (``cupy.ndarray(memptr=...)``, about 1.1 us each on an H100): a new
 # routing's count block 1 before its first launch (its count words) and its handle's 6 after its last (9 with
 # cpu_sync=False: its device counts too), its outputs 3 (a compact one with cpu_sync=True: views of the exact rows,

@@ -6,6 +6,7 @@ import pytest
 from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, launch_log, simulated_buffer
 from helpers.same_outputs import assert_same_dispatch, assert_same_outputs
 
+import ep_comm.backends.nvshmem.prepared as prepared_module
 import ep_comm.buffer as buffer_module
 from ep_comm.errors import RoutingError
 
@@ -64,6 +65,23 @@ def test_the_prepared_path_over_puts_gives_the_bytes_of_the_general_path():
     general, prepared = _buffer(False, use_puts=True), _buffer(True, use_puts=True)
     assert_same_outputs(_calls(general, False, True), _calls(prepared, False, True))
     assert prepared._backend.prepared.replayed >= 8
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_exact_shapes_past_the_recorded_ones_launch_unrecorded_and_give_the_bytes_of_the_general_path(expand,
+                                                                                                    monkeypatch):
+    """``cpu_sync=True`` calls of two exact output shapes with room for one: the pieces of the second that depend on
+    its shape launch as they are (``steps.launch_now``), not recorded (an expand replay's scatter does not: it stays
+    recorded), and every call gives the general path's bytes."""
+    unrecorded = []
+    monkeypatch.setattr(prepared_module, "_MAX_EXACT_COPIES", 1)
+    monkeypatch.setattr(prepared_module, "launch_now",
+                        lambda path, stream, *args: unrecorded.append(path.__name__) or path(stream, *args))
+    general, prepared = _buffer(False), _buffer(True)
+    assert_same_outputs(_calls(general, expand, True), _calls(prepared, expand, True))
+    assert len(prepared._backend.prepared._exact_copies) == 1
+    assert "carved_receive_copy" in unrecorded and "scatter" not in unrecorded
+    assert ("carved_scatter" in unrecorded) is not expand
 
 
 def _weighted_combines(buf, expand: bool) -> list:

@@ -1,15 +1,16 @@
-"""A recorded call's key holds everything its launches depend on: here the 16-byte start of the payload (``x``) and
-of the combine's ``y``, which decides the rows' copy width (``ep_comm._launcher.device_arrays.aligned16``). On a GPU
-a later call of a key replays the first call's launches, scalars included; ``helpers.fake_gpu.RootCheckingCalls``
-asserts in the simulator that every call of a key makes the same launches with the same scalars."""
+"""A recorded call's key holds everything its launches depend on (``ep_comm._launcher.recorded_calls.call_key``):
+here the 16-byte start of the payload (``x``) and of the combine's ``y``, which decides the rows' copy width
+(``ep_comm._launcher.device_arrays.wide_rows``). On a GPU a later call of a key replays the first call's launches,
+scalars included; ``helpers.fake_gpu.RootCheckingCalls`` asserts in the simulator that every call of a key makes the
+same launches with the same scalars."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, combine, dispatch, simulated_backend
+from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, HostDevice, combine, dispatch, simulated_backend, simulated_buffer
 
+from ep_comm._launcher.recorded_calls import call_key
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
-from ep_comm.launching.fp8 import payload_key
 
 pytestmark = pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 
@@ -23,10 +24,15 @@ def _rows(num_tokens: int, hidden: int, offset_words: int, seed: int) -> np.ndar
     return rows
 
 
+def _key(x: np.ndarray) -> tuple:
+    """The key of a call taking payload ``x`` (its roots and their pointers left out)."""
+    return call_key(_key, (x, 3, None), HostDevice.array_pointers)[0]
+
+
 def test_the_payload_key_tells_a_16_byte_start_from_an_8_byte_one():
     aligned, shifted = _rows(3, SMALL_GEO.hidden, 0, 1), _rows(3, SMALL_GEO.hidden, 2, 1)
-    assert payload_key(aligned) != payload_key(shifted)
-    assert payload_key(aligned) == payload_key(_rows(3, SMALL_GEO.hidden, 4, 2))  # 16 bytes in: the same launches
+    assert _key(aligned) != _key(shifted)
+    assert _key(aligned) == _key(_rows(3, SMALL_GEO.hidden, 4, 2))  # 16 bytes in: the same launches
 
 
 @pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
@@ -55,3 +61,33 @@ def _combined(x: np.ndarray, expand: bool) -> np.ndarray:
     for k in range(SMALL_IDX.shape[1]):
         total += np.where(SMALL_IDX[:, k:k + 1] >= 0, x, np.float32(0))
     return total
+
+
+# every recorded piece, by the function a recorded call is given (the same on both paths: they run one sequence)
+PIECES = {"NvshmemDispatch.count_and_scatter", "NvshmemDispatch.receive_count", "NvshmemDispatch.scatter",
+          "NvshmemDispatch.carved_scatter", "NvshmemDispatch.carved_receive_copy", "NvshmemCombine.send",
+          "NvshmemCombine.reduce"}
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
+def test_every_recorded_piece_is_held_to_its_first_call_in_check_mode(prepared):
+    """Each eager call three times (the later ones prepared, where ``prepared``), compact and expand, new routings and
+    replays with and without ``cpu_sync``, and their combines: every recorded piece of the path is called again
+    under a key seen before, and made its first call's launches word for word (``RootCheckingCalls``)."""
+    buf = simulated_buffer(prepared)
+    rng = np.random.default_rng(5)
+    weights = rng.random((3, SMALL_GEO.num_topk)).astype(np.float32)
+    for expand in (False, True):
+        for sync in (False, True):
+            handles = []
+            for _ in range(3):
+                x = rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
+                out = buf.dispatch(x, SMALL_IDX, weights, expand=expand, cpu_sync=sync)
+                buf.combine(out.recv_x, out.handle)
+                handles.append(out.handle)
+            for handle in handles:
+                out = buf.dispatch(rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32), handle=handle,
+                                   cpu_sync=sync)
+                buf.combine(out.recv_x, out.handle)
+    compared = buf._backend.runner.recorded.compared
+    assert {piece for piece, calls in compared.items() if calls} == PIECES, compared

@@ -160,7 +160,7 @@ class NvshmemBackend:
         self.kernels = Kernels(xp, num_ranks=geo.num_ranks, num_experts=geo.num_experts, num_topk=geo.num_topk,
                                max_tokens=geo.max_tokens, **launch)
         self.runner = StepRunner(self.rank, geo, settings.timeout_s, settings.profile, transport, device,
-                                 RecordedCalls(self.kernels.prebound, device.allocations_into))
+                                 RecordedCalls(self.kernels.prebound, device.allocations_into, device.array_pointers))
         own = transport.own
         self.ctx = NvshmemContext(geo, self.rank, settings.deterministic, xp, self.kernels, transport, device,
                                   self.runner, device.kernel_array(own.rows), device.kernel_array(own.meta),

@@ -29,15 +29,18 @@ class Recarving:
     no slicing). The block is a root of the recorded calls it is passed to, whose key holds its layout: it is made
     as the general path makes it. A single view that is the block itself (:meth:`CupyDevice.carve` of one array)
     is the new block again: one array made, not two. :meth:`block` and :meth:`views` are its two halves, for a
-    caller that launches on the block before it needs the views (or needs none: a recorded call takes the block)."""
+    caller that launches on the block before it needs the views (or needs none: a recorded call takes the block).
+    ``launch_key``: its layout, what a recorded call that makes its views inside takes from it
+    (``ep_comm._launcher.recorded_calls.call_key``)."""
 
-    __slots__ = ("_block", "_views", "_whole")
+    __slots__ = ("_block", "_views", "_whole", "launch_key")
 
     def __init__(self, block: Any, views: Sequence[Any]):
         base = block.data.ptr
         self._block = (block.shape, block.dtype)
         self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
         self._whole = len(views) == 1 and views[0] is block
+        self.launch_key = (self._block, self._views, self._whole)
 
     def new(self) -> Tuple[Any, List[Any]]:
         """``(block, views)``: one allocation."""
@@ -64,6 +67,7 @@ class CupyDevice:
     """CUDA device ``device`` (ordinal) of one rank."""
 
     xp = cupy
+    array_pointers = {cupy.ndarray: operator.attrgetter("data.ptr")}  # a recorded call's roots' (call_key)
 
     def __init__(self, device: int):
         self.device = device

@@ -1,25 +1,26 @@
 """The dispatch protocol of ``NvshmemBackend`` (``NvshmemDispatch``, given an ``NvshmemContext``): the FP8 payload,
 the send half of a new routing (count and scatter, the count exchange) or of a handle's replay (recorded slots,
-outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). The steps
-are listed in ``ep_comm.backends.nvshmem``'s docstring.
+outputs allocated first), and their receive halves (receive count, the rows into the outputs, the handle). Their
+steps are written once, for both paths: ``NvshmemDispatch.new_send`` and ``new_receive``, ``replay_send`` and
+``replay_receive``; the prepared path runs them too.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, Sent
-from ep_comm.backends.nvshmem.steps import NvshmemContext
+from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
-from ep_comm.handle import DispatchOutput, EPHandle, Received, Routing, make_handle
+from ep_comm.handle import DispatchOutput, EPHandle, make_handle
 from ep_comm.launching import kernel_launches
-from ep_comm.launching.fp8 import Fp8Rows, payload_arrays, payload_key
+from ep_comm.launching.fp8 import Fp8Rows
 
 
 class NvshmemDispatch:
@@ -38,6 +39,8 @@ class NvshmemDispatch:
         self.place_mode = kernel_launches.PLACE_STABLE if ctx.deterministic else kernel_launches.PLACE_ATOMIC
         self._scratch = ctx.xp.empty(0, dtype=np.float32)  # weight outputs nobody asked for
         self._puts_phase = functools.partial(self.profile.phase, "dispatch", "puts")  # made only where puts run
+        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: a send flushes its staged rows
+        self._count_carvings: Dict[tuple, tuple] = {}  # count_carvings' by argument
 
     def pack_fp8(self, x: Any) -> Fp8Rows:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
@@ -63,7 +66,7 @@ class NvshmemDispatch:
                 local: Optional[tuple] = None) -> None:
         """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
         ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
-        the staging blocks with puts, which :meth:`_flush` sends; forwarded, only those of this rank's node:
+        the staging blocks with puts, which the send steps then put; forwarded, only those of this rank's node:
         ``route.written``); ``local``: ``(recv_x, received psum [R])`` of a compact replay, where the rows for this rank
         itself go."""
         t = self.transport
@@ -72,12 +75,6 @@ class NvshmemDispatch:
             self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
                                  mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum,
                                  written=self.route.written)
-
-    def _flush(self, stream: Any, psum: Callable[[], Array]) -> None:
-        """Send, on ``stream``, the staged rows and meta rows where there are puts (the transport's test; timed as
-        phase ``puts``), ``psum()`` (int32 ``[R]``, called only then) the inclusive prefix sum of the rows per
-        destination."""
-        self.transport.flush(stream, psum, with_meta=True, timed=self._puts_phase)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` as the kernels read rows (``NvshmemContext.as_rows``; an ``Fp8Rows``' arrays are
@@ -90,27 +87,87 @@ class NvshmemDispatch:
 
     def _dispatch_new(self, seq: int, stream: Any, request: DispatchRequest,
                       hooked: bool) -> Callable[[Any], DispatchOutput]:
-        """The send half of a dispatch of a new routing, on ``stream``; returns its receive half.
+        """The send half of a dispatch of a new routing, on ``stream`` (the routing check of a captured call, then
+        :meth:`new_send`, then the signal with the count words); returns its receive half.
 
-        One allocation before the first launch: the int32 block of the receive count (``Kernels.recv_words``) and
-        of the count (``Kernels.send_words``); count and scatter run as one recorded call (ids out of range or named
+        One allocation before the first launch: the count block (:meth:`count_carvings`; ids out of range or named
         twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
-        k = self.kernels
         request = self._contiguous_request(request)
-        idx, x, weights = request.topk_idx, request.x, request.topk_weights
+        idx = request.topk_idx
         if self.capture.active:  # a replay's verdict is reported by this rank's next call (CapturePolicy)
             with self.profile.phase("dispatch", "check"):
-                k.check_routing(idx, into=self.capture.checks, stream=stream)
-        num_tokens = idx.shape[0]
-        block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
-        send_block = self.send_block(block)
-        self.runner.run_recorded(self.send_key(idx, x, weights is not None), send_roots(idx, x, block, weights),
-                                 functools.partial(self.count_and_scatter, stream, idx, x, weights, block))
-        routing = Routing(k.ids_view(send_block, num_tokens, idx.dtype), *k.routing_views(send_block, num_tokens))
-        self.route.flush(functools.partial(self._flush, stream, functools.partial(self.send_psum, block, num_tokens)))
-        arrive = self.route.dispatch_sent(stream, hooked, Sent(x, idx, weights, routing.dst_buffer_slot_idx,
-                                                               k.count_words_view(send_block)))
-        return functools.partial(self._receive_new, request, routing, block, arrive)
+                self.kernels.check_routing(idx, into=self.capture.checks, stream=stream)
+        launch, views = self.count_carvings(idx.shape[0], idx.dtype, not request.cpu_sync)
+        block, (words, *slots) = launch.new()  # slots: [slot_idx] for a forwarded route (count_carvings), else []
+        self.new_send(self.runner.run_recorded, stream, idx, request.x, request.topk_weights, block)
+        arrive = self.route.dispatch_sent(stream, hooked, Sent(request.x, idx, request.topk_weights,
+                                                               slots[0] if slots else None, words))
+        return functools.partial(self._receive_new, request, block, views, arrive)
+
+    def _receive_new(self, request: DispatchRequest, block: Array, views: Any, arrive: Arrive,
+                     stream: Any) -> DispatchOutput:
+        """The receive half of a dispatch of a new routing, on ``stream``: the route's start of it (a split step's
+        wait; forwarded, the relay first), :meth:`new_receive` (outputs of the worst case, or with ``cpu_sync`` exact
+        ones after the poll, their copy then not recorded), the ids the route keeps, the stats."""
+        arrive(stream)
+        expand, weighted = request.expand, request.topk_weights is not None
+        options = self.receive_options(expand, request.expert_alignment, request.zero_padding, True)
+        plan = RoutingPlan(options, weighted, self.counts_in_copy(expand, request.cpu_sync), views)
+        worst = None if request.cpu_sync else self._carved_outputs(request, None)
+        out = self.new_receive(self.runner.run_recorded, stream, block, plan, request.topk_weights, request.cpu_sync,
+                               worst, functools.partial(self._exact_outputs, request))
+        self.route.keep_ids(out.handle, out.recv_topk_idx)
+        if request.stats is not None:
+            _add_counts(self.xp, request.stats, out.handle.num_unaligned_recv_tokens_per_expert)
+        return out
+
+    def new_send(self, launch: Launch, stream: Any, idx: Array, x: Any, weights: Optional[Array],
+                 block: Array) -> None:
+        """The send steps of a new routing ``idx [T, K]`` (both paths run these, in this order), on ``stream``: count
+        and scatter (:meth:`count_and_scatter`, launched by ``launch``: a :data:`Launch`) of ``x`` and ``weights``
+        into count block ``block``, then the puts of the staged rows (the route's: none forwarded)."""
+        launch(self.count_and_scatter, stream, idx, x, weights, block)
+        if self._puts:
+            self.route.flush(functools.partial(self.transport.flush, stream,
+                                               functools.partial(self.send_psum, block, idx.shape[0]), with_meta=True,
+                                               timed=self._puts_phase))
+
+    def new_receive(self, launch: Launch, stream: Any, block: Array, plan: RoutingPlan, weights: Optional[Array],
+                    cpu_sync: bool, worst: Optional[tuple], exact: Callable[[int, int], tuple]) -> DispatchOutput:
+        """The receive steps of a new routing after its wait (both paths run these, in this order), on ``stream``:
+        the receive count into count block ``block`` (unless the copy counts, ``plan.counted``), then the receive
+        copy, then the handle's views of the block, then the verdicts (deferred with ``cpu_sync=False``, else one
+        poll and raised) and the outputs.
+
+        Args:
+            launch: how the pieces are launched (a :data:`Launch`).
+            worst: ``(carving, block, scratch)`` of worst-case outputs (:meth:`replay_send`'s ``outputs``), copied
+                into before the poll (``cpu_sync``: the outputs are then views of their first received rows); None:
+                ``exact(received rows, expanded rows)`` gives ``(carving, block, launch, scratch)`` of exact ones
+                after the poll, and how their copy is launched.
+        """
+        options, weighted, counted = plan.options, plan.weighted, plan.counted
+        if not counted:
+            launch(self.receive_count, stream, block, options[0], options[1])
+        if cpu_sync:
+            marker = self.device.progress()  # after the receive count: the poll does not wait for the copy
+        rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
+        if worst is None:
+            num_recv, num_expanded, aligned = self.received_counts(marker)
+            carving, out_block, copy, scratch = exact(num_recv, num_expanded)
+        else:
+            (carving, out_block, scratch), copy = worst, launch
+        copy(self.carved_receive_copy, stream, options, weighted, counted, carving, out_block, scratch, block)
+        ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = plan.views.views(block)
+        if not cpu_sync:
+            self.runner.defer_verdict()  # after the launch that writes the record
+            aligned, num_recv, num_expanded = device_counts
+        elif worst is not None:  # the copy is enqueued: the poll, then views of the exact rows
+            num_recv, num_expanded, aligned = self.received_counts(marker)
+            rows, scratch = num_recv, None
+        arrays = arranged_outputs(carving.views(out_block, rows), weighted, scratch)
+        received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
+        return self.output(options, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
     def send_block(self, block: Array) -> Array:
         """The count's ``[Kernels.send_words(T)]`` words of a new routing's count block (int32, one allocation: the
@@ -129,10 +186,21 @@ class NvshmemDispatch:
     def count_carvings(self, num_tokens: int, ids_dtype: Any, device_counts: bool) -> tuple:
         """``(launch, handle)``: the device's recarvings of the count block of a new routing of ``num_tokens`` tokens
         (ids of ``ids_dtype``; :meth:`send_block`). ``launch.new()`` gives the block and what its launches take
-        besides it, ``(count_words,)`` (the recorded calls take the whole block as their root); ``handle.views(block)``
+        besides it, ``(count_words,)`` (the signal's words; a forwarded route's also ``slot_idx``, which its inbox send
+        reads; the recorded calls take the whole block as their root); ``handle.views(block)``
         what the handle holds, made after the launches: ``(the ids' copy, is_token_in_rank, slot_idx, the receive
         count's rank psum, expert psum, unaligned counts)`` and, ``device_counts`` (``cpu_sync=False``), its aligned
-        counts, received rows N and expanded rows M (0-d arrays)."""
+        counts, received rows N and expanded rows M (0-d arrays). Kept per argument (a full table is cleared)."""
+        key = (num_tokens, ids_dtype, device_counts)
+        held = self._count_carvings.get(key)
+        if held is None:
+            if len(self._count_carvings) >= _MAX_COUNT_CARVINGS:
+                self._count_carvings.clear()
+            held = self._count_carvings[key] = self._new_count_carvings(num_tokens, ids_dtype, device_counts)
+        return held
+
+    def _new_count_carvings(self, num_tokens: int, ids_dtype: Any, device_counts: bool) -> tuple:
+        """:meth:`count_carvings`, made anew (from one block of the layout)."""
         k, recarving = self.kernels, self.device.recarving
         block = self.xp.empty(k.recv_words + k.send_words(num_tokens), np.int32)
         send, recv = k.send_layout(self.send_block(block), num_tokens), k.receive_layout(self.receive_block(block))
@@ -140,11 +208,8 @@ class NvshmemDispatch:
                  recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert)
         if device_counts:
             views += (recv.num_aligned_per_expert, recv.totals[:1].reshape(()), recv.totals[1:].reshape(()))
-        return recarving(block, (send.count_words,)), recarving(block, views)
-
-    def send_key(self, idx: Array, x: Any, weighted: bool) -> tuple:
-        """The recorded-call key of a new routing's count and scatter (:meth:`count_and_scatter`)."""
-        return ("send", idx.shape[0], idx.dtype.char, payload_key(x), weighted, self.deterministic)
+        launched = (send.count_words,) if self.route.written is None else (send.count_words, send.slot_idx)
+        return recarving(block, launched), recarving(block, views)
 
     def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], block: Array) -> None:
         """On ``stream``: count routing ``idx [T, K]`` into the count block ``block`` (:meth:`send_block`), then
@@ -156,10 +221,6 @@ class NvshmemDispatch:
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
         self.scatter(stream, x, idx, weights, send.slot_idx, mode)
 
-    def receive_count_key(self, expand: bool, alignment: int) -> tuple:
-        """The recorded-call key of a new routing's receive count (:meth:`receive_count`)."""
-        return ("receive_count", expand, alignment, self.deterministic)
-
     def receive_count(self, stream: Any, block: Array, expand: bool, alignment: int) -> None:
         """The receive count of a new routing, on ``stream``, into the count block ``block`` (its
         :meth:`receive_block`) and the runner's mapped record."""
@@ -167,34 +228,6 @@ class NvshmemDispatch:
             self.kernels.receive_count(self.ctx.own_counts, self.ctx.own_meta, self.transport.step, alignment=alignment,
                                        expand=expand, stable=self.deterministic, stream=stream,
                                        block=self.receive_block(block), record=self.runner.record)
-
-    def _receive_new(self, request: DispatchRequest, routing: Routing, block: Array, arrive: Arrive,
-                     stream: Any) -> DispatchOutput:
-        """The receive half of a dispatch of a new routing, on ``stream``: counts (into the count block ``block``'s
-        :meth:`receive_block`, and the mapped record), then the rows into new outputs. ``cpu_sync``: one poll, then the
-        routing error of any rank's bad verdict (every rank raises it here, in step), else the exact outputs; without
-        it the next call checks the verdicts, and a compact receive counts in its copy's launch
-        (``Kernels.receive_counted``)."""
-        expand, alignment = request.expand, request.expert_alignment
-        arrive(stream)  # a split step's wait (the route's)
-        recv_block = self.receive_block(block)
-        counted = recv_block if self.counts_in_copy(expand, request.cpu_sync) else None
-        if counted is None:
-            self.runner.run_recorded(self.receive_count_key(expand, alignment), (block,),
-                                     functools.partial(self.receive_count, stream, block, expand, alignment))
-        recv = self.kernels.receive_layout(recv_block)
-        if request.cpu_sync:
-            counts = self.received_counts()
-        else:
-            # 0-d views, as the prepared path's (count_carving): filled by a launch yet to come when the copy counts
-            counts = (recv.totals[:1].reshape(()), recv.totals[1:].reshape(()), recv.num_aligned_per_expert)
-        out = self._receive(stream, request, routing, (recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert),
-                            counts, None, self.place_mode, count_block=block, counted=counted)
-        if not request.cpu_sync:
-            self.runner.defer_verdict()  # after the launch that writes the record
-        if request.stats is not None:
-            _add_counts(self.xp, request.stats, recv.num_unaligned_per_expert)
-        return out
 
     def counts_in_copy(self, expand: bool, cpu_sync: bool) -> bool:
         """Whether a new routing's receive counts in its copy's launch (:meth:`receive_copy`'s ``counted``): compact,
@@ -217,47 +250,124 @@ class NvshmemDispatch:
 
     def _dispatch_cached(self, seq: int, stream: Any, request: DispatchRequest,
                          hooked: bool) -> Callable[[Any], DispatchOutput]:
-        """The send half, on ``stream``, of a replay of the handle's routing (recorded slots and layout, no counting,
-        no count exchange); returns its receive half. The outputs are allocated before the send; in compact mode the
-        scatter writes the payload of this rank's rows to itself straight into ``recv_x`` and the receive skips
-        them."""
+        """The send half, on ``stream``, of a replay of the handle's routing (:meth:`replay_send`; the outputs
+        allocated first, exact with ``cpu_sync``, their receive copy then not recorded); returns its receive half."""
         h, request = request.handle, self._contiguous_request(request)
         if request.cpu_sync:
             counts = host_counts(h)
         else:
-            counts = self.handle_value(h, "device_counts", _device_counts)
-        outputs, block = self._alloc_outputs(request, counts[:2], h.recv_src_metadata)
-        local = None if request.expand else (outputs[0], h.psum_num_recv_tokens_per_rank)
-        x, weights = request.x, request.topk_weights
-        self.runner.run_recorded(self.cached_send_key(h, x, weights is not None, local),
-                                 cached_send_roots(h, x, weights, local is not None, block),
-                                 functools.partial(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                                                   kernel_launches.SLOT_CACHED, local))
-        self.route.flush(functools.partial(self._flush, stream,
-                                           functools.partial(self.handle_value, h, "send_psum", _send_psum)))
-        arrive = self.route.dispatch_sent(stream, hooked, Sent(x, h.topk_idx, weights, h.dst_buffer_slot_idx, None))
-        return functools.partial(self._receive_cached, request, counts, (outputs, block), arrive)
+            counts = self.device_counts(h)
+        weighted = request.topk_weights is not None
+        outputs = self._carved_outputs(request, counts[:2])
+        made = self.replay_send(self.runner.run_recorded, stream, request.x, h, request.topk_weights, outputs, weighted)
+        arrive = self.route.dispatch_sent(stream, hooked, Sent(request.x, h.topk_idx, request.topk_weights,
+                                                               h.dst_buffer_slot_idx, None))
+        return functools.partial(self._receive_cached, request, counts, outputs, made, arrive)
 
-    @staticmethod
-    def cached_send_key(h: EPHandle, x: Any, weighted: bool, local: Optional[tuple]) -> tuple:
-        """The recorded-call key of a replay's scatter; ``local``: ``(recv_x, psum)`` of a compact replay, or None."""
-        return ("cached send", payload_key(x), h.topk_idx.dtype.char, weighted, None if local is None else local[0].shape)
-
-    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, arrive: Arrive,
-                        stream: Any) -> DispatchOutput:
-        """The receive half of a replay, on ``stream``: the rows into the ``outputs`` allocated before the send. No host
-        wait, ``cpu_sync`` or not: the handle gave every count (``docs/design.md``, "The eager path"); the outcome of
-        the wait is raised by the next call."""
+    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, made: Optional[tuple],
+                        arrive: Arrive, stream: Any) -> DispatchOutput:
+        """The receive half of a replay, on ``stream``: the route's start of it, the stats, then
+        :meth:`replay_receive` into the ``outputs`` allocated before the send (``made``: their arrays where the send
+        made them), the ids the route keeps."""
         h = request.handle
         arrive(stream)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
-        layout = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert,
-                  h.num_unaligned_recv_tokens_per_expert)
-        out = self._receive(stream, request, h.routing, layout, counts, h.recv_src_metadata,
-                            kernel_launches.PLACE_CACHED, outputs=outputs,
-                            skip_source=-1 if request.expand else self.rank)
+        options = self.receive_options(request.expand, request.expert_alignment, request.zero_padding, False)
+        copy = launch_now if request.cpu_sync else self.runner.run_recorded
+        arrays = self.replay_receive(copy, stream, h, outputs, options, request.topk_weights is not None, made)
+        received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, counts[2],
+                    h.num_unaligned_recv_tokens_per_expert, counts[0], counts[1])
+        out = self.output(options, arrays, received, h.routing, request.topk_weights, request.cpu_sync)
+        self.route.keep_ids(out.handle, out.recv_topk_idx)
         return out
+
+    def replay_send(self, launch: Launch, stream: Any, x: Any, h: EPHandle, weights: Optional[Array], outputs: tuple,
+                    weighted: bool) -> Optional[tuple]:
+        """The send steps of a replay of handle ``h`` (both paths run these, in this order), on ``stream``: in expand
+        mode the outputs' arrays first, the handle's expanded rows copied into their metadata (not received again);
+        the scatter of ``x`` (and ``weights``) at the handle's recorded slots (compact: this rank's own rows straight
+        into ``recv_x``, made inside the launch, which the receive then skips); the puts of the staged rows (the route's: none forwarded). No count
+        exchange: the handle gave every count.
+
+        Args:
+            launch: how the scatter is launched (:data:`Launch`: a recorded call or as it is).
+            outputs: ``(carving, block, scratch)``: the outputs' recarving (:meth:`output_carving`), a new block of
+                its layout, and the float32 weights the kernels write where none are carved (else None).
+            weighted: whether the outputs carve weights.
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` where made (expand), else None.
+        """
+        carving, block, scratch = outputs
+        arrays = None
+        if h.expand:
+            arrays = arranged_outputs(carving.views(block), weighted, scratch)
+            copy_recorded_metadata(arrays[3], h.recv_src_metadata)
+            launch(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
+                   None)
+        else:
+            launch(self.carved_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, carving, block,
+                   h.psum_num_recv_tokens_per_rank)
+        if self._puts:
+            self.route.flush(functools.partial(self.transport.flush, stream,
+                                               functools.partial(self.handle_value, h, "send_psum", _send_psum),
+                                               with_meta=True, timed=self._puts_phase))
+        return arrays
+
+    def replay_receive(self, launch: Launch, stream: Any, h: EPHandle, outputs: tuple, options: tuple, weighted: bool,
+                       made: Optional[tuple]) -> tuple:
+        """The receive steps of a replay of handle ``h`` after its wait (both paths run these), on ``stream``: the
+        received rows into ``outputs`` (:meth:`replay_send`'s), launched by ``launch``, ``options`` as
+        :meth:`receive_copy` takes them; the outputs' arrays (``made`` where the send made them, else made after the
+        launch)."""
+        carving, block, scratch = outputs
+        launch(self.carved_receive_copy, stream, options, weighted, False, carving, block, scratch,
+               (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert))
+        return made if made is not None else arranged_outputs(carving.views(block), weighted, scratch)
+
+    def carved_scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, carving: Any,
+                       block: Array, psum: Array) -> None:
+        """A compact replay's scatter (:meth:`scatter` at recorded slots ``slot_idx``) with this rank's own rows
+        straight into ``recv_x``, ``carving``'s first view of ``block``, made here: a recorded call's later calls
+        launch it on their roots' pointers alone; ``psum``: the handle's received psum [R]."""
+        self.scatter(stream, x, idx, weights, slot_idx, kernel_launches.SLOT_CACHED, (carving.views(block)[0], psum))
+
+    def carved_receive_copy(self, stream: Any, options: tuple, weighted: bool, counted: bool, carving: Any,
+                            block: Array, scratch: Optional[Array], source: Any) -> None:
+        """:meth:`receive_copy` into ``carving``'s views of ``block`` (and ``scratch`` weights where none are carved),
+        made here: a recorded call's later calls launch it on their roots' pointers alone. ``source``: the count
+        block of a new routing (its receive count's psums; also counted in the copy where ``counted``), or the
+        ``(rank psum, expert psum)`` of the handle a replay replays."""
+        arrays = arranged_outputs(carving.views(block), weighted, scratch)
+        if type(source) is tuple:
+            self.receive_copy(stream, source[0], source[1], arrays, options)
+            return
+        recv_block = self.receive_block(source)
+        recv = self.kernels.receive_layout(recv_block)
+        self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options, recv_block if counted else None)
+
+    def output(self, options: tuple, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
+               cpu_sync: bool) -> DispatchOutput:
+        """The ``DispatchOutput`` of ``arrays`` and its handle (``handle.make_handle``): ``options`` as
+        :meth:`receive_copy` takes them, ``received`` ``(rank psum, expert psum, aligned counts, unaligned counts,
+        received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx, is_token_in_rank,
+        dst_buffer_slot_idx)``."""
+        expand, alignment, zero_padding = options[:3]
+        fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
+        handle = make_handle(routing, fields, weights, geometry=self.geo, expand=expand, expert_alignment=alignment,
+                             zero_padding=zero_padding, deterministic=self.deterministic, cpu_sync=cpu_sync)
+        return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
+
+    def output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
+        """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
+        carved from ``block``; the weights only where given (else a scratch array outside the block)."""
+        return self.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
+
+    def device_counts(self, h: EPHandle) -> tuple:
+        """``(num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert)`` of handle ``h`` on the device, for
+        the outputs of a ``cpu_sync=False`` replay (kept with the handle as ``h.derived["device_counts"]``)."""
+        return self.handle_value(h, "device_counts", _device_counts)
 
     def handle_value(self, h: EPHandle, name: str, derive: Any) -> Any:
         """``derive(xp, h)``, computed once per handle and kept in ``h.derived``; under CUDA graph capture
@@ -270,38 +380,12 @@ class NvshmemDispatch:
             value = h.derived[name] = derive(self.xp, h)
         return value
 
-    def _receive(self, stream: Any, request: DispatchRequest, routing: Routing, layout: tuple, counts: tuple,
-                 recorded: Optional[Array], mode: int, *, outputs: Optional[tuple] = None,
-                 skip_source: int = -1, count_block: Optional[Array] = None,
-                 counted: Optional[Array] = None) -> DispatchOutput:
-        """Allocate the outputs (unless given), copy the received rows into them (on ``stream``), and make the handle.
-
-        ``layout``: ``(rank_psum [R], expert_psum [L], unaligned counts [L])`` on the device;
-        ``counts``: ``(received rows, expanded rows, aligned counts [L])``, host values with
-        ``cpu_sync``; ``recorded``: the metadata of the handle replayed (its expanded rows are
-        reused), or None; ``outputs``: ``(arrays, block)`` :meth:`_alloc_outputs` gave before the send, or None;
-        ``skip_source``: the source whose payload rows the scatter already wrote into ``recv_x``
-        (compact only), or -1; ``count_block``: a new routing's count block (whose views ``layout`` are; the recorded
-        copy's root), else None; ``counted``: its receive block (:meth:`receive_block`) when the copy also counts
-        (:meth:`receive_copy`), else None. With ``cpu_sync=False`` (worst-case shapes) the copy is a recorded call."""
-        rank_psum, expert_psum, unaligned = layout
-        arrays, block = outputs if outputs is not None else self._alloc_outputs(request, counts[:2], recorded)
-        options = (request.expand, request.expert_alignment, request.zero_padding, mode, skip_source)
-        receive_copy = functools.partial(self.receive_copy, stream, rank_psum, expert_psum, arrays, options, counted)
-        if request.cpu_sync:  # exact output shapes change from call to call: not recorded
-            receive_copy()
-        else:
-            key = receive_copy_key(options, arrays[0], request.topk_weights is not None)
-            roots = (rank_psum, expert_psum, block) if count_block is None else (count_block, block)
-            self.runner.run_recorded(key if counted is None else key + ("counted",), roots, receive_copy)
-        received = Received(rank_psum, expert_psum, counts[2], unaligned, arrays[3], counts[0], counts[1],
-                            int(arrays[0].shape[0]))
-        handle = make_handle(routing, received, request.topk_weights, geometry=self.geo, expand=request.expand,
-                             expert_alignment=request.expert_alignment, zero_padding=request.zero_padding,
-                             deterministic=self.deterministic, cpu_sync=request.cpu_sync)
-        self.route.keep_ids(handle, arrays[1])
-        with_weights = request.topk_weights is not None
-        return DispatchOutput(arrays[0], arrays[1], arrays[2] if with_weights else None, handle)
+    def receive_options(self, expand: bool, alignment: int, zero_padding: bool, new: bool) -> tuple:
+        """The options of a receive copy (:meth:`receive_copy`) of a ``new`` routing or a replay: a new routing's
+        placement (:attr:`place_mode`) or a replay's (recorded), and the source whose rows a compact replay's scatter
+        wrote into ``recv_x`` itself (this rank), else -1."""
+        mode = self.place_mode if new else kernel_launches.PLACE_CACHED
+        return expand, alignment, zero_padding, mode, -1 if new or expand else self.rank
 
     def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple,
                      counted: Optional[Array] = None) -> None:
@@ -322,24 +406,34 @@ class NvshmemDispatch:
                                       expert_psum=expert_psum, alignment=alignment, zero_padding=zero_padding,
                                       stream=stream, skip_source=skip_source)
 
-    def _alloc_outputs(self, request: DispatchRequest, exact: tuple, recorded: Optional[Array]) -> tuple:
+    def _carved_outputs(self, request: DispatchRequest, exact: Optional[tuple]) -> tuple:
+        """``(carving, block, scratch)`` of new outputs of ``request`` (:meth:`_alloc_outputs`, :meth:`replay_send`'s
+        ``outputs``)."""
+        weighted = request.topk_weights is not None
+        arrays, block = self._alloc_outputs(request, exact)
+        return self.output_carving(block, arrays, weighted), block, None if weighted else arrays[2]
+
+    def _exact_outputs(self, request: DispatchRequest, num_recv: int, num_expanded: int) -> tuple:
+        """``(carving, block, launch_now, scratch)``: the general path's exact outputs of a ``cpu_sync=True`` new
+        routing (``new_receive``'s ``exact``), their copy not recorded (their shapes change from call to call)."""
+        carving, block, scratch = self._carved_outputs(request, (num_recv, num_expanded))
+        return carving, block, launch_now, scratch
+
+    def _alloc_outputs(self, request: DispatchRequest, exact: Optional[tuple]) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``request``
         (:meth:`carve_outputs`; ``exact``: ``(received rows, expanded rows)``, used with ``cpu_sync``)."""
         with self.profile.phase("dispatch", "alloc outputs"):
             shapes = self.output_shapes(request.x.shape[1], request.expand, request.expert_alignment,
                                         request.topk_weights is not None, exact if request.cpu_sync else None)
-            return self.carve_outputs(shapes, recorded if request.expand else None)
+            return self.carve_outputs(shapes)
 
-    def carve_outputs(self, shapes: list, recorded: Optional[Array]) -> tuple:
+    def carve_outputs(self, shapes: list) -> tuple:
         """``((recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata), block)`` of ``shapes``
         (:meth:`output_shapes`), not yet filled, carved from ``block``, one allocation; the weights a scratch array
-        when none were given; with ``recorded`` (the metadata of an expand replay's handle) its expanded rows copied
-        in."""
+        when none were given."""
         arrays, block = self.device.carve(shapes)
         recv_x, recv_idx, metadata = arrays[:3]
         recv_w = arrays[3] if len(arrays) > 3 else self._scratch_weights(shapes[1][0])
-        if recorded is not None:
-            copy_recorded_metadata(metadata, recorded)
         return (recv_x, recv_idx, recv_w, metadata), block
 
     def output_shapes(self, width: int, expand: bool, alignment: int, weighted: bool,
@@ -364,6 +458,27 @@ class NvshmemDispatch:
         if self._scratch.size < size:
             self._scratch = self.xp.empty(size, dtype=np.float32)
         return self._scratch[:size].reshape(shape)
+
+
+_MAX_COUNT_CARVINGS = 64  # count block layouts kept (token count, ids dtype, device counts)
+
+
+class RoutingPlan(NamedTuple):
+    """What the receive steps of a new routing (``NvshmemDispatch.new_receive``) take besides its arrays: the receive
+    copy's ``options`` (``(expand, expert_alignment, zero_padding, placement mode, skip_source)``), whether the
+    outputs carve weights, whether the copy counts (``NvshmemDispatch.counts_in_copy``) and the recarving of the
+    handle's views of the count block (``NvshmemDispatch.count_carvings``). The prepared path keeps one per shape."""
+
+    options: tuple
+    weighted: bool
+    counted: bool
+    views: Any
+
+
+def arranged_outputs(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
+    """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
+    (``NvshmemDispatch.output_carving``'s order), the weights ``scratch`` where none are carved."""
+    return views[0], views[1], views[3] if weighted else scratch, views[2]
 
 
 def copy_recorded_metadata(metadata: Array, recorded: Array) -> None:
@@ -412,23 +527,3 @@ def _align_up(values: Array, alignment: int) -> Array:
 def _add_counts(xp: Any, stats: Array, counts: Array) -> None:
     """``stats += counts`` in ``stats``'s dtype, without a temporary (a captured call must not free one)."""
     xp.add(stats, counts, out=stats, casting="unsafe")
-
-
-
-def send_roots(idx: Array, x: Any, block: Array, weights: Optional[Array]) -> tuple:
-    """The per-call arrays of a new routing's count and scatter (``RecordedCalls.run``), in order."""
-    return (idx, *payload_arrays(x), block) + (() if weights is None else (weights,))
-
-
-def cached_send_roots(h: EPHandle, x: Any, weights: Optional[Array], local: bool, block: Array) -> tuple:
-    """The per-call arrays of a replay's scatter, in order: the payload, the handle's routing, the outputs'
-    ``block`` and the handle's psum where the scatter writes this rank's own rows into ``recv_x`` (``local``: a
-    compact replay), the weights."""
-    return (*payload_arrays(x), h.topk_idx, h.dst_buffer_slot_idx) + (
-        (block, h.psum_num_recv_tokens_per_rank) if local else ()) + (() if weights is None else (weights,))
-
-
-def receive_copy_key(options: tuple, recv_x: Array, weighted: bool) -> tuple:
-    """The recorded-call key of a receive copy into worst-case outputs (``NvshmemDispatch.receive_copy``'s
-    ``options``)."""
-    return ("receive copy", *options, recv_x.shape, recv_x.dtype.char, weighted)

@@ -35,13 +35,13 @@ RECEIVED_IDS = "received ids"  # EPHandle.derived: a forwarded compact dispatch'
 
 class Sent(NamedTuple):
     """What a dispatch's send half sent: payload ``x [T, W]`` (or an ``Fp8Rows``), ids ``[T, K]``, float32 weights
-    ``[T, K]`` or None, the int32 slots ``[T, K]`` the scatter wrote or replayed, and a new routing's count words
-    (int32 ``[R, 1 + L + 2]``) or None (a replay)."""
+    ``[T, K]`` or None, the int32 slots ``[T, K]`` the scatter wrote or replayed (None from a new routing on the flat
+    route, which reads none), and a new routing's count words (int32 ``[R, 1 + L + 2]``) or None (a replay)."""
 
     x: Any
     topk_idx: Array
     topk_weights: Optional[Array]
-    slot_idx: Array
+    slot_idx: Optional[Array]
     count_words: Optional[Array]
 
 

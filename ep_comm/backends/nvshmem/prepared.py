@@ -1,57 +1,42 @@
-"""The prepared path of the nvshmem backend: an eager call of a shape seen before, with a few attribute reads
-in front of its launches.
+"""The prepared path of the nvshmem backend: an eager call of a shape seen before, with a few attribute reads in front
+of its launches.
 
 The first call of a shape (per Buffer, operation and call shape: token count, payload shape, options) takes the
-general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its calls); when
-it returns, a :class:`_Entry` is kept for the shape: the call keys of its pieces, the layout of its one output
-allocation and of its count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no
-slicing), and the *identity* of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment,
-GPU; :func:`identity`). A later call of the shape whose inputs have that identity skips what the identity proves
-(the argument checks, the request objects, the contiguity copies, the views) and runs the same pieces: the same
-recorded calls, launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels``
-calls), the same signal and wait, the same poll. Everything else takes the general path (``docs/design.md``, "The eager
-path", names the conditions).
+general path (``Buffer`` checks every argument, ``NvshmemBackend`` runs the step, recording its calls); when it
+returns, a :class:`_Entry` is kept for the shape: its options, the layout of its one output allocation and of its
+count block (``device.recarving``: every array carved with ``ndarray(memptr=...)``, no slicing), and the *identity*
+of the inputs that were validated (type, shape, dtype, strides, 16-byte alignment, GPU; :func:`identity`). A later
+call of the shape whose inputs have that identity skips what the identity proves (the argument checks, the request
+objects, the contiguity copies, the views) and runs the same steps, the general path's step functions
+(``NvshmemDispatch.new_send``/``new_receive``, ``replay_send``/``replay_receive``,
+``NvshmemCombine.send_steps``/``receive_steps``) around one signal-and-wait launch: the same recorded calls,
+launched again with its pointers (``RecordedCalls.run``; in the CUDA simulator the same ``Kernels`` calls), the same
+poll. Everything else takes the general path (``docs/design.md``, "The eager path", names the conditions).
 
 Never skipped: the capture check (``CapturePolicy.begin``), the routing verdict of a captured dispatch
-(``raise_for_checks``), the step numbering and its abort record on failure (``Steps.run``), the routing verdicts
-on the device (checked by the count kernel, raised after the poll or by the next call). A call that finds a
-deferred verdict to check, a rank missing or an abort record seen takes the general path, which raises them.
+(``raise_for_checks``), the step numbering and its abort record on failure (``Steps.run``), the routing verdicts on
+the device (checked by the count kernel, raised after the poll or by the next call). A call that finds a deferred
+verdict to check, a rank missing or an abort record seen takes the general path, which raises them.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
-from ep_comm.backends.nvshmem.combine import (
-    NvshmemCombine,
-    combine_send_key,
-    combine_send_roots,
-    reduce_key,
-    reduce_roots,
-)
-from ep_comm.backends.nvshmem.dispatch import (
-    NvshmemDispatch,
-    _device_counts,
-    _send_psum,
-    cached_send_roots,
-    copy_recorded_metadata,
-    host_counts,
-    receive_copy_key,
-    send_roots,
-)
-from ep_comm.backends.nvshmem.steps import NvshmemContext
+from ep_comm.backends.nvshmem.combine import NvshmemCombine
+from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, RoutingPlan, host_counts
+from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
-from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks, make_handle
-from ep_comm.launching import kernel_launches
+from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
 
 _MAX_ENTRIES = 64  # shapes kept per Buffer (a full table is cleared: the next call of each shape rebuilds)
-# exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and receive copies recorded for
-# them per Buffer (each exact shape's grid and array shapes are its own); past that many, an exact copy launches
-# pre-bound
+# exact output shapes of cpu_sync=True calls kept per entry (cleared when full), and those whose pieces (the receive
+# copy, a compact replay's scatter: each exact shape's grid and array shapes are its own) are recorded per Buffer;
+# past that many, those pieces launch pre-bound
 _MAX_EXACT, _MAX_EXACT_COPIES = 256, 256
 # a compact new routing with cpu_sync=True returns views of worst-case outputs (its copy enqueued before the poll)
 # only where those take at most this many bytes (decode shapes); larger ones (R * max_tokens rows at prefill, many
@@ -67,12 +52,6 @@ def _bytes(shapes: Any) -> int:
     return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
 
-def _arranged(views: Any, weighted: bool, scratch: Optional[Array]) -> Tuple[Array, ...]:
-    """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
-    (``PreparedCalls._output_carving``'s order), the weights ``scratch`` where none are carved."""
-    return views[0], views[1], views[3] if weighted else scratch, views[2]
-
-
 def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     """What the argument checks of an input array depend on: ``(type, shape, dtype, strides, data pointer modulo 16,
     GPU)`` (``placement``: the device's ``(pointer, GPU)`` of an array)."""
@@ -80,26 +59,37 @@ def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     return type(a), a.shape, a.dtype, a.strides, ptr % 16, gpu
 
 
+class Unprepared:
+    """The prepared path's answer to a call it does not take: ``Buffer`` runs its general path, then hands the output
+    and this answer to ``PreparedCalls.learn_dispatch`` (``learn_combine``). ``key``: the call shape to learn (None:
+    nothing to learn), ``inputs``: the caller's arrays the entry is learnt from."""
+
+    __slots__ = ("key", "inputs")
+
+    def __init__(self, key: Optional[tuple], inputs: tuple = ()):
+        self.key, self.inputs = key, inputs
+
+
+NOT_PREPARED = Unprepared(None)  # a call whose shape is not to be learnt
+
+
 class _Entry:
-    """The prepared path of one call shape: the identities its inputs must have, the call keys of its pieces,
-    its carvings and options (set by the builders of :class:`PreparedCalls`)."""
+    """The prepared path of one call shape: the identities its inputs must have, its carvings and options (set by the
+    builders of :class:`PreparedCalls`)."""
 
-    __slots__ = ("inputs", "keys", "count", "count_views", "counted", "outputs", "scratch", "options", "weighted",
-                 "exact")
+    __slots__ = ("inputs", "count", "plan", "outputs", "scratch", "options", "weighted", "exact")
 
-    def __init__(self, inputs: Tuple[Optional[Identity], ...], keys: Tuple[Any, ...], count: Any, outputs: Any,
-                 scratch: Optional[Array], options: tuple, weighted: bool, counted: bool = False):
+    def __init__(self, inputs: Tuple[Optional[Identity], ...], count: Any, outputs: Any, scratch: Optional[Array],
+                 options: tuple, weighted: bool, plan: Optional[RoutingPlan] = None):
         self.inputs = inputs
-        self.keys = keys
-        # a new routing: the count block's recarvings, (the block and the views its launches take, the views its
-        # handle holds) (NvshmemDispatch.count_carvings); None otherwise
-        self.count, self.count_views = count or (None, None)
-        self.counted = counted  # a new routing's receive counts in its copy's launch (counts_in_copy)
+        # a new routing: the count block's recarving (the block and the count words its signal sends,
+        # NvshmemDispatch.count_carvings) and its receive steps' plan; None otherwise
+        self.count, self.plan = count, plan
         self.outputs = outputs  # the outputs' recarving (worst-case shapes), or None (exact outputs)
         self.scratch = scratch  # the weights the kernels write when none were given, or None
         self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
         self.weighted = weighted
-        # (received rows, expanded rows) -> (recarving, (send key, copy key), scratch weights) of cpu_sync=True calls
+        # (received rows, expanded rows) -> (recarving, recorded or not, scratch weights) of cpu_sync=True calls
         self.exact: Dict[Tuple[int, int], tuple] = {}
 
 
@@ -108,33 +98,27 @@ class PreparedCalls:
     They run the pieces of the backend's ``dispatcher`` and ``combiner`` over its context ``ctx``, on the caller's
     stream (taken once per call and passed to every piece), numbered by its step runner (``ctx.runner``).
 
-    :meth:`dispatch` and :meth:`combine` take the caller's arguments as they are (unchecked) and ``general``, the
-    Buffer's general path: they call it for anything they do not prepare, and build an entry after its first call
-    of a shape they do."""
+    :meth:`dispatch` and :meth:`combine` take the caller's arguments as they are (unchecked) and answer
+    :class:`Unprepared` for a call they do not take; ``Buffer`` then runs its general path and hands its output to
+    :meth:`learn_dispatch` (:meth:`learn_combine`), which keeps an entry for the first call of a shape they prepare."""
 
     def __init__(self, ctx: NvshmemContext, dispatcher: NvshmemDispatch, combiner: NvshmemCombine):
         self._ctx, self._runner, self._dispatcher, self._combiner = ctx, ctx.runner, dispatcher, combiner
         self._ndarray = ctx.xp.ndarray
         self._placement = ctx.device.placement
-        self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: the step flushes its staged rows
         self._entries: Dict[tuple, _Entry] = {}
-        self._exact_copies: set = set()  # the recorded-call keys of exact shapes (at most _MAX_EXACT_COPIES)
+        self._exact_copies: set = set()  # the exact shapes whose pieces are recorded (at most _MAX_EXACT_COPIES)
         self.replayed = 0  # calls that took the prepared path (tests count them)
 
     # ----------------------------------------------------------------- dispatch
-    def dispatch(self, general: Callable[..., DispatchOutput], checked: HandleChecks, x: Any, topk_idx: Any,
-                 topk_weights: Any, handle: Any, expand: Any, alignment: Any, zero_padding: Any,
-                 cpu_sync: Any) -> DispatchOutput:
+    def dispatch(self, checked: HandleChecks, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, expand: Any,
+                 alignment: Any, zero_padding: Any, cpu_sync: Any) -> Union[DispatchOutput, Unprepared]:
         """``Buffer.dispatch`` without ``stats``, FP8 or a hook: prepared when its shape was seen with inputs of the
-        same identity, else ``general(...)``."""
-        args = (x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync, None, False, False)
+        same identity, else :class:`Unprepared`."""
         key = self._dispatch_key(x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync)
         entry = None if key is None else self._entries.get(key)
         if entry is None:
-            out = general(*args)
-            if key is not None and self._may_learn(x, (topk_idx, topk_weights), topk_idx):
-                self._learn_dispatch(key, x, topk_idx, topk_weights, out)
-            return out
+            return NOT_PREPARED if key is None else Unprepared(key, (x, topk_idx, topk_weights))
         if handle is not None:
             checked.check(handle, "an earlier dispatch")
         place = self._placement
@@ -142,7 +126,7 @@ class PreparedCalls:
                 or (handle is None and identity(topk_idx, place) != entry.inputs[1])
                 or (topk_weights is not None and identity(topk_weights, place) != entry.inputs[2])
                 or not self._enter("dispatch", cpu_sync)):
-            return general(*args)
+            return NOT_PREPARED
         if topk_weights is not None:
             topk_weights = as_float32(self._ctx.xp, topk_weights, copy=True)
         body = self._dispatch_new if handle is None else self._dispatch_cached
@@ -170,6 +154,14 @@ class PreparedCalls:
         return ("cached", x.shape, weights_shape, handle.topk_weights is None, handle.num_tokens, handle.expand,
                 handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype, cpu_sync)
 
+    def learn_dispatch(self, answer: Unprepared, out: DispatchOutput) -> None:
+        """After the general path's dispatch gave ``out`` for a call this path ``answer``-ed, keep its entry where its
+        shape may be prepared."""
+        if answer.key is not None:
+            x, idx, weights = answer.inputs
+            if self._may_learn(x, (idx, weights), idx):
+                self._learn_dispatch(answer.key, x, idx, weights, out)
+
     def _may_learn(self, rows: Any, inputs: Tuple[Any, ...], ids: Any) -> bool:
         """Whether the call just made may be prepared: no profiling, no capture, payload ``rows`` that the kernels
         read in place (``NvshmemContext.kernel_rows``: the prepared path makes no copy), C-contiguous ``inputs``
@@ -191,27 +183,18 @@ class PreparedCalls:
                   None if weights is None else identity(weights, place))
         weighted = h.topk_weights is not None
         new = idx is not None
-        skip_source = -1 if new or h.expand else self._ctx.rank
-        mode = dispatcher.place_mode if new else kernel_launches.PLACE_CACHED
-        options = (h.expand, h.expert_alignment, h.zero_padding, mode, skip_source)
-        count = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync) if new else None
-        counted = new and dispatcher.counts_in_copy(h.expand, h.cpu_sync)
-        outputs, scratch, copy_key = None, None, None
+        options = dispatcher.receive_options(h.expand, h.expert_alignment, h.zero_padding, new)
+        count, plan = None, None
+        if new:
+            count, views = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync)
+            plan = RoutingPlan(options, weighted, dispatcher.counts_in_copy(h.expand, h.cpu_sync), views)
+        outputs, scratch = None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
-            arrays, block = dispatcher.carve_outputs(shapes, None)  # worst-case outputs
-            outputs = self._output_carving(block, arrays, weighted)
+            arrays, block = dispatcher.carve_outputs(shapes)  # worst-case outputs
+            outputs = dispatcher.output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
-            copy_key = receive_copy_key(options, arrays[0], weighted)
-            if counted:
-                copy_key += ("counted",)
-        if new:
-            keys = (dispatcher.send_key(idx, x, weighted), dispatcher.receive_count_key(h.expand, h.expert_alignment),
-                    copy_key)
-        else:
-            local = None if h.expand else (out.recv_x, None)
-            keys = (dispatcher.cached_send_key(h, x, weighted, local), None, copy_key)
-        self._entries[key] = _Entry(inputs, keys, count, outputs, scratch, options, weighted, counted)
+        self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, plan)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
         """Start step ``what`` as the general path does (``StepRunner.collective``): the capture check, then the
@@ -229,221 +212,138 @@ class PreparedCalls:
         missing, seen = self._ctx.transport.wait_state()
         return not (missing or seen)
 
-    def _output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
-        """The recarving of outputs ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata``)
-        carved from ``block``; the weights only where given (else a scratch array outside the block)."""
-        return self._ctx.device.recarving(block, (arrays[0], arrays[1], arrays[3]) + ((arrays[2],) if weighted else ()))
-
-    def _exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
-        """``(carving, block, (send key, copy key), scratch)``: a new output block of the exact shapes of ``exact``
-        (received rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that
-        carves its outputs (``_arranged(carving.views(block), entry.weighted, scratch)``: made when the call needs
-        them, a new routing's after its receive copy is launched), and the recorded-call keys of the pieces whose
-        launches depend on that shape: a compact replay's scatter (it writes this rank's own rows into ``recv_x``;
-        otherwise the entry's key) and the receive copy (its grid and array shapes). A key is None past
-        ``_MAX_EXACT_COPIES`` shapes: that piece launches pre-bound. Kept per entry (``width``, the payload's, is the
-        entry's): a known shape costs one lookup of its two row counts and one allocation, all that runs between a
-        poll and the copy."""
+    def _exact_outputs(self, entry: _Entry, width: int, on: Any, num_recv: int, num_expanded: int) -> tuple:
+        """``(carving, block, launch, scratch)``: a new output block of the exact shapes of ``exact`` (received
+        rows, expanded rows) for a ``cpu_sync=True`` call of ``entry``, the recarving kept per shape that carves its
+        outputs (``arranged_outputs(carving.views(block), entry.weighted, scratch)``: made when the call needs them,
+        a new routing's after its receive copy is launched), and how the pieces whose launches depend on that shape (a
+        compact replay's scatter, which writes this rank's own rows into ``recv_x``; the receive copy: its grid and
+        array shapes) are launched (a ``Launch``): recorded calls on stream ``on``, but past ``_MAX_EXACT_COPIES``
+        shapes pre-bound. Kept per entry (``width``, the payload's, is the entry's): a known shape costs one lookup of
+        its two row counts and one allocation, all that runs between a poll and the copy."""
+        exact = (num_recv, num_expanded)
         held = entry.exact.get(exact)
-        if held is not None:
-            carving, keys, scratch = held
-            return carving, carving.block(), keys, scratch
+        if held is None:
+            held, block = self._new_exact_outputs(entry, width, exact)
+        else:
+            block = held[0].block()
+        carving, recorded, scratch = held
+        return carving, block, functools.partial(self._runner.recorded.run, on) if recorded else launch_now, scratch
+
+    def _new_exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
+        """``((carving, recorded, scratch), block)``: :meth:`_exact_outputs` of a shape not kept yet, now kept."""
         dispatcher = self._dispatcher
         expand, alignment = entry.options[:2]
-        arrays, block = dispatcher.carve_outputs(
-            dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact), None)
-        send_key = entry.keys[0]
-        if entry.count is None and not expand:  # a compact replay: its scatter's recv_x has the exact shape
-            send_key = self._exact_key(send_key[:-1] + (arrays[0].shape,))
-        keys = (send_key, self._exact_key(receive_copy_key(entry.options, arrays[0], entry.weighted)
-                                          + (arrays[3].shape[0],)))
+        shapes = dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact)
+        arrays, block = dispatcher.carve_outputs(shapes)
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
-        held = entry.exact[exact] = (self._output_carving(block, arrays, entry.weighted), keys,
+        shape = (entry.options, entry.weighted, entry.count is None, width, exact)
+        held = entry.exact[exact] = (dispatcher.output_carving(block, arrays, entry.weighted), self._may_record(shape),
                                      None if entry.weighted else arrays[2])
-        return held[0], block, keys, held[2]
+        return held, block
 
-    def _exact_key(self, key: tuple) -> Optional[tuple]:
-        """``key``, a recorded-call key of an exact output shape, or None when ``_MAX_EXACT_COPIES`` such keys were
-        recorded already (recorded calls are kept for good: their number is bounded here)."""
-        if key not in self._exact_copies:
+    def _may_record(self, shape: tuple) -> bool:
+        """Whether the pieces of exact output ``shape`` are recorded: False when ``_MAX_EXACT_COPIES`` such shapes
+        were recorded already (recorded calls are kept for good: their number is bounded here)."""
+        if shape not in self._exact_copies:
             if len(self._exact_copies) >= _MAX_EXACT_COPIES:
-                return None
-            self._exact_copies.add(key)
-        return key
+                return False
+            self._exact_copies.add(shape)
+        return True
 
     def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
-        """A dispatch of a new routing: count and scatter, signal and wait, receive count, then the receive copy and
-        the handle. Before the first launch one allocation and one view (the count block and its count words: every
-        recorded call takes the whole block as its root); the handle's views of the block are made after the last
-        launch (before the poll). ``cpu_sync`` compact: the copy into worst-case outputs is enqueued before the poll
-        (it reads the counts on the device), then one poll, the verdicts, and the outputs are views of the exact rows
-        of those (made once the rows are known, no slicing); ``cpu_sync`` expand: one poll, the verdicts, exact
-        outputs (carved as kept per shape) and their copy (recorded per shape); else the recorded copy into
-        worst-case outputs. After the poll: no loop over ranks or experts (the counts per expert are one ``tolist``
-        of the mapped record)."""
-        dispatcher, runner, recorded = self._dispatcher, self._runner, self._runner.recorded
-        stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        block, (words,) = entry.count.new()
-        recorded.run(entry.keys[0], on, send_roots(idx, x, block, weights), dispatcher.count_and_scatter, stream, idx,
-                     x, weights, block)
-        if self._puts:  # untimed, as the general path's _flush is without profiling (never prepared)
-            self._ctx.transport.flush(stream, functools.partial(dispatcher.send_psum, block, idx.shape[0]),
-                                      with_meta=True)
-        self._ctx.transport.exchange(stream, _DISPATCH, runner.timeout_s, words)
-        counted = entry.counted  # the copy's launch counts too
-        if not counted:
-            recorded.run(entry.keys[1], on, (block,), dispatcher.receive_count, stream, block, *entry.options[:2])
-        if cpu_sync:
-            marker = self._ctx.device.progress()  # after the receive count: the poll does not wait for the copy
-        rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
-        if entry.outputs is None:  # exact outputs after the poll (cpu_sync expand, or compact past _VIEWS_MAX_BYTES)
-            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            carving, out_block, (_, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
-                                                                             (num_recv, num_expanded))
-        else:
-            carving, out_block, copy_key, scratch = entry.outputs, entry.outputs.block(), entry.keys[2], entry.scratch
-        recorded.run(copy_key, on, (block, out_block), self._receive_copy, stream, entry, carving, out_block, scratch,
-                     block)
-        ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = entry.count_views.views(block)
-        if not cpu_sync:
-            runner.defer_verdict()  # after the launch that writes the record
-            aligned, num_recv, num_expanded = device_counts
-        elif entry.outputs is not None:  # the copy is enqueued: the poll, then views of the exact rows
-            num_recv, num_expanded, aligned = dispatcher.received_counts(marker)
-            rows, scratch = num_recv, None
-        arrays = _arranged(carving.views(out_block, rows), entry.weighted, scratch)
-        received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
-        return self._output(entry, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
-
-    def _receive_copy(self, stream: Any, entry: _Entry, carving: Any, out_block: Array, scratch: Optional[Array],
-                      source: Any) -> None:
-        """The receive copy of a call of ``entry`` into ``out_block``, as the first call of its recorded call runs it
-        (later calls launch it on their roots' pointers alone: no view is made for it): the outputs are ``carving``'s
-        views of ``out_block`` (and ``scratch`` weights where none are carved); ``source`` the count block of a new
-        routing (its receive count's psums; also counted in the copy where ``entry.counted``), or the handle a replay
-        replays (its psums)."""
+        """A dispatch of a new routing, the steps of ``NvshmemDispatch.new_send`` and ``new_receive`` around one signal
+        and wait. Before the first launch one allocation and one view (the count block and its count words: every
+        recorded call takes the whole block as its root). ``cpu_sync`` compact: the copy into the entry's worst-case
+        outputs is enqueued before the poll, the outputs are views of the exact rows; ``cpu_sync`` expand (and compact
+        past ``_VIEWS_MAX_BYTES``): exact outputs after the poll (carved as kept per shape, their copy recorded per
+        shape); else the recorded copy into worst-case outputs."""
         dispatcher = self._dispatcher
-        arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-        if type(source) is EPHandle:
-            dispatcher.receive_copy(stream, source.psum_num_recv_tokens_per_rank, source.psum_num_recv_tokens_per_expert,
-                                    arrays, entry.options)
-            return
-        recv_block = dispatcher.receive_block(source)
-        recv = dispatcher.kernels.receive_layout(recv_block)
-        dispatcher.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, entry.options,
-                                recv_block if entry.counted else None)
-
-    def _replay_scatter(self, stream: Any, x: Array, h: EPHandle, weights: Optional[Array], carving: Any,
-                        out_block: Array) -> None:
-        """A compact replay's scatter of ``x`` by handle ``h``, as the first call of its recorded call runs it: this
-        rank's own rows go straight into ``recv_x``, ``carving``'s first view of ``out_block``, made here (later calls
-        launch it on their roots' pointers alone)."""
-        self._dispatcher.scatter(stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
-                                 (carving.views(out_block)[0], h.psum_num_recv_tokens_per_rank))
+        stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
+        launch = functools.partial(self._runner.recorded.run, on)
+        block, (words,) = entry.count.new()
+        dispatcher.new_send(launch, stream, idx, x, weights, block)
+        self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, words)
+        worst = None if entry.outputs is None else (entry.outputs, entry.outputs.block(), entry.scratch)
+        return dispatcher.new_receive(launch, stream, block, entry.plan, weights, cpu_sync, worst,
+                                      functools.partial(self._exact_outputs, entry, x.shape[1], on))
 
     def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
-        """A replay of handle ``h``: the output block first (worst-case shapes; ``cpu_sync``: the exact shapes the
-        handle gives), the recorded slots' scatter (in compact mode this rank's own rows straight into ``recv_x``),
-        signal and wait, the receive copy, then the outputs' views (expand: before the scatter, the handle's expanded
-        rows are copied into the new metadata). No poll, ``cpu_sync`` or not: the handle gave every count
-        (``docs/design.md``, "The eager path"); the outcome of the wait is the next call's to raise."""
-        dispatcher, runner, transport, recorded = self._dispatcher, self._runner, self._ctx.transport, self._runner.recorded
+        """A replay of handle ``h``, the steps of ``NvshmemDispatch.replay_send`` and ``replay_receive`` around one
+        signal and wait, into the entry's output block (worst-case shapes; ``cpu_sync``: the exact shapes the handle
+        gives, their pieces recorded per shape up to ``_MAX_EXACT_COPIES``). No poll, ``cpu_sync`` or not: the handle
+        gave every count (``docs/design.md``, "The eager path"); the outcome of the wait is the next call's to
+        raise."""
+        dispatcher = self._dispatcher
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         weights = h.topk_weights if weights is None else weights
         if cpu_sync:
             num_recv, num_expanded, aligned = host_counts(h)
-            carving, out_block, (send_key, copy_key), scratch = self._exact_outputs(entry, x.shape[1],
-                                                                                    (num_recv, num_expanded))
+            carving, out_block, launch, scratch = self._exact_outputs(entry, x.shape[1], on, num_recv, num_expanded)
         else:
-            held = h.derived.get("device_counts")  # dispatcher.handle_value's, kept with the handle (never captured here)
-            num_recv, num_expanded, aligned = held or dispatcher.handle_value(h, "device_counts", _device_counts)
+            held = h.derived.get("device_counts")  # dispatcher.device_counts', kept with the handle (not captured)
+            num_recv, num_expanded, aligned = held or dispatcher.device_counts(h)
             carving, out_block, scratch = entry.outputs, entry.outputs.block(), entry.scratch
-            send_key, copy_key = entry.keys[0], entry.keys[2]
-        psum, expert_psum = h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert
-        roots = cached_send_roots(h, x, weights, not entry.options[0], out_block)
-        if entry.options[0]:  # expand: the outputs now, the handle's expanded rows into their metadata
-            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-            copy_recorded_metadata(arrays[3], h.recv_src_metadata)
-            recorded.run(send_key, on, roots, dispatcher.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx,
-                         kernel_launches.SLOT_CACHED, None)
-        else:
-            arrays = None
-            recorded.run(send_key, on, roots, self._replay_scatter, stream, x, h, weights, carving, out_block)
-        if self._puts:
-            transport.flush(stream, functools.partial(dispatcher.handle_value, h, "send_psum", _send_psum),
-                            with_meta=True)
-        transport.exchange(stream, _DISPATCH, runner.timeout_s, None)
-        recorded.run(copy_key, on, (psum, expert_psum, out_block), self._receive_copy, stream, entry, carving,
-                     out_block, scratch, h)
-        if arrays is None:
-            arrays = _arranged(carving.views(out_block), entry.weighted, scratch)
-        received = (psum, expert_psum, aligned, h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
-        return self._output(entry, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
-                            weights, cpu_sync)
-
-    def _output(self, entry: _Entry, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
-                cpu_sync: bool) -> DispatchOutput:
-        """The ``DispatchOutput`` and its handle (``handle.make_handle``): ``received`` is ``(rank psum, expert psum,
-        aligned counts, unaligned counts, received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx,
-        is_token_in_rank, dst_buffer_slot_idx)``."""
-        ctx = self._ctx
-        expand, alignment, zero_padding = entry.options[:3]
-        fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
-        handle = make_handle(routing, fields, weights, geometry=ctx.geo, expand=expand, expert_alignment=alignment,
-                             zero_padding=zero_padding, deterministic=ctx.deterministic, cpu_sync=cpu_sync)
-        return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
+            launch = functools.partial(self._runner.recorded.run, on)
+        outputs = (carving, out_block, scratch)
+        # an expand replay's scatter does not depend on the exact shape: recorded whatever the shape
+        send = functools.partial(self._runner.recorded.run, on) if entry.options[0] else launch
+        made = dispatcher.replay_send(send, stream, x, h, weights, outputs, entry.weighted)
+        self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, None)
+        arrays = dispatcher.replay_receive(launch, stream, h, outputs, entry.options, entry.weighted, made)
+        received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
+                    h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
+        return dispatcher.output(entry.options, arrays, received, (h.topk_idx, h.is_token_in_rank,
+                                                                     h.dst_buffer_slot_idx), weights, cpu_sync)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, general: Callable[..., CombineOutput], checked: HandleChecks, y: Any, handle: Any,
-                weights: Any) -> CombineOutput:
+    def combine(self, checked: HandleChecks, y: Any, handle: Any, weights: Any) -> Union[CombineOutput, Unprepared]:
         """``Buffer.combine`` without bias or a hook: prepared when its shape was seen with a ``y`` and ``topk_weights``
-        ``weights`` (or None) of the same identity and ``handle`` passed the handle check, else ``general(...)``."""
+        ``weights`` (or None) of the same identity and ``handle`` passed the handle check, else
+        :class:`Unprepared`."""
         nd = self._ndarray
         if type(y) is not nd or type(handle) is not EPHandle or (weights is not None and type(weights) is not nd):
-            return general(y, handle, weights, None, False)
+            return NOT_PREPARED
         key = (y.shape, handle.num_out_rows, handle.num_tokens, handle.expand, handle.topk_idx.dtype,
                None if weights is None else weights.shape)
         entry = self._entries.get(key)
         if entry is None:
-            out = general(y, handle, weights, None, False)
-            # float32 weights only: the general path takes others through a conversion, which the prepared one skips
-            if self._may_learn(y, (weights,), None) and (weights is None or weights.dtype == np.float32):
-                self._learn_combine(key, y, weights, handle)
-            return out
+            return Unprepared(key, (y, weights, handle))
         checked.check(handle, "dispatch")
         place = self._placement
         if (identity(y, place) != entry.inputs[0]
                 or (weights is not None and identity(weights, place) != entry.inputs[1])
                 or not self._enter("combine", handle.cpu_sync)):
-            return general(y, handle, weights, None, False)
+            return NOT_PREPARED
         out = self._runner.steps.run("combine", False, self._combine, entry, y, handle, weights)
         self.replayed += 1
         return out
+
+    def learn_combine(self, answer: Unprepared, out: CombineOutput) -> None:
+        """After the general path's combine for a call this path ``answer``-ed, keep its entry where its shape may be
+        prepared: float32 weights only (the general path takes others through a conversion, which this one skips)."""
+        if answer.key is not None:
+            y, weights, handle = answer.inputs
+            if self._may_learn(y, (weights,), None) and (weights is None or weights.dtype == np.float32):
+                self._learn_combine(answer.key, y, weights, handle)
 
     def _learn_combine(self, key: tuple, y: Array, weights: Optional[Array], h: EPHandle) -> None:
         """Keep the entry of a combine's shape (no bias; float32 ``weights`` or None) after its general call."""
         device, weighted = self._ctx.device, weights is not None
         arrays, block = device.carve(self._combiner.combine_shapes(h, weighted))
-        keys = (combine_send_key(h, y, weights), reduce_key(h, y, weighted, ()))
         inputs = (identity(y, self._placement), None if weights is None else identity(weights, self._placement))
-        self._entries[key] = _Entry(inputs, keys, None, device.recarving(block, arrays), None, (), weighted)
+        self._entries[key] = _Entry(inputs, None, device.recarving(block, arrays), None, (), weighted)
 
     def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle, weights: Optional[Array]) -> CombineOutput:
-        """A combine: the rows (and ``weights``) back, signal and wait, the reduce into a new ``x`` (and the gathered
-        weights); one poll for a ``cpu_sync`` handle."""
-        ctx, runner, combiner = self._ctx, self._runner, self._combiner
-        stream, on = ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
-        runner.recorded.run(entry.keys[0], on, combine_send_roots(h, y, weights), combiner.send, stream, h, y, weights)
-        if self._puts:
-            ctx.transport.flush(stream, lambda: h.psum_num_recv_tokens_per_rank, with_meta=weights is not None)
-        ctx.transport.exchange(stream, _COMBINE, runner.timeout_s, None)
-        arrived = ctx.device.progress() if h.cpu_sync else None
-        block, outputs = entry.outputs.new()
-        x, back = outputs[0], outputs[1] if entry.weighted else None
-        runner.recorded.run(entry.keys[1], on, reduce_roots(h, y, block, ()), combiner.reduce, stream, h, y, x, back, ())
-        if arrived is not None:
-            runner.check_arrival(arrived, "combine")
-        return CombineOutput(x, back)
+        """A combine, the steps of ``NvshmemCombine.send_steps`` and ``receive_steps`` around one signal and wait, the
+        reduce into the entry's outputs."""
+        combiner = self._combiner
+        stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
+        launch = functools.partial(self._runner.recorded.run, on)
+        combiner.send_steps(launch, stream, h, y, weights)
+        self._ctx.transport.exchange(stream, _COMBINE, self._runner.timeout_s, None)
+        _, outputs = entry.outputs.new()
+        return combiner.receive_steps(launch, stream, h, y, outputs[0], outputs[1] if entry.weighted else None, ())

@@ -226,14 +226,22 @@ class StepRunner:
             return None
         return routing_error(record_verdicts(self.record_host, geo.num_ranks), geo.num_experts, step)
 
-    def run_recorded(self, key: Any, roots: Sequence[Array], path: Callable[[], None]) -> None:
-        """``path()`` (launches through ``Kernels`` on the caller's stream) as the recorded call of ``key`` over
-        ``roots`` (``RecordedCalls.run``, on the same stream); run as it is while profiling (its phases) or capturing
-        (what a capture holds is its own)."""
+    def run_recorded(self, path: Callable[..., None], stream: Any, *args: Any) -> None:
+        """``path(stream, *args)`` (launches through ``Kernels`` on the caller's ``stream``) as a recorded call
+        (``RecordedCalls.run``: its key and roots read from ``args``); run as it is while profiling (its phases) or
+        capturing (what a capture holds is its own)."""
         if self.profile.enabled or self.capture.active:
-            path()
+            path(stream, *args)
             return
-        self.recorded.run(key, raw.stream(self.device.handle()), roots, path)
+        self.recorded.run(raw.stream(self.device.handle()), path, stream, *args)
+
+
+Launch = Callable[..., None]  # (path, stream, *args): a piece launched as a recorded call, or as it is (launch_now)
+
+
+def launch_now(path: Callable[..., None], stream: Any, *args: Any) -> None:
+    """A piece launched as it is, not recorded (a :data:`Launch`): ``path(stream, *args)``."""
+    path(stream, *args)
 
 
 @dataclass(frozen=True)
