@@ -65,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
                         "token each rank sends over scale-up and scale-out, flat and forwarded, and the time at "
                         "NVLink 356 GB/s and RDMA 400 Gb/s per GPU next to the measured one (meta: scaleup_ranks, "
                         "num_nodes, link_rates_gbps)")
+    p.add_argument("--forwarding", action="store_true",
+                   help="Buffer(forwarding=True): a token crosses to another node once, to that node's forwarder, and "
+                        "a combine is reduced in the node before it crosses back (needs --scaleup-ranks of several "
+                        "nodes; the round trips are checked against the forwarded order's sums; meta: forwarding)")
     p.add_argument("--expand", action="store_true", help="expand dispatch (one row per token and local expert)")
     p.add_argument("--alignment", type=int_at_least(1), default=1, help="expert_alignment of expand mode (default: 1)")
     p.add_argument("--fp8", action="store_true",

@@ -47,6 +47,7 @@ class PointSpec:
     warmup: int
     iters: int
     fp8: bool = False  # the timed dispatches send the FP8 pair of x (--fp8)
+    forwarded_nodes: Optional[int] = None  # --forwarding: scaleup_ranks of the forwarding Buffer (None: flat)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from ep_comm.bench.measure import (
 from ep_comm.bench.waits import LateBuffer
 from ep_comm.contract.arrays import to_host
 from ep_comm.testing import Routing, check_counts, expected_round_trip
+from ep_comm.testing.forwarded import Forwarded
 from ep_comm.transport.wait_stats import merge
 
 
@@ -82,7 +83,8 @@ def run_point(comm: MPI.Comm, buf: Any, spec: PointSpec, timer: Timer, device: C
     x, routing = make_inputs(spec, comm.rank)
     payload = Payload.of(x, device, spec.fp8)
     didx, dw = device(routing.topk_idx), device(routing.topk_weights)
-    want = expected_round_trip(x, routing.topk_idx, spec.num_experts, comm.size, spec.expand)
+    nodes = None if spec.forwarded_nodes is None else Forwarded(comm.rank, spec.forwarded_nodes)
+    want = expected_round_trip(x, routing.topk_idx, spec.num_experts, comm.size, spec.expand, forwarded=nodes)
     last: Dict[str, Any] = {}
 
     def body() -> Tuple[float, float]:

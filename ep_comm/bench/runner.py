@@ -41,7 +41,8 @@ def _point_specs(cfg: Config, args: argparse.Namespace) -> List[PointSpec]:
                       routing=args.routing or cfg.routing.kind,
                       seed=cfg.routing.seed if args.seed is None else args.seed,
                       zipf_s=cfg.routing.zipf_s, hot_expert=cfg.routing.hot_expert, expand=args.expand,
-                      expert_alignment=args.alignment, warmup=args.warmup, iters=args.iters, fp8=args.fp8)
+                      expert_alignment=args.alignment, warmup=args.warmup, iters=args.iters, fp8=args.fp8,
+                      forwarded_nodes=args.scaleup_ranks if args.forwarding else None)
             for t in tokens]
 
 
@@ -91,9 +92,13 @@ def _load(comm: MPI.Comm, args: argparse.Namespace) -> Config:
         raise UsageError(f"config {cfg.name}: num_experts = {cfg.num_experts} is not divisible by the "
                          f"{comm.size} ranks of this run (experts are split evenly over ranks)")
     try:
-        Topology.of(comm.size, args.scaleup_ranks)
+        nodes = Topology.of(comm.size, args.scaleup_ranks).num_nodes
     except ValueError as exc:
         raise UsageError(f"--scaleup-ranks: {exc}") from exc
+    if args.forwarding and nodes < 2:
+        raise UsageError(f"--forwarding: the {comm.size} ranks of this run are one node (--scaleup-ranks "
+                         f"{args.scaleup_ranks or 'not given'}), where nothing is forwarded; give --scaleup-ranks N "
+                         "with N < the rank count")
     if args.plot:
         missing = comm.bcast(report.matplotlib_missing() if comm.rank == 0 else None, root=0)
         if missing:
@@ -199,7 +204,7 @@ def _meta(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: List[Poi
         "shared_gpu": shared, **provenance.git_commit(), "versions": versions(),
         "command": provenance.command_line(comm.size), **_fp8_meta(cfg, args.fp8),
         "straggler": None if args.straggler is None else {"rank": args.straggler.rank, "us": args.straggler.us},
-        "wait_stats": args.wait_stats,
+        "wait_stats": args.wait_stats, "forwarding": args.forwarding,
     }
     if args.scaleup_ranks:
         meta.update(link_model.link_meta(Topology.of(comm.size, args.scaleup_ranks), spec.routing, cfg.num_experts,
@@ -247,7 +252,8 @@ def _open_buffer(comm: MPI.Comm, cfg: Config, args: argparse.Namespace, specs: L
         return Buffer(comm, num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
                       num_max_tokens_per_rank=buffer_tokens(specs), dtype=cfg.dtype,
                       backend=args.backend, deterministic=args.deterministic, timeout_s=args.timeout, num_sms=num_sms,
-                      transport=args.transport, scaleup_ranks=args.scaleup_ranks, wait_stats=args.wait_stats)
+                      transport=args.transport, scaleup_ranks=args.scaleup_ranks, forwarding=args.forwarding,
+                      wait_stats=args.wait_stats)
     except ValueError as exc:
         raise UsageError(f"cannot build the Buffer for num_sms={report.sms_label(num_sms)}: {exc}") from exc
 

@@ -75,6 +75,17 @@ def assert_csv_has_the_link_model(table, model) -> None:
             model[op]["counted_scaleout"]["rows_per_token_mean"])
 
 
+def test_forwarding_on_two_nodes_checks_its_round_trips_in_the_forwarded_order(tmp_path):
+    """``--forwarding``: the Buffer forwards, and every round trip of the point (eager, cached, host calls) is
+    compared with ``expected_round_trip(forwarded=...)`` (the bench sends each partial back unchanged, so the sums are
+    exact in any order: what this catches is a partial lost or doubled on the forwarded route)."""
+    result, _ = bench_results(tmp_path, RANKS, "--config", "cpu_demo", "--tokens", str(TOKENS), "--scaleup-ranks",
+                              "2", "--forwarding", "--iters", "1", "--warmup", "0", "--quiet")
+    point = result["points"][0]
+    assert point["check_passed"], point["failures"]
+    assert (result["meta"]["forwarding"], result["meta"]["num_nodes"]) == (True, 2)
+
+
 def test_without_scaleup_ranks_there_is_no_link_model(tmp_path):
     result, table = bench_results(tmp_path, 2, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--warmup", "0",
                                   "--quiet")
@@ -88,6 +99,8 @@ def test_without_scaleup_ranks_there_is_no_link_model(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--scaleup-ranks", "3"], "--scaleup-ranks: scaleup_ranks=3: must be >= 1 and divide the rank count 4"),
     (["--scaleup-ranks", "2", "--transport", "stores"], "transport='stores' with scaleup_ranks=2"),
+    (["--forwarding"], "--forwarding: the 4 ranks of this run are one node (--scaleup-ranks not given)"),
+    (["--forwarding", "--scaleup-ranks", "4"], "--forwarding: the 4 ranks of this run are one node (--scaleup-ranks 4)"),
 ])
 def test_scaleup_ranks_that_cannot_run_are_refused(args, message):
     done = run_bench(RANKS, "--config", "cpu_demo", "--tokens", "8", "--iters", "1", "--quiet", *args)
