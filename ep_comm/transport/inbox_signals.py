@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ep_comm.transport.signals import SignalKernels, _function
+from ep_comm.transport.signals import SignalKernels, compiled_function
 
 
 def inbox_peer_pointers(peer_addresses: Sequence[Optional[int]], inbox_ranks: Sequence[int]) -> List[int]:
@@ -74,7 +74,7 @@ class InboxSignals:
     def __init__(self, peer_ptrs: Any, num_ranks: int, me: int, signal_offset: int, step: Any, inbox_step: Any,
                  signals: Any, status: Any, aborts: Any, device: int,
                  copy_step: Optional[Callable[[Any, Any], None]] = None,
-                 function: Callable[[str, int], Tuple[int, object]] = _function):
+                 function: Callable[[str, int], Tuple[int, object]] = compiled_function):
         self._step, self._inbox_step = step, inbox_step
         self._copy_step = copy_step or _copy
         # no count words (the inbox's count words travel with its blocks), no wait statistics

@@ -49,7 +49,7 @@ def _module(device: int):
         return cupy.RawModule(code=CUDA_SOURCE, options=("--std=c++14",))
 
 
-def _function(name: str, device: int) -> Tuple[int, object]:
+def compiled_function(name: str, device: int) -> Tuple[int, object]:
     """``(CUfunction handle, its owner)`` of kernel ``name`` on CUDA device ``device``, compiled once per device:
     CuPy's ``Function`` (``RawKernel.kernel``, whose ``ptr`` is the handle) keeps the module loaded while held."""
     import cupy
@@ -97,13 +97,13 @@ class SignalKernels:
         device: the CUDA device ordinal all of these live on.
         waits: the int64 ``[R, WAIT_WORDS]`` wait statistics the waits add to (``ep_comm.transport.wait_stats``),
             or None: not measured.
-        function: ``(name, device) -> (CUfunction handle, owner)``: :func:`_function`, which compiles (the
+        function: ``(name, device) -> (CUfunction handle, owner)``: :func:`compiled_function`, which compiles (the
             tests give a stand-in).
     """
 
     def __init__(self, peer_ptrs: Any, num_ranks: int, me: int, signal_offset: int, counts_offset: int, step: Any,
                  signals: Any, status: Any, counts_by_parity: Any, aborts: Any, device: int,
-                 function: Callable[[str, int], Tuple[int, object]] = _function, waits: Any = None):
+                 function: Callable[[str, int], Tuple[int, object]] = compiled_function, waits: Any = None):
         self._counts_by_parity = counts_by_parity
         self._waits = address(waits)
         self._received = address(counts_by_parity)
