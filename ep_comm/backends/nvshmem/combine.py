@@ -41,8 +41,8 @@ class NvshmemCombine:
         return self.runner.split("combine", request.handle.cpu_sync, self._combine, request)
 
     def _combine(self, seq: int, stream: Any, request: CombineRequest, hooked: bool) -> Callable[[Any], CombineOutput]:
-        """The send half of a combine, on ``stream`` (:meth:`send_steps`, timed as phase ``send``, then the signal);
-        returns its receive half."""
+        """The send half of a combine, on ``stream`` (:meth:`send_steps`, timed as phase ``send``, then the route's end
+        of the send half: the signal); returns its receive half."""
         h, weights, y = request.handle, self.ctx.as_contiguous(request.topk_weights), self.ctx.as_rows(request.y)
         with self.profile.phase("combine", "send"):
             self.send_steps(self.runner.run_recorded, stream, h, y, weights)

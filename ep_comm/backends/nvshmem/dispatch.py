@@ -88,7 +88,8 @@ class NvshmemDispatch:
     def _dispatch_new(self, seq: int, stream: Any, request: DispatchRequest,
                       hooked: bool) -> Callable[[Any], DispatchOutput]:
         """The send half of a dispatch of a new routing, on ``stream`` (the routing check of a captured call, then
-        :meth:`new_send`, then the signal with the count words); returns its receive half.
+        :meth:`new_send`, then the route's end of the send half: the signal with the count words); returns its
+        receive half.
 
         One allocation before the first launch: the count block (:meth:`count_carvings`; ids out of range or named
         twice are read as "no expert" and make this rank's verdict, which the count words carry to every rank)."""
@@ -98,7 +99,7 @@ class NvshmemDispatch:
             with self.profile.phase("dispatch", "check"):
                 self.kernels.check_routing(idx, into=self.capture.checks, stream=stream)
         launch, views = self.count_carvings(idx.shape[0], idx.dtype, not request.cpu_sync)
-        block, (words, *slots) = launch.new()  # slots: [slot_idx] for a forwarded route (count_carvings), else []
+        block, (words, *slots) = launch.new()  # slots: [slot_idx] where the route reads them (count_carvings), else []
         self.new_send(self.runner.run_recorded, stream, idx, request.x, request.topk_weights, block)
         arrive = self.route.dispatch_sent(stream, hooked, Sent(request.x, idx, request.topk_weights,
                                                                slots[0] if slots else None, words))
@@ -186,8 +187,8 @@ class NvshmemDispatch:
     def count_carvings(self, num_tokens: int, ids_dtype: Any, device_counts: bool) -> tuple:
         """``(launch, handle)``: the device's recarvings of the count block of a new routing of ``num_tokens`` tokens
         (ids of ``ids_dtype``; :meth:`send_block`). ``launch.new()`` gives the block and what its launches take
-        besides it, ``(count_words,)`` (the signal's words; a forwarded route's also ``slot_idx``, which its inbox send
-        reads; the recorded calls take the whole block as their root); ``handle.views(block)``
+        besides it, ``(count_words,)`` (the signal's words; also ``slot_idx`` where the route reads it,
+        ``route.reads_slots``; the recorded calls take the whole block as their root); ``handle.views(block)``
         what the handle holds, made after the launches: ``(the ids' copy, is_token_in_rank, slot_idx, the receive
         count's rank psum, expert psum, unaligned counts)`` and, ``device_counts`` (``cpu_sync=False``), its aligned
         counts, received rows N and expanded rows M (0-d arrays). Kept per argument (a full table is cleared)."""
@@ -208,7 +209,7 @@ class NvshmemDispatch:
                  recv.rank_psum, recv.expert_psum, recv.num_unaligned_per_expert)
         if device_counts:
             views += (recv.num_aligned_per_expert, recv.totals[:1].reshape(()), recv.totals[1:].reshape(()))
-        launched = (send.count_words,) if self.route.written is None else (send.count_words, send.slot_idx)
+        launched = (send.count_words, send.slot_idx) if self.route.reads_slots else (send.count_words,)
         return recarving(block, launched), recarving(block, views)
 
     def count_and_scatter(self, stream: Any, idx: Array, x: Any, weights: Optional[Array], block: Array) -> None:

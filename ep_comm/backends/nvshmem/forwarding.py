@@ -50,6 +50,7 @@ class FlatRoute:
 
     node_size = 0  # the source's reduce: flat
     written: Optional[range] = None  # the ranks the scatter writes rows into: every rank
+    reads_slots = False  # whether dispatch_sent reads a new routing's slot_idx (Sent.slot_idx): flat, no
 
     def __init__(self, ctx: NvshmemContext):
         self.ctx, self.runner = ctx, ctx.runner
@@ -90,6 +91,7 @@ class ForwardedRoute(FlatRoute):
         self.views = ctx.transport.forward
         self.node_size = self.views.node_size
         self.written = range(self.views.node_first, self.views.node_first + self.node_size)  # this node's ranks
+        self.reads_slots = True  # the inbox send writes each entry's slot in the ranks of the forwarder's node
         self.combine_rows, self.combine_metas, self._combine_headers = self.views.source_arrays()
 
     @staticmethod
