@@ -37,16 +37,18 @@ WAIT_BOUND_S = 20.0  # a fake wait's bound, in wall time (the simulator is slow)
 class World:
     """Every rank's heap (uint8, the symmetric buffer and, forwarding across several nodes, the inbox after it), the
     lock the ranks take turns under and the condition their waits wait on (``turn``), and the backends' settings
-    (deterministic, waits bounded by ``timeout_s``, at most :data:`WAIT_BOUND_S`)."""
+    (deterministic, waits bounded by ``timeout_s``, at most :data:`WAIT_BOUND_S`; ``transport``: ``"auto"``, the
+    ranks of other nodes through puts, which a flat step across nodes cannot fake, or ``"stores"``, every rank
+    through stores, so that a flat step runs across nodes)."""
 
     def __init__(self, geo: Geometry, scaleup_ranks: Optional[int], forwarding: bool,
-                 timeout_s: float = WAIT_BOUND_S):
+                 timeout_s: float = WAIT_BOUND_S, transport: str = "auto"):
         self.geo, self.num_ranks = geo, geo.num_ranks
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                                    geo.experts_per_rank)
         self.word = word_dtype(geo.hidden, geo.dtype.itemsize)
         self.topology = Topology.of(geo.num_ranks, scaleup_ranks)
-        self.settings = BackendSettings(True, timeout_s, transport="auto", scaleup_ranks=scaleup_ranks,
+        self.settings = BackendSettings(True, timeout_s, transport=transport, scaleup_ranks=scaleup_ranks,
                                         forwarding=forwarding)
         across = forwarding and self.topology.num_nodes > 1
         self.inbox = ForwardInbox(self.sym, self.topology.scaleup_ranks) if across else None

@@ -22,7 +22,7 @@ from helpers.same_outputs import assert_same, assert_same_as_eager, assert_same_
 
 import ep_comm
 from ep_comm.backends.interface import CombineRequest, DispatchRequest
-from ep_comm.contract import fp8
+from ep_comm.contract import fp8, traffic
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
@@ -99,6 +99,28 @@ def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand
         unweighted = DispatchOptions(expand=expand, forwarded_scaleup_ranks=SCALEUP)
         assert check_combine(src, rank, unweighted, got["hooked combine"].x, None) == []
         assert_same(f"rank {rank} combine topk_weights", want["combine"].topk_weights, got["combine"].topk_weights)
+
+
+@pytest.mark.parametrize("forwarding, expand", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["flat-compact", "flat-expand", "forwarded-compact", "forwarded-expand"])
+def test_the_scaleout_rows_counted_on_the_device_are_the_traffic_model(forwarding, expand):
+    """``traffic()`` on the nvshmem backend in 2 nodes of 2 (flat: every rank through stores), after :func:`calls`
+    (four dispatches of one routing: new, replay, ``cpu_sync=False``, split; two combines: plain, split): each rank's
+    scale-out rows are four of its dispatches' and two of its combines' as ``ep_comm.contract.traffic`` counts them
+    (flat: a row per token and remote rank, and back per row received from one; forwarded: a row per token and remote
+    node, and a forwarder's one per token of a source it forwards for that reached its node), the same after the
+    close."""
+    src = sources("float32", True, seed=23 + expand)
+    world = World(geometry("float32"), SCALEUP, forwarding, transport="auto" if forwarding else "stores")
+    backends = world_backends(world)
+    run_ranks(world, [lambda r=r: calls(backends[r], r, src, expand, 1) for r in range(RANKS)])
+    model = traffic.world_rows(src.topk_idx, EXPERTS, world.topology)[:, traffic.ROUTES.index(
+        "forwarded" if forwarding else "flat"), traffic.LINKS.index("scaleout")]
+    want = [(4 * int(model[0, rank]), 2 * int(model[1, rank])) for rank in range(RANKS)]
+    assert sum(d + c for d, c in want) > 0, "the routing crosses the nodes"
+    assert [be.traffic().scaleout_rows for be in backends] == want
+    run_ranks(world, [backends[r].close for r in range(RANKS)])
+    assert [be.traffic().scaleout_rows for be in backends] == want
 
 
 def fp8_calls(be, rank: int, src: Sources, expand: bool) -> list:
