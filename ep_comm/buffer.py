@@ -14,7 +14,7 @@ from ep_comm._buffer_arguments import (
     topk_idx_array,
 )
 from ep_comm.backends import make_backend, resolve_backend
-from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, Traffic
+from ep_comm.backends.interface import Backend, BackendSettings, CombineRequest, OperationRows, Traffic
 from ep_comm.backends.profile import ProfileRow
 from ep_comm.contract import checks as chk
 from ep_comm.contract.agreement import agree, construction_fields
@@ -97,7 +97,7 @@ class Buffer:
                                    transport, scaleup_ranks, bool(forwarding), bool(profile), bool(wait_stats))
         self._backend: Optional[Backend] = make_backend(backend_name, comm, self.geometry, settings)
         self._closed_profile: List[ProfileRow] = []
-        self._closed_traffic = Traffic(None)
+        self._closed_traffic = Traffic(OperationRows(0, 0))
         self._checked_handles = HandleChecks(self.geometry)  # the handles check_handle passed on this Buffer
         self._prepared = getattr(self._backend, "prepared", None)  # the backend's prepared paths, if it has them
         self._profiling = bool(profile)
@@ -295,11 +295,25 @@ class Buffer:
     def traffic(self) -> Traffic:
         """What this rank has sent over its links so far (after ``close``: up to the close); local.
 
+        A dispatch puts, flat, one row per token and destination rank of another node; forwarded, one per token and
+        destination node (into its forwarder's inbox). A combine puts, flat, one row per row received from a rank of
+        another node; forwarded, a forwarder puts one row per token of each source it forwards for that reached a
+        rank of its node. On ``mpi`` the host counts them; on ``nvshmem`` the kernels count them on the device (so
+        ``cpu_sync=False`` calls and CUDA-graph replays count too), and reading them copies the counter after the
+        work enqueued on the current stream: it waits for that work (docs/design.md, "Node-aware forwarding").
+
         Returns:
             ``Traffic`` (a NamedTuple): ``scaleout_rows``, the payload rows put into ranks of other nodes (forwarders'
-            inboxes included) as ``OperationRows(dispatch, combine)`` ints; None on ``nvshmem`` (not counted).
+            inboxes included) as ``OperationRows(dispatch, combine)`` ints (0 in one node).
+
+        Raises:
+            RuntimeError: (``nvshmem``) the current stream is being captured into a CUDA graph.
         """
-        return self._closed_traffic if self._backend is None else self._backend.traffic()
+        if self._backend is None:
+            return self._closed_traffic
+        if self._backend.capturing():
+            raise RuntimeError("traffic: cannot read the scale-out rows while a CUDA graph is being captured")
+        return self._backend.traffic()
 
     def wait_stats(self, reset: bool = False) -> WaitStats:
         """How long this rank's dispatches and combines waited for each peer since construction or the last reset

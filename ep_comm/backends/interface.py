@@ -105,11 +105,11 @@ class Traffic(NamedTuple):
     """What one rank of a Buffer has sent over its links so far (``Buffer.traffic()``).
 
     ``scaleout_rows``: the payload rows this rank put into ranks of other nodes (``Buffer(scaleup_ranks=...)``),
-    forwarders' inboxes included, per operation; None where the backend does not count them (``nvshmem``: the
-    kernels write the rows, nothing on the host sees them; ``ep_comm.contract.traffic`` models them).
+    forwarders' inboxes included, per operation (``mpi``: counted on the host; ``nvshmem``: by the kernels, on the
+    device; ``ep_comm.contract.traffic`` models them).
     """
 
-    scaleout_rows: Optional[OperationRows]
+    scaleout_rows: OperationRows
 
 
 @runtime_checkable

@@ -4,8 +4,9 @@ flat and forwarded (the forwarded combine reduced in the node: one scale-out row
 forwarded dispatch), forwarded over flat, and the model time at the link rates of ``meta["link_rates_gbps"]``.
 
 The model counts what the routing implies; the run itself sends as the Buffer does (today: flat, every row
-through puts once there are several nodes), and where the backend counts them (``Buffer.traffic()``: ``mpi``) the
-rows it put over scale-out in one round trip of the point go next to the model (``counted_scaleout``). Per token = a rank's rows over its own tokens (every rank of a point
+through puts once there are several nodes), and the rows the Buffer counted over scale-out
+(``Buffer.traffic()``; ``nvshmem``: on the device) in one round trip of the point go next to the model
+(``counted_scaleout``). Per token = a rank's rows over its own tokens (every rank of a point
 has the same count); ``mean`` over ranks is then all rows over all tokens.
 """
 from __future__ import annotations
@@ -43,10 +44,8 @@ def reduced_rows(comm: MPI.Comm, topk_idx: np.ndarray, num_experts: int, topolog
 
 def counted_rows(comm: MPI.Comm, buf: Any, spec: Any, device: Callable[[np.ndarray], Any]) -> Optional[List[List[int]]]:
     """The rows each rank put over the scale-out path (``Buffer.traffic()``) in one untimed plain round trip of the
-    point's inputs (``spec``, a ``PointSpec``: no FP8, no weights), ``[R][OPS]`` on rank 0 (None elsewhere); None on
-    every rank where the backend does not count them (``nvshmem``: nothing runs then). Collective."""
-    if buf.traffic().scaleout_rows is None:
-        return None
+    point's inputs (``spec``, a ``PointSpec``: no FP8, no weights), ``[R][OPS]`` on rank 0 (None elsewhere).
+    Collective."""
     x, routing = make_inputs(spec, comm.rank)
     before = buf.traffic().scaleout_rows
     out = buf.dispatch(device(x), device(routing.topk_idx), expand=spec.expand,

@@ -36,6 +36,7 @@ from ep_comm.kernels.payload import write_row_piece
 from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.step_counter import step_parity
 from ep_comm.kernels.switches import ROW_MAX_REGISTERS
+from ep_comm.kernels.traffic import COMBINE_ROWS, add_warp_rows
 from ep_comm.kernels.units import row_piece
 from ep_comm.kernels.warp import FULL_MASK, WARP, ballot, copy_row, global_warp, lane_id, pop_lowest
 
@@ -318,16 +319,19 @@ def write_sum_meta(meta, token, bits, num_topk):
 
 @kernel
 def node_reduce_kernel(inbox_rows, inbox_meta, inbox_header, rows_is_bf16, hidden, node_size, sources, step, ahead,
-                       my_rank, rows, metas):
+                       my_rank, rows, metas, scaleout):
     """See :func:`ep_comm.launching.kernel_launches.Kernels.node_reduce`. One warp per (source, rank ``j`` of this
     node, row of ``j``'s block); the warp of a token's lowest holder sums it (:func:`held_slots`, :func:`sum_held`),
     the others skip it. ``inbox_rows [2, R, max_tokens, >= hidden]`` and ``rows[r] [2, R, max_tokens, >= hidden]``
     payload elements (bfloat16 as uint16 with ``rows_is_bf16``); ``inbox_meta [2, R, max_tokens, 1 + 2K]`` int32:
-    the inbox's combine meta rows; ``sources`` int32 ``[n]``: the ranks forwarded for; ``node_size``: ``S``."""
+    the inbox's combine meta rows; ``sources`` int32 ``[n]``: the ranks forwarded for; ``node_size``: ``S``.
+    ``scaleout`` int64 ``[2]``: the rows written (one per token summed, put into a source of another node) are added
+    to its word ``traffic.COMBINE_ROWS`` (:func:`~ep_comm.kernels.traffic.add_warp_rows`, once per warp at its end)."""
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, ahead)
     max_tokens = inbox_rows.shape[2]
     num_topk = (metas[0].shape[3] - 1) // 2
+    written = np.int64(0)  # rows this warp summed (the same on every lane)
     item, num_warps = global_warp()
     item = np.int32(item)
     while item < len(sources) * node_size * max_tokens:
@@ -343,5 +347,7 @@ def node_reduce_kernel(inbox_rows, inbox_meta, inbox_header, rows_is_bf16, hidde
                          mine, rows_is_bf16)
                 write_sum_meta(metas[src][parity, my_rank, token], token,
                                owned_weight_bits(inbox_meta, parity, node_block, node_size, mine, num_topk), num_topk)
+                written += 1
         cuda.syncwarp(FULL_MASK)
         item = np.int32(item + num_warps)
+    add_warp_rows(scaleout, COMBINE_ROWS, written if lane_id() == 0 else np.int64(0))

@@ -54,6 +54,7 @@ from ep_comm.kernels.receive_count import receive_count_kernel, receive_count_wo
 from ep_comm.kernels.routing_check import routing_check_kernel
 from ep_comm.kernels.scatter import SLOT_ATOMIC, SLOT_CACHED, SLOT_STABLE, scatter_kernel, scatter_rows_kernel
 from ep_comm.kernels.switches import legacy
+from ep_comm.kernels.traffic import combine_rows_kernel, dispatch_rows_kernel
 from ep_comm.kernels.units import units_for
 from ep_comm.kernels.warp import COPY_UNROLL, WARP
 from ep_comm.launching.fp8 import Fp8Rows
@@ -515,14 +516,17 @@ class Kernels(LaunchShapes):
             recv_src_metadata, ids, rank_psum, my_rank, node_size, step, ahead, tuple(metas), tuple(headers))
 
     def node_reduce(self, inbox: InboxViews, sources: Array, rows: Sequence[Array], metas: Sequence[Array], *,
-                    my_rank: int, dtype: np.dtype, hidden: int, step: Array, stream: Any, ahead: int = 1) -> None:
+                    my_rank: int, dtype: np.dtype, hidden: int, step: Array, scaleout: Array, stream: Any,
+                    ahead: int = 1) -> None:
         """The forwarder's node reduce of a forwarded combine (``ep_comm.kernels.forward.node_reduce_kernel``): for
         each of ``sources`` (int32 ``[n]`` on the device, the ranks this rank forwards for) and each of its tokens
         held by a rank of this node (the combine inbox blocks ``node * S + j``), the float32 sum from 0 of their
         partials (``hidden`` elements) in ascending rank, rounded to ``dtype`` (the payload's), into ``rows[source]`` at
         ``[parity, my_rank, token]`` (every rank's ``SymmetricViews.rows``), and its meta row (token, -1 ids, the
         owners' weight bits) into ``metas[source]``; parity as in :meth:`relay`. The blocks' meta rows are read from
-        ``inbox.combine_meta`` (where the combine's send writes them, ``forward_inbox.combine_send_views``)."""
+        ``inbox.combine_meta`` (where the combine's send writes them, ``forward_inbox.combine_send_views``).
+        ``scaleout``: the backend's int64 ``[2]`` scale-out row counter (``ep_comm.kernels.traffic``), to whose combine
+        word the rows written are added (one atomic per warp that wrote any)."""
         rows = tuple(rows)
         elements = self._fixed(("payload", dtype), rows, lambda: tuple(payload_rows(v, dtype) for v in rows))
         inbox_elements, is_bf16 = _payload(payload_rows(inbox.rows, dtype))
@@ -530,4 +534,19 @@ class Kernels(LaunchShapes):
         blocks = self._blocks_for(sources.shape[0] * node_size * self.max_tokens, self.stream_blocks)
         self._launch(node_reduce_kernel, stream, blocks=blocks)(
             inbox_elements, inbox.combine_meta, inbox.header, is_bf16, hidden, node_size, sources, step, ahead,
-            my_rank, elements, tuple(metas))
+            my_rank, elements, tuple(metas), scaleout)
+
+    def dispatch_rows(self, in_rank: Array, scaleout: Array, *, node_size: int, my_rank: int, per_node: bool,
+                      stream: Any) -> None:
+        """Add a dispatch's scale-out rows to ``scaleout`` (int64 ``[2]``, word ``traffic.DISPATCH_ROWS``;
+        ``ep_comm.kernels.traffic.dispatch_rows_kernel``): per token of ``in_rank [T, R]`` bool (the routing's
+        ``is_token_in_rank``), the ranks outside ``my_rank``'s node (nodes of ``node_size``) it goes to, or with
+        ``per_node`` their distinct nodes."""
+        blocks = max(1, min(self.num_blocks, -(-in_rank.shape[0] // self.threads)))
+        self._launch(dispatch_rows_kernel, stream, 0, blocks)(in_rank, node_size, my_rank, per_node, scaleout)
+
+    def combine_rows(self, rank_psum: Array, scaleout: Array, *, node_size: int, my_rank: int, stream: Any) -> None:
+        """Add a flat combine's scale-out rows to ``scaleout`` (int64 ``[2]``, word ``traffic.COMBINE_ROWS``;
+        ``ep_comm.kernels.traffic.combine_rows_kernel``): the rows received from the ranks outside ``my_rank``'s node
+        (nodes of ``node_size``; ``rank_psum [R]`` int32, the handle's inclusive psum), which it sends back. One warp."""
+        self._launch(combine_rows_kernel, stream, 0, 1, 1)(rank_psum, node_size, my_rank, scaleout)

@@ -15,8 +15,8 @@ offset, this rank's inbox signal words, and a step counter of their own (``inbox
 gives the step's number there and leaves the Buffer's counter as it was; :meth:`InboxSignals.wait` reads that number
 back. The wait shares the Buffer's status record and abort records: a sender whose inbox signal never came is flagged
 missing there, sticky, and the host names it as it names a rank missing at the step's wait
-(``NvshmemTransport.wait_state``); an abort record ends the inbox wait early as it ends the step's. It adds nothing to
-the wait statistics (the step's wait measures the step).
+(``NvshmemTransport.wait_state``); an abort record ends the inbox wait early as it ends the step's. It adds to the wait
+statistics, and the step's own wait does not (:func:`measured_wait`).
 
 Reach: the inbox signal is a peer store (system-scope fence, then a release store), so every rank whose inbox this
 rank signals must be in load/store reach (a peer view: every rank of one host, virtual nodes included). The puts
@@ -32,7 +32,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ep_comm.contract.symmetric import STEP_KINDS
 from ep_comm.transport.signals import SignalKernels, compiled_function
+
+
+def measured_wait(measuring: bool, kind: int, forwarding: bool, inbox: bool) -> bool:
+    """Whether a wait adds its per-peer delays to the wait statistics: a dispatch's or combine's wait (step kind
+    ``kind``, not the close step's) while ``measuring``; on a transport that forwards across nodes (``forwarding``),
+    its inbox wait (``inbox``) and not the step's final wait. The inbox wait waits for every rank's inbox signal,
+    the end of its send part, which is the arrival the mpi backend measures in a forwarded step: a forwarder that
+    waited for a late rank is not named for relaying after it, and each step counts each peer once."""
+    return measuring and kind != STEP_KINDS["close"] and inbox == forwarding
 
 
 def inbox_peer_pointers(peer_addresses: Sequence[Optional[int]], inbox_ranks: Sequence[int]) -> List[int]:
@@ -66,20 +76,22 @@ class InboxSignals:
         status: the Buffer's mapped ``WaitStatus`` record (shared with the step's waits).
         aborts: this rank's int64 ``[R, ABORT_WORDS]`` abort records, or None.
         device: the CUDA device ordinal.
+        waits: the Buffer's int64 ``[R, WAIT_WORDS]`` wait statistics (``ep_comm.transport.wait_stats``), which a
+            measured inbox wait adds to, or None: not measured.
         copy_step: ``(dst, src) -> None``, enqueues ``dst[0] = src[0]`` on CuPy's current stream (the stream the
             signal launches take); default ``dst[...] = src`` (a CuPy copy kernel).
         function: as ``SignalKernels``' (the tests give a stand-in).
     """
 
     def __init__(self, peer_ptrs: Any, num_ranks: int, me: int, signal_offset: int, step: Any, inbox_step: Any,
-                 signals: Any, status: Any, aborts: Any, device: int,
+                 signals: Any, status: Any, aborts: Any, device: int, waits: Any = None,
                  copy_step: Optional[Callable[[Any, Any], None]] = None,
                  function: Callable[[str, int], Tuple[int, object]] = compiled_function):
         self._step, self._inbox_step = step, inbox_step
         self._copy_step = copy_step or _copy
-        # no count words (the inbox's count words travel with its blocks), no wait statistics
+        # no count words (the inbox's count words travel with its blocks)
         self._kernels = SignalKernels(peer_ptrs, num_ranks, me, signal_offset, 0, inbox_step, signals, status, None,
-                                      aborts, device, function=function, waits=None)
+                                      aborts, device, function=function, waits=waits)
 
     def signal(self, stream: int, kind: int) -> None:
         """Enqueue on stream handle ``stream`` (CuPy's current stream): the inbox step counter set to the step
@@ -89,11 +101,12 @@ class InboxSignals:
         self._copy_step(self._inbox_step, self._step)
         self._kernels.send_signal(stream, kind, None)
 
-    def wait(self, stream: int, kind: int, timeout_s: float) -> None:
+    def wait(self, stream: int, kind: int, timeout_s: float, measured: bool) -> None:
         """Enqueue on stream handle ``stream`` the bounded wait (``timeout_s``) for every rank's inbox signal of the
         step :meth:`signal` signalled (a rank that posted an abort record is not waited for); a rank missing is
-        flagged in the shared status record."""
-        self._kernels.wait_signals(stream, kind, False, timeout_s, measured=False)
+        flagged in the shared status record. ``measured``: its per-peer delays (from this rank's entry into the wait
+        to each inbox signal) go into the wait statistics (:func:`measured_wait`)."""
+        self._kernels.wait_signals(stream, kind, False, timeout_s, measured=measured)
 
 
 def _copy(dst: Any, src: Any) -> None:

@@ -18,11 +18,11 @@ from mpi4py import MPI
 from numba import cuda
 
 from ep_comm.contract.forward_inbox import ForwardInbox, inbox_views
-from ep_comm.contract.symmetric import ABORT_WORDS, STEP_KINDS, SymmetricLayout, symmetric_views
+from ep_comm.contract.symmetric import ABORT_WORDS, SymmetricLayout, symmetric_views
 from ep_comm.contract.topology import transport_mode
 from ep_comm.transport import nvshmem_puts, signals, wait_stats
 from ep_comm.transport.forward_views import ForwardViews, forward_views
-from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers
+from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers, measured_wait
 from ep_comm.transport.nvshmem_heap import NvshmemHeap
 from ep_comm.transport.staging import staged_destination, staging_blocks, staging_bytes
 
@@ -63,8 +63,6 @@ class NvshmemTransport:
     ``Buffer(wait_stats=...)``); ``forward``: the views of a forwarded step (``forward_views.ForwardViews``), or None
     when the Buffer does not forward across nodes.
     """
-
-    _CLOSE = STEP_KINDS["close"]  # the close step's waits are not measured
 
     def __init__(self, comm: MPI.Comm, sym: SymmetricLayout, word: np.dtype, puts_to: Sequence[int],
                  inbox: Optional[ForwardInbox] = None):
@@ -115,7 +113,7 @@ class NvshmemTransport:
         own = inbox_views(self.heap.local[: inbox.total_bytes], inbox, word)
         self._inbox_signals = InboxSignals(self._inbox_ptrs, len(heaps), self.rank, inbox.signal_offset, self.step,
                                            self._inbox_step, own.signal, self.status.device, self._abort_words,
-                                           self.device)
+                                           self.device, waits=self.waits)
 
     def inbox_signal(self, kind: int) -> None:
         """Enqueue on CuPy's current stream the inbox signal of a forwarded step of kind ``kind`` to every rank
@@ -124,8 +122,9 @@ class NvshmemTransport:
 
     def inbox_wait(self, kind: int, timeout_s: float) -> None:
         """Enqueue on CuPy's current stream the bounded wait for every rank's inbox signal of this step
-        (``InboxSignals.wait``); a rank missing is flagged in the status record, as at the step's wait."""
-        self._inbox_signals.wait(_current_stream(), kind, timeout_s)
+        (``InboxSignals.wait``); a rank missing is flagged in the status record, as at the step's wait. It measures
+        the step's waits (:meth:`_measured`)."""
+        self._inbox_signals.wait(_current_stream(), kind, timeout_s, self._measured(kind, inbox=True))
 
     def _views(self, word: np.dtype) -> tuple:
         """Every rank's rows and meta views: its own (stores) or a staging view (puts, see ``staging``); with puts,
@@ -178,10 +177,11 @@ class NvshmemTransport:
             return
         self._signals.signal_and_wait(_current_stream(), kind, counts, timeout_s, self._measured(kind))
 
-    def _measured(self, kind: int) -> bool:
-        """Whether a wait of step kind ``kind`` adds to the wait statistics: a dispatch's or combine's, while
-        ``measuring``."""
-        return self.measuring and kind != self._CLOSE
+    def _measured(self, kind: int, inbox: bool = False) -> bool:
+        """Whether a wait of step kind ``kind`` (``inbox``: a forwarded step's inbox wait) adds to the wait
+        statistics: a dispatch's or combine's while ``measuring``, forwarded at its inbox wait
+        (``inbox_signals.measured_wait``)."""
+        return measured_wait(self.measuring, kind, self.forward is not None, inbox)
 
     def signal(self, stream: Any, kind: int, counts: Any = None) -> None:
         """Enqueue the step's signal to every rank, without a wait (the send half of a split step).

@@ -3,7 +3,8 @@
 Both backends run the same routings on the same inputs; every output, handle field and combine
 result must match bit for bit (deterministic mode), and the nvshmem dispatch passes the shared checker
 (``ep_comm.testing.check``) against every rank's inputs. Then: PyTorch tensors in (DLPack), a
-non-deterministic buffer (combine still bit-exact), CUDA graph replays, receive hooks (``return_recv_hook=True``:
+non-deterministic buffer (combine still bit-exact), CUDA graph replays (each adding one round trip's scale-out rows of
+``ep_comm.contract.traffic`` to ``Buffer.traffic()``), receive hooks (``return_recv_hook=True``:
 eager, the hook on another stream, and send and hook captured into two graphs), and last a timeout: rank 1 skips
 a dispatch,
 rank 0 must raise ep_comm.TimeoutError naming rank 1, and everyone must get out without a hang.
@@ -27,6 +28,8 @@ from mpi4py import MPI
 
 import ep_comm
 from ep_comm.bench.measure import captured
+from ep_comm.contract import traffic
+from ep_comm.contract.topology import Topology
 from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_dispatch
 from ep_comm.testing.dtypes import DTYPES
 from ep_comm.testing.routing import make_routing, mask_routing
@@ -133,6 +136,14 @@ def nvshmem_buffer(**kw) -> ep_comm.Buffer:
 def mpi_buffer(**kw) -> ep_comm.Buffer:
     """The mpi reference Buffer of ``kw``: one node, or forwarding in the nvshmem Buffers' nodes."""
     return ep_comm.Buffer(backend="mpi", **REF, **kw)
+
+
+def round_trip_rows(idx: np.ndarray, num_experts: int) -> tuple:
+    """``(dispatch, combine)``: the scale-out rows this rank puts in one dispatch of routing ``idx`` (every rank's,
+    gathered: collective) and its combine, in the nvshmem Buffers' nodes and route (``ep_comm.contract.traffic``)."""
+    rows = traffic.world_rows(COMM.allgather(idx), num_experts, Topology.of(WORLD, NV["scaleup_ranks"]))
+    route = traffic.ROUTES.index("forwarded" if NV["forwarding"] else "flat")
+    return tuple(int(r) for r in rows[:, route, traffic.LINKS.index("scaleout"), RANK])
 
 
 def expected_mode() -> str:
@@ -247,9 +258,14 @@ def check_graph_replay() -> None:
                     raise AssertionError("a new routing / cpu_sync=True dispatch must be refused under capture")
             out, d_graph = captured(stream, lambda: nv.dispatch(x_in, handle=first_n.handle, cpu_sync=False))
             res, c_graph = captured(stream, lambda: nv.combine(out.recv_x, out.handle))
+        per_replay = round_trip_rows(idx, kw["num_experts"])
         for i in range(4):
             xi = (x0.astype(np.float32) * (i + 2) - i).astype(ml_dtypes.bfloat16)
+            before = nv.traffic().scaleout_rows
             replay(stream, (d_graph, c_graph), [(x_in, xi)])
+            added = tuple(a - b for a, b in zip(nv.traffic().scaleout_rows, before))
+            assert added == per_replay, (f"graph replay {i}: scale-out rows added {added}, the model's {per_replay}",
+                                         NV)
             rm = ref.dispatch(xi, handle=first_m.handle)
             cm = ref.combine(rm.recv_x, rm.handle)
             rows = int(rm.handle.num_expanded_tokens if expand else rm.handle.num_recv_tokens)

@@ -1,7 +1,8 @@
 """A multi-rank fake GPU: ``R`` nvshmem backends in one process, one thread per rank, every rank's symmetric heap a
 host array the others reach as their peer view, the kernels in the Numba CUDA simulator, and the signal and wait
 kernels (the step's and the forwarding inbox's) stood in for on the host, as ``fake_gpu.LoopbackTransport`` does for
-one rank.
+one rank. The waits that ``inbox_signals.measured_wait`` says the GPU measures add to wait statistics kept as the
+wait kernel keeps them (``wait_stats.HostWaits``, wall-clock delays from the wait's entry to each peer's signal).
 
 The ranks take turns: a rank's thread holds the world's lock for its whole call (its launches run under it, one
 kernel at a time in the simulator) and lets go of it only in a wait, until every rank's signal came (or the wait's
@@ -28,7 +29,8 @@ from ep_comm.contract.topology import Topology, transport_mode
 from ep_comm.testing.check import Sources
 from ep_comm.testing.routing import mask_routing, uniform_routing
 from ep_comm.transport.forward_views import forward_views
-from ep_comm.transport.wait_stats import WAIT_WORDS
+from ep_comm.transport.inbox_signals import measured_wait
+from ep_comm.transport.wait_stats import HostWaits
 from helpers.fake_gpu import HostDevice, RootCheckingCalls
 
 WAIT_BOUND_S = 20.0  # a fake wait's bound, in wall time (the simulator is slow): a rank missing past it is named
@@ -37,16 +39,18 @@ WAIT_BOUND_S = 20.0  # a fake wait's bound, in wall time (the simulator is slow)
 class World:
     """Every rank's heap (uint8, the symmetric buffer and, forwarding across several nodes, the inbox after it), the
     lock the ranks take turns under and the condition their waits wait on (``turn``), and the backends' settings
-    (deterministic, waits bounded by ``timeout_s``, at most :data:`WAIT_BOUND_S`)."""
+    (deterministic, waits bounded by ``timeout_s``, at most :data:`WAIT_BOUND_S`; ``transport``: ``"auto"``, the
+    ranks of other nodes through puts, which a flat step across nodes cannot fake, or ``"stores"``, every rank
+    through stores, so that a flat step runs across nodes)."""
 
     def __init__(self, geo: Geometry, scaleup_ranks: Optional[int], forwarding: bool,
-                 timeout_s: float = WAIT_BOUND_S):
+                 timeout_s: float = WAIT_BOUND_S, transport: str = "auto"):
         self.geo, self.num_ranks = geo, geo.num_ranks
         self.sym = SymmetricLayout(geo.num_ranks, geo.max_tokens, geo.hidden, geo.num_topk, geo.dtype.itemsize,
                                    geo.experts_per_rank)
         self.word = word_dtype(geo.hidden, geo.dtype.itemsize)
         self.topology = Topology.of(geo.num_ranks, scaleup_ranks)
-        self.settings = BackendSettings(True, timeout_s, transport="auto", scaleup_ranks=scaleup_ranks,
+        self.settings = BackendSettings(True, timeout_s, transport=transport, scaleup_ranks=scaleup_ranks,
                                         forwarding=forwarding)
         across = forwarding and self.topology.num_nodes > 1
         self.inbox = ForwardInbox(self.sym, self.topology.scaleup_ranks) if across else None
@@ -92,6 +96,8 @@ class WorldTransport:
                                                                       lambda a: a)
         self.inbox_signals_sent = 0  # inbox signals sent (each to every rank)
         self.closed_collectively: Optional[bool] = None
+        self.measuring = True  # the backend sets it from Buffer(wait_stats=...)
+        self.waits = HostWaits(world.num_ranks, rank)
 
     def flush(self, stream: Any, psum: Callable[[], Any], with_meta: bool, timed: Any = None) -> None:
         """Nothing without puts; the fake sends no staged rows."""
@@ -118,7 +124,8 @@ class WorldTransport:
         """The bounded wait for every rank's signal of the step the counter holds; the ranks that did not come are
         missing (their count words zeroed with ``with_counts``)."""
         seq = int(self.step[0])
-        missing = self._wait_for(lambda: arrived(self.own.signal, seq, kind), timeout_s)
+        missing = self._wait_for(lambda: arrived(self.own.signal, seq, kind), timeout_s,
+                                 self._measured(kind, inbox=False))
         if with_counts:
             for q in missing:
                 self.own.counts[seq % 2, q] = 0
@@ -134,12 +141,27 @@ class WorldTransport:
     def inbox_wait(self, kind: int, timeout_s: float) -> None:
         """The bounded wait for every rank's inbox signal of this step."""
         seq = int(self.step[0]) + 1
-        self._wait_for(lambda: arrived(self.world.inbox_signals(self.rank), seq, kind), timeout_s)
+        self._wait_for(lambda: arrived(self.world.inbox_signals(self.rank), seq, kind), timeout_s,
+                       self._measured(kind, inbox=True))
 
-    def _wait_for(self, came: Callable[[], List[bool]], timeout_s: float) -> List[int]:
+    def _measured(self, kind: int, inbox: bool) -> bool:
+        """``NvshmemTransport._measured``: whether this wait adds to the wait statistics."""
+        return measured_wait(self.measuring, kind, self.forward is not None, inbox)
+
+    def _wait_for(self, came: Callable[[], List[bool]], timeout_s: float, measured: bool) -> List[int]:
         """Let the other ranks run until ``came()`` says every rank came, or ``min(timeout_s, WAIT_BOUND_S)`` passed;
-        the ranks that did not come are added to :attr:`missing` (sticky) and returned."""
-        self.world.turn.wait_for(lambda: all(came()), timeout=min(timeout_s, WAIT_BOUND_S))
+        the ranks that did not come are added to :attr:`missing` (sticky) and returned. ``measured``: each arrival is
+        seen when this rank next gets the lock, and the wait's delays go into :attr:`waits`."""
+        clock = self.waits.clock(lambda: np.array(came())) if measured else None
+
+        def every_rank_came() -> bool:
+            if clock is not None:
+                clock.poll()
+            return all(came())
+
+        self.world.turn.wait_for(every_rank_came, timeout=min(timeout_s, WAIT_BOUND_S))
+        if clock is not None:
+            clock.finish()
         missing = [q for q, ok in enumerate(came()) if not ok]
         self.missing = sorted(set(self.missing) | set(missing))
         return missing
@@ -148,10 +170,10 @@ class WorldTransport:
         return self.missing, any(self.aborts[:, 0].tolist())
 
     def wait_table(self) -> np.ndarray:
-        return np.zeros((self.world.num_ranks, WAIT_WORDS), np.int64)
+        return self.waits.table
 
     def reset_waits(self) -> None:
-        """Nothing measured: nothing to reset."""
+        self.waits.reset()
 
     def post_abort(self, record: Any) -> None:
         """Nobody is told (each rank finds out at its own wait's bound)."""

@@ -62,8 +62,6 @@ def test_suites_in_virtual_nodes(ranks, scaleup_ranks, forwarding, session_optio
 @pytest.mark.parametrize("ranks", [pytest.param(6, marks=GROUP_A), pytest.param(8, marks=GROUP_B)])
 def test_forwarding_suite_at_more_ranks(ranks, session_options, tmp_path):
     """``test_forwarding`` at the job sizes of more nodes (the contract suite's jobs run it up to 4 ranks)."""
-    if session_options.backend != "mpi":
-        pytest.skip("the forwarding suite counts scale-out rows (Buffer.traffic), which nvshmem does not count")
     run_suites(ranks, session_options, [SUITE / "test_forwarding.py"], tmp_path)
 
 

@@ -84,7 +84,9 @@ def record_all(dtype: np.dtype) -> list:
     k.combine_meta(np.zeros((R * T, 2 + K), np.int32), np.zeros((R * T, K), np.int64), counts.rank_psum,
                    [box.meta] * 2, [box.header] * 2, my_rank=0, node_size=1, step=step, stream=0)
     k.node_reduce(box, others, [v.rows for v in views], [v.meta for v in views], my_rank=0, dtype=dtype, hidden=H,
-                  step=step, stream=0)
+                  step=step, scaleout=np.zeros(2, np.int64), stream=0)
+    k.dispatch_rows(np.zeros((T, R), np.bool_), np.zeros(2, np.int64), node_size=1, my_rank=0, per_node=True, stream=0)
+    k.combine_rows(counts.rank_psum, np.zeros(2, np.int64), node_size=1, my_rank=0, stream=0)
     long_rows = Recorder(np, num_ranks=R, num_experts=E, num_topk=K, max_tokens=T)  # the scatter cuts rows
     sym = SymmetricLayout(R, T, LONG_H, K, dtype.itemsize, E // R)
     views = [symmetric_views(np.zeros(sym.total_bytes, np.uint8), sym, word_dtype(LONG_H, dtype.itemsize))

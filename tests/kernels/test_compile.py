@@ -44,7 +44,7 @@ def test_every_kernel_compiles(ptx_dir):
                      "combine_reduce_kernel", "combine_reduce_bf16_kernel", "scatter_kernel-fp8pair",
                      "scatter_kernel-fp8cast", "scatter_rows_kernel-fp8pair", "scatter_rows_kernel-fp8cast",
                      "inbox_send_kernel", "combine_meta_kernel", "relay_kernel",
-                     "node_reduce_kernel"}
+                     "node_reduce_kernel", "dispatch_rows_kernel", "combine_rows_kernel"}
 
 
 def test_fp8_cast_in_the_scatter_divides_exactly_and_converts_in_pairs(ptx_dir):

@@ -162,6 +162,7 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
     rng = np.random.default_rng(ranks * scaleup)
     boxes = inboxes(world, scaleup)
     expected = {}
+    scaleout = [xp.zeros(2, np.int64) for _ in boxes]  # each forwarder's counter (ep_comm.kernels.traffic)
     for f, box in enumerate(boxes):
         for src in topology.forwarders(f):
             held = _partials(rng, world, world.max_tokens, scaleup)
@@ -170,8 +171,12 @@ def test_node_reduce_is_node_sum(xp, ranks, scaleup, dtype, hidden):
             expected[src, f] = held
         world.kernels.node_reduce(box, device_ranks(world, topology.forwarders(f)), [v.rows for v in world.views],
                                   [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden,
-                                  step=world.step(PARITY), ahead=0, stream=0)
+                                  step=world.step(PARITY), scaleout=scaleout[f], ahead=0, stream=0)
     k = world.num_topk
+    summed = [0] * ranks  # rows each forwarder put into sources of other nodes: one per token it summed
+    for (src, f), held in expected.items():
+        summed[f] += len(node_sum([t for t, _, _ in held], [r for _, _, r in held], world.dtype)[0])
+    assert [to_host(c).tolist() for c in scaleout] == [[0, rows] for rows in summed]
     for (src, f), held in expected.items():
         tokens, sums = node_sum([t for t, _, _ in held], [r for _, _, r in held], world.dtype)
         weights = gather_owned_weights(tokens, [np.concatenate([t[:, None].astype(np.int32), m], axis=1)
@@ -238,8 +243,8 @@ def test_forwarded_combine_is_the_oracle(xp, ranks, scaleup, dtype, hidden, expa
     from_rank = [_partial_rows(world, sent, received, ys, row_weights, d) for d in range(ranks)]
     for f, box in enumerate(boxes):
         k.node_reduce(box, device_ranks(world, topology.forwarders(f)), [v.rows for v in world.views],
-                      [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden, step=step, ahead=0,
-                      stream=0)
+                      [v.meta for v in world.views], my_rank=f, dtype=world.dtype, hidden=hidden, step=step,
+                      scaleout=xp.zeros(2, np.int64), ahead=0, stream=0)
     for s in range(ranks):
         tokens = world.topk[s].shape[0]
         partials = []

@@ -1,5 +1,5 @@
-"""Node-aware forwarding on the mpi backend (``Buffer(forwarding=True)``, docs/design.md "Transports and nodes"), on
-every rank of an ``mpirun`` job.
+"""Node-aware forwarding (``Buffer(forwarding=True)``, docs/design.md "Transports and nodes") on the session's backend
+(mpi; nvshmem on GPUs, which counts its scale-out rows on the device), on every rank of an ``mpirun`` job.
 
 The contract's cases (the routings of ``test_contract``, compact and expand, deterministic or not, new routings,
 handle replays, ``cpu_sync=False``, receive hooks, FP8) on Buffers in virtual nodes of every size ``S < R`` that
@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import pytest
 from helpers.collective import dispatch, make_buffer, to_device
-from helpers.options import current
 from helpers.oracle import (
     COMM,
     RANK,
@@ -37,8 +36,7 @@ from helpers.same_outputs import assert_same, assert_same_dispatch
 
 import ep_comm
 
-pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300),
-              pytest.mark.skipif(current().backend != "mpi", reason="counts scale-out rows (Buffer.traffic), which nvshmem does not count")]
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 NODE_SIZES = [s for s in range(1, WORLD) if WORLD % s == 0]  # every split into more than one node
 ROUTINGS = ["uniform", "masked", "hot", "zero_rank", "uneven", "full"]
 EXPAND = dict(expand=True, expert_alignment=4, zero_padding=True)

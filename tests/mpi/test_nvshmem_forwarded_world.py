@@ -1,8 +1,9 @@
 """The nvshmem backend's forwarded steps on the multi-rank fake GPU (``helpers.fake_world``: four backends in one
 process, the kernels in the Numba CUDA simulator) against the mpi backend of this ``mpirun -n 4`` job, both as 2
-nodes of 2 with ``forwarding=True``: every rank makes the same calls on an mpi Buffer, rank 0 gathers their outputs
-and runs the four fake ranks on the same inputs, and each fake rank's outputs (a new routing, its weighted combine, a
-replay of its handle) are the mpi rank's byte for byte, handles included."""
+nodes of 2 with ``forwarding=True`` (and flat, ``forwarding=False``, the fake's ranks all through stores): every rank
+makes the same calls on an mpi Buffer, rank 0 gathers their outputs and runs the four fake ranks on the same inputs,
+and each fake rank's outputs (a new routing, its weighted combine, a replay of its handle) are the mpi rank's byte
+for byte, handles included, and so are its scale-out rows (``traffic()``, per operation)."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,17 +27,18 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300),
                                  reason="4 ranks of the mpi backend, the nvshmem kernels in the simulator")]
 
 
-def mpi_calls(geo: Geometry, src, expand: bool) -> list:
-    """This rank's new routing, its combine (weighted as dispatched) and a replay of its handle with another payload,
-    on an mpi Buffer forwarding in nodes of 2."""
+def mpi_calls(geo: Geometry, src, expand: bool, forwarding: bool) -> tuple:
+    """``(outputs, scale-out rows)``: this rank's new routing, its combine (weighted as dispatched) and a replay of its
+    handle with another payload, on an mpi Buffer in nodes of 2, ``forwarding`` or flat; its ``traffic()`` after the
+    close."""
     x, idx, w = src.x[RANK], src.topk_idx[RANK], src.weights[RANK]
     with ep_comm.Buffer(COMM, num_experts=geo.num_experts, hidden=geo.hidden, num_topk=geo.num_topk,
                         num_max_tokens_per_rank=geo.max_tokens, dtype=geo.dtype.name, backend="mpi",
-                        deterministic=True, timeout_s=TIMEOUT_S, scaleup_ranks=SCALEUP, forwarding=True) as buf:
+                        deterministic=True, timeout_s=TIMEOUT_S, scaleup_ranks=SCALEUP, forwarding=forwarding) as buf:
         first = buf.dispatch(x, idx, w, expand=expand, expert_alignment=2 if expand else 1, zero_padding=expand)
         summed = buf.combine(first.recv_x, first.handle, topk_weights=first.recv_topk_weights)
         replay = buf.dispatch((x.astype(np.float32) * 2 + 1).astype(x.dtype), handle=first.handle)
-    return [first, summed, replay]
+    return [first, summed, replay], buf.traffic().scaleout_rows
 
 
 def fake_calls(be, rank: int, src, expand: bool) -> list:
@@ -49,16 +51,19 @@ def fake_calls(be, rank: int, src, expand: bool) -> list:
                                     None)]
 
 
+@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "flat"])
 @pytest.mark.parametrize("dtype, expand", [("bfloat16", False), ("float32", True)], ids=["compact", "expand"])
-def test_the_forwarded_fake_nvshmem_world_is_the_mpi_backend(dtype, expand):
+def test_the_fake_nvshmem_world_in_two_nodes_is_the_mpi_backend(dtype, expand, forwarding):
     geo = Geometry(WORLD, 8, 16, 3, 5, payload_dtype(dtype))
     src = random_sources(geo, TOKENS, weighted=True, seed=41 + expand)
-    gathered = COMM.gather(mpi_calls(geo, src, expand), root=0)
+    gathered = COMM.gather(mpi_calls(geo, src, expand, forwarding), root=0)
     if RANK != 0:
         return
-    world = World(geo, SCALEUP, forwarding=True)
+    world = World(geo, SCALEUP, forwarding=forwarding, transport="auto" if forwarding else "stores")
     backends = world_backends(world)
     fake = run_ranks(world, [lambda r=r: fake_calls(backends[r], r, src, expand) for r in range(WORLD)])
-    for rank, (want, got) in enumerate(zip(gathered, fake)):
-        assert backends[rank].transport.inbox_signals_sent == 3, "every fake step went through the inboxes"
+    assert sum(sum(rows) for _, rows in gathered) > 0, "the routing crosses the nodes"
+    for rank, ((want, rows), got) in enumerate(zip(gathered, fake)):
+        assert backends[rank].transport.inbox_signals_sent == 3 * forwarding, "every forwarded step used the inboxes"
         assert_same_outputs(want, got)
+        assert backends[rank].traffic().scaleout_rows == rows, f"rank {rank}'s scale-out rows"

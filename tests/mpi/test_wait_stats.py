@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 from helpers.collective import dispatch, make_buffer
-from helpers.options import current
 from helpers.oracle import COMM, RANK, WORLD, make_world
 
 from ep_comm.transport.wait_stats import WAIT_WORDS, late_share
@@ -80,7 +79,6 @@ def test_a_late_rank_is_named_by_the_hooks(world):
         check_late_rank_named(buf.wait_stats())
 
 
-@pytest.mark.skipif(current().backend != "mpi", reason="nvshmem's inbox waits add nothing to its wait statistics")
 def test_a_late_rank_is_named_through_forwarders(world):
     """Every rank its own node (``scaleup_ranks=1``): every step goes through forwarders' inboxes, whose signals are
     the arrivals measured (a forwarder that waited for the late rank is not named for relaying after it)."""

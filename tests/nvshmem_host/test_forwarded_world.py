@@ -8,8 +8,10 @@ handle replay, ``cpu_sync=False``, split into send and hook) gives the outputs a
 4-rank world byte for byte, and the first one the contract's reference (``ep_comm.testing.check``); every combine (plain
 and split) gives the sum in the forwarded order (``ep_comm.testing.forwarded``, through ``check_combine``) and the
 dispatched weights. FP8 dispatches (cast, and from the pair) give the flat bytes; a replay and its combine made while
-the fake GPU says it is capturing a CUDA graph give the eager results. A rank that never arrives, and a forwarder that
-never runs its hook, are named by their peers within the wait's bound."""
+the fake GPU says it is capturing a CUDA graph give the eager results. The scale-out rows the kernels count are
+``ep_comm.contract.traffic``'s, flat and forwarded. The inbox waits measure a forwarded step's wait statistics (a late
+sender comes last, its forwarder does not). A rank that never arrives, and a forwarder that never runs its hook, are
+named by their peers within the wait's bound."""
 from __future__ import annotations
 
 import functools
@@ -17,16 +19,18 @@ import functools
 import numpy as np
 import pytest
 from helpers.fake_gpu import combine, dispatch
-from helpers.fake_world import World, random_sources, run_ranks, world_backends
+from helpers.fake_world import WAIT_BOUND_S, World, arrived, random_sources, run_ranks, world_backends
 from helpers.same_outputs import assert_same, assert_same_as_eager, assert_same_dispatch
 
 import ep_comm
 from ep_comm.backends.interface import CombineRequest, DispatchRequest
-from ep_comm.contract import fp8
+from ep_comm.contract import fp8, traffic
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.symmetric import STEP_KINDS
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_combine, check_dispatch
+from ep_comm.transport.wait_stats import decode
 
 pytestmark = [pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator"),
               pytest.mark.timeout(300)]
@@ -36,6 +40,7 @@ TOKENS = (4, 3, 5, 0)  # per rank: the last one sends nothing
 # the ranks' inbox waits starting one send half apart on a busy CI core (the steps' final waits do not yet take
 # "entered" from the inbox signals, which would spare a late forwarder)
 FAULT_TIMEOUT_S = 5.0
+STRAGGLER_S = 0.3  # how long a late rank lets the others' waits see their peers' signals before it begins a step
 
 
 def geometry(dtype: str, hidden: int = HIDDEN) -> Geometry:
@@ -101,6 +106,28 @@ def test_forwarded_steps_give_the_flat_bytes_and_the_forwarded_sum(dtype, expand
         assert_same(f"rank {rank} combine topk_weights", want["combine"].topk_weights, got["combine"].topk_weights)
 
 
+@pytest.mark.parametrize("forwarding, expand", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["flat-compact", "flat-expand", "forwarded-compact", "forwarded-expand"])
+def test_the_scaleout_rows_counted_on_the_device_are_the_traffic_model(forwarding, expand):
+    """``traffic()`` on the nvshmem backend in 2 nodes of 2 (flat: every rank through stores), after :func:`calls`
+    (four dispatches of one routing: new, replay, ``cpu_sync=False``, split; two combines: plain, split): each rank's
+    scale-out rows are four of its dispatches' and two of its combines' as ``ep_comm.contract.traffic`` counts them
+    (flat: a row per token and remote rank, and back per row received from one; forwarded: a row per token and remote
+    node, and a forwarder's one per token of a source it forwards for that reached its node), the same after the
+    close."""
+    src = sources("float32", True, seed=23 + expand)
+    world = World(geometry("float32"), SCALEUP, forwarding, transport="auto" if forwarding else "stores")
+    backends = world_backends(world)
+    run_ranks(world, [lambda r=r: calls(backends[r], r, src, expand, 1) for r in range(RANKS)])
+    model = traffic.world_rows(src.topk_idx, EXPERTS, world.topology)[:, traffic.ROUTES.index(
+        "forwarded" if forwarding else "flat"), traffic.LINKS.index("scaleout")]
+    want = [(4 * int(model[0, rank]), 2 * int(model[1, rank])) for rank in range(RANKS)]
+    assert sum(d + c for d, c in want) > 0, "the routing crosses the nodes"
+    assert [be.traffic().scaleout_rows for be in backends] == want
+    run_ranks(world, [backends[r].close for r in range(RANKS)])
+    assert [be.traffic().scaleout_rows for be in backends] == want
+
+
 def fp8_calls(be, rank: int, src: Sources, expand: bool) -> list:
     """A new routing of ``src``'s payload cast to FP8 as the scatter reads it (``use_fp8=True``), and a replay of its
     handle with the pair ``(x_fp8, scales)`` of the payload doubled (``ep_comm.contract.fp8``)."""
@@ -148,6 +175,42 @@ def test_a_captured_forwarded_replay_and_combine_give_the_eager_results(expand):
     for rank, (first, eager, eager_sum, captured, captured_sum) in enumerate(outs):
         assert backends[rank].transport.inbox_signals_sent == 5
         assert_same_as_eager(first, eager, eager_sum, captured, captured_sum)
+
+
+def begin_last(world: World, be, kind: str) -> None:
+    """Before ``be``'s next step of ``kind``: let the other ranks run until each has sent its inbox signal of that
+    step and is waiting, then :data:`STRAGGLER_S` more, in which their waits see those signals."""
+    rank, seq = be.transport.rank, int(be.transport.step[0]) + 1
+    world.turn.wait_for(lambda: sum(arrived(world.inbox_signals(rank), seq, STEP_KINDS[kind])) == RANKS - 1,
+                        timeout=WAIT_BOUND_S)
+    world.turn.wait_for(lambda: False, timeout=STRAGGLER_S)
+
+
+def test_the_inbox_waits_measure_a_forwarded_step_and_name_the_late_sender():
+    """Rank 3 begins every forwarded step last (:func:`begin_last`): each rank's wait statistics count each step
+    once per peer (the inbox wait measures it, the step's final wait does not: ``inbox_signals.measured_wait``),
+    rank 3 came last in every wait of every other rank, and its forwarder in the other node (rank 1), which relayed
+    only after rank 3's inbox signal, in none."""
+    world = World(geometry("float32"), SCALEUP, True)
+    backends, src, rounds = world_backends(world), sources("float32", False, seed=13), 2
+
+    def late_steps(rank: int):
+        be = backends[rank]
+        for _ in range(rounds):
+            if rank == 3:
+                begin_last(world, be, "dispatch")
+            out = dispatch(be, src.x[rank], src.topk_idx[rank], None, None, False, 1, False, True, None)
+            if rank == 3:
+                begin_last(world, be, "combine")
+            combine(be, out.recv_x, out.handle, None, ())
+        return decode(be.wait_table(), rank)
+
+    stats = run_ranks(world, [lambda r=r: late_steps(r) for r in range(RANKS)])
+    for rank, got in enumerate(stats):
+        assert [p.steps for p in got.peers] == [0 if p == rank else 2 * rounds for p in range(RANKS)], rank
+        if rank != 3:
+            assert got.peers[3].times_last == 2 * rounds and got.slowest().peer == 3, (rank, got.peers)
+            assert got.peers[1].times_last == 0, (rank, got.peers)
 
 
 def fault_world(timeout_s: float) -> tuple:

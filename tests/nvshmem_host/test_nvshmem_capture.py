@@ -40,6 +40,19 @@ def simulated_buffer(monkeypatch, be) -> Buffer:
                   num_max_tokens_per_rank=geo.max_tokens, dtype="float32", backend="mpi")
 
 
+def test_the_scaleout_rows_are_not_read_back_under_capture(monkeypatch):
+    """``Buffer.traffic()`` copies the device counter back to the host: refused while the stream is being captured,
+    read again after."""
+    be = simulated_backend(SMALL_GEO, True, False)
+    buf = simulated_buffer(monkeypatch, be)
+    be.device.capturing_now = True
+    with pytest.raises(RuntimeError, match="^traffic: cannot read the scale-out rows while a CUDA graph is being "
+                                           "captured$"):
+        buf.traffic()
+    be.device.capturing_now = False
+    assert buf.traffic().scaleout_rows == (0, 0)
+
+
 @pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.uint64])
 def test_unsigned_ids_under_capture_are_refused_by_name_before_anything_is_enqueued(monkeypatch, dtype):

@@ -8,7 +8,7 @@ from helpers.fake_gpu import SMALL_GEO, simulated_backend
 from mpi4py import MPI
 
 from ep_comm.backends import make_backend
-from ep_comm.backends.interface import Backend, BackendSettings, Traffic
+from ep_comm.backends.interface import Backend, BackendSettings, OperationRows, Traffic
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
@@ -111,4 +111,4 @@ def test_the_simulated_nvshmem_backend_is_a_backend_with_its_transport_named():
     puts = simulated_backend(SMALL_GEO, False, True)
     assert isinstance(stores, Backend) and isinstance(puts, Backend)
     assert (stores.transport_name, puts.transport_name, stores.num_sms) == ("stores", "puts", 1)
-    assert stores.traffic() == puts.traffic() == Traffic(scaleout_rows=None), "the kernels' rows are not counted"
+    assert stores.traffic() == puts.traffic() == Traffic(OperationRows(0, 0)), "one node: no scale-out rows"

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from ep_comm._launcher import raw
+from ep_comm.contract.symmetric import STEP_KINDS
 from ep_comm.kernels.signal_wait import CUDA_SOURCE as _SOURCE
-from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers
+from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers, measured_wait
 from ep_comm.transport.signals import PARAMS, SignalKernels, _count_words
 
 
@@ -198,21 +199,38 @@ def test_the_inbox_signal_sends_the_step_word_without_advancing_the_step_counter
     stream first, then ``send_signal`` over the inbox's signal offset with that counter (its ``step[0] += 1`` gives
     the step's number there, the Buffer's counter stays), no count words; the inbox wait: ``wait_signals`` over this
     rank's inbox signal words and the inbox counter, the Buffer's status record and abort records, no count words to
-    zero and no wait statistics."""
-    inbox = InboxSignals(PEERS, R, 1, 8192, STEP, INBOX_STEP, INBOX_SIGNALS, STATUS, ABORTS, 3,
+    zero; a measured inbox wait adds to the Buffer's wait statistics, an unmeasured one passes none."""
+    inbox = InboxSignals(PEERS, R, 1, 8192, STEP, INBOX_STEP, INBOX_SIGNALS, STATUS, ABORTS, 3, waits=WAITS,
                          copy_step=lambda dst, src: launches.append(("copy", dst, src)), function=_compiled)
     inbox.signal(0xBEEF, 1)
-    inbox.wait(0xBEEF, 1, 2.5)
+    inbox.wait(0xBEEF, 1, 2.5, True)
     inbox.signal(0xCAFE, 2)
+    inbox.wait(0xCAFE, 2, 2.5, False)
     assert [(e[0], e[4]) if e[0] != "copy" else e for e in launches] == [
         ("copy", INBOX_STEP, STEP), ("send_signal", 0xBEEF), ("wait_signals", 0xBEEF), ("copy", INBOX_STEP, STEP),
-        ("send_signal", 0xCAFE)]
+        ("send_signal", 0xCAFE), ("wait_signals", 0xCAFE)]
     for i, kind in ((1, 1), (4, 2)):
         assert launches[i][5] == _rawkernel_bytes((PEERS, np.int32(R), np.int32(1), np.int64(8192), INBOX_STEP,
                                                    np.int32(kind), np.uint64(0), np.int64(0), np.int32(0)))
-    assert launches[2][5] == _rawkernel_bytes((INBOX_SIGNALS, np.int32(R), np.int32(1), INBOX_STEP, np.int32(1),
-                                               np.uint64(int(2.5e9)), STATUS, np.uint64(0), np.int32(0), ABORTS,
-                                               np.int32(64), np.uint64(0)))
+    for i, kind, waits in ((2, 1, WAITS), (5, 2, np.uint64(0))):
+        assert launches[i][5] == _rawkernel_bytes((INBOX_SIGNALS, np.int32(R), np.int32(1), INBOX_STEP, np.int32(kind),
+                                                   np.uint64(int(2.5e9)), STATUS, np.uint64(0), np.int32(0), ABORTS,
+                                                   np.int32(64), waits))
+
+
+def test_a_forwarding_transport_measures_its_steps_at_the_inbox_wait():
+    """Which waits add to the wait statistics (``measured_wait``): a dispatch's and a combine's, never the close
+    step's nor any while not measuring; a flat transport's step waits; a forwarding one's inbox wait instead of its
+    step's final wait (each peer once per step, at its inbox signal, as the mpi backend measures)."""
+    kinds = {kind: STEP_KINDS[kind] for kind in ("dispatch", "combine")}
+    for kind in kinds.values():
+        assert measured_wait(True, kind, forwarding=False, inbox=False)
+        assert not measured_wait(True, kind, forwarding=True, inbox=False)
+        assert measured_wait(True, kind, forwarding=True, inbox=True)
+        assert not measured_wait(False, kind, forwarding=True, inbox=True)
+        assert not measured_wait(False, kind, forwarding=False, inbox=False)
+    for forwarding in (False, True):
+        assert not measured_wait(True, STEP_KINDS["close"], forwarding, inbox=False)
 
 
 def test_the_inbox_reaches_ranks_through_peer_views_only():

@@ -72,10 +72,11 @@ from __future__ import annotations
 
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
 from ep_comm._launcher.recorded_calls import RecordedCalls
-from ep_comm.backends.interface import BackendSettings, Traffic
+from ep_comm.backends.interface import BackendSettings, OperationRows, Traffic
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
 from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch
 from ep_comm.backends.nvshmem.forwarding import FlatRoute, ForwardedRoute
@@ -89,6 +90,7 @@ from ep_comm.contract.forward_inbox import ForwardInbox
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.symmetric import SymmetricLayout, word_dtype
 from ep_comm.contract.topology import Topology
+from ep_comm.contract.traffic import OPS
 from ep_comm.launching.kernel_launches import Kernels, check_index_range
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types the backend accepts
@@ -164,7 +166,9 @@ class NvshmemBackend:
         own = transport.own
         self.ctx = NvshmemContext(geo, self.rank, settings.deterministic, xp, self.kernels, transport, device,
                                   self.runner, device.kernel_array(own.rows), device.kernel_array(own.meta),
-                                  device.kernel_array(own.counts))
+                                  device.kernel_array(own.counts), Topology.of(geo.num_ranks, settings.scaleup_ranks),
+                                  xp.zeros(len(OPS), np.int64))
+        self._closed_rows: Optional[OperationRows] = None  # the scale-out rows at the close (traffic)
         route = FlatRoute(self.ctx) if transport.forward is None else ForwardedRoute(self.ctx)
         self.dispatcher, self.combiner = NvshmemDispatch(self.ctx, route), NvshmemCombine(self.ctx, route)
         # the Backend interface's calls of the protocols, bound to them once
@@ -275,8 +279,20 @@ class NvshmemBackend:
         return self.runner.profile.table()
 
     def traffic(self) -> Traffic:
-        """Nothing counted: the kernels write the rows into the peers (``Traffic.scaleout_rows`` None)."""
-        return Traffic(None)
+        """``scaleout_rows``: the rows the kernels counted on the device so far (``ctx.scaleout``, read after the
+        work enqueued on the caller's stream: it waits for it), or after ``close`` those up to the close.
+
+        The kernels count (``ep_comm.kernels.traffic``), so that ``cpu_sync=False`` steps and CUDA-graph replays
+        count too: a dispatch, one launch of ``Kernels.dispatch_rows`` after its scatter, from the routing's
+        ``is_token_in_rank`` (the one array a new routing, in its count block, and a replay, in its handle, both
+        have: the count kernel does not run in a replay and counts ranks, not nodes); a flat combine, one one-warp
+        launch of ``Kernels.combine_rows`` after its send, from the handle's received psum; a forwarded combine, in
+        the node reduce that puts the rows (no launch). In one node nothing is launched."""
+        return Traffic(self._closed_rows if self.transport is None else self._scaleout_rows())
+
+    def _scaleout_rows(self) -> OperationRows:
+        """A host copy of the scale-out row counter (after the work enqueued on the caller's stream)."""
+        return OperationRows(*(int(rows) for rows in to_host(self.ctx.scaleout).tolist()))
 
     def wait_table(self) -> Any:
         """A host copy of the wait statistics the wait kernel keeps (``transport.waits``), after the work enqueued on
@@ -305,6 +321,7 @@ class NvshmemBackend:
                 clean = True
         finally:
             self.device.synchronize()
+            self._closed_rows = self._scaleout_rows()
             self.transport.close(collective=clean)
             self.transport = None
             self.runner.capture.release()

@@ -93,10 +93,12 @@ class NvshmemCombine:
         reduce reads this rank's own from ``y``) and the weights' return route (with puts into the staging blocks, which
         the caller then puts: the block of this rank's own compact rows too, unwritten and never read); ``metadata``
         (int32 ``[N_out, 2+K]``) and ``psum`` (int32 ``[R]``): the handle's ``recv_src_metadata`` and
-        ``psum_num_recv_tokens_per_rank``, ``expand`` its mode."""
+        ``psum_num_recv_tokens_per_rank``, ``expand`` its mode. The rows sent over scale-out are counted
+        (``route.count_combine``)."""
         xp, t, k = self.xp, self.transport, self.kernels
         k.combine_scatter(y, metadata, psum, self.route.combine_rows, my_rank=self.rank, step=t.step, ahead=1,
                           expand=expand, stream=stream, weights=weights if expand else None)
+        self.route.count_combine(stream, psum)
         if weights is not None:
             bits = weights.view(xp.int32).reshape(weights.shape[0], weights.shape[1] if weights.ndim == 2 else 1)
             weight_return.send_weights(functools.partial(k.launcher, stream=stream), bits, expand, metadata, psum,

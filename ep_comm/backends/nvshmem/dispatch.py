@@ -62,19 +62,21 @@ class NvshmemDispatch:
         body = self._dispatch_new if request.handle is None else self._dispatch_cached
         return self.runner.split("dispatch", request.cpu_sync, body, request)
 
-    def scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, mode: int,
-                local: Optional[tuple] = None) -> None:
+    def scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, in_rank: Array,
+                mode: int, local: Optional[tuple] = None) -> None:
         """Rank scatter, on ``stream``, of rows ``x [T, W]`` (C-contiguous, or an ``Fp8Rows``) and meta rows (ids
         ``idx [T, K]``, float32 ``weights [T, K]`` or None) into every destination, at ``slot_idx [T, K]`` int32 (into
         the staging blocks with puts, which the send steps then put; forwarded, only those of this rank's node:
-        ``route.written``); ``local``: ``(recv_x, received psum [R])`` of a compact replay, where the rows for this rank
-        itself go."""
+        ``route.written``), and the dispatch's scale-out rows from its ``in_rank [T, R]`` bool (``is_token_in_rank``)
+        counted (``route.count_dispatch``); ``local``: ``(recv_x, received psum [R])`` of a compact replay, where the
+        rows for this rank itself go."""
         t = self.transport
         recv_x, recv_psum = local if local is not None else (None, None)
         with self.profile.phase("dispatch", "scatter"):
             self.kernels.scatter(x, idx, weights, slot_idx, t.rows, t.meta, src_rank=self.rank, step=t.step, ahead=1,
                                  mode=mode, stream=stream, recv_x=recv_x, recv_psum=recv_psum,
                                  written=self.route.written)
+            self.route.count_dispatch(stream, in_rank)
 
     def _contiguous_request(self, request: DispatchRequest) -> DispatchRequest:
         """``request`` with ``x`` as the kernels read rows (``NvshmemContext.as_rows``; an ``Fp8Rows``' arrays are
@@ -220,7 +222,7 @@ class NvshmemDispatch:
         with self.profile.phase("dispatch", "count"):
             send = self.kernels.count(idx, stable=stable, stream=stream, block=self.send_block(block))
         mode = kernel_launches.SLOT_STABLE if stable else kernel_launches.SLOT_ATOMIC
-        self.scatter(stream, x, idx, weights, send.slot_idx, mode)
+        self.scatter(stream, x, idx, weights, send.slot_idx, send.is_token_in_rank, mode)
 
     def receive_count(self, stream: Any, block: Array, expand: bool, alignment: int) -> None:
         """The receive count of a new routing, on ``stream``, into the count block ``block`` (its
@@ -305,11 +307,11 @@ class NvshmemDispatch:
         if h.expand:
             arrays = arranged_outputs(carving.views(block), weighted, scratch)
             copy_recorded_metadata(arrays[3], h.recv_src_metadata)
-            launch(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, kernel_launches.SLOT_CACHED,
-                   None)
+            launch(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, h.is_token_in_rank,
+                   kernel_launches.SLOT_CACHED, None)
         else:
-            launch(self.carved_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, carving, block,
-                   h.psum_num_recv_tokens_per_rank)
+            launch(self.carved_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, h.is_token_in_rank,
+                   carving, block, h.psum_num_recv_tokens_per_rank)
         if self._puts:
             self.route.flush(functools.partial(self.transport.flush, stream,
                                                functools.partial(self.handle_value, h, "send_psum", _send_psum),
@@ -327,12 +329,13 @@ class NvshmemDispatch:
                (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert))
         return made if made is not None else arranged_outputs(carving.views(block), weighted, scratch)
 
-    def carved_scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array, carving: Any,
-                       block: Array, psum: Array) -> None:
-        """A compact replay's scatter (:meth:`scatter` at recorded slots ``slot_idx``) with this rank's own rows
-        straight into ``recv_x``, ``carving``'s first view of ``block``, made here: a recorded call's later calls
-        launch it on their roots' pointers alone; ``psum``: the handle's received psum [R]."""
-        self.scatter(stream, x, idx, weights, slot_idx, kernel_launches.SLOT_CACHED, (carving.views(block)[0], psum))
+    def carved_scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array,
+                       in_rank: Array, carving: Any, block: Array, psum: Array) -> None:
+        """A compact replay's scatter (:meth:`scatter` at recorded slots ``slot_idx``, the handle's ``in_rank``) with
+        this rank's own rows straight into ``recv_x``, ``carving``'s first view of ``block``, made here: a recorded
+        call's later calls launch it on their roots' pointers alone; ``psum``: the handle's received psum [R]."""
+        self.scatter(stream, x, idx, weights, slot_idx, in_rank, kernel_launches.SLOT_CACHED,
+                     (carving.views(block)[0], psum))
 
     def carved_receive_copy(self, stream: Any, options: tuple, weighted: bool, counted: bool, carving: Any,
                             block: Array, scratch: Optional[Array], source: Any) -> None:

@@ -51,6 +51,7 @@ class FlatRoute:
     node_size = 0  # the source's reduce: flat
     written: Optional[range] = None  # the ranks the scatter writes rows into: every rank
     reads_slots = False  # whether dispatch_sent reads a new routing's slot_idx (Sent.slot_idx): flat, no
+    per_node = False  # a dispatch's scale-out rows: one per token and remote rank (count_dispatch)
 
     def __init__(self, ctx: NvshmemContext):
         self.ctx, self.runner = ctx, ctx.runner
@@ -60,6 +61,24 @@ class FlatRoute:
     def flush(flush: Callable[[], None]) -> None:
         """``flush()``: the puts of the rows staged for the ranks reached through puts."""
         flush()
+
+    def count_dispatch(self, stream: Any, in_rank: Array) -> None:
+        """On ``stream``, a dispatch's scale-out rows (per token of ``in_rank [T, R]`` bool, its routing's
+        ``is_token_in_rank``: the remote ranks it goes to; :attr:`per_node`: the remote nodes) added to the context's
+        counter (``Kernels.dispatch_rows``: one launch); nothing in one node."""
+        ctx = self.ctx
+        if ctx.topology.num_nodes > 1:
+            ctx.kernels.dispatch_rows(in_rank, ctx.scaleout, node_size=ctx.topology.scaleup_ranks, my_rank=ctx.rank,
+                                      per_node=self.per_node, stream=stream)
+
+    def count_combine(self, stream: Any, rank_psum: Array) -> None:
+        """On ``stream``, a combine's scale-out rows (the rows received from the remote ranks, ``rank_psum [R]``
+        int32: the handle's received psum, go back to them) added to the context's counter (``Kernels.combine_rows``:
+        one launch); nothing in one node."""
+        ctx = self.ctx
+        if ctx.topology.num_nodes > 1:
+            ctx.kernels.combine_rows(rank_psum, ctx.scaleout, node_size=ctx.topology.scaleup_ranks, my_rank=ctx.rank,
+                                     stream=stream)
 
     def dispatch_sent(self, stream: Any, hooked: bool, sent: Sent) -> Arrive:
         """The end of a dispatch's send half on ``stream``: the step's signal with the count words (and, not
@@ -92,12 +111,17 @@ class ForwardedRoute(FlatRoute):
         self.node_size = self.views.node_size
         self.written = range(self.views.node_first, self.views.node_first + self.node_size)  # this node's ranks
         self.reads_slots = True  # the inbox send writes each entry's slot in the ranks of the forwarder's node
+        self.per_node = True  # a token crosses to a remote node once, into its forwarder's inbox
         self.combine_rows, self.combine_metas, self._combine_headers = self.views.source_arrays()
 
     @staticmethod
     def flush(flush: Callable[[], None]) -> None:
         """Nothing: the scatter writes no rows for the ranks of other nodes (:attr:`written`; the relay delivers
         them), and a combine writes the inboxes and this node's sources through peer views."""
+
+    def count_combine(self, stream: Any, rank_psum: Array) -> None:
+        """Nothing: a forwarded combine's partials stay in the node; the node reduce counts the rows it puts into
+        the sources of other nodes (:meth:`_node_reduce`)."""
 
     def dispatch_sent(self, stream: Any, hooked: bool, sent: Sent) -> Arrive:
         """The inbox send and its signal; then, not
@@ -155,7 +179,8 @@ class ForwardedRoute(FlatRoute):
         with self.runner.profile.phase("combine", "inbox wait+node reduce"):
             t.inbox_wait(STEP_KINDS["combine"], self.runner.timeout_s)
             ctx.kernels.node_reduce(views.inbox, views.forwarded_for, rows, metas, my_rank=ctx.rank,
-                                    dtype=ctx.geo.dtype, hidden=ctx.geo.hidden, step=t.step, stream=stream)
+                                    dtype=ctx.geo.dtype, hidden=ctx.geo.hidden, step=t.step, scaleout=ctx.scaleout,
+                                    stream=stream)
         self.runner.signal("combine", stream, hooked)
         self.runner.wait("combine", hooked, False)
 

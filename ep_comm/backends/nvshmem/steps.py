@@ -27,6 +27,7 @@ from ep_comm.contract.checks import routing_error, verdicts_clean
 from ep_comm.contract.geometry import Geometry
 from ep_comm.contract.protocol import RECORD_VERDICTS, VERDICT_WORDS
 from ep_comm.contract.symmetric import record_verdicts, record_words
+from ep_comm.contract.topology import Topology
 from ep_comm.errors import RoutingError
 from ep_comm.launching.kernel_launches import Kernels
 
@@ -248,7 +249,9 @@ def launch_now(path: Callable[..., None], stream: Any, *args: Any) -> None:
 class NvshmemContext:
     """What the dispatch and combine protocols of one ``NvshmemBackend`` work with: its geometry, rank and mode, the
     array module, its ``kernels``, ``transport`` and ``device``, the step ``runner``, and this rank's symmetric rows,
-    meta rows and count words as the kernels take them (``own_rows``, ``own_meta``, ``own_counts``)."""
+    meta rows and count words as the kernels take them (``own_rows``, ``own_meta``, ``own_counts``), the ranks in
+    nodes (``topology``) and the scale-out row counter (``scaleout``: int64 ``[2]`` on the device, the rows put into
+    ranks of other nodes by dispatches and combines, ``ep_comm.kernels.traffic``; ``NvshmemBackend.traffic``)."""
 
     geo: Geometry
     rank: int
@@ -261,6 +264,8 @@ class NvshmemContext:
     own_rows: Array
     own_meta: Array
     own_counts: Array
+    topology: Topology
+    scaleout: Array
 
     def as_contiguous(self, a: Optional[Array]) -> Optional[Array]:
         """``a`` C-contiguous: ``a`` itself when it is (no call into the array module), else a copy."""
