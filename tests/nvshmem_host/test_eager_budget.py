@@ -23,8 +23,10 @@ GEO = Geometry(1, 256, 7168, 8, 128, payload_dtype("bfloat16"))
 # per op (expand?): the most launches; the issue's budget is 5 / 3 / 2 (3 for an expand combine, which sends its
 # own partials; 6 for an expand new routing, whose receive places, then copies); a new routing at decode scatters in
 # one launch (the row pieces take their stable slots themselves; 6 / 7 before issue 46's slots_in_rows), and a compact
-# one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy)
-LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
+# one with cpu_sync=False counts in its receive copy's launch (4: issue 46's count_in_copy); measured 4 / 6 since a
+# compact one with cpu_sync=True copied into worst-case outputs counts there too (issue 47: 5 before, its receive
+# count launched apart)
+LAUNCHES = {"new": (4, 6), "cached": (3, 4), "combine": (2, 3)}
 # cpu_sync=False calls of a prepared shape (ep_comm.backends.nvshmem.prepared), each recorded call looked up as on the
 # GPU (recorded_calls.call_key): measured 41-43 / 34-35 / 27 (issue 51: each key read from the call's arguments in
 # one pass, no key, roots or layout function of its own; each operation runs the general path's two step functions,
@@ -37,11 +39,12 @@ LAUNCHES = {"new": (5, 6), "cached": (3, 4), "combine": (2, 3)}
 PYTHON_CALLS = {"new": 43, "cached": 35, "combine": 27}
 # tools/host_pairs.py measures the same pairs: 60-61 / 72-74 (before issue 51: 63-64 / 75-78; 68 / 83; 91 / 105)
 PAIR_CALLS = {"cached": 61, "new": 74}
-# cpu_sync=True calls of a prepared shape: measured 51-52 / 36-37 / 33 (issue 51); before 54-55 / 38-39 / 34 (a new
-# routing's poll, verdict and counts read from one read of the mapped record; a compact one's exact outputs carved as
-# views of the exact rows after the poll, no worst-case views sliced; a replay as its cpu_sync=False twin, no poll; a
-# combine's poll); 57-58 / 40-41 / 36 (second pass), 69 / 49-50 / 46-48 (first); before issue 47 (c0b50a8, lookups
-# not counted) 90-99 / 131-141 / 36
+# cpu_sync=True calls of a prepared shape: measured 49-52 / 36-37 / 33 (issue 47, fourth pass: a compact new routing
+# counts in its copy, one recorded call fewer; the poll's record tag chosen without a call); before 51-52 / 36-37 / 33
+# (issue 51); 54-55 / 38-39 / 34 (a new routing's poll, verdict and counts read from one read of the mapped record; a
+# compact one's exact outputs carved as views of the exact rows after the poll, no worst-case views sliced; a replay as
+# its cpu_sync=False twin, no poll; a combine's poll); 57-58 / 40-41 / 36 (second pass), 69 / 49-50 / 46-48 (first);
+# before issue 47 (c0b50a8, lookups not counted) 90-99 / 131-141 / 36
 PYTHON_CALLS_SYNC = {"new": 52, "cached": 37, "combine": 33}
 # a combine given float32 topk_weights (prepared since issue 47; 116-126 on the general path before): measured 31
 # with a cpu_sync=False handle, 37 with a cpu_sync=True one (before the third pass 33 / 39); since issue 51 30 / 36

@@ -27,6 +27,7 @@ from ep_comm.backends.interface import CombineRequest, DispatchRequest
 from ep_comm.contract import fp8, traffic
 from ep_comm.contract.choices import payload_dtype
 from ep_comm.contract.geometry import Geometry
+from ep_comm.contract.protocol import RECORD_TAG
 from ep_comm.contract.symmetric import STEP_KINDS
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 from ep_comm.testing.check import DispatchOptions, HostDispatch, Sources, check_combine, check_dispatch
@@ -126,6 +127,17 @@ def test_the_scaleout_rows_counted_on_the_device_are_the_traffic_model(forwardin
     assert [be.traffic().scaleout_rows for be in backends] == want
     run_ranks(world, [backends[r].close for r in range(RANKS)])
     assert [be.traffic().scaleout_rows for be in backends] == want
+
+
+def test_a_forwarded_step_advances_the_device_step_counter_once_as_the_host_numbers_it():
+    """The record's tag, which a ``cpu_sync=True`` poll may end on (docs/design.md, "Polls, not syncs"), is the device
+    step counter: a forwarded step's inbox signal leaves it, its step signal advances it once, as the host's step
+    number counts the step (six steps, the last record the hooked dispatch's: its combine writes none)."""
+    src = sources("bfloat16", True, seed=5)
+    _, backends = run_world(src, "bfloat16", SCALEUP, functools.partial(calls, src=src, expand=False, alignment=1))
+    for be in backends:
+        assert be.transport.inbox_signals_sent == be.runner.steps.seq == int(be.transport.step[0]) == 6
+        assert int(be.runner.record_host[RECORD_TAG]) == 5
 
 
 def fp8_calls(be, rank: int, src: Sources, expand: bool) -> list:

@@ -7,6 +7,7 @@ import pytest
 from helpers.fake_gpu import SMALL_GEO, simulated_backend
 
 from ep_comm.backends.nvshmem import steps as nvshmem_steps
+from ep_comm.contract.protocol import RECORD_TAG
 from ep_comm.errors import TimeoutError as EpTimeoutError
 
 
@@ -71,3 +72,21 @@ def test_the_poll_gives_up_at_the_timeout_naming_the_missing_rank(runner, monkey
     with pytest.raises(EpTimeoutError, match=r"ranks? \[0\]"):
         r._poll("marker", "dispatch")
     assert clock.now >= r.timeout_s + nvshmem_steps.POLL_SLACK_S
+
+
+def test_the_poll_ends_on_its_record_tag_and_a_record_of_another_step_still_times_out(runner, monkeypatch):
+    """Given this step's tag, the poll ends as soon as the mapped record holds it (the marker not reached); a record
+    holding an earlier step's tag (or :data:`NO_TAG`, a poll without a tag) leaves it to the marker, up to the
+    timeout."""
+    r, clock = runner
+    r.device.reached = lambda marker: False
+    r.record_host[RECORD_TAG] = 7
+    r._poll("marker", "dispatch", 7)
+    assert clock.now < 10e-6
+    clock.tick = 1e-3
+    monkeypatch.setattr(r.transport, "missing", [0])
+    for tag in (8, nvshmem_steps.NO_TAG):
+        clock.now = 0.0
+        with pytest.raises(EpTimeoutError, match=r"ranks? \[0\]"):
+            r._poll("marker", "dispatch", tag)
+        assert clock.now >= r.timeout_s + nvshmem_steps.POLL_SLACK_S

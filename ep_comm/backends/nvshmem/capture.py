@@ -42,15 +42,17 @@ def refusal(what: str, host_wait: bool) -> Optional[str]:
 class CapturePolicy:
     """One Buffer's capture state on one rank.
 
-    ``active``: the current call is being captured; ``held``: the memory captured calls allocated
-    (graph replays use it; released at close); ``checks``: int64 ``[2]`` device-mapped record
-    ``[largest id, a repeated row]`` that the routing check of captured dispatches folds into.
+    ``active``: the current call is being captured; ``captured``: a step of this Buffer was ever captured (its
+    graph's replays advance the device step counter, which the host then no longer knows); ``held``: the memory
+    captured calls allocated (graph replays use it; released at close); ``checks``: int64 ``[2]`` device-mapped
+    record ``[largest id, a repeated row]`` that the routing check of captured dispatches folds into.
     """
 
     def __init__(self, device: CaptureDevice, num_experts: int):
         self._device = device
         self._num_experts = num_experts
         self.active = False
+        self.captured = False
         self.held: List[Any] = []
         self._checks_host, self.checks = device.mapped_int64(2, fill=-1)
 
@@ -59,15 +61,18 @@ class CapturePolicy:
         return self._device.capturing()
 
     def begin(self, what: str, host_wait: bool) -> None:
-        """Start step ``what``: note whether it is captured, and raise RuntimeError (before anything is
-        enqueued) when it is but cannot be (see :func:`refusal`)."""
+        """Start step ``what``: note whether it is captured (for good in :attr:`captured`), and raise RuntimeError
+        (before anything is enqueued) when it is but cannot be (see :func:`refusal`)."""
         self.active = self._device.capturing()
-        why = refusal(what, host_wait) if self.active else None
+        if not self.active:
+            return
+        why = refusal(what, host_wait)
         if why:
             raise RuntimeError(f"{what} was called while the current stream is being captured into a CUDA graph, "
                                f"and {why}: a capture can hold dispatches with cpu_sync=False (a new routing with "
                                "int32/int64 ids, or handle=...) and the combines of their handles; "
                                "call it outside the capture")
+        self.captured = True
 
     def resume(self, what: str, send_captured: bool) -> None:
         """Start the receive half (hook) of split step ``what``, whose send half was captured or not

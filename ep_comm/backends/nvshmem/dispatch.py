@@ -115,8 +115,8 @@ class NvshmemDispatch:
         arrive(stream)
         expand, weighted = request.expand, request.topk_weights is not None
         options = self.receive_options(expand, request.expert_alignment, request.zero_padding, True)
-        plan = RoutingPlan(options, weighted, self.counts_in_copy(expand, request.cpu_sync), views)
         worst = None if request.cpu_sync else self._carved_outputs(request, None)
+        plan = RoutingPlan(options, weighted, self.counts_in_copy(expand, worst is not None), views)
         out = self.new_receive(self.runner.run_recorded, stream, block, plan, request.topk_weights, request.cpu_sync,
                                worst, functools.partial(self._exact_outputs, request))
         self.route.keep_ids(out.handle, out.recv_topk_idx)
@@ -140,7 +140,8 @@ class NvshmemDispatch:
         """The receive steps of a new routing after its wait (both paths run these, in this order), on ``stream``:
         the receive count into count block ``block`` (unless the copy counts, ``plan.counted``), then the receive
         copy, then the handle's views of the block, then the verdicts (deferred with ``cpu_sync=False``, else one
-        poll and raised) and the outputs.
+        poll and raised) and the outputs. The poll's marker is taken after the receive count, or after the counting
+        copy (then the record's tag, written before the copy ends, may end the poll first: ``received_counts``).
 
         Args:
             launch: how the pieces are launched (a :data:`Launch`).
@@ -152,8 +153,8 @@ class NvshmemDispatch:
         options, weighted, counted = plan.options, plan.weighted, plan.counted
         if not counted:
             launch(self.receive_count, stream, block, options[0], options[1])
-        if cpu_sync:
-            marker = self.device.progress()  # after the receive count: the poll does not wait for the copy
+        # after the receive count: the poll does not wait for the copy (None: a counting copy's, taken after it)
+        marker = self.device.progress() if cpu_sync and not counted else None
         rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
         if worst is None:
             num_recv, num_expanded, aligned = self.received_counts(marker)
@@ -232,19 +233,22 @@ class NvshmemDispatch:
                                        expand=expand, stable=self.deterministic, stream=stream,
                                        block=self.receive_block(block), record=self.runner.record)
 
-    def counts_in_copy(self, expand: bool, cpu_sync: bool) -> bool:
-        """Whether a new routing's receive counts in its copy's launch (:meth:`receive_copy`'s ``counted``): compact,
-        into worst-case outputs (``cpu_sync=False``: no host poll wants the counts before the copy), unless switched
-        back (``Kernels.counted_copy``)."""
-        return not (expand or cpu_sync) and self.kernels.counted_copy
+    def counts_in_copy(self, expand: bool, worst: bool) -> bool:
+        """Whether a new routing's receive counts in its copy's launch (:meth:`receive_copy`'s ``counted``): compact
+        and copied into ``worst``-case outputs, enqueued before any poll (every ``cpu_sync=False`` call, and a
+        ``cpu_sync=True`` one whose outputs are views of their first rows: the prepared path's decode shapes); not
+        where exact outputs are allocated after the poll (their copy needs the counts first), nor when switched back
+        (``Kernels.counted_copy``)."""
+        return worst and not expand and self.kernels.counted_copy
 
     def received_counts(self, marker: Any = None) -> tuple:
         """``(received rows, expanded rows, aligned counts [L])`` as host ints, from the mapped record of this
         step's receive count, after one poll of ``marker`` (a ``device.progress()`` taken after the receive count;
-        None: one taken now); the routing error of any rank's bad verdict instead."""
+        None: one taken now) or of the record's tag (``StepRunner.check_arrival``); the routing error of any rank's bad
+        verdict instead."""
         runner = self.runner
         step = runner.steps.latest
-        runner.check_arrival(self.device.progress() if marker is None else marker, "dispatch")
+        runner.check_arrival(self.device.progress() if marker is None else marker, "dispatch", True)
         words = runner.record_host.tolist()  # one read of the mapped record: the verdicts, then the counts
         error = runner.verdict(step, words)
         if error is not None:

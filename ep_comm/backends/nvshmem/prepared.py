@@ -184,16 +184,16 @@ class PreparedCalls:
         weighted = h.topk_weights is not None
         new = idx is not None
         options = dispatcher.receive_options(h.expand, h.expert_alignment, h.zero_padding, new)
-        count, plan = None, None
-        if new:
-            count, views = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync)
-            plan = RoutingPlan(options, weighted, dispatcher.counts_in_copy(h.expand, h.cpu_sync), views)
         outputs, scratch = None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes)  # worst-case outputs
             outputs = dispatcher.output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
+        count, plan = None, None
+        if new:
+            count, views = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync)
+            plan = RoutingPlan(options, weighted, dispatcher.counts_in_copy(h.expand, outputs is not None), views)
         self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, plan)
 
     def _enter(self, what: str, host_wait: bool) -> bool:

@@ -25,7 +25,7 @@ from ep_comm.backends.profile import Profile
 from ep_comm.contract.arrays import Array
 from ep_comm.contract.checks import routing_error, verdicts_clean
 from ep_comm.contract.geometry import Geometry
-from ep_comm.contract.protocol import RECORD_VERDICTS, VERDICT_WORDS
+from ep_comm.contract.protocol import RECORD_TAG, RECORD_VERDICTS, VERDICT_WORDS
 from ep_comm.contract.symmetric import record_verdicts, record_words
 from ep_comm.contract.topology import Topology
 from ep_comm.errors import RoutingError
@@ -40,6 +40,7 @@ POLL_SLACK_S = 10.0  # a host poll gives the GPU timeout_s (its own waits' bound
 POLL_SPIN_S = 200e-6
 POLL_YIELD_S = 20e-3
 POLL_NAP_S, POLL_NAP_MAX_S = 50e-6, 1e-3
+NO_TAG = -1  # no step's record tag (the device step counter starts at 0 and grows): a poll given it ends on its marker
 
 
 class StepRunner:
@@ -157,37 +158,45 @@ class StepRunner:
             with self.profile.phase(what, "wait"):
                 self.transport.wait(STEP_KINDS[what], self.timeout_s, with_counts)
 
-    def check_arrival(self, marker: Any, what: str) -> None:
+    def check_arrival(self, marker: Any, what: str, recorded: bool = False) -> None:
         """Poll until the GPU reached ``marker`` (``device.progress()`` taken after the step's wait: the work
-        enqueued after it runs on meanwhile), then raise on a peer's abort record or a timeout: one poll, no
-        stream synchronisation."""
+        enqueued after it runs on meanwhile) or, ``recorded`` (the step writes the record: a new routing's receive
+        count), the mapped record's tag is this step's, then raise on a peer's abort record or a timeout: one poll,
+        no stream synchronisation.
+
+        The tag (``receive_count.publish_record``, written last, before the count's launch ends) is the device step
+        counter, which every step's signal advances: the host's ``steps.seq`` while no step of this Buffer was
+        captured. Once one was (``CapturePolicy.captured``), its graph's replays advance the counter unseen by the
+        host, an earlier step's record could hold the number the host would expect, and the marker alone ends the
+        poll."""
+        tag = self.steps.seq if recorded and not self.capture.captured else NO_TAG
         if self.profile.enabled:
             with self.profile.phase(what, "host sync"):
-                self._poll(marker, what)
+                self._poll(marker, what, tag)
         else:
-            self._poll(marker, what)
+            self._poll(marker, what, tag)
         # PeerAbortedError or ep_comm.TimeoutError as Steps.after_wait says; the abort records are read from the
         # device only when a rank is missing or the mapped status shows one: no round trip after a clean wait
         self.steps.after_wait(what, *self.transport.wait_state())
 
-    def _poll(self, marker: Any, what: str) -> None:
-        """Spin until the GPU reached ``marker`` (``device.progress()``), waking within a microsecond or two of it:
-        back to back for ``POLL_SPIN_S``, then yielding the core between checks until ``POLL_YIELD_S``, then sleeping
-        (``POLL_NAP_S`` doubling up to ``POLL_NAP_MAX_S``) so that a long wait does not burn a core. The GPU's waits
-        are bounded by ``timeout_s``, so past ``timeout_s + POLL_SLACK_S`` the step is given up
-        (``ep_comm.TimeoutError`` naming the missing ranks; else the stream's earlier work never finished, or a kernel
-        hangs)."""
-        reached = self.device.reached
-        if reached(marker):
+    def _poll(self, marker: Any, what: str, tag: int = NO_TAG) -> None:
+        """Spin until the GPU reached ``marker`` (``device.progress()``) or the mapped record's tag word is ``tag``
+        (:data:`NO_TAG`: the marker alone), waking within a microsecond or two of it: back to back for
+        ``POLL_SPIN_S``, then yielding the core between checks until ``POLL_YIELD_S``, then sleeping (``POLL_NAP_S``
+        doubling up to ``POLL_NAP_MAX_S``) so that a long wait does not burn a core. The GPU's waits are bounded by
+        ``timeout_s``, so past ``timeout_s + POLL_SLACK_S`` the step is given up (``ep_comm.TimeoutError`` naming the
+        missing ranks; else the stream's earlier work never finished, or a kernel hangs)."""
+        reached, record = self.device.reached, self.record_host
+        if record[RECORD_TAG] == tag or reached(marker):
             return
         clock = time.perf_counter
         start = clock()
         spin_until, yield_until = start + POLL_SPIN_S, start + POLL_YIELD_S
         while clock() < spin_until:
-            if reached(marker):
+            if record[RECORD_TAG] == tag or reached(marker):
                 return
         deadline, nap = start + self.timeout_s + POLL_SLACK_S, POLL_NAP_S
-        while not reached(marker):
+        while not (record[RECORD_TAG] == tag or reached(marker)):
             now = clock()
             if now > deadline:
                 missing = self.transport.wait_state()[0]
