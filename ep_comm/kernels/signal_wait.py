@@ -75,6 +75,9 @@ __device__ i64 signal_step(const u64* peers, int num_ranks, int me, i64 signal_o
             volatile i64* block = (volatile i64*)(peers[r] + counts_offset) + ((seq & 1) * num_ranks + me) * count_words;
             block[i - r * count_words] = counts[i];
         }
+    // every thread's count words before the barrier, so that the fence after it (cumulative) orders them before each
+    // signal: a rank's words are stored by many threads, its signal by one
+    __syncthreads();
     __threadfence_system();
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
         if (peers[r]) store_release_sys((i64*)(peers[r] + signal_offset) + me, seq << 2 | kind);
