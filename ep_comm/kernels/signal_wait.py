@@ -104,8 +104,10 @@ __device__ __forceinline__ int wait_bucket(u64 delay) {
 // arrive are zeroed so that later kernels see an empty, well-formed block. missing_before: in thread 0, the status
 // record's missing total as read at the kernel's start (read_missing: a load over PCIe, issued before the signal so
 // that its round trip overlaps the signal's stores and fence; only the end of a wait writes it, and waits run in
-// stream order). A poll loop spins SPIN_POLLS times, then backs off; the missing total (a read-modify-write of
-// mapped host memory) and its system fence are paid only when a rank is missing. waits (int64 [R][WAIT_WORDS] or
+// stream order). A wait that starts with ranks missing (poisoned: an earlier wait of the step, e.g. a forwarded
+// step's inbox wait, or of a step given up) waits for no one and zeroes every rank's count words, but flags no rank:
+// the ranks named stay those that did not come. A poll loop spins SPIN_POLLS times, then backs off; the missing
+// total (a read-modify-write of mapped host memory) and its system fence are paid only when a rank is missing. waits (int64 [R][WAIT_WORDS] or
 // NULL): the per-peer delays (module docstring).
 __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, int kind, u64 timeout_ns,
                           i64* status, i64 missing_before, i64* counts_by_parity, int count_words,
@@ -155,8 +157,10 @@ __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, in
             }
         }
         if (!arrived) {
-            atomicAdd(&missing, 1);
-            ((volatile i64*)status)[2 + s] = 1;
+            if (!poisoned) {  // a poisoned wait waited for no one: the wait that found a rank missing flagged it
+                atomicAdd(&missing, 1);
+                ((volatile i64*)status)[2 + s] = 1;
+            }
             if (counts)
                 for (int w = 0; w < count_words; ++w) ((volatile i64*)counts)[s * count_words + w] = 0;
         }

@@ -151,7 +151,11 @@ class WorldTransport:
     def _wait_for(self, came: Callable[[], List[bool]], timeout_s: float, measured: bool) -> List[int]:
         """Let the other ranks run until ``came()`` says every rank came, or ``min(timeout_s, WAIT_BOUND_S)`` passed;
         the ranks that did not come are added to :attr:`missing` (sticky) and returned. ``measured``: each arrival is
-        seen when this rank next gets the lock, and the wait's delays go into :attr:`waits`."""
+        seen when this rank next gets the lock, and the wait's delays go into :attr:`waits`. A wait that starts with
+        ranks missing (an earlier wait of the step found them so) waits for no one, as the wait kernel does: every rank
+        is returned (their count words zeroed) and none is added."""
+        if self.missing:
+            return list(range(self.world.num_ranks))
         clock = self.waits.clock(lambda: np.array(came())) if measured else None
 
         def every_rank_came() -> bool:
