@@ -36,8 +36,21 @@ def make_buffer(world: World, deterministic: bool = True, **kw: Any) -> ep_comm.
     ``ep_comm.Buffer``, over the session's choices (``timeout_s`` defaults to ``TIMEOUT_S``)."""
     kwargs = dict(current().buffer_kwargs(), deterministic=deterministic, timeout_s=TIMEOUT_S)
     kwargs.update(kw)
+    if current().backend == "nvshmem":
+        kwargs["transport"] = transport_in_nodes(kwargs)
     return ep_comm.Buffer(num_experts=world.num_experts, hidden=world.hidden, num_topk=world.num_topk,
                           num_max_tokens_per_rank=world.max_tokens, dtype=world.dtype.name, **kwargs)
+
+
+def transport_in_nodes(kwargs: Dict[str, Any]) -> str:
+    """The nvshmem ``transport`` of a Buffer made with ``kwargs``: the session's, but ``"auto"`` where the Buffer's
+    nodes split the job and the session's transport cannot serve them (``"stores"`` reach one node only; forwarding is
+    built over peer stores in load/store reach, not over puts)."""
+    transport = kwargs["transport"]
+    nodes = kwargs.get("scaleup_ranks") is not None and kwargs["scaleup_ranks"] < COMM.size
+    if transport == "stores" and nodes or transport == "puts" and nodes and kwargs.get("forwarding"):
+        return "auto"
+    return transport
 
 
 def dispatch(buf: ep_comm.Buffer, world: World, **kw: Any) -> ep_comm.DispatchOutput:

@@ -8,12 +8,13 @@ nodes) is expected in the forwarded order, from ``ep_comm.testing.forwarded`` (i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from ep_comm.contract.arrays import to_host
 from ep_comm.testing.forwarded import Forwarded, forwarded_combine
 from helpers.options import current
 
@@ -23,9 +24,9 @@ COMM = MPI.COMM_WORLD
 RANK, WORLD = COMM.rank, COMM.size
 
 
-def bits(a: np.ndarray) -> np.ndarray:
-    """Bytes of an array, for byte-exact comparisons."""
-    return np.ascontiguousarray(a).view(np.uint8)
+def bits(a: Any) -> np.ndarray:
+    """Bytes of an array (NumPy's, or the GPU's copied to the host), for byte-exact comparisons."""
+    return np.ascontiguousarray(to_host(a)).view(np.uint8)
 
 
 @dataclass

@@ -40,6 +40,37 @@ def assert_same_dispatch(tag, om, on) -> None:
     assert isinstance(hn.num_recv_tokens_per_expert, list) == hm.cpu_sync
 
 
+def _row_multiset(*arrays) -> list:
+    """The rows of ``arrays`` (host copies, one row per leading index, all of one length), each as the bytes of its
+    row in every array, sorted: what a dispatch received regardless of the order it was placed in."""
+    parts = [np.ascontiguousarray(to_host(a)).reshape(len(to_host(a)), -1).view(np.uint8) for a in arrays]
+    return sorted(b"".join(p[i].tobytes() for p in parts) for i in range(len(parts[0])))
+
+
+def assert_same_dispatch_unordered(tag, om, on) -> None:
+    """Two dispatches with ``deterministic=False`` (``om`` the reference call's, ``on`` the one checked) received the
+    same rows, each once, whatever order their atomic slots put them in: the counts and psums byte for byte; the
+    defined ``recv_x`` rows with their ids and weights, the source metadata rows, and the sender's slots as sorted
+    multisets (a destination's slots are ``0..n-1`` in either order)."""
+    hm, hn = om.handle, on.handle
+    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert", "num_recv_tokens", "num_expanded_tokens", "num_out_rows",
+                  "is_token_in_rank"):
+        assert_same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
+    assert_same(f"{tag} handle.num_recv_tokens_per_expert", to_host(hm.num_recv_tokens_per_expert),
+                to_host(hn.num_recv_tokens_per_expert))
+    rows = int(hm.num_expanded_tokens if hm.expand else hm.num_recv_tokens)
+    weights = [] if om.recv_topk_weights is None else [to_host(om.recv_topk_weights)[:rows]]
+    weights_n = [] if on.recv_topk_weights is None else [to_host(on.recv_topk_weights)[:rows]]
+    assert _row_multiset(defined_rows(om, hm), to_host(om.recv_topk_idx)[:rows], *weights) == \
+        _row_multiset(defined_rows(on, hn), to_host(on.recv_topk_idx)[:rows], *weights_n), f"{tag} received rows differ"
+    received = int(hm.num_recv_tokens)
+    assert _row_multiset(to_host(hm.recv_src_metadata)[:received]) == \
+        _row_multiset(to_host(hn.recv_src_metadata)[:received]), f"{tag} source metadata differs"
+    assert sorted(to_host(hm.dst_buffer_slot_idx).ravel().tolist()) == \
+        sorted(to_host(hn.dst_buffer_slot_idx).ravel().tolist()), f"{tag} slots differ"
+
+
 def assert_same_as_eager(first, eager, eager_sum, captured, captured_sum) -> None:
     """A captured replay's received rows (those ``first`` received), ids and combine equal the eager replay's."""
     rows = int(first.handle.num_expanded_tokens if first.handle.expand else first.handle.num_recv_tokens)
