@@ -36,8 +36,12 @@ import numpy as np
 
 from ep_comm._launcher.slotted import SlottedKernel, address
 from ep_comm.kernels.signal_wait import CUDA_SOURCE, STATUS_FLAGS, STATUS_MISSING, STATUS_SEQ
+from ep_comm.kernels.switches import LINEINFO
 
 WAIT_THREADS = 128
+# NVRTC options of the module; with the debug switch EP_COMM_KERNEL_LINEINFO=1 (ep_comm.kernels.switches) also line
+# information, so that Nsight Compute's source page places the signal and wait kernels' stall samples on CUDA_SOURCE
+MODULE_OPTIONS = ("--std=c++14",) + (("-lineinfo",) if LINEINFO else ())
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,7 +50,7 @@ def _module(device: int):
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=CUDA_SOURCE, options=("--std=c++14",))
+        return cupy.RawModule(code=CUDA_SOURCE, options=MODULE_OPTIONS)
 
 
 def compiled_function(name: str, device: int) -> Tuple[int, object]:

@@ -4,8 +4,12 @@ count blocks from the received count words, and their prepared launches pass the
 ``RawKernel`` passed (a fake ``cuLaunchKernel`` records them)."""
 from __future__ import annotations
 
+import ast
 import ctypes
+import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +19,7 @@ from ep_comm._launcher import raw
 from ep_comm.contract.symmetric import STEP_KINDS
 from ep_comm.kernels.signal_wait import CUDA_SOURCE as _SOURCE
 from ep_comm.transport.inbox_signals import InboxSignals, inbox_peer_pointers, measured_wait
-from ep_comm.transport.signals import PARAMS, SignalKernels, _count_words
+from ep_comm.transport.signals import MODULE_OPTIONS, PARAMS, SignalKernels, _count_words
 
 
 def test_count_blocks_are_one_per_destination_of_the_received_width():
@@ -29,11 +33,12 @@ def test_count_blocks_are_one_per_destination_of_the_received_width():
         _count_words(np.zeros((3, 5), np.int32), None)
 
 
-def _ptx(source: str) -> str:
+def _ptx(source: str, module_options: tuple = MODULE_OPTIONS) -> str:
+    """The PTX NVRTC makes of ``source`` for sm_90 with ``module_options`` (the transport's, by default)."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"signals.cu", 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    options = [b"--std=c++14", b"-arch=compute_90"]
+    options = [o.encode() for o in module_options] + [b"-arch=compute_90"]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -56,6 +61,21 @@ def test_signal_kernels_compile_with_acquire_release_at_system_scope():
     assert "ld.acquire.sys.global.b64" in ptx and "st.release.sys.global.b64" in ptx
     assert "globaltimer" in ptx and "nanosleep" in ptx
     assert "atom.shared.max.u64" in ptx  # the longest delay of a wait (the wait statistics)
+
+
+def test_the_lineinfo_switch_compiles_the_signal_kernels_with_line_information():
+    """``EP_COMM_KERNEL_LINEINFO=1`` (read at import) adds ``-lineinfo`` to the module's options, whose PTX then maps
+    its instructions to lines of the source (``.loc``), as Nsight Compute's source page needs; off, it does not."""
+    code = "from ep_comm.transport.signals import MODULE_OPTIONS; print(repr(MODULE_OPTIONS))"
+    for value, want in (("1", ("--std=c++14", "-lineinfo")), ("", ("--std=c++14",))):
+        env = dict(os.environ, EP_COMM_KERNEL_LINEINFO=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert ast.literal_eval(out.stdout.strip()) == want, (value, out.stdout)
+    try:
+        assert ".loc" in _ptx(_SOURCE, ("--std=c++14", "-lineinfo"))
+    except RuntimeError as exc:  # the bindings without a libnvrtc to load
+        pytest.skip(f"no NVRTC here: {exc}")
+    assert ".loc" not in _ptx(_SOURCE, ("--std=c++14",))
 
 
 _C_TYPES = {"int": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
