@@ -510,8 +510,7 @@ class Kernels(LaunchShapes):
         forwarder's inbox in which ``[parity, my_rank]`` is the block (``forward_inbox.combine_send_views``); the
         entries of this node's sources are not written. The rows and weight bits go through :meth:`combine_scatter` and
         ``ep_comm.launching.weight_return.send_weights`` with the same views."""
-        work = recv_src_metadata.shape[0] * ids.shape[1] + self.num_ranks
-        blocks = max(1, min(self.num_blocks, -(-work // self.threads)))
+        blocks = self._thread_blocks(recv_src_metadata.shape[0] * ids.shape[1] + self.num_ranks)
         self._launch(combine_meta_kernel, stream, blocks=blocks)(
             recv_src_metadata, ids, rank_psum, my_rank, node_size, step, ahead, tuple(metas), tuple(headers))
 
@@ -542,8 +541,8 @@ class Kernels(LaunchShapes):
         ``ep_comm.kernels.traffic.dispatch_rows_kernel``): per token of ``in_rank [T, R]`` bool (the routing's
         ``is_token_in_rank``), the ranks outside ``my_rank``'s node (nodes of ``node_size``) it goes to, or with
         ``per_node`` their distinct nodes."""
-        blocks = max(1, min(self.num_blocks, -(-in_rank.shape[0] // self.threads)))
-        self._launch(dispatch_rows_kernel, stream, 0, blocks)(in_rank, node_size, my_rank, per_node, scaleout)
+        self._launch(dispatch_rows_kernel, stream, 0, self._thread_blocks(in_rank.shape[0]))(
+            in_rank, node_size, my_rank, per_node, scaleout)
 
     def combine_rows(self, rank_psum: Array, scaleout: Array, *, node_size: int, my_rank: int, stream: Any) -> None:
         """Add a flat combine's scale-out rows to ``scaleout`` (int64 ``[2]``, word ``traffic.COMBINE_ROWS``;

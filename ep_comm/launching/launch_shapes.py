@@ -246,6 +246,11 @@ class LaunchShapes:
         kernel needs no more, and idle blocks cost launch time that small (decode) calls feel."""
         return _blocks(warps, cap, self.warps_per_block)
 
+    def _thread_blocks(self, items: int) -> int:
+        """Blocks of ``threads`` threads for ``items`` busy threads (one per item), at least 1, at most
+        ``num_blocks``."""
+        return max(1, min(self.num_blocks, -(-items // self.threads)))
+
     def _row_pieces(self, rows: int, n: int, quantum: int) -> tuple[int, int]:
         """``(span, blocks)`` of a row-streaming kernel over ``rows`` rows of ``n`` indices (elements or
         words) cut into pieces of ``span``, a whole number of ``quantum`` (one warp pass): about
