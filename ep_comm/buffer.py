@@ -121,6 +121,14 @@ class Buffer:
             raise RuntimeError("this Buffer is closed")
         return self._backend
 
+    @staticmethod
+    def _uncaptured(be: Backend, doing: str, what: str) -> Backend:
+        """``be``, for ``doing``, which reads ``what`` back from the device: RuntimeError while the current stream is
+        being captured into a CUDA graph (nothing can be read back then)."""
+        if be.capturing():
+            raise RuntimeError(f"{doing}: cannot read {what} while a CUDA graph is being captured")
+        return be
+
     def _ready(self, doing: str) -> Backend:
         """The backend, for collective call ``doing``: RuntimeError while a receive hook is pending."""
         be = self._open_backend()
@@ -311,9 +319,7 @@ class Buffer:
         """
         if self._backend is None:
             return self._closed_traffic
-        if self._backend.capturing():
-            raise RuntimeError("traffic: cannot read the scale-out rows while a CUDA graph is being captured")
-        return self._backend.traffic()
+        return self._uncaptured(self._backend, "traffic", "the scale-out rows").traffic()
 
     def wait_stats(self, reset: bool = False) -> WaitStats:
         """How long this rank's dispatches and combines waited for each peer since construction or the last reset
@@ -336,9 +342,7 @@ class Buffer:
         Raises:
             RuntimeError: the Buffer is closed, or (``nvshmem``) the current stream is being captured.
         """
-        be = self._open_backend()
-        if be.capturing():
-            raise RuntimeError("wait_stats: cannot read the wait statistics while a CUDA graph is being captured")
+        be = self._uncaptured(self._open_backend(), "wait_stats", "the wait statistics")
         stats = decode(be.wait_table(), self.rank, self._measuring_waits)
         if reset:
             be.reset_waits()
