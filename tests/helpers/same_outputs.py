@@ -24,6 +24,20 @@ def defined_rows(out, handle):
     return to_host(out.recv_x)[:rows]
 
 
+# the handle fields that do not depend on the order rows were placed in (counts, psums, the routing's own layout)
+_ORDER_FREE_FIELDS = ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
+                      "num_unaligned_recv_tokens_per_expert", "num_recv_tokens", "num_expanded_tokens", "num_out_rows",
+                      "is_token_in_rank")
+
+
+def _assert_same_fields(tag, hm, hn, fields) -> None:
+    """The handles ``hm`` and ``hn`` agree byte for byte in ``fields`` and in their counts per expert."""
+    for field in fields:
+        assert_same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
+    assert_same(f"{tag} handle.num_recv_tokens_per_expert", to_host(hm.num_recv_tokens_per_expert),
+                to_host(hn.num_recv_tokens_per_expert))
+
+
 def assert_same_dispatch(tag, om, on) -> None:
     """Two dispatch outputs (``om`` the mpi backend's or the reference call's, ``on`` the one checked) agree byte for
     byte: the defined ``recv_x`` rows, received ids and weights, and every field of the handles."""
@@ -31,20 +45,22 @@ def assert_same_dispatch(tag, om, on) -> None:
     assert_same(f"{tag} recv_topk_idx", om.recv_topk_idx, on.recv_topk_idx)
     assert_same(f"{tag} recv_topk_weights", om.recv_topk_weights, on.recv_topk_weights)
     hm, hn = om.handle, on.handle
-    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
-                  "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx",
-                  "num_recv_tokens", "num_expanded_tokens", "num_out_rows", "is_token_in_rank"):
-        assert_same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
-    assert_same(f"{tag} handle.num_recv_tokens_per_expert", to_host(hm.num_recv_tokens_per_expert),
-                to_host(hn.num_recv_tokens_per_expert))
+    _assert_same_fields(tag, hm, hn, _ORDER_FREE_FIELDS + ("recv_src_metadata", "dst_buffer_slot_idx"))
     assert isinstance(hn.num_recv_tokens_per_expert, list) == hm.cpu_sync
 
 
 def _row_multiset(*arrays) -> list:
-    """The rows of ``arrays`` (host copies, one row per leading index, all of one length), each as the bytes of its
-    row in every array, sorted: what a dispatch received regardless of the order it was placed in."""
-    parts = [np.ascontiguousarray(to_host(a)).reshape(len(to_host(a)), -1).view(np.uint8) for a in arrays]
+    """The rows of ``arrays`` (one row per leading index, all of one length; GPU arrays copied to the host), each as
+    the bytes of its row in every array, sorted: what a dispatch received regardless of the order it was placed in."""
+    hosts = [np.ascontiguousarray(to_host(a)) for a in arrays]
+    parts = [h.reshape(len(h), -1).view(np.uint8) for h in hosts]
     return sorted(b"".join(p[i].tobytes() for p in parts) for i in range(len(parts[0])))
+
+
+def _received_rows(out, rows: int) -> list:
+    """The first ``rows`` rows of a dispatch's ``recv_x``, received ids and (where dispatched) weights."""
+    weights = [] if out.recv_topk_weights is None else [to_host(out.recv_topk_weights)[:rows]]
+    return [to_host(out.recv_x)[:rows], to_host(out.recv_topk_idx)[:rows], *weights]
 
 
 def assert_same_dispatch_unordered(tag, om, on) -> None:
@@ -53,17 +69,10 @@ def assert_same_dispatch_unordered(tag, om, on) -> None:
     defined ``recv_x`` rows with their ids and weights, the source metadata rows, and the sender's slots as sorted
     multisets (a destination's slots are ``0..n-1`` in either order)."""
     hm, hn = om.handle, on.handle
-    for field in ("psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert",
-                  "num_unaligned_recv_tokens_per_expert", "num_recv_tokens", "num_expanded_tokens", "num_out_rows",
-                  "is_token_in_rank"):
-        assert_same(f"{tag} handle.{field}", getattr(hm, field), getattr(hn, field))
-    assert_same(f"{tag} handle.num_recv_tokens_per_expert", to_host(hm.num_recv_tokens_per_expert),
-                to_host(hn.num_recv_tokens_per_expert))
+    _assert_same_fields(tag, hm, hn, _ORDER_FREE_FIELDS)
     rows = int(hm.num_expanded_tokens if hm.expand else hm.num_recv_tokens)
-    weights = [] if om.recv_topk_weights is None else [to_host(om.recv_topk_weights)[:rows]]
-    weights_n = [] if on.recv_topk_weights is None else [to_host(on.recv_topk_weights)[:rows]]
-    assert _row_multiset(defined_rows(om, hm), to_host(om.recv_topk_idx)[:rows], *weights) == \
-        _row_multiset(defined_rows(on, hn), to_host(on.recv_topk_idx)[:rows], *weights_n), f"{tag} received rows differ"
+    assert _row_multiset(*_received_rows(om, rows)) == _row_multiset(*_received_rows(on, rows)), \
+        f"{tag} received rows differ"
     received = int(hm.num_recv_tokens)
     assert _row_multiset(to_host(hm.recv_src_metadata)[:received]) == \
         _row_multiset(to_host(hn.recv_src_metadata)[:received]), f"{tag} source metadata differs"
