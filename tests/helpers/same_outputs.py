@@ -49,12 +49,17 @@ def assert_same_dispatch(tag, om, on) -> None:
     assert isinstance(hn.num_recv_tokens_per_expert, list) == hm.cpu_sync
 
 
-def _row_multiset(*arrays) -> list:
+def _row_bytes(*arrays) -> list:
     """The rows of ``arrays`` (one row per leading index, all of one length; GPU arrays copied to the host), each as
-    the bytes of its row in every array, sorted: what a dispatch received regardless of the order it was placed in."""
+    the bytes of its row in every array, in order."""
     hosts = [np.ascontiguousarray(to_host(a)) for a in arrays]
     parts = [h.reshape(len(h), -1).view(np.uint8) for h in hosts]
-    return sorted(b"".join(p[i].tobytes() for p in parts) for i in range(len(parts[0])))
+    return [b"".join(p[i].tobytes() for p in parts) for i in range(len(parts[0]))]
+
+
+def _row_multiset(*arrays) -> list:
+    """:func:`_row_bytes` sorted: what a dispatch received regardless of the order it was placed in."""
+    return sorted(_row_bytes(*arrays))
 
 
 def _received_rows(out, rows: int) -> list:
@@ -63,19 +68,31 @@ def _received_rows(out, rows: int) -> list:
     return [to_host(out.recv_x)[:rows], to_host(out.recv_topk_idx)[:rows], *weights]
 
 
+def _metadata_multiset(out, rows: int) -> list:
+    """The source metadata rows of a dispatch (its first ``num_recv_tokens``) as a sorted multiset. In expand mode
+    the expanded row a top-k entry landed in (columns ``2..``) depends on the order, so each such index stands for
+    the bytes of the row it names (``recv_x``, id, weight; -1 for none): what it points at must agree."""
+    h = out.handle
+    meta = to_host(h.recv_src_metadata)[:int(h.num_recv_tokens)]
+    if not h.expand:
+        return _row_multiset(meta)
+    row_bytes = _row_bytes(*_received_rows(out, rows))
+    return sorted((m[:2].tobytes(), tuple(row_bytes[r] if r >= 0 else b"-1" for r in m[2:].tolist()))
+                  for m in meta)
+
+
 def assert_same_dispatch_unordered(tag, om, on) -> None:
     """Two dispatches with ``deterministic=False`` (``om`` the reference call's, ``on`` the one checked) received the
     same rows, each once, whatever order their atomic slots put them in: the counts and psums byte for byte; the
-    defined ``recv_x`` rows with their ids and weights, the source metadata rows, and the sender's slots as sorted
-    multisets (a destination's slots are ``0..n-1`` in either order)."""
+    defined ``recv_x`` rows with their ids and weights, the source metadata rows (in expand mode with the rows they
+    name standing for their indices), and the sender's slots as sorted multisets (a destination's slots are ``0..n-1``
+    in either order)."""
     hm, hn = om.handle, on.handle
     _assert_same_fields(tag, hm, hn, _ORDER_FREE_FIELDS)
     rows = int(hm.num_expanded_tokens if hm.expand else hm.num_recv_tokens)
     assert _row_multiset(*_received_rows(om, rows)) == _row_multiset(*_received_rows(on, rows)), \
         f"{tag} received rows differ"
-    received = int(hm.num_recv_tokens)
-    assert _row_multiset(to_host(hm.recv_src_metadata)[:received]) == \
-        _row_multiset(to_host(hn.recv_src_metadata)[:received]), f"{tag} source metadata differs"
+    assert _metadata_multiset(om, rows) == _metadata_multiset(on, rows), f"{tag} source metadata differs"
     assert sorted(to_host(hm.dst_buffer_slot_idx).ravel().tolist()) == \
         sorted(to_host(hn.dst_buffer_slot_idx).ravel().tolist()), f"{tag} slots differ"
 
