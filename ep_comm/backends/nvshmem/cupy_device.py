@@ -20,6 +20,7 @@ from ep_comm.kernels.numba_internals import interface_sync_disabled
 from ep_comm.transport.nvshmem import numba_view
 from ep_comm.transport.signals import mapped_int64
 
+_LAYOUT_NUMBERS: Dict[tuple, int] = {}  # Recarving.launch_key: per layout seen in this process, its number
 _CARVE_BYTES = 128  # where each array carved from one allocation starts (vector loads need 16)
 
 
@@ -31,7 +32,7 @@ class Recarving:
     is the new block again: one array made, not two. :meth:`block` and :meth:`views` are its two halves, for a
     caller that launches on the block before it needs the views (or needs none: a recorded call takes the block).
     ``launch_key``: its layout, what a recorded call that makes its views inside takes from it
-    (``ep_comm._launcher.recorded_calls.call_key``)."""
+    (``ep_comm._launcher.recorded_calls.call_key``), as the number of that layout among those seen."""
 
     __slots__ = ("_block", "_views", "_whole", "launch_key")
 
@@ -40,7 +41,8 @@ class Recarving:
         self._block = (block.shape, block.dtype)
         self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
         self._whole = len(views) == 1 and views[0] is block
-        self.launch_key = (self._block, self._views, self._whole)
+        # one small int per distinct layout: a key word that hashes and compares at once, on every recorded call
+        self.launch_key = _LAYOUT_NUMBERS.setdefault((self._block, self._views, self._whole), len(_LAYOUT_NUMBERS))
 
     def new(self) -> Tuple[Any, List[Any]]:
         """``(block, views)``: one allocation."""

@@ -114,9 +114,10 @@ class NvshmemDispatch:
         ones after the poll, their copy then not recorded), the ids the route keeps, the stats."""
         arrive(stream)
         expand, weighted = request.expand, request.topk_weights is not None
-        options = self.receive_options(expand, request.expert_alignment, request.zero_padding, True)
         worst = None if request.cpu_sync else self._carved_outputs(request, None)
-        plan = RoutingPlan(options, weighted, self.counts_in_copy(expand, worst is not None), views)
+        options = self.receive_options(expand, request.expert_alignment, request.zero_padding, True, weighted,
+                                       self.counts_in_copy(expand, worst is not None))
+        plan = RoutingPlan(options, views)
         out = self.new_receive(self.runner.run_recorded, stream, block, plan, request.topk_weights, request.cpu_sync,
                                worst, functools.partial(self._exact_outputs, request))
         self.route.keep_ids(out.handle, out.recv_topk_idx)
@@ -138,7 +139,7 @@ class NvshmemDispatch:
     def new_receive(self, launch: Launch, stream: Any, block: Array, plan: RoutingPlan, weights: Optional[Array],
                     cpu_sync: bool, worst: Optional[tuple], exact: Callable[[int, int], tuple]) -> DispatchOutput:
         """The receive steps of a new routing after its wait (both paths run these, in this order), on ``stream``:
-        the receive count into count block ``block`` (unless the copy counts, ``plan.counted``), then the receive
+        the receive count into count block ``block`` (unless the copy counts, ``plan.options.counted``), then the receive
         copy, then the handle's views of the block, then the verdicts (deferred with ``cpu_sync=False``, else one
         poll and raised) and the outputs. The poll's marker is taken after the receive count, or after the counting
         copy (then the record's tag, written before the copy ends, may end the poll first: ``received_counts``).
@@ -150,18 +151,18 @@ class NvshmemDispatch:
                 ``exact(received rows, expanded rows)`` gives ``(carving, block, launch, scratch)`` of exact ones
                 after the poll, and how their copy is launched.
         """
-        options, weighted, counted = plan.options, plan.weighted, plan.counted
-        if not counted:
-            launch(self.receive_count, stream, block, options[0], options[1])
+        options = plan.options
+        if not options.counted:
+            launch(self.receive_count, stream, block, options.expand, options.alignment)
         # after the receive count: the poll does not wait for the copy (None: a counting copy's, taken after it)
-        marker = self.device.progress() if cpu_sync and not counted else None
+        marker = self.device.progress() if cpu_sync and not options.counted else None
         rows = None  # the outputs' rows where they are views of the first rows of worst-case ones
         if worst is None:
             num_recv, num_expanded, aligned = self.received_counts(marker)
             carving, out_block, copy, scratch = exact(num_recv, num_expanded)
         else:
             (carving, out_block, scratch), copy = worst, launch
-        copy(self.carved_receive_copy, stream, options, weighted, counted, carving, out_block, scratch, block)
+        copy(self.carved_receive_copy, stream, options, carving, out_block, scratch, block)
         ids, in_rank, slots, rank_psum, expert_psum, unaligned, *device_counts = plan.views.views(block)
         if not cpu_sync:
             self.runner.defer_verdict()  # after the launch that writes the record
@@ -169,7 +170,7 @@ class NvshmemDispatch:
         elif worst is not None:  # the copy is enqueued: the poll, then views of the exact rows
             num_recv, num_expanded, aligned = self.received_counts(marker)
             rows, scratch = num_recv, None
-        arrays = arranged_outputs(carving.views(out_block, rows), weighted, scratch)
+        arrays = arranged_outputs(carving.views(out_block, rows), options.weighted, scratch)
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
         return self.output(options, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
 
@@ -280,9 +281,10 @@ class NvshmemDispatch:
         arrive(stream)
         if request.stats is not None:
             _add_counts(self.xp, request.stats, h.num_unaligned_recv_tokens_per_expert)
-        options = self.receive_options(request.expand, request.expert_alignment, request.zero_padding, False)
+        options = self.receive_options(request.expand, request.expert_alignment, request.zero_padding, False,
+                                       request.topk_weights is not None)
         copy = launch_now if request.cpu_sync else self.runner.run_recorded
-        arrays = self.replay_receive(copy, stream, h, outputs, options, request.topk_weights is not None, made)
+        arrays = self.replay_receive(copy, stream, h, outputs, options, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, counts[2],
                     h.num_unaligned_recv_tokens_per_expert, counts[0], counts[1])
         out = self.output(options, arrays, received, h.routing, request.topk_weights, request.cpu_sync)
@@ -322,16 +324,16 @@ class NvshmemDispatch:
                                                with_meta=True, timed=self._puts_phase))
         return arrays
 
-    def replay_receive(self, launch: Launch, stream: Any, h: EPHandle, outputs: tuple, options: tuple, weighted: bool,
+    def replay_receive(self, launch: Launch, stream: Any, h: EPHandle, outputs: tuple, options: CopyOptions,
                        made: Optional[tuple]) -> tuple:
         """The receive steps of a replay of handle ``h`` after its wait (both paths run these), on ``stream``: the
         received rows into ``outputs`` (:meth:`replay_send`'s), launched by ``launch``, ``options`` as
         :meth:`receive_copy` takes them; the outputs' arrays (``made`` where the send made them, else made after the
         launch)."""
         carving, block, scratch = outputs
-        launch(self.carved_receive_copy, stream, options, weighted, False, carving, block, scratch,
+        launch(self.carved_receive_copy, stream, options, carving, block, scratch,
                (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert))
-        return made if made is not None else arranged_outputs(carving.views(block), weighted, scratch)
+        return made if made is not None else arranged_outputs(carving.views(block), options.weighted, scratch)
 
     def carved_scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array,
                        in_rank: Array, carving: Any, block: Array, psum: Array) -> None:
@@ -341,19 +343,20 @@ class NvshmemDispatch:
         self.scatter(stream, x, idx, weights, slot_idx, in_rank, kernel_launches.SLOT_CACHED,
                      (carving.views(block)[0], psum))
 
-    def carved_receive_copy(self, stream: Any, options: tuple, weighted: bool, counted: bool, carving: Any,
-                            block: Array, scratch: Optional[Array], source: Any) -> None:
+    def carved_receive_copy(self, stream: Any, options: CopyOptions, carving: Any, block: Array,
+                            scratch: Optional[Array], source: Any) -> None:
         """:meth:`receive_copy` into ``carving``'s views of ``block`` (and ``scratch`` weights where none are carved),
         made here: a recorded call's later calls launch it on their roots' pointers alone. ``source``: the count
-        block of a new routing (its receive count's psums; also counted in the copy where ``counted``), or the
-        ``(rank psum, expert psum)`` of the handle a replay replays."""
-        arrays = arranged_outputs(carving.views(block), weighted, scratch)
+        block of a new routing (its receive count's psums; also counted in the copy where ``options.counted``), or
+        the ``(rank psum, expert psum)`` of the handle a replay replays."""
+        arrays = arranged_outputs(carving.views(block), options.weighted, scratch)
         if type(source) is tuple:
             self.receive_copy(stream, source[0], source[1], arrays, options)
             return
         recv_block = self.receive_block(source)
         recv = self.kernels.receive_layout(recv_block)
-        self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options, recv_block if counted else None)
+        self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options,
+                          recv_block if options.counted else None)
 
     def output(self, options: tuple, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
                cpu_sync: bool) -> DispatchOutput:
@@ -388,21 +391,24 @@ class NvshmemDispatch:
             value = h.derived[name] = derive(self.xp, h)
         return value
 
-    def receive_options(self, expand: bool, alignment: int, zero_padding: bool, new: bool) -> tuple:
-        """The options of a receive copy (:meth:`receive_copy`) of a ``new`` routing or a replay: a new routing's
-        placement (:attr:`place_mode`) or a replay's (recorded), and the source whose rows a compact replay's scatter
-        wrote into ``recv_x`` itself (this rank), else -1."""
+    def receive_options(self, expand: bool, alignment: int, zero_padding: bool, new: bool, weighted: bool,
+                        counted: bool = False) -> CopyOptions:
+        """The options of a receive copy (:meth:`carved_receive_copy`) of a ``new`` routing or a replay: a new
+        routing's placement (:attr:`place_mode`) or a replay's (recorded), and the source whose rows a compact
+        replay's scatter wrote into ``recv_x`` itself (this rank), else -1; whether the outputs carve weights and
+        whether the copy counts (:meth:`counts_in_copy`)."""
         mode = self.place_mode if new else kernel_launches.PLACE_CACHED
-        return expand, alignment, zero_padding, mode, -1 if new or expand else self.rank
+        return CopyOptions(bool(expand), int(alignment), bool(zero_padding), mode, -1 if new or expand else self.rank,
+                           bool(weighted), bool(counted))
 
-    def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: tuple,
+    def receive_copy(self, stream: Any, rank_psum: Array, expert_psum: Array, arrays: tuple, options: CopyOptions,
                      counted: Optional[Array] = None) -> None:
         """The received rows, on ``stream``, into ``arrays`` (``recv_x, recv_topk_idx, recv_topk_weights,
-        recv_src_metadata``); ``options``: ``(expand, expert_alignment, zero_padding, placement mode, skip_source)``.
+        recv_src_metadata``) as ``options`` say.
         ``counted``: a compact new routing's receive count block (int32 ``[recv_words]``, ``rank_psum`` and
         ``expert_psum`` its views), which this launch fills as :meth:`receive_count` would, with the runner's record
         (``Kernels.receive_counted``); None: the counts were made before."""
-        expand, alignment, zero_padding, mode, skip_source = options
+        expand, alignment, zero_padding, mode, skip_source = options[:5]
         ctx, step = self.ctx, self.transport.step
         with self.profile.phase("dispatch", "receive_copy"):
             if counted is not None:
@@ -471,15 +477,32 @@ class NvshmemDispatch:
 _MAX_COUNT_CARVINGS = 64  # count block layouts kept (token count, ids dtype, device counts)
 
 
-class RoutingPlan(NamedTuple):
-    """What the receive steps of a new routing (``NvshmemDispatch.new_receive``) take besides its arrays: the receive
-    copy's ``options`` (``(expand, expert_alignment, zero_padding, placement mode, skip_source)``), whether the
-    outputs carve weights, whether the copy counts (``NvshmemDispatch.counts_in_copy``) and the recarving of the
-    handle's views of the count block (``NvshmemDispatch.count_carvings``). The prepared path keeps one per shape."""
+class CopyOptions(NamedTuple):
+    """What a receive copy (``NvshmemDispatch.carved_receive_copy``) takes besides its arrays
+    (``NvshmemDispatch.receive_options``): the outputs' layout, the placement mode (a new routing's, or a replay's
+    recorded slots), the source whose rows a compact replay's scatter wrote into ``recv_x`` itself (-1: none), whether
+    the outputs carve weights, and whether the copy counts (a compact new routing's). A recorded call takes it by its
+    ``launch_key`` (its fields, of fixed types): one key word, not a word per field."""
 
-    options: tuple
+    expand: bool
+    alignment: int
+    zero_padding: bool
+    mode: int
+    skip_source: int
     weighted: bool
     counted: bool
+
+    # the recorded calls' key word of these options (recorded_calls.call_key): the fields as a plain tuple, read by a
+    # C-level getter (no Python call on the eager path)
+    launch_key = property(tuple)
+
+
+class RoutingPlan(NamedTuple):
+    """What the receive steps of a new routing (``NvshmemDispatch.new_receive``) take besides its arrays: the receive
+    copy's ``options`` and the recarving of the handle's views of the count block
+    (``NvshmemDispatch.count_carvings``). The prepared path keeps one per shape."""
+
+    options: CopyOptions
     views: Any
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
-from ep_comm.backends.nvshmem.dispatch import NvshmemDispatch, RoutingPlan, host_counts
+from ep_comm.backends.nvshmem.dispatch import CopyOptions, NvshmemDispatch, RoutingPlan, host_counts
 from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
@@ -80,14 +80,14 @@ class _Entry:
     __slots__ = ("inputs", "count", "plan", "outputs", "scratch", "options", "weighted", "exact")
 
     def __init__(self, inputs: Tuple[Optional[Identity], ...], count: Any, outputs: Any, scratch: Optional[Array],
-                 options: tuple, weighted: bool, plan: Optional[RoutingPlan] = None):
+                 options: Optional[CopyOptions], weighted: bool, plan: Optional[RoutingPlan] = None):
         self.inputs = inputs
         # a new routing: the count block's recarving (the block and the count words its signal sends,
         # NvshmemDispatch.count_carvings) and its receive steps' plan; None otherwise
         self.count, self.plan = count, plan
         self.outputs = outputs  # the outputs' recarving (worst-case shapes), or None (exact outputs)
         self.scratch = scratch  # the weights the kernels write when none were given, or None
-        self.options = options  # receive copy: (expand, expert_alignment, zero_padding, mode, skip_source)
+        self.options = options  # a dispatch's receive copy's (its weighted is the entry's), None for a combine
         self.weighted = weighted
         # (received rows, expanded rows) -> (recarving, recorded or not, scratch weights) of cpu_sync=True calls
         self.exact: Dict[Tuple[int, int], tuple] = {}
@@ -183,17 +183,18 @@ class PreparedCalls:
                   None if weights is None else identity(weights, place))
         weighted = h.topk_weights is not None
         new = idx is not None
-        options = dispatcher.receive_options(h.expand, h.expert_alignment, h.zero_padding, new)
         outputs, scratch = None, None
         shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes)  # worst-case outputs
             outputs = dispatcher.output_carving(block, arrays, weighted)
             scratch = None if weighted else arrays[2]
+        options = dispatcher.receive_options(h.expand, h.expert_alignment, h.zero_padding, new, weighted,
+                                             new and dispatcher.counts_in_copy(h.expand, outputs is not None))
         count, plan = None, None
         if new:
             count, views = dispatcher.count_carvings(h.num_tokens, idx.dtype, not h.cpu_sync)
-            plan = RoutingPlan(options, weighted, dispatcher.counts_in_copy(h.expand, outputs is not None), views)
+            plan = RoutingPlan(options, views)
         self._entries[key] = _Entry(inputs, count, outputs, scratch, options, weighted, plan)
 
     def _enter(self, what: str, host_wait: bool) -> bool:
@@ -233,14 +234,14 @@ class PreparedCalls:
     def _new_exact_outputs(self, entry: _Entry, width: int, exact: Tuple[int, int]) -> tuple:
         """``((carving, recorded, scratch), block)``: :meth:`_exact_outputs` of a shape not kept yet, now kept."""
         dispatcher = self._dispatcher
-        expand, alignment = entry.options[:2]
-        shapes = dispatcher.output_shapes(width, expand, alignment, entry.weighted, exact)
+        options = entry.options
+        shapes = dispatcher.output_shapes(width, options.expand, options.alignment, options.weighted, exact)
         arrays, block = dispatcher.carve_outputs(shapes)
         if len(entry.exact) >= _MAX_EXACT:
             entry.exact.clear()
-        shape = (entry.options, entry.weighted, entry.count is None, width, exact)
-        held = entry.exact[exact] = (dispatcher.output_carving(block, arrays, entry.weighted), self._may_record(shape),
-                                     None if entry.weighted else arrays[2])
+        shape = (options, entry.count is None, width, exact)
+        held = entry.exact[exact] = (dispatcher.output_carving(block, arrays, options.weighted),
+                                     self._may_record(shape), None if options.weighted else arrays[2])
         return held, block
 
     def _may_record(self, shape: tuple) -> bool:
@@ -290,10 +291,10 @@ class PreparedCalls:
             launch = functools.partial(self._runner.recorded.run, on)
         outputs = (carving, out_block, scratch)
         # an expand replay's scatter does not depend on the exact shape: recorded whatever the shape
-        send = functools.partial(self._runner.recorded.run, on) if entry.options[0] else launch
+        send = functools.partial(self._runner.recorded.run, on) if entry.options.expand else launch
         made = dispatcher.replay_send(send, stream, x, h, weights, outputs, entry.weighted)
         self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, None)
-        arrays = dispatcher.replay_receive(launch, stream, h, outputs, entry.options, entry.weighted, made)
+        arrays = dispatcher.replay_receive(launch, stream, h, outputs, entry.options, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
                     h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         return dispatcher.output(entry.options, arrays, received, (h.topk_idx, h.is_token_in_rank,
@@ -335,7 +336,7 @@ class PreparedCalls:
         device, weighted = self._ctx.device, weights is not None
         arrays, block = device.carve(self._combiner.combine_shapes(h, weighted))
         inputs = (identity(y, self._placement), None if weights is None else identity(weights, self._placement))
-        self._entries[key] = _Entry(inputs, None, device.recarving(block, arrays), None, (), weighted)
+        self._entries[key] = _Entry(inputs, None, device.recarving(block, arrays), None, None, weighted)
 
     def _combine(self, seq: int, entry: _Entry, y: Array, h: EPHandle, weights: Optional[Array]) -> CombineOutput:
         """A combine, the steps of ``NvshmemCombine.send_steps`` and ``receive_steps`` around one signal and wait, the
