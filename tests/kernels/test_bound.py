@@ -13,6 +13,7 @@ import functools
 import gc
 import weakref
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -462,6 +463,34 @@ def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
     for made_per_call in (functools.partial(_two_launches, None), lambda stream: None):
         with pytest.raises(TypeError, match="new at every call"):
             key(path=made_per_call)
+
+
+class _Pair(NamedTuple):
+    """Two scalars a recorded call takes as one key word (its ``launch_key``, as ``CopyOptions`` does)."""
+
+    first: int
+    second: bool
+    launch_key = property(tuple)
+
+
+class _PlainPair(NamedTuple):
+    first: int
+    second: bool
+
+
+def test_a_named_tuple_with_a_launch_key_is_one_word_and_one_without_is_walked():
+    """A tuple subclass with a ``launch_key`` gives that value (every field, so that no two options share a key); one
+    without is read as a tuple, its items' words following; arrays inside one are roots."""
+    def key(*args):
+        return call_key(_two_launches, args, {})
+
+    pairs = [_Pair(1, True), _Pair(1, False), _Pair(2, True)]
+    assert key(pairs[0])[0] == key(_Pair(1, True))[0]
+    assert len({key(p)[0] for p in pairs}) == len(pairs)
+    assert key(pairs[0])[0][1] == (_Pair, (1, True))  # one word after the function
+    assert key(_PlainPair(1, True))[0][1:] == ((_PlainPair, 2), (int, 1), (bool, True))
+    x = FakeCupyArray(0x2000, (3,), np.int32)
+    assert key(_PlainPair(x, True))[1:] == ([x], [0x2000])
 
 
 def test_launches_are_recorded_per_thread(driver):
