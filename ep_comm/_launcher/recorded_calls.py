@@ -144,7 +144,8 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
     (``docs/design.md``, "Recorded calls", states the rule): the key is ``path`` and, per argument in order, an
     array's shape, byte strides, dtype and data pointer modulo 16 (the array is a root); a scalar (None, bool, int,
     float, str, NumPy scalar or dtype) with its type; a tuple's type and length, its items following; an object's
-    ``launch_key`` (a hashable value holding every word its launches take from it, no per-call array). Anything else
+    ``launch_key`` (a hashable value holding every word its launches take from it, no per-call array; a tuple subclass
+    with one, such as a NamedTuple of options, is such an object: one word, its items not walked). Anything else
     raises TypeError: its words would not be in the key; so does a ``path`` made per call (a partial, a lambda, a
     nested function), whose key would never be found again.
 
