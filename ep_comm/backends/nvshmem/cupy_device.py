@@ -6,6 +6,7 @@ CUDA-graph capture detection. ``tests/helpers/fake_gpu.py`` has a host twin (``H
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from ep_comm.transport.nvshmem import numba_view
 from ep_comm.transport.signals import mapped_int64
 
 _LAYOUT_NUMBERS: Dict[tuple, int] = {}  # Recarving.launch_key: per layout seen in this process, its number
+_NEXT_NUMBER = itertools.count()
 _CARVE_BYTES = 128  # where each array carved from one allocation starts (vector loads need 16)
 
 
@@ -41,8 +43,9 @@ class Recarving:
         self._block = (block.shape, block.dtype)
         self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
         self._whole = len(views) == 1 and views[0] is block
-        # one small int per distinct layout: a key word that hashes and compares at once, on every recorded call
-        self.launch_key = _LAYOUT_NUMBERS.setdefault((self._block, self._views, self._whole), len(_LAYOUT_NUMBERS))
+        # one small int per distinct layout: a key word that hashes and compares at once, on every recorded call (a
+        # number drawn from a counter, never from the table's size: two threads may add layouts at once)
+        self.launch_key = _LAYOUT_NUMBERS.setdefault((self._block, self._views, self._whole), next(_NEXT_NUMBER))
 
     def new(self) -> Tuple[Any, List[Any]]:
         """``(block, views)``: one allocation."""
