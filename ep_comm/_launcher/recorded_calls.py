@@ -172,11 +172,7 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
         elif kind in _WORDS or isinstance(a, (np.generic, np.dtype)):
             words.append((kind, a))
             continue
-        elif kind is tuple:
-            words.append((kind, len(a)))
-            pending.extend(a)
-            continue
-        elif getattr(a, "launch_key", None) is not None:  # before other tuples: a NamedTuple may be one key word
+        elif kind is not tuple and getattr(a, "launch_key", None) is not None:  # a NamedTuple may be one key word
             words.append((kind, a.launch_key))
             continue
         elif isinstance(a, tuple):

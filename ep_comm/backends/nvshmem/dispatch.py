@@ -358,7 +358,7 @@ class NvshmemDispatch:
         self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options,
                           recv_block if options.counted else None)
 
-    def output(self, options: tuple, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
+    def output(self, options: CopyOptions, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
                cpu_sync: bool) -> DispatchOutput:
         """The ``DispatchOutput`` of ``arrays`` and its handle (``handle.make_handle``): ``options`` as
         :meth:`receive_copy` takes them, ``received`` ``(rank psum, expert psum, aligned counts, unaligned counts,
