@@ -137,6 +137,16 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
 _UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
 _WORDS = frozenset((type(None), bool, int, float, str))  # scalar arguments, kept in the key as (type, value)
 Pointers = Mapping[type, Callable[[Any], int]]  # per array type, its data pointer (no Python call: attrgetter)
+_scalars: Dict[type, bool] = {}  # per argument type seen, whether it is a scalar's (types are few and long-lived)
+
+
+def _is_scalar(kind: type) -> bool:
+    """Whether :func:`call_key` keeps an argument of type ``kind`` as a scalar (None, bool, int, float, str, a NumPy
+    scalar or dtype); learnt once per type."""
+    scalar = _scalars.get(kind)
+    if scalar is None:
+        scalar = _scalars[kind] = kind in _WORDS or issubclass(kind, (np.generic, np.dtype))
+    return scalar
 
 
 def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers) -> Tuple[tuple, List[Any], List[int]]:
@@ -169,23 +179,26 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
         if pointer is not None:
             ptr = pointer(a)
             words.append((a.shape, a.strides, a.dtype, ptr & 15))
-        elif kind in _WORDS or isinstance(a, (np.generic, np.dtype)):
-            words.append((kind, a))
-            continue
-        elif kind is not tuple and getattr(a, "launch_key", None) is not None:  # a NamedTuple may be one key word
-            words.append((kind, a.launch_key))
-            continue
-        elif isinstance(a, tuple):
-            words.append((kind, len(a)))
-            pending.extend(a)
-            continue
-        elif _array(a) is not None:
-            ptr, shape, strides, _ = array_fields(a)
-            words.append((shape, strides, a.dtype, ptr & 15))
         else:
-            raise TypeError(f"recorded call {getattr(path, '__qualname__', path)}: argument {a!r} of type "
-                            f"{kind.__name__} gives no launch words: a recorded call takes arrays, scalars, tuples "
-                            "of those and objects with a launch_key (docs/design.md, 'Recorded calls')")
+            scalar = _scalars.get(kind)
+            if scalar or (scalar is None and _is_scalar(kind)):
+                words.append((kind, a))
+                continue
+            value = None if kind is tuple else getattr(a, "launch_key", None)  # a NamedTuple may be one key word
+            if value is not None:
+                words.append((kind, value))
+                continue
+            if isinstance(a, tuple):
+                words.append((kind, len(a)))
+                pending.extend(a)
+                continue
+            described = _array(a)
+            if described is None:
+                raise TypeError(f"recorded call {getattr(path, '__qualname__', path)}: argument {a!r} of type "
+                                f"{kind.__name__} gives no launch words: a recorded call takes arrays, scalars, "
+                                "tuples of those and objects with a launch_key (docs/design.md, 'Recorded calls')")
+            ptr, shape, strides, _ = described[0]
+            words.append((shape, strides, a.dtype, ptr & 15))
         roots.append(a)
         at.append(ptr)
     return tuple(words), roots, at
