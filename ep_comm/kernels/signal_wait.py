@@ -12,8 +12,8 @@ of every rank's abort record. Plain Python: importing it needs neither Numba nor
 
 Wait statistics (``ep_comm.transport.wait_stats``): given an int64 ``[R, WAIT_WORDS]`` table (``waits``, device
 memory; NULL: not measured), every wait adds, per peer ``s != me`` that arrived, its delay: 0 when its signal was
-there at this wait's first poll, else the ``%globaltimer`` nanoseconds from the wait's entry to the poll that saw
-it (at least 1). Row ``s``: :data:`WAIT_STEPS` waits that saw ``s`` arrive, :data:`WAIT_LAST` waits in which
+there at this wait's first poll, else the ``%globaltimer`` nanoseconds from the first poll of the wait's thread that
+found a signal absent to the poll that saw it (at least 1). A wait whose peers had all arrived reads no clock. Row ``s``: :data:`WAIT_STEPS` waits that saw ``s`` arrive, :data:`WAIT_LAST` waits in which
 ``s``'s delay was the longest and not 0 (ties all count), :data:`WAIT_TOTAL` and :data:`WAIT_MAX` ns,
 :data:`WAIT_RECENT` the last wait's delay, then :data:`WAIT_BUCKETS` histogram counts from :data:`WAIT_HIST` on
 (bucket 0: delay 0; 1: below 1024 ns; then two per octave, ``2 (e - 10) + 2 + the bit below the top one`` for
@@ -107,8 +107,10 @@ __device__ __forceinline__ int wait_bucket(u64 delay) {
 // stream order). A wait that starts with ranks missing (poisoned: an earlier wait of the step, e.g. a forwarded
 // step's inbox wait, or of a step given up) waits for no one and zeroes every rank's count words, but flags no rank:
 // the ranks named stay those that did not come. A poll loop spins SPIN_POLLS times, then backs off; the missing
-// total (a read-modify-write of mapped host memory) and its system fence are paid only when a rank is missing. waits (int64 [R][WAIT_WORDS] or
-// NULL): the per-peer delays (module docstring).
+// total (a read-modify-write of mapped host memory) and its system fence are paid only when a rank is missing. The
+// clock (%globaltimer: a slow read) starts at a thread's first poll that finds a signal absent, so a wait whose peers
+// all arrived reads none; the timeout counts from there. waits (int64 [R][WAIT_WORDS] or NULL): the per-peer delays
+// (module docstring).
 __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, int kind, u64 timeout_ns,
                           i64* status, i64 missing_before, i64* counts_by_parity, int count_words,
                           const i64* aborts, int abort_words, i64* waits) {
@@ -123,7 +125,7 @@ __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, in
         longest = 0;
     }
     __syncthreads();
-    const u64 start = global_ns();
+    u64 start = 0;  // this thread's first poll that found a signal absent (0: none yet)
     for (int s = threadIdx.x; s < num_ranks; s += blockDim.x) {
         bool arrived = false;
         int polls = 0;
@@ -132,7 +134,9 @@ __device__ void wait_step(const i64* signals, int num_ranks, int me, i64 seq, in
             const i64 v = load_acquire_sys(signals + s);
             if (v == want || v >= ahead) { arrived = true; break; }
             if (aborts && load_acquire_sys(aborts + (i64)s * abort_words) != 0) break;
-            if (global_ns() - start > timeout_ns) break;
+            const u64 now = global_ns();
+            if (!start) start = now;
+            else if (now - start > timeout_ns) break;
             if (++polls > SPIN_POLLS) {  // most peers arrive within a few microseconds: spin first
                 __nanosleep(pause);
                 if (pause < 256) pause *= 2;  // a signal is seen within ~0.3 us: decode steps last tens of us
