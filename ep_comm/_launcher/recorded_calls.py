@@ -140,12 +140,10 @@ Pointers = Mapping[type, Callable[[Any], int]]  # per array type, its data point
 _scalars: Dict[type, bool] = {}  # per argument type seen, whether it is a scalar's (types are few and long-lived)
 
 
-def _is_scalar(kind: type) -> bool:
+def _learn_scalar(kind: type) -> bool:
     """Whether :func:`call_key` keeps an argument of type ``kind`` as a scalar (None, bool, int, float, str, a NumPy
-    scalar or dtype); learnt once per type."""
-    scalar = _scalars.get(kind)
-    if scalar is None:
-        scalar = _scalars[kind] = kind in _WORDS or issubclass(kind, (np.generic, np.dtype))
+    scalar or dtype), kept in ``_scalars`` (call_key reads it there: a type not seen yet comes here once)."""
+    scalar = _scalars[kind] = kind in _WORDS or issubclass(kind, (np.generic, np.dtype))
     return scalar
 
 
@@ -181,7 +179,7 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
             words.append((a.shape, a.strides, a.dtype, ptr & 15))
         else:
             scalar = _scalars.get(kind)
-            if scalar or (scalar is None and _is_scalar(kind)):
+            if scalar or (scalar is None and _learn_scalar(kind)):
                 words.append((kind, a))
                 continue
             value = None if kind is tuple else getattr(a, "launch_key", None)  # a NamedTuple may be one key word
