@@ -13,9 +13,10 @@ of every rank's abort record. Plain Python: importing it needs neither Numba nor
 Wait statistics (``ep_comm.transport.wait_stats``): given an int64 ``[R, WAIT_WORDS]`` table (``waits``, device
 memory; NULL: not measured), every wait adds, per peer ``s != me`` that arrived, its delay: 0 when its signal was
 there at this wait's first poll, else the ``%globaltimer`` nanoseconds from the first poll of the wait's thread that
-found a signal absent to the poll that saw it (at least 1). A wait whose peers had all arrived reads no clock. Row ``s``: :data:`WAIT_STEPS` waits that saw ``s`` arrive, :data:`WAIT_LAST` waits in which
-``s``'s delay was the longest and not 0 (ties all count), :data:`WAIT_TOTAL` and :data:`WAIT_MAX` ns,
-:data:`WAIT_RECENT` the last wait's delay, then :data:`WAIT_BUCKETS` histogram counts from :data:`WAIT_HIST` on
+found a signal absent to the poll that saw it (at least 1). A wait whose peers had all arrived reads no clock. Row
+``s``: :data:`WAIT_STEPS` waits that saw ``s`` arrive, :data:`WAIT_LAST` waits in which ``s``'s delay was the
+longest and not 0 (ties all count), :data:`WAIT_TOTAL` and :data:`WAIT_MAX` ns, :data:`WAIT_RECENT` the last wait's
+delay, then :data:`WAIT_BUCKETS` histogram counts from :data:`WAIT_HIST` on
 (bucket 0: delay 0; 1: below 1024 ns; then two per octave, ``2 (e - 10) + 2 + the bit below the top one`` for
 ``e = floor(log2 delay)``; the last bucket takes everything above). One thread owns a peer's row, so graph replays
 count with no atomics but one shared-memory maximum.
