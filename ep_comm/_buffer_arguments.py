@@ -98,6 +98,9 @@ def dispatch_request(be: Backend, geo: Geometry, handles: HandleChecks, x: Any, 
         idx = topk_idx_array(be, geo, topk_idx, "dispatch")
         num_tokens = idx.shape[0]
         chk.check_alignment(expert_alignment)
+        chk.check_flag(expand, "expand")
+        chk.check_flag(zero_padding, "zero_padding")
+    chk.check_flag(cpu_sync, "cpu_sync")
     x, is_fp8 = dispatch_payload(be, geo, x, num_tokens, use_fp8)
     if topk_weights is not None:
         topk_weights = be.as_array(topk_weights, "topk_weights")

@@ -88,6 +88,7 @@ class Buffer:
                                          scaleup_ranks=scaleup_ranks, forwarding=forwarding,
                                          deterministic=deterministic, num_sms=num_sms)
             chk.check_flag(wait_stats, "wait_stats")
+            chk.check_flag(deterministic, "deterministic")
         except (TypeError, ValueError, RuntimeError) as exc:  # still collective: the peers learn of it and raise too
             error = exc
         agree(comm, fields, error)

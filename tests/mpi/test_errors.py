@@ -59,6 +59,10 @@ def bad_dispatch_cases(world):
         ("no routing", dict(x=x), ValueError),
         ("alignment 0", dict(x=x, topk_idx=idx, expert_alignment=0), ValueError),
         ("stats shape", dict(x=x, topk_idx=idx, stats=np.zeros(world.experts_per_rank + 1, np.int64)), ValueError),
+        # on/off arguments are bools, never read by their truth: "False" is a non-empty string
+        ("expand a string", dict(x=x, topk_idx=idx, expand="False"), TypeError),
+        ("zero_padding an int", dict(x=x, topk_idx=idx, expand=True, zero_padding=1), TypeError),
+        ("cpu_sync a string", dict(x=x, topk_idx=idx, cpu_sync="False"), TypeError),
     ]
 
 
@@ -68,7 +72,7 @@ CASES = [c[0] for c in bad_dispatch_cases(make_world("uniform", dtype="float32")
 @pytest.mark.parametrize("case", CASES)
 def test_bad_dispatch_input_raises_and_buffer_stays_usable(world, buf, case):
     _, kwargs, exc = next(c for c in bad_dispatch_cases(world) if c[0] == case)
-    kwargs = {k: to_device(v) for k, v in kwargs.items()}
+    kwargs = {k: to_device(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     with pytest.raises(exc) as info:
         buf.dispatch(**kwargs)
     assert str(info.value), "the error must say what is wrong"
@@ -87,6 +91,8 @@ def test_error_messages_name_the_argument(world, buf):
         buf.dispatch(to_device(world.x[RANK]), to_device(idx[:, :1]))
     with pytest.raises(TypeError, match="x"):
         buf.dispatch(to_device(world.x[RANK].astype(np.float64)), to_device(world.topk_idx[RANK]))
+    with pytest.raises(TypeError, match="^cpu_sync='False': must be True or False, got str$"):
+        buf.dispatch(to_device(world.x[RANK]), to_device(world.topk_idx[RANK]), cpu_sync="False")
 
 
 def test_handle_of_another_buffer_raises_before_sending(world, buf):
@@ -207,6 +213,8 @@ def test_bad_constructor_arguments(world):
         ep_comm.Buffer(num_experts=WORLD * 4, hidden=8, num_topk=2, num_max_tokens_per_rank=4, backend="nccl")
     with pytest.raises(ValueError, match="timeout_s"):
         ep_comm.Buffer(num_experts=WORLD * 4, timeout_s=0, **common)
+    with pytest.raises(TypeError, match="^deterministic='False': must be True or False, got str$"):
+        ep_comm.Buffer(num_experts=WORLD * 4, deterministic="False", **common)
 
 
 HEAD_START_S = 1.0  # a rank that skips a call enters its next one this much later, so that its peers' deadlines

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers.collective import shared_buffers, to_device
 from helpers.layouts import IDX_LAYOUTS, in_layout, layout_sequence, negative_id_sequence
+from helpers.options import current
 from helpers.oracle import RANK, make_world
 from helpers.same_outputs import assert_same
 
@@ -56,3 +57,19 @@ def test_any_negative_id_is_no_expert(buffers, dtype, expand):
     world = make_world("masked", seed=47)
     x, _, weights, _ = _inputs(world)
     negative_id_sequence(buffers(world), x, world.topk_idx[RANK], weights, dtype, expand, to_device)
+
+
+@pytest.mark.skipif(current().backend != "mpi", reason="host arrays: the mpi backend's inputs")
+def test_a_numpy_matrix_of_ids_is_read_as_its_array(buffers):
+    """``numpy.matrix`` (an ndarray subclass whose rows stay 2-D) routes as the plain array of the same ids."""
+    world = make_world("masked", seed=48)
+    buf = buffers(world)
+    x, idx, weights, _ = _inputs(world)
+    want = buf.get_dispatch_layout(idx)
+    got = buf.get_dispatch_layout(np.asmatrix(idx))
+    for field in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"):
+        assert_same(f"matrix: {field}", getattr(want, field), getattr(got, field))
+    plain = buf.dispatch(x, idx, weights)
+    matrix = buf.dispatch(x, np.asmatrix(idx), np.asmatrix(weights))
+    for field in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
+        assert_same(f"matrix: {field}", getattr(plain, field), getattr(matrix, field))

@@ -88,8 +88,9 @@ class MpiBackend:
 
     # ------------------------------------------------------------------ inputs
     def as_array(self, obj: Any, name: str) -> np.ndarray:
-        """Accept NumPy arrays and anything NumPy can view without copying semantics surprises."""
-        if isinstance(obj, np.ndarray):
+        """Accept NumPy arrays and anything NumPy can view without copying semantics surprises; a subclass of
+        ``numpy.ndarray`` (``numpy.matrix``) as a plain view of its data, whose indexing is NumPy's."""
+        if type(obj) is np.ndarray:
             return obj
         if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
             return np.asarray(obj)
