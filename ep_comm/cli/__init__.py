@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+import time
 import traceback
 from typing import IO, Callable, List, NoReturn, Optional
 
@@ -13,6 +14,9 @@ from mpi4py import MPI
 
 from ep_comm.cli.environment import environment_problem
 
+# after an unhandled error's report, before MPI_Abort: the launcher's I/O forwarding (a proxy reading each rank's
+# pipe) gets this long to pass the report on; an abort tears the proxies down, and a report still in a pipe is lost
+ABORT_GRACE_S = 0.5
 EXIT_USAGE = 2  # bad options, a config that does not fit, an output path that cannot be written, no GPU stack
 
 __all__ = ["ArgumentParser", "EXIT_USAGE", "environment_problem", "exit_collectively", "int_at_least", "int_list",
@@ -100,8 +104,9 @@ def exit_collectively(main: Callable[[], int]) -> NoReturn:
     line-buffered (a report reaches ``mpirun``'s output line by line, not at exit).
 
     An exception escaping ``main`` on one rank is printed with that rank and aborts the whole job
-    (``MPI_Abort``): the other ranks may be waiting for it in a collective, and its own
-    ``MPI_Finalize`` at exit would wait for them, so the job would hang instead of failing.
+    (``MPI_Abort``, ``ABORT_GRACE_S`` after the report): the other ranks may be waiting for it in a
+    collective, and its own ``MPI_Finalize`` at exit would wait for them, so the job would hang
+    instead of failing.
     """
     sys.stdout.reconfigure(line_buffering=True)
     try:
@@ -112,6 +117,7 @@ def exit_collectively(main: Callable[[], int]) -> NoReturn:
         # one write: mpirun forwards it whole before the abort tears the job down (two could lose the second)
         sys.stderr.write(f"{traceback.format_exc()}rank {MPI.COMM_WORLD.rank}: unhandled error, aborting the MPI job\n")
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(1)
         code = 1  # Abort can return on a rank whose job is already being torn down
     sys.exit(code)
