@@ -21,8 +21,6 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from cuda.bindings.driver import CUfunction, CUstream
-
 from ep_comm._launcher import raw
 from ep_comm._launcher.device_arrays import DeviceViews
 from ep_comm._launcher.occupancy import quiet_low_occupancy
@@ -61,7 +59,7 @@ class _ArgBinding:
         self.types = types
         self.key = key
         self.name = name
-        self.function = CUfunction(kernel_handle(overload))
+        self.function = kernel_handle(overload)  # the driver handle
         self._free: Dict[Config, List[ParamBlock]] = {}
 
     def block(self) -> Optional[ParamBlock]:
@@ -156,11 +154,11 @@ class PreboundKernel:
             raw.allow_programmatic(binding.function)
         return binding
 
-    def _stream(self, stream: Any) -> CUstream:
+    def _stream(self, stream: Any) -> int:
         """The driver handle of a Numba stream (0: the default stream), kept with its source."""
         held = self._streams.get(id(stream))
         if held is None or held[0] is not stream:
-            held = self._streams[id(stream)] = (stream, raw.stream(stream_handle(stream)))
+            held = self._streams[id(stream)] = (stream, stream_handle(stream))
         return held[1]
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-from cuda.bindings.driver import CUstream
 
 from ep_comm._launcher import raw
 from ep_comm._launcher.param_blocks import ParamBlock, _array, _ArraySlot, _TupleSlot, array_fields
@@ -61,8 +60,8 @@ class RecordedCall:
     def __len__(self) -> int:
         return len(self.launches)
 
-    def __call__(self, on: CUstream, roots: Sequence[int]) -> None:
-        """Launch every kernel of the call on stream ``on``, in recorded order, each root ``i``'s arrays now at
+    def __call__(self, on: int, roots: Sequence[int]) -> None:
+        """Launch every kernel of the call on the stream whose handle is ``on``, in recorded order, each root ``i``'s arrays now at
         ``roots[i]`` (device addresses)."""
         for launch in self.launches:
             for words, root, offset in launch.pointers:
@@ -222,13 +221,13 @@ class RecordedCalls:
         self._calls: Dict[Hashable, Any] = {}
         self.built = 0  # calls recorded so far (a first call at a new key records one)
 
-    def run(self, on: CUstream, path: Callable[..., None], stream: Any, *args: Any) -> None:
+    def run(self, on: int, path: Callable[..., None], stream: Any, *args: Any) -> None:
         """The call ``path(stream, *args)`` (its launches through ``Kernels``, on ``stream``): the call recorded for
         its key (:func:`call_key`) launched again on stream ``on`` with its roots' pointers; the first call of a key
         runs it and records it.
 
         Args:
-            on: the stream (``raw.stream(handle)``), the same as ``stream``.
+            on: the driver handle of ``stream``.
             path: the call's launches; every array they take is an argument (a root), a view of one, or long-lived
                 (held by the recorded call).
             stream: the stream ``path`` launches on (not in the key).

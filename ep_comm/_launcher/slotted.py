@@ -11,8 +11,6 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict, Sequence, Tuple
 
-from cuda.bindings.driver import CUfunction
-
 from ep_comm._launcher import raw
 
 __all__ = ["SlottedKernel", "address"]
@@ -31,7 +29,7 @@ class SlottedKernel:
         params: ``(parameter, ctypes type)`` in the order of the kernel's signature (pointers as 64-bit addresses).
         threads: threads of the one CTA.
         values: a value for every parameter the calls do not give (addresses as ints, see :func:`address`).
-        function: ``(CUfunction handle, owner)`` of the compiled kernel; the owner is held (it keeps the module
+        function: ``(driver handle, owner)`` of the compiled kernel; the owner is held (it keeps the module
             loaded).
     """
 
@@ -49,7 +47,7 @@ class SlottedKernel:
         self._params = (ctypes.c_void_p * len(params))(*(ctypes.addressof(self._slots[p]) for p, _ in params))
         self._address = ctypes.addressof(self._params)
         handle, self._owner = function
-        self._function = CUfunction(handle)
+        self._function = handle
 
     def takes(self, param: str) -> bool:
         """Whether the kernel has a parameter ``param``."""
@@ -62,4 +60,4 @@ class SlottedKernel:
     def __call__(self, stream: int) -> None:
         """Launch on the stream whose handle is ``stream`` (0: the legacy default stream) with the parameters
         as their slots hold them now."""
-        raw.launch(self._function, 1, self._threads, 0, raw.stream(stream), self._address, f"kernel {self.name}")
+        raw.launch(self._function, 1, self._threads, 0, stream, self._address, f"kernel {self.name}")

@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 from mpi4py import MPI
 
-from ep_comm._launcher import prebound, raw
+from ep_comm._launcher import prebound
 from ep_comm._launcher.recorded_calls import RecordedCalls, call_key
 from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.nvshmem import NvshmemBackend
@@ -120,7 +120,7 @@ class HostDevice:
     def launching(self):
         return nullcontext()
 
-    _streams = (0, raw.stream(0))  # (Numba stream, driver stream): the legacy default stream
+    _streams = (0, 0)  # (Numba stream, driver stream): the legacy default stream
 
     def launch_streams(self):
         return self._streams

@@ -229,8 +229,9 @@ class FakeDispatcher:
 
 
 class FakeDriver:
-    """``cuLaunchKernel`` as the driver sees it: each launch's function, shape, stream and the bytes its
-    parameters point at (read during the call, as the driver copies them), answering ``result``."""
+    """``cuLaunchKernel`` as the driver sees it (``raw.driver_launch``): each launch's function, shape, stream and
+    the bytes its parameters point at (read during the call, as the driver copies them), refusing (a RuntimeError, as
+    CuPy's binding raises) unless ``result`` is success."""
 
     def __init__(self, sizes):
         self.sizes, self.launches, self.result, self.during = sizes, [], CUresult.CUDA_SUCCESS, None
@@ -241,14 +242,15 @@ class FakeDriver:
         if self.during is not None:
             during, self.during = self.during, None
             during()
-        return (self.result,)
+        if self.result != CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{self.result!r}")
 
 
 @pytest.fixture
 def driver(monkeypatch):
     fake = FakeDriver([len(p) for p in reference_params(
         types.Tuple(FakeDispatcher.sig), (FakeCudaArray(0, (1,), np.int32), 0, False))])
-    monkeypatch.setattr(raw_module, "cuLaunchKernel", fake)
+    monkeypatch.setattr(raw_module, "driver_launch", fake)
     monkeypatch.setattr(bound_module, "stream_handle", lambda stream: {"s": 0x5, 0: 0}[stream])
     return fake
 
@@ -362,8 +364,8 @@ def test_driver_launches_compute_what_numbas_launches_do(monkeypatch):
     from world import kernel_world
 
     raw_launches = []
-    launch = raw_module.cuLaunchKernel
-    monkeypatch.setattr(raw_module, "cuLaunchKernel", lambda *a: raw_launches.append(a[0]) or launch(*a))
+    launch = raw_module.driver_launch
+    monkeypatch.setattr(raw_module, "driver_launch", lambda *a: raw_launches.append(a[0]) or launch(*a))
     with monkeypatch.context() as numba_only:
         numba_only.setattr(PreboundKernel, "_launch_packed", lambda *a: False)
         for expand in (False, True):
@@ -395,7 +397,7 @@ class _Call:
 def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driver):
     fixed = FakeCupyArray(0x9000, (6,), np.int32)
     call = _Call(PreboundKernel(FakeDispatcher(), to_numba=lambda a: a), 0x10, fixed)
-    plans, on = RecordedCalls(enabled=True), raw_module.stream(0x5)
+    plans, on = RecordedCalls(enabled=True), 0x5
     plans.run(on, call.path, "s", FakeCupyArray(0x1000, (64,), np.int32))
     assert plans.built == 1 and len(driver.launches) == 1  # the first launch of a kind goes through Numba
     del driver.launches[:]
@@ -414,7 +416,7 @@ def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_plann
     for plans, launch in ((allocating, bound), (RecordedCalls(enabled=True), cooperative), (RecordedCalls(enabled=False), bound)):
         calls.append(_Call(launch, 0, held))
         for _ in range(2):
-            plans.run(raw_module.stream(0x5), calls[-1].path, "s", root)
+            plans.run(0x5, calls[-1].path, "s", root)
         assert plans.built == 0
     assert [len(call.ran) for call in calls] == [2, 2, 2]  # every call ran its own launches
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuda.bindings.driver import CUfunction, CUlaunchAttributeID, CUresult
+from cuda.bindings.driver import CUlaunchAttributeID, CUresult
 
 from ep_comm._launcher import raw
 from ep_comm.kernels import switches
@@ -18,16 +18,16 @@ OK = (CUresult.CUDA_SUCCESS,)
 
 def test_only_registered_functions_launch_programmatically(monkeypatch):
     plain, ex = [], []
-    monkeypatch.setattr(raw, "cuLaunchKernel", lambda *a: plain.append(a) or OK)
+    monkeypatch.setattr(raw, "driver_launch", lambda *a: plain.append(a))
     monkeypatch.setattr(raw, "cuLaunchKernelEx", lambda config, f, params, extra: ex.append((config, f, params)) or OK)
     monkeypatch.setattr(raw, "_PROGRAMMATIC", set())
     monkeypatch.setattr(raw, "_CONFIGS", {})
-    dependent, other = CUfunction(0x10), CUfunction(0x20)
-    raw.launch(dependent, 4, 256, 64, raw.stream(0), 0x1234, "dependent")
+    dependent, other = 0x10, 0x20
+    raw.launch(dependent, 4, 256, 64, 0, 0x1234, "dependent")
     assert len(plain) == 1 and not ex and not raw.programmatic(dependent)
     raw.allow_programmatic(dependent)
-    raw.launch(dependent, 4, 256, 64, raw.stream(0), 0x1234, "dependent")
-    raw.launch(other, 1, 32, 0, raw.stream(0), 0x1234, "other")
+    raw.launch(dependent, 4, 256, 64, 0, 0x1234, "dependent")
+    raw.launch(other, 1, 32, 0, 0, 0x1234, "other")
     assert len(plain) == 2 and len(ex) == 1 and raw.programmatic(dependent) and not raw.programmatic(other)
     config, function, params = ex[0]
     assert int(function) == 0x10 and params == 0x1234

@@ -117,9 +117,8 @@ def launches(monkeypatch):
         pointers = (ctypes.c_void_p * len(PARAMS[name])).from_address(params)
         got = [ctypes.string_at(ptr, ctypes.sizeof(ctype)) for ptr, (_, ctype) in zip(pointers, PARAMS[name])]
         seen.append((name, (gx, gy, gz), (bx, by, bz), shared, int(stream), got, extra))
-        return (raw.CUresult.CUDA_SUCCESS,)
 
-    monkeypatch.setattr(raw, "cuLaunchKernel", launch)
+    monkeypatch.setattr(raw, "driver_launch", launch)
     return seen
 
 
@@ -206,8 +205,9 @@ def test_a_send_block_of_the_wrong_width_is_refused_before_the_launch(launches):
 
 
 def test_a_failed_launch_names_the_kernel_and_the_result(monkeypatch):
+    monkeypatch.setattr(raw, "driver_launch", raw._bindings_launch)  # cuda.bindings' launch, its result refused
     monkeypatch.setattr(raw, "cuLaunchKernel", lambda *args: (raw.CUresult.CUDA_ERROR_INVALID_VALUE,))
-    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of kernel send_signal \(grid=1, block=128, shared_bytes=0\) returned .*INVALID_VALUE"):
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernel of kernel send_signal \(grid=1, block=128, shared_bytes=0\) failed: returned .*INVALID_VALUE"):
         _transport(PEERS).send_signal(0, 1, None)
 
 

@@ -16,7 +16,6 @@ import cupy
 import numpy as np
 from numba import cuda
 
-from ep_comm._launcher import raw
 from ep_comm.kernels.numba_internals import interface_sync_disabled
 from ep_comm.transport.nvshmem import numba_view
 from ep_comm.transport.signals import mapped_int64
@@ -24,6 +23,16 @@ from ep_comm.transport.signals import mapped_int64
 _LAYOUT_NUMBERS: Dict[tuple, int] = {}  # Recarving.launch_key: per layout seen in this process, its number
 _NEXT_NUMBER = itertools.count()
 _CARVE_BYTES = 128  # where each array carved from one allocation starts (vector loads need 16)
+
+
+def _c_order(a: Any) -> bool:
+    """Whether non-empty ``a`` has the byte strides of C order for its shape and itemsize (those CuPy makes)."""
+    step = a.itemsize
+    for extent, stride in zip(reversed(a.shape), reversed(a.strides)):
+        if extent == 0 or stride != step:
+            return False
+        step *= extent
+    return True
 
 
 class Recarving:
@@ -41,7 +50,8 @@ class Recarving:
     def __init__(self, block: Any, views: Sequence[Any]):
         base = block.data.ptr
         self._block = (block.shape, block.dtype)
-        self._views = tuple((v.shape, v.dtype, v.data.ptr - base, v.strides) for v in views)
+        # strides None where they are C order's (CuPy computes those itself, about 0.25 us less per view)
+        self._views = tuple((v.shape, v.dtype, v.data.ptr - base, None if _c_order(v) else v.strides) for v in views)
         self._whole = len(views) == 1 and views[0] is block
         # one small int per distinct layout: a key word that hashes and compares at once, on every recorded call (a
         # number drawn from a counter, never from the table's size: two threads may add layouts at once)
@@ -104,12 +114,12 @@ class CupyDevice:
         return self._streams[ptr]
 
     def launch_streams(self) -> Tuple[Any, Any]:
-        """``(Numba stream, driver stream)`` of the current CuPy stream (:meth:`stream`, ``raw.stream``), made once
-        per stream."""
+        """``(Numba stream, driver handle)`` of the current CuPy stream (:meth:`stream`; the handle is what
+        ``raw.launch`` takes), made once per stream."""
         ptr = cupy.cuda.get_current_stream().ptr
         held = self._launch_streams.get(ptr)
         if held is None:
-            held = self._launch_streams[ptr] = (self.stream(), raw.stream(ptr))
+            held = self._launch_streams[ptr] = (self.stream(), ptr)
         return held
 
     def launching(self) -> ContextManager[None]:

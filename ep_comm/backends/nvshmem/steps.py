@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
-from ep_comm._launcher import raw
 from ep_comm._launcher.recorded_calls import RecordedCalls
 from ep_comm.backends.collective_steps import STEP_KINDS, Steps
 from ep_comm.backends.interface import ReceiveHalf
@@ -243,7 +242,7 @@ class StepRunner:
         if self.profile.enabled or self.capture.active:
             path(stream, *args)
             return
-        self.recorded.run(raw.stream(self.device.handle()), path, stream, *args)
+        self.recorded.run(self.device.handle(), path, stream, *args)
 
 
 Launch = Callable[..., None]  # (path, stream, *args): a piece launched as a recorded call, or as it is (launch_now)
