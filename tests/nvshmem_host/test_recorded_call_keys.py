@@ -5,11 +5,14 @@ scalars included; ``helpers.fake_gpu.RootCheckingCalls`` asserts in the simulato
 same launches with the same scalars."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, HostDevice, combine, dispatch, simulated_backend, simulated_buffer
 
 from ep_comm._launcher.recorded_calls import call_key
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 pytestmark = pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
@@ -64,9 +67,8 @@ def _combined(x: np.ndarray, expand: bool) -> np.ndarray:
 
 
 # every recorded piece, by the function a recorded call is given (the same on both paths: they run one sequence)
-PIECES = {"NvshmemDispatch.count_and_scatter", "NvshmemDispatch.receive_count", "NvshmemDispatch.scatter",
-          "NvshmemDispatch.carved_scatter", "NvshmemDispatch.carved_receive_copy", "NvshmemCombine.send",
-          "NvshmemCombine.reduce"}
+PIECES = {"NvshmemDispatch.count_and_scatter", "NvshmemDispatch.receive_count", "NvshmemDispatch.replay_scatter",
+          "NvshmemDispatch.carved_receive_copy", "NvshmemCombine.send", "NvshmemCombine.reduce"}
 
 
 @pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
@@ -91,3 +93,30 @@ def test_every_recorded_piece_is_held_to_its_first_call_in_check_mode(prepared):
                 buf.combine(out.recv_x, out.handle)
     compared = buf._backend.runner.recorded.compared
     assert {piece for piece, calls in compared.items() if calls} == PIECES, compared
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_handle_copied_with_other_routing_arrays_is_replayed_and_combined_from_them(prepared, expand):
+    """A replay and a combine take a handle's routing arrays as the count block of the dispatch that made them
+    (``backends/nvshmem/routing_roots.py``) only while they are that dispatch's own: a copy of the handle given copies
+    of them (``dataclasses.replace``) is read from the copies. The first handle's count block is overwritten after its
+    calls were recorded: the copy replays and combines as the first handle did before."""
+    buf = simulated_buffer(prepared)
+    x = np.random.default_rng(3).standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
+    h = buf.dispatch(x, SMALL_IDX, expand=expand).handle
+    for _ in range(3):  # recorded, then replayed (prepared: learnt first)
+        want = buf.dispatch(x, handle=h)
+        want_back = buf.combine(want.recv_x, want.handle)
+    copied = dataclasses.replace(h, **{name: getattr(h, name).copy() for name in ROUTING_FIELDS})
+    (_, block), *_ = h.derived[COUNT_ROOT]
+    block[:] = -7  # the first handle's routing, its slots and psums: gone
+    got = buf.dispatch(x, handle=copied)
+    got_back = buf.combine(got.recv_x, got.handle)
+    np.testing.assert_array_equal(got.recv_x, want.recv_x)
+    np.testing.assert_array_equal(got.recv_topk_idx, want.recv_topk_idx)
+    np.testing.assert_array_equal(got_back.x, want_back.x)
+
+
+ROUTING_FIELDS = ("topk_idx", "is_token_in_rank", "dst_buffer_slot_idx", "psum_num_recv_tokens_per_rank",
+                  "psum_num_recv_tokens_per_expert")

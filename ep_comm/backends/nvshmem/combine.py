@@ -12,6 +12,7 @@ import numpy as np
 
 from ep_comm.backends.interface import CombineRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute
+from ep_comm.backends.nvshmem.routing_roots import handle_routing, routing_arrays
 from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext
 from ep_comm.contract.arrays import Array
 from ep_comm.handle import CombineOutput, EPHandle
@@ -77,7 +78,7 @@ class NvshmemCombine:
         H]`` (and ``back``, float32 ``[T, K]``, the gathered weights) with the bias ``terms``, then that handle's one
         poll."""
         arrived = self.device.progress() if h.cpu_sync else None
-        launch(self.reduce, stream, h.dst_buffer_slot_idx, h.topk_idx, x, back, terms, own_rows(h, y))
+        launch(self.reduce, stream, handle_routing(h), x, back, terms, None if h.expand else y)
         if arrived is not None:
             self.runner.check_arrival(arrived, "combine")
         return CombineOutput(x, back)
@@ -111,13 +112,15 @@ class NvshmemCombine:
         return [((h.num_tokens, geo.hidden), geo.dtype)] + (
             [((h.num_tokens, geo.num_topk), np.float32)] if with_weights else [])
 
-    def reduce(self, stream: Any, slot_idx: Array, topk_idx: Array, x: Array, back: Optional[Array], terms: tuple,
-               own: Optional[tuple]) -> None:
-        """The reduce, on ``stream``, into ``x [T, H]`` of the rows sent back to the handle's ``slot_idx`` and
-        ``topk_idx`` (``[T, K]``), with ``own`` (:func:`own_rows`: this rank's own compact rows) and the ``terms`` of
-        the bias, and with ``back`` (float32 ``[T, K]``) the gathered weights."""
+    def reduce(self, stream: Any, routing: Any, x: Array, back: Optional[Array], terms: tuple,
+               y: Optional[Array]) -> None:
+        """The reduce, on ``stream``, into ``x [T, H]`` of the rows sent back to the handle's slots and ids
+        (``routing``: ``routing_roots.handle_routing``'s answer, read here), with this rank's own compact rows from
+        ``y`` (None in expand mode: every row was sent) and the ``terms`` of the bias, and with ``back`` (float32
+        ``[T, K]``) the gathered weights."""
         k, t = self.kernels, self.transport
-        kept = {} if own is None else dict(y=own[0], recv_rank_psum=own[1])
+        topk_idx, _, slot_idx, rank_psum, _ = routing_arrays(routing)
+        kept = {} if y is None else dict(y=y, recv_rank_psum=rank_psum)
         k.combine_reduce(self.ctx.own_rows, t.step, slot_idx, topk_idx, x, my_rank=self.rank, stream=stream,
                          bias=list(terms), node_size=self.route.node_size, **kept)
         if back is not None:
@@ -125,12 +128,6 @@ class NvshmemCombine:
                                          slot_idx, topk_idx, back.view(self.xp.int32),
                                          experts_per_rank=self.geo.experts_per_rank, my_rank=self.rank,
                                          max_blocks=k.num_blocks, node_size=self.route.node_size)
-
-
-def own_rows(h: EPHandle, y: Array) -> Optional[tuple]:
-    """What a compact combine's reduce reads this rank's own rows from: ``(y, the handle's received psum [R])``;
-    None in expand mode (every row was sent)."""
-    return None if h.expand else (y, h.psum_num_recv_tokens_per_rank)
 
 
 def _bias_term(xp: Any, b: Array) -> Array:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, Sent
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, handle_routing, routing_arrays
 from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
@@ -172,7 +173,8 @@ class NvshmemDispatch:
             rows, scratch = num_recv, None
         arrays = arranged_outputs(carving.views(out_block, rows), options.weighted, scratch)
         received = (rank_psum, expert_psum, aligned, unaligned, num_recv, num_expanded)
-        return self.output(options, arrays, received, (ids, in_rank, slots), weights, cpu_sync)
+        counted = ((plan.views, block), ids, in_rank, slots, rank_psum, expert_psum)  # routing_roots.COUNT_ROOT's
+        return self.output(options, arrays, received, (ids, in_rank, slots), weights, cpu_sync, counted)
 
     def send_block(self, block: Array) -> Array:
         """The count's ``[Kernels.send_words(T)]`` words of a new routing's count block (int32, one allocation: the
@@ -272,11 +274,11 @@ class NvshmemDispatch:
                                                                h.dst_buffer_slot_idx, None))
         return functools.partial(self._receive_cached, request, counts, outputs, made, arrive)
 
-    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, made: Optional[tuple],
+    def _receive_cached(self, request: DispatchRequest, counts: tuple, outputs: tuple, made: tuple,
                         arrive: Arrive, stream: Any) -> DispatchOutput:
         """The receive half of a replay, on ``stream``: the route's start of it, the stats, then
-        :meth:`replay_receive` into the ``outputs`` allocated before the send (``made``: their arrays where the send
-        made them), the ids the route keeps."""
+        :meth:`replay_receive` into the ``outputs`` allocated before the send (``made``: what the send returned), the
+        ids the route keeps."""
         h = request.handle
         arrive(stream)
         if request.stats is not None:
@@ -284,20 +286,21 @@ class NvshmemDispatch:
         options = self.receive_options(request.expand, request.expert_alignment, request.zero_padding, False,
                                        request.topk_weights is not None)
         copy = launch_now if request.cpu_sync else self.runner.run_recorded
-        arrays = self.replay_receive(copy, stream, h, outputs, options, made)
+        arrays = self.replay_receive(copy, stream, outputs, options, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, counts[2],
                     h.num_unaligned_recv_tokens_per_expert, counts[0], counts[1])
-        out = self.output(options, arrays, received, h.routing, request.topk_weights, request.cpu_sync)
+        out = self.output(options, arrays, received, h.routing, request.topk_weights, request.cpu_sync,
+                          h.derived.get(COUNT_ROOT))
         self.route.keep_ids(out.handle, out.recv_topk_idx)
         return out
 
     def replay_send(self, launch: Launch, stream: Any, x: Any, h: EPHandle, weights: Optional[Array], outputs: tuple,
-                    weighted: bool) -> Optional[tuple]:
+                    weighted: bool) -> tuple:
         """The send steps of a replay of handle ``h`` (both paths run these, in this order), on ``stream``: in expand
         mode the outputs' arrays first, the handle's expanded rows copied into their metadata (not received again);
         the scatter of ``x`` (and ``weights``) at the handle's recorded slots (compact: this rank's own rows straight
-        into ``recv_x``, made inside the launch, which the receive then skips); the puts of the staged rows (the route's: none forwarded). No count
-        exchange: the handle gave every count.
+        into ``recv_x``, made inside the launch, which the receive then skips); the puts of the staged rows (the
+        route's: none forwarded). No count exchange: the handle gave every count.
 
         Args:
             launch: how the scatter is launched (:data:`Launch`: a recorded call or as it is).
@@ -306,68 +309,75 @@ class NvshmemDispatch:
             weighted: whether the outputs carve weights.
 
         Returns:
-            ``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` where made (expand), else None.
+            What :meth:`replay_receive` takes as ``made``: the outputs' arrays ``(recv_x, recv_topk_idx,
+            recv_topk_weights, recv_src_metadata)`` where made (expand), else None; and the handle's routing
+            (``routing_roots.handle_routing``).
         """
         carving, block, scratch = outputs
-        arrays = None
+        arrays, routing = None, handle_routing(h)
         if h.expand:
             arrays = arranged_outputs(carving.views(block), weighted, scratch)
-            copy_recorded_metadata(arrays[3], h.recv_src_metadata)
-            launch(self.scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, h.is_token_in_rank,
-                   kernel_launches.SLOT_CACHED, None)
-        else:
-            launch(self.carved_scatter, stream, x, h.topk_idx, weights, h.dst_buffer_slot_idx, h.is_token_in_rank,
-                   carving, block, h.psum_num_recv_tokens_per_rank)
+            metadata, recorded = arrays[3], h.recv_src_metadata  # the recorded rows that fit (worst-case outputs)
+            rows = min(metadata.shape[0], recorded.shape[0])
+            metadata[:rows] = recorded[:rows]
+            carving = block = None  # every row is sent, none written into recv_x by the scatter
+        launch(self.replay_scatter, stream, x, weights, routing, carving, block)
         if self._puts:
             self.route.flush(functools.partial(self.transport.flush, stream,
                                                functools.partial(self.handle_value, h, "send_psum", _send_psum),
                                                with_meta=True, timed=self._puts_phase))
-        return arrays
+        return arrays, routing
 
-    def replay_receive(self, launch: Launch, stream: Any, h: EPHandle, outputs: tuple, options: CopyOptions,
-                       made: Optional[tuple]) -> tuple:
-        """The receive steps of a replay of handle ``h`` after its wait (both paths run these), on ``stream``: the
-        received rows into ``outputs`` (:meth:`replay_send`'s), launched by ``launch``, ``options`` as
-        :meth:`receive_copy` takes them; the outputs' arrays (``made`` where the send made them, else made after the
-        launch)."""
+    def replay_receive(self, launch: Launch, stream: Any, outputs: tuple, options: CopyOptions, made: tuple) -> tuple:
+        """The receive steps of a replay after its wait (both paths run these), on ``stream``: the received rows into
+        ``outputs`` (:meth:`replay_send`'s), launched by ``launch``, ``options`` as :meth:`receive_copy` takes them;
+        the outputs' arrays. ``made``: what :meth:`replay_send` returned (the arrays where it made them, else they are
+        made after the launch; the handle's routing)."""
         carving, block, scratch = outputs
-        launch(self.carved_receive_copy, stream, options, carving, block, scratch,
-               (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert))
-        return made if made is not None else arranged_outputs(carving.views(block), options.weighted, scratch)
+        arrays, routing = made
+        launch(self.carved_receive_copy, stream, options, carving, block, scratch, routing)
+        return arrays if arrays is not None else arranged_outputs(carving.views(block), options.weighted, scratch)
 
-    def carved_scatter(self, stream: Any, x: Any, idx: Array, weights: Optional[Array], slot_idx: Array,
-                       in_rank: Array, carving: Any, block: Array, psum: Array) -> None:
-        """A compact replay's scatter (:meth:`scatter` at recorded slots ``slot_idx``, the handle's ``in_rank``) with
-        this rank's own rows straight into ``recv_x``, ``carving``'s first view of ``block``, made here: a recorded
-        call's later calls launch it on their roots' pointers alone; ``psum``: the handle's received psum [R]."""
-        self.scatter(stream, x, idx, weights, slot_idx, in_rank, kernel_launches.SLOT_CACHED,
-                     (carving.views(block)[0], psum))
+    def replay_scatter(self, stream: Any, x: Any, weights: Optional[Array], routing: Any, carving: Any,
+                       block: Optional[Array]) -> None:
+        """A replay's scatter (:meth:`scatter` of ``x`` and ``weights`` at the recorded slots of ``routing``,
+        :func:`handle_routing`'s answer for the handle); compact (``carving`` not None), this rank's own rows straight
+        into ``recv_x``, ``carving``'s first view of ``block``. The arrays are made here: a recorded call's later
+        calls launch it on their roots' pointers alone."""
+        ids, in_rank, slots, rank_psum, _ = routing_arrays(routing)
+        local = None if carving is None else (carving.views(block)[0], rank_psum)
+        self.scatter(stream, x, ids, weights, slots, in_rank, kernel_launches.SLOT_CACHED, local)
 
     def carved_receive_copy(self, stream: Any, options: CopyOptions, carving: Any, block: Array,
                             scratch: Optional[Array], source: Any) -> None:
         """:meth:`receive_copy` into ``carving``'s views of ``block`` (and ``scratch`` weights where none are carved),
         made here: a recorded call's later calls launch it on their roots' pointers alone. ``source``: the count
         block of a new routing (its receive count's psums; also counted in the copy where ``options.counted``), or
-        the ``(rank psum, expert psum)`` of the handle a replay replays."""
+        :func:`handle_routing`'s answer for the handle a replay replays (its psums)."""
         arrays = arranged_outputs(carving.views(block), options.weighted, scratch)
-        if type(source) is tuple:
-            self.receive_copy(stream, source[0], source[1], arrays, options)
-            return
+        if type(source) is tuple:  # handle_routing's
+            views, source = source
+            if views is None:
+                self.receive_copy(stream, source[3], source[4], arrays, options)
+                return
         recv_block = self.receive_block(source)
         recv = self.kernels.receive_layout(recv_block)
         self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options,
                           recv_block if options.counted else None)
 
     def output(self, options: CopyOptions, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
-               cpu_sync: bool) -> DispatchOutput:
+               cpu_sync: bool, counted: Optional[tuple]) -> DispatchOutput:
         """The ``DispatchOutput`` of ``arrays`` and its handle (``handle.make_handle``): ``options`` as
         :meth:`receive_copy` takes them, ``received`` ``(rank psum, expert psum, aligned counts, unaligned counts,
         received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx, is_token_in_rank,
-        dst_buffer_slot_idx)``."""
+        dst_buffer_slot_idx)``; ``counted``: the count block these arrays are views of (:func:`handle_routing`),
+        kept with the handle, or None."""
         expand, alignment, zero_padding = options[:3]
         fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
         handle = make_handle(routing, fields, weights, geometry=self.geo, expand=expand, expert_alignment=alignment,
                              zero_padding=zero_padding, deterministic=self.deterministic, cpu_sync=cpu_sync)
+        if counted is not None:
+            handle.derived[COUNT_ROOT] = counted
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     def output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:
@@ -475,8 +485,6 @@ class NvshmemDispatch:
 
 
 _MAX_COUNT_CARVINGS = 64  # count block layouts kept (token count, ids dtype, device counts)
-
-
 class CopyOptions(NamedTuple):
     """What a receive copy (``NvshmemDispatch.carved_receive_copy``) takes besides its arrays
     (``NvshmemDispatch.receive_options``): the outputs' layout, the placement mode (a new routing's, or a replay's
@@ -510,13 +518,6 @@ def arranged_outputs(views: Any, weighted: bool, scratch: Optional[Array]) -> Tu
     """``(recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata)`` of the views of an output carving
     (``NvshmemDispatch.output_carving``'s order), the weights ``scratch`` where none are carved."""
     return views[0], views[1], views[3] if weighted else scratch, views[2]
-
-
-def copy_recorded_metadata(metadata: Array, recorded: Array) -> None:
-    """Into the worst-case ``recv_src_metadata [N_out, 2+K]`` int32 of an expand replay, the rows of the replayed
-    handle's ``recorded`` metadata that fit (its expanded rows are reused, not received again)."""
-    m = min(metadata.shape[0], recorded.shape[0])
-    metadata[:m] = recorded[:m]
 
 
 def host_counts(h: EPHandle) -> tuple:

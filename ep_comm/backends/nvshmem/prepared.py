@@ -29,6 +29,7 @@ import numpy as np
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
 from ep_comm.backends.nvshmem.dispatch import CopyOptions, NvshmemDispatch, RoutingPlan, host_counts
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT
 from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
@@ -294,11 +295,11 @@ class PreparedCalls:
         send = functools.partial(self._runner.recorded.run, on) if entry.options.expand else launch
         made = dispatcher.replay_send(send, stream, x, h, weights, outputs, entry.weighted)
         self._ctx.transport.exchange(stream, _DISPATCH, self._runner.timeout_s, None)
-        arrays = dispatcher.replay_receive(launch, stream, h, outputs, entry.options, made)
+        arrays = dispatcher.replay_receive(launch, stream, outputs, entry.options, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
                     h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
-        return dispatcher.output(entry.options, arrays, received, (h.topk_idx, h.is_token_in_rank,
-                                                                     h.dst_buffer_slot_idx), weights, cpu_sync)
+        return dispatcher.output(entry.options, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
+                                 weights, cpu_sync, h.derived.get(COUNT_ROOT))
 
     # ------------------------------------------------------------------ combine
     def combine(self, checked: HandleChecks, y: Any, handle: Any, weights: Any) -> Union[CombineOutput, Unprepared]:
