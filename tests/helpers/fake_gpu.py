@@ -181,6 +181,8 @@ class HostDevice:
                                         strides=strides))
             return views
 
+    copy = staticmethod(np.array)  # CupyDevice.copy: a new array (a C-contiguous one of a C-contiguous input)
+
     @staticmethod
     def placement(a):
         """``(data pointer, device)`` of a host array (no device): ``ctypes.data``, as ``__array_interface__`` formats

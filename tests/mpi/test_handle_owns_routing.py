@@ -50,3 +50,21 @@ def test_writes_into_the_callers_routing_change_neither_replay_nor_combine(world
         masked = np.where(world.topk_idx[RANK] >= 0, world.weights[RANK], 0)
         np.testing.assert_array_equal(to_host(res.topk_weights), masked)
     assert bits(to_host(res.x)).tobytes() == bits(want).tobytes()
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_the_handles_of_later_dispatches_of_one_shape_own_their_routing_too(world_and_buffer, expand):
+    """The calls after a shape's first take the nvshmem backend's prepared path, which copies the weights its own way
+    (one device-to-device copy): their handles own their routing as the first call's does."""
+    world, buf = world_and_buffer
+    x = to_device(world.x[RANK])
+    prepared = getattr(buf._backend, "prepared", None)  # the nvshmem backend's prepared path (None on mpi)
+    before = None if prepared is None else prepared.replayed
+    for _ in range(3):
+        idx, weights = to_device(world.topk_idx[RANK].copy()), to_device(world.weights[RANK].copy())
+        h = buf.dispatch(x, idx, weights, expand=expand).handle
+        assert h.topk_idx is not idx and h.topk_weights is not weights
+        overwrite(idx, weights, world.num_experts)
+        np.testing.assert_array_equal(to_host(h.topk_idx), world.topk_idx[RANK])
+        np.testing.assert_array_equal(to_host(h.topk_weights), world.weights[RANK])
+    assert prepared is None or prepared.replayed >= before + 2

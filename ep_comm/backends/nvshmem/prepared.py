@@ -44,6 +44,7 @@ _MAX_EXACT, _MAX_EXACT_COPIES = 256, 256
 # ranks) allocate the exact outputs after the poll, as the general path does
 _VIEWS_MAX_BYTES = 64 << 20
 _DISPATCH, _COMBINE = STEP_KINDS["dispatch"], STEP_KINDS["combine"]
+_FLOAT32 = np.dtype(np.float32)  # NumPy's one float32 dtype (CuPy arrays' too): compared by identity
 
 Identity = Tuple[Any, ...]
 
@@ -128,8 +129,9 @@ class PreparedCalls:
                 or (topk_weights is not None and identity(topk_weights, place) != entry.inputs[2])
                 or not self._enter("dispatch", cpu_sync)):
             return NOT_PREPARED
-        if topk_weights is not None:
-            topk_weights = as_float32(self._ctx.xp, topk_weights, copy=True)
+        if topk_weights is not None:  # the handle's own copy (C-contiguous: learnt so, then the same strides)
+            topk_weights = (self._ctx.device.copy(topk_weights) if topk_weights.dtype is _FLOAT32
+                            else as_float32(self._ctx.xp, topk_weights, copy=True))
         body = self._dispatch_new if handle is None else self._dispatch_cached
         out = self._runner.steps.run("dispatch", False, body, entry, x, topk_idx, topk_weights, handle, cpu_sync)
         checked.note(out.handle)
