@@ -61,8 +61,8 @@ class RecordedCall:
         return len(self.launches)
 
     def __call__(self, on: int, roots: Sequence[int]) -> None:
-        """Launch every kernel of the call on the stream whose handle is ``on``, in recorded order, each root ``i``'s arrays now at
-        ``roots[i]`` (device addresses)."""
+        """Launch every kernel of the call on the stream whose handle is ``on``, in recorded order, each root
+        ``i``'s arrays now at ``roots[i]`` (device addresses)."""
         for launch in self.launches:
             for words, root, offset in launch.pointers:
                 words[_DATA] = roots[root] + offset

@@ -355,11 +355,10 @@ class NvshmemDispatch:
         block of a new routing (its receive count's psums; also counted in the copy where ``options.counted``), or
         :func:`handle_routing`'s answer for the handle a replay replays (its psums)."""
         arrays = arranged_outputs(carving.views(block), options.weighted, scratch)
-        if type(source) is tuple:  # handle_routing's
-            views, source = source
-            if views is None:
-                self.receive_copy(stream, source[3], source[4], arrays, options)
-                return
+        if type(source) is tuple:  # a replay: handle_routing's answer
+            _, _, _, rank_psum, expert_psum = routing_arrays(source)
+            self.receive_copy(stream, rank_psum, expert_psum, arrays, options)
+            return
         recv_block = self.receive_block(source)
         recv = self.kernels.receive_layout(recv_block)
         self.receive_copy(stream, recv.rank_psum, recv.expert_psum, arrays, options,
@@ -485,6 +484,8 @@ class NvshmemDispatch:
 
 
 _MAX_COUNT_CARVINGS = 64  # count block layouts kept (token count, ids dtype, device counts)
+
+
 class CopyOptions(NamedTuple):
     """What a receive copy (``NvshmemDispatch.carved_receive_copy``) takes besides its arrays
     (``NvshmemDispatch.receive_options``): the outputs' layout, the placement mode (a new routing's, or a replay's

@@ -300,8 +300,8 @@ class PreparedCalls:
         arrays = dispatcher.replay_receive(launch, stream, outputs, entry.options, made)
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
                     h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
-        return dispatcher.output(entry.options, arrays, received, (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx),
-                                 weights, cpu_sync, h.derived.get(COUNT_ROOT))
+        routing = (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx)
+        return dispatcher.output(entry.options, arrays, received, routing, weights, cpu_sync, h.derived.get(COUNT_ROOT))
 
     # ------------------------------------------------------------------ combine
     def combine(self, checked: HandleChecks, y: Any, handle: Any, weights: Any) -> Union[CombineOutput, Unprepared]:
