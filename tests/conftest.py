@@ -74,6 +74,21 @@ def pytest_configure(config: pytest.Config) -> None:
         cudasim_warp.use_without_gpu()  # a session under mpirun imports Numba only if its tests do (below)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A collective session on ``nvshmem``: the kernels compiled on every rank before the first test, outside its
+    timeout (``helpers.kernel_warmup`` says why)."""
+    if not session.config.getoption("--with-mpi", default=False) or current().backend != "nvshmem":
+        return
+    from helpers import kernel_warmup  # imports mpi4py: never in a session that runs no collective suite
+
+    if kernel_warmup.gpu_stack_present():
+        seconds = kernel_warmup.compile_kernels()
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"ep_comm: nvshmem kernels compiled in {seconds:.1f} s before the first test "
+                                "(helpers.kernel_warmup)")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """In a session under ``mpirun`` (``--with-mpi``): the simulator's intrinsics once a test module has imported
