@@ -24,7 +24,7 @@ from ep_comm._launcher import raw
 from ep_comm._launcher.param_blocks import ParamBlock, _array, _ArraySlot, _TupleSlot, array_fields
 from ep_comm._launcher.prebound import Recorded, recording
 
-__all__ = ["RecordedCall", "RecordedCalls", "call_key", "record_call"]
+__all__ = ["RecordedCall", "RecordedCalls", "call_key", "record_call", "spans_overlap"]
 
 _DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
@@ -96,9 +96,21 @@ def _array_params(slots: Sequence[Any], args: Sequence[Any]) -> Iterator[Tuple[_
             yield slot, arg
 
 
+def spans_overlap(spans: Sequence[Tuple[int, int, int]]) -> bool:
+    """Whether two of ``spans`` (``(first byte, past the last byte, data pointer)`` per root, as :func:`_spans` gives
+    them) share a byte: the same array twice, or two views of one allocation that overlap (empty spans share
+    nothing)."""
+    end = None
+    for first, past, _ in sorted(span for span in spans if span[1] > span[0]):
+        if end is not None and first < end:
+            return True
+        end = past if end is None else max(end, past)
+    return False
+
+
 def _root_of(ptr: int, spans: Sequence[Tuple[int, int, int]]) -> Optional[Tuple[int, int]]:
-    """``(root index, offset from the root's data pointer)`` of the root whose bytes hold address ``ptr``, or
-    None."""
+    """``(root index, offset from the root's data pointer)`` of the root whose bytes hold address ``ptr`` (roots that
+    share no byte: at most one does), or None."""
     for i, (first, end, base) in enumerate(spans):
         if first <= ptr < end:
             return i, ptr - base
@@ -112,7 +124,8 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
     Args:
         records: the ``(binding, config, args)`` of every launch of the call
             (:func:`~ep_comm._launcher.prebound.recording`).
-        roots: the call's per-call arrays (CuPy or CUDA-array-interface), any strides.
+        roots: the call's per-call arrays (CuPy or CUDA-array-interface), any strides, no two sharing a byte
+            (:meth:`RecordedCalls.run` records no call whose roots do).
     """
     if not records:
         return None
@@ -134,6 +147,7 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
 
 
 _UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
+_SHARED_ROOTS = object()  # a call whose roots share bytes: it ran its path, and its key's next call records
 _WORDS = frozenset((type(None), bool, int, float, str))  # scalar arguments, kept in the key as (type, value)
 Pointers = Mapping[type, Callable[[Any], int]]  # per array type, its data pointer (no Python call: attrgetter)
 _scalars: Dict[type, bool] = {}  # per argument type seen, whether it is a scalar's (types are few and long-lived)
@@ -224,7 +238,8 @@ class RecordedCalls:
     def run(self, on: int, path: Callable[..., None], stream: Any, *args: Any) -> None:
         """The call ``path(stream, *args)`` (its launches through ``Kernels``, on ``stream``): the call recorded for
         its key (:func:`call_key`) launched again on stream ``on`` with its roots' pointers; the first call of a key
-        runs it and records it.
+        runs it and records it (unless two of its roots share bytes: then it only runs, and the key's next call
+        records).
 
         Args:
             on: the driver handle of ``stream``.
@@ -240,7 +255,9 @@ class RecordedCalls:
         key, roots, pointers = call_key(path, args, self._pointers)
         recorded = self._calls.get(key)
         if recorded is None:
-            self._calls[key] = self._record(roots, path, (stream, *args))
+            recorded = self._record(roots, path, (stream, *args))
+            if recorded is not _SHARED_ROOTS:
+                self._calls[key] = recorded
         elif recorded is _UNRECORDABLE:
             path(stream, *args)
         else:
@@ -251,7 +268,12 @@ class RecordedCalls:
         return {key: None if recorded is _UNRECORDABLE else len(recorded) for key, recorded in self._calls.items()}
 
     def _record(self, roots: Sequence[Any], path: Callable[..., None], args: tuple) -> Any:
-        """Run ``path(*args)`` recording its launches; its recorded call, or ``_UNRECORDABLE``."""
+        """Run ``path(*args)`` recording its launches; its recorded call, or ``_UNRECORDABLE``; ``_SHARED_ROOTS``
+        (nothing recorded) where two roots share bytes: a launch's array inside both could be bound to either, and a
+        later call whose roots are apart would replay it from the wrong one (``docs/design.md``, "Recorded calls")."""
+        if spans_overlap(_spans(roots)):
+            path(*args)
+            return _SHARED_ROOTS
         allocated: List[Any] = []
         with recording() as seen:
             if self._allocations is None:

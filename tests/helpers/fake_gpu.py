@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ep_comm._launcher import prebound
-from ep_comm._launcher.recorded_calls import RecordedCalls, call_key
+from ep_comm._launcher.recorded_calls import RecordedCalls, call_key, spans_overlap
 from ep_comm.backends.interface import BackendSettings, CombineRequest, DispatchRequest
 from ep_comm.backends.nvshmem import NvshmemBackend
 from ep_comm.contract.choices import payload_dtype
@@ -222,18 +222,23 @@ class RootCheckingCalls(RecordedCalls):
     make the same launches (kernel, grid, block, shared bytes) with the same words: the same scalars; for every array
     argument the same shape, strides and dtype and, inside a root, the same root and byte offset from the root's data
     pointer; outside every root (held as long-lived by a recorded call) the same data pointer. This holds whichever
-    path (general or prepared) makes the call."""
+    path (general or prepared) makes the call. A call whose roots share bytes is held to nothing and sets no layout
+    for its key: on a GPU it runs as it is and records nothing (``RecordedCalls.run``); ``shared`` counts them."""
 
     def __init__(self):
         super().__init__(enabled=False, pointers=HostDevice.array_pointers)
         self.layouts = {}
         self.compared = Counter()  # per function (``__qualname__``), its calls held to an earlier call of their key
+        self.shared = Counter()  # per function, its calls whose roots shared bytes (held to nothing, as on a GPU)
 
     def run(self, on, path, stream, *args):
         key, roots, pointers = call_key(path, args, self._pointers)  # the production lookup: a key it misses shows here
         with prebound.recording() as seen:
             super().run(on, path, stream, *args)
         spans = [_span(r, p) for r, p in zip(roots, pointers)]
+        if spans_overlap(spans):  # roots that share bytes: a GPU runs such a call as it is and records none of it
+            self.shared[path.__qualname__] += 1
+            return
         made = tuple((config, _words(args, spans)) for _, config, args in seen)
         first = self.layouts.setdefault(key, made)
         self.compared[path.__qualname__] += first is not made

@@ -407,6 +407,39 @@ def test_a_launch_plan_replays_the_recorded_launches_with_new_root_pointers(driv
                                raw((fixed, 5, False), 2, 32, 16)]
 
 
+class _TwoRoots:
+    """A recorded call's launches (``_two_launches``) of ``launch`` on its two roots; ``ran``: the roots it ran on."""
+
+    def __init__(self, launch):
+        self.launch, self.ran = launch, []
+
+    def path(self, stream, first, second):
+        self.ran.append((first, second))
+        _two_launches(self.launch, first, second)()
+
+
+def test_a_call_whose_roots_share_bytes_runs_unrecorded_and_the_next_call_of_its_key_records(driver):
+    """Recorded with one array as both roots, a launch's pointer would be bound to the first root, and a later call
+    of the key with two arrays would replay the first one's pointer into both slots: such a call (the same array
+    twice, or overlapping views) runs its launches and records nothing; a call of the key with roots apart records,
+    and its replays write each root's own pointer, also where the roots then share bytes."""
+    call = _TwoRoots(PreboundKernel(FakeDispatcher(), to_numba=lambda a: a))
+    plans, on = RecordedCalls(enabled=True), 0x5
+    same = FakeCupyArray(0x1000, (6,), np.int32)
+    plans.run(on, call.path, "s", same, same)
+    plans.run(on, call.path, "s", FakeCupyArray(0x2000, (6,), np.int32), FakeCupyArray(0x2010, (6,), np.int32))
+    assert plans.built == 0 and len(call.ran) == 2
+    plans.run(on, call.path, "s", FakeCupyArray(0x3000, (6,), np.int32), FakeCupyArray(0x4000, (6,), np.int32))
+    assert plans.built == 1 and len(call.ran) == 3
+    del driver.launches[:]
+    first, second = FakeCupyArray(0x5000, (6,), np.int32), FakeCupyArray(0x6000, (6,), np.int32)
+    plans.run(on, call.path, "s", first, second)
+    plans.run(on, call.path, "s", same, same)
+    assert len(call.ran) == 3, "a recorded call must not run its path again"
+    assert driver.launches == [raw((first, 3, True), 4, 64), raw((second, 5, False), 2, 32, 16),
+                               raw((same, 3, True), 4, 64), raw((same, 5, False), 2, 32, 16)]
+
+
 def test_a_call_that_allocates_outside_its_roots_or_cannot_be_bound_is_not_planned(driver):
     allocating = RecordedCalls(enabled=True, allocations=lambda held: _appending(held))
     cooperative = PreboundKernel(FakeDispatcher(dict(cooperative=True)), to_numba=lambda a: a)

@@ -44,3 +44,22 @@ def test_negative_ids_of_any_value(dtype, expand):
     runs = [negative_id_sequence(buf, x, SMALL_IDX, weights, dtype, expand, lambda a: a)
             for buf in (_mpi_buffer(), simulated_buffer())]
     assert_same_outputs(*runs)
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_bias_pair_of_one_array_and_then_of_two_combines_each_pair(expand):
+    """``bias=(b, b)``, one array twice, then two arrays of the same shape, both orders, then one again: one call shape
+    whose bias roots share their bytes in some calls only. Each combine sums its own pair (on a GPU a reduce recorded
+    while both slots held ``b`` would put the first array's pointer in both slots of the later calls), with the bytes of
+    the mpi backend at one rank; the check mode holds every call whose roots are apart to the first such call."""
+    x, _, weights, bias = _inputs()
+    other = np.random.default_rng(46).standard_normal(bias.shape).astype(np.float32)
+    pairs = [(bias, bias), (bias, other), (other, bias), (other, other)]
+    runs = []
+    for buf in (_mpi_buffer(), simulated_buffer()):
+        out = buf.dispatch(x, SMALL_IDX, weights, expand=expand)
+        y = out.recv_x * np.float32(2)
+        runs.append([buf.combine(y, out.handle, topk_weights=out.recv_topk_weights, bias=pair).x for pair in pairs])
+    for want, got in zip(*runs):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(runs[0][1], runs[0][0])  # the pairs give different sums: a misread pair shows

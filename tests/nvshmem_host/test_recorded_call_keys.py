@@ -75,7 +75,8 @@ PIECES = {"NvshmemDispatch.count_and_scatter", "NvshmemDispatch.receive_count", 
 def test_every_recorded_piece_is_held_to_its_first_call_in_check_mode(prepared):
     """Each eager call three times (the later ones prepared, where ``prepared``), compact and expand, new routings and
     replays with and without ``cpu_sync``, and their combines: every recorded piece of the path is called again
-    under a key seen before, and made its first call's launches word for word (``RootCheckingCalls``)."""
+    under a key seen before, and made its first call's launches word for word (``RootCheckingCalls``); none had roots
+    sharing bytes (a GPU would record no such call)."""
     buf = simulated_buffer(prepared)
     rng = np.random.default_rng(5)
     weights = rng.random((3, SMALL_GEO.num_topk)).astype(np.float32)
@@ -91,8 +92,9 @@ def test_every_recorded_piece_is_held_to_its_first_call_in_check_mode(prepared):
                 out = buf.dispatch(rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32), handle=handle,
                                    cpu_sync=sync)
                 buf.combine(out.recv_x, out.handle)
-    compared = buf._backend.runner.recorded.compared
-    assert {piece for piece, calls in compared.items() if calls} == PIECES, compared
+    recorded = buf._backend.runner.recorded
+    assert {piece for piece, calls in recorded.compared.items() if calls} == PIECES, recorded.compared
+    assert not recorded.shared, f"pieces called with roots that share bytes (never recorded on a GPU): {recorded.shared}"
 
 
 @pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
