@@ -3,8 +3,9 @@ that check a Buffer's results depend on neither (docs/design.md, "Recorded calls
 
 :func:`layout_sequence` makes calls of one shape with the layouts of every input changing between them; each call
 must give the bytes of the same call with C-contiguous inputs. :func:`negative_id_sequence` writes the masked entries
-of a routing as each negative value; each call must give the bytes of -1. Both return every output, in call order,
-so that two backends' sequences can be compared with each other too."""
+of a routing as each negative value; each call must give the bytes of -1. :func:`bias_pair_sequence` gives a combine's
+bias as one array twice in some calls of a shape and as two in others. They return every output, in call order, so
+that two backends' sequences (or a Buffer's and a fresh one's) can be compared with each other too."""
 from __future__ import annotations
 
 import itertools
@@ -118,3 +119,19 @@ def negative_id_sequence(buf: Any, x: Any, idx: np.ndarray, weights: Any, dtype:
                 assert_same(f"{tag}: layout {field}", getattr(want_layout, field), getattr(layout, field))
             outputs += [got, back, cached]
     return outputs
+
+
+def bias_pair_sequence(buf: Any, inputs: tuple, expand: bool, apart: bool) -> List[Any]:
+    """A new routing of ``inputs`` ``(x [T, H], topk_idx [T, K], topk_weights [T, K], bias [T, H] float32)``, then
+    combines of one shape whose bias pairs are ``(b, b)``, ``(b, o)``, ``(o, b)`` and ``(o, o)`` (``b`` the bias,
+    ``o`` another of its shape): the same array twice in some calls, two in others (a recorded reduce must not bind
+    both slots to one of them). ``apart``: each pair's arrays copied first, never one array twice (the reference).
+    Returns the combines' ``x``, in call order."""
+    x, idx, weights, bias = inputs
+    other = bias * np.float32(3) + np.float32(1)
+    out = buf.dispatch(x, idx, weights, expand=expand)
+    sums = []
+    for first, second in ((bias, bias), (bias, other), (other, bias), (other, other)):
+        pair = (first.copy(), second.copy()) if apart else (first, second)
+        sums.append(buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, bias=pair).x)
+    return sums

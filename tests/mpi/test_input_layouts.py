@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.collective import shared_buffers, to_device
-from helpers.layouts import IDX_LAYOUTS, in_layout, layout_sequence, negative_id_sequence
+from helpers.collective import make_buffer, shared_buffers, to_device
+from helpers.layouts import IDX_LAYOUTS, bias_pair_sequence, in_layout, layout_sequence, negative_id_sequence
 from helpers.options import current
 from helpers.oracle import RANK, make_world
 from helpers.same_outputs import assert_same
@@ -57,6 +57,18 @@ def test_any_negative_id_is_no_expert(buffers, dtype, expand):
     world = make_world("masked", seed=47)
     x, _, weights, _ = _inputs(world)
     negative_id_sequence(buffers(world), x, world.topk_idx[RANK], weights, dtype, expand, to_device)
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+def test_a_bias_pair_of_one_array_in_some_calls_of_a_shape_combines_each_pair(buffers, expand):
+    """``bias=(b, b)`` first, then pairs of two arrays, on one Buffer (``helpers.layouts.bias_pair_sequence``): each
+    combine gives the bytes of the same pair copied apart on a fresh Buffer (whose calls never share an array)."""
+    world = make_world("masked", seed=49)
+    got = bias_pair_sequence(buffers(world), _inputs(world), expand, apart=False)
+    with make_buffer(world) as fresh:
+        want = bias_pair_sequence(fresh, _inputs(world), expand, apart=True)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert_same(f"combine {i}", a, b)
 
 
 @pytest.mark.skipif(current().backend != "mpi", reason="host arrays: the mpi backend's inputs")

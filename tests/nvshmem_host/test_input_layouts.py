@@ -8,7 +8,7 @@ failed check, and a wrong result as different bytes. The sequences and their own
 import numpy as np
 import pytest
 from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, simulated_buffer
-from helpers.layouts import layout_sequence, negative_id_sequence
+from helpers.layouts import bias_pair_sequence, layout_sequence, negative_id_sequence
 from helpers.same_outputs import assert_same_outputs
 from mpi4py import MPI
 
@@ -46,20 +46,14 @@ def test_negative_ids_of_any_value(dtype, expand):
     assert_same_outputs(*runs)
 
 
+
 @pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
 def test_a_bias_pair_of_one_array_and_then_of_two_combines_each_pair(expand):
-    """``bias=(b, b)``, one array twice, then two arrays of the same shape, both orders, then one again: one call shape
-    whose bias roots share their bytes in some calls only. Each combine sums its own pair (on a GPU a reduce recorded
-    while both slots held ``b`` would put the first array's pointer in both slots of the later calls), with the bytes of
-    the mpi backend at one rank; the check mode holds every call whose roots are apart to the first such call."""
-    x, _, weights, bias = _inputs()
-    other = np.random.default_rng(46).standard_normal(bias.shape).astype(np.float32)
-    pairs = [(bias, bias), (bias, other), (other, bias), (other, other)]
-    runs = []
-    for buf in (_mpi_buffer(), simulated_buffer()):
-        out = buf.dispatch(x, SMALL_IDX, weights, expand=expand)
-        y = out.recv_x * np.float32(2)
-        runs.append([buf.combine(y, out.handle, topk_weights=out.recv_topk_weights, bias=pair).x for pair in pairs])
+    """``bias=(b, b)``, one array twice, then pairs of two arrays (``helpers.layouts.bias_pair_sequence``): each
+    combine sums its own pair, with the bytes of the mpi backend at one rank (on a GPU a reduce recorded while both
+    slots held ``b`` would put its pointer in both slots of the later calls); the check mode holds every call whose roots
+    are apart to the first such call."""
+    runs = [bias_pair_sequence(buf, _inputs(), expand, apart=False) for buf in (_mpi_buffer(), simulated_buffer())]
     for want, got in zip(*runs):
         np.testing.assert_array_equal(got, want)
     assert not np.array_equal(runs[0][1], runs[0][0])  # the pairs give different sums: a misread pair shows
