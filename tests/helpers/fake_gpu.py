@@ -263,7 +263,8 @@ def _span(a, ptr: int) -> tuple:
 
 def _words(args, spans) -> tuple:
     """What a replay on a GPU keeps of a launch's arguments, in order: scalars as they are; an array as its shape,
-    strides and dtype and either ``("root", index, offset)`` or ``("held", pointer)``; tuples item by item. An array not
+    strides and dtype and either ``("root", index, offset)`` or ``("held", pointer)`` (an empty one: no pointer, none
+    of its elements is read); tuples item by item. An array not
     on its elements' size fails at once: a GPU kernel reading it faults."""
     words = []
     for a in args:
@@ -271,6 +272,8 @@ def _words(args, spans) -> tuple:
             words.append(a)
         elif isinstance(a, tuple):
             words.append(_words(a, spans))
+        elif isinstance(a, np.ndarray) and a.size == 0:
+            words.append((a.shape, a.strides, a.dtype.str, "empty"))  # no element: its pointer is never read
         elif isinstance(a, np.ndarray):
             ptr = _pointer(a)
             assert ptr % a.itemsize == 0, (f"a launch reads {a.dtype} [{a.shape}] at {ptr:#x}, not on its {a.itemsize}-byte "

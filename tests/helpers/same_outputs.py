@@ -19,9 +19,15 @@ def assert_same(name, a, b) -> None:
 
 
 def defined_rows(out, handle):
-    """recv_x rows the contract defines: the received (and zeroed padding) rows, not the worst-case tail."""
+    """recv_x rows the contract defines: the received rows and, in expand mode, the gap rows between experts' blocks,
+    zero with ``zero_padding``; without it a gap row's bytes are undefined (docs/design.md, "Expand"), so they are
+    given as zeros here. Not the worst-case tail."""
     rows = int(handle.num_expanded_tokens if handle.expand else handle.num_recv_tokens)
-    return to_host(out.recv_x)[:rows]
+    defined = to_host(out.recv_x)[:rows]
+    if handle.expand and not handle.zero_padding:
+        gap = to_host(out.recv_topk_idx)[:rows] < 0
+        defined = np.where(gap.reshape(rows, *([1] * (defined.ndim - 1))), np.zeros((), defined.dtype), defined)
+    return defined
 
 
 # the handle fields that do not depend on the order rows were placed in (counts, psums, the routing's own layout)
