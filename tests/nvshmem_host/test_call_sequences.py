@@ -33,7 +33,8 @@ BIASES = ("none", "one", "pair", "same twice")
 class Call:
     """One drawn call: ``op`` new / cached / combine; ``tokens`` of a new routing; ``pick`` the earlier handle (cached)
     or output (combine) it takes, modulo their count; a new routing's mode, ``expert_alignment``, ``zero_padding`` and
-    ids' dtype; the layouts of its inputs; ``weights`` given, or ``"view"``: a view of the payload's own bytes; ``bias``
+    ids' dtype; ``hook``: sent with ``return_recv_hook=True`` and received by calling the hook at once; the layouts of
+    its inputs; ``weights`` given, or ``"view"``: a view of the payload's own bytes; ``bias``
     of a combine."""
 
     op: str
@@ -45,6 +46,7 @@ class Call:
     zero_padding: bool
     ids: str
     cpu_sync: bool
+    hook: bool
     weights: str
     bias: str
     x_layout: str
@@ -55,7 +57,7 @@ class Call:
 calls = st.builds(Call, op=st.sampled_from(("new", "new", "cached", "combine", "combine")), tokens=st.integers(0, 3),
                   seed=st.integers(0, 2**16), pick=st.integers(0, 7), expand=st.booleans(),
                   alignment=st.sampled_from((1, 2)), zero_padding=st.booleans(), ids=st.sampled_from(("int64", "int32")),
-                  cpu_sync=st.booleans(),
+                  cpu_sync=st.booleans(), hook=st.booleans(),
                   weights=st.sampled_from(("none", "given", "view")), bias=st.sampled_from(BIASES),
                   x_layout=st.sampled_from(LAYOUTS), idx_layout=st.sampled_from(LAYOUTS),
                   w_layout=st.sampled_from(LAYOUTS))
@@ -93,6 +95,11 @@ def _bias(rng: np.random.Generator, tokens: int, kind: str) -> Any:
     return {"none": None, "one": one, "pair": (one, one * np.float32(3) + np.float32(1)), "same twice": (one, one)}[kind]
 
 
+def _received(out: Any) -> Any:
+    """A call's output: ``out``, or what its receive hook returns."""
+    return out() if isinstance(out, ep_comm.RecvHook) else out
+
+
 def run_sequence(buf: ep_comm.Buffer, sequence: List[Call]) -> list:
     """Make ``sequence``'s calls on ``buf``; every output, in call order (a call with no earlier handle or output to
     take is skipped, the same on every backend)."""
@@ -105,23 +112,26 @@ def run_sequence(buf: ep_comm.Buffer, sequence: List[Call]) -> list:
             x, weights = _payload(rng, call.tokens, call)
             idx = in_layout(_routing(rng, call.tokens).astype(call.ids), call.idx_layout)
             out = buf.dispatch(x, idx, weights, expand=call.expand, expert_alignment=call.alignment,
-                               zero_padding=call.zero_padding, cpu_sync=call.cpu_sync)
+                               zero_padding=call.zero_padding, cpu_sync=call.cpu_sync, return_recv_hook=call.hook)
         elif call.op == "cached" and dispatched:
             h = dispatched[call.pick % len(dispatched)].handle
             x, weights = _payload(rng, h.num_tokens, call)
-            out = buf.dispatch(x, handle=h, topk_weights=weights, cpu_sync=call.cpu_sync)
+            out = buf.dispatch(x, handle=h, topk_weights=weights, cpu_sync=call.cpu_sync, return_recv_hook=call.hook)
         elif call.op == "combine" and dispatched:
             earlier = dispatched[call.pick % len(dispatched)]
             weights = None if earlier.recv_topk_weights is None else in_layout(earlier.recv_topk_weights, call.w_layout)
-            outputs.append(buf.combine(in_layout(earlier.recv_x, call.x_layout), earlier.handle, topk_weights=weights,
-                                       bias=_bias(rng, earlier.handle.num_tokens, call.bias)))
+            outputs.append(_received(buf.combine(in_layout(earlier.recv_x, call.x_layout), earlier.handle,
+                                                 topk_weights=weights, bias=_bias(rng, earlier.handle.num_tokens, call.bias),
+                                                 return_recv_hook=call.hook)))
         if out is not None:
+            out = _received(out)
             dispatched.append(out)
             outputs.append(out)
     return outputs
 
 
+@pytest.mark.parametrize("use_puts", [False, True], ids=["stores", "puts"])
 @given(sequence=st.lists(calls, min_size=2, max_size=12))
-def test_a_random_sequence_of_calls_on_one_buffer_gives_the_mpi_backends_bytes(sequence):
-    with _mpi_buffer() as reference, simulated_buffer() as simulated:
+def test_a_random_sequence_of_calls_on_one_buffer_gives_the_mpi_backends_bytes(use_puts, sequence):
+    with _mpi_buffer() as reference, simulated_buffer(use_puts=use_puts) as simulated:
         assert_same_outputs(run_sequence(reference, sequence), run_sequence(simulated, sequence))
