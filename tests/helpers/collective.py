@@ -5,13 +5,14 @@ The backend and its transport are the session's ``--backend`` and ``--transport`
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
 import ep_comm
 from helpers.options import current
-from helpers.oracle import COMM, RANK, World
+from helpers.oracle import COMM, RANK, WORLD, World
 
 TIMEOUT_S = 30.0
 
@@ -76,3 +77,16 @@ def shared_buffers() -> Iterator[Callable[..., ep_comm.Buffer]]:
     finally:
         for buf in made.values():
             buf.close()
+
+
+def fail_together(body: Callable[[], None]) -> None:
+    """Run ``body`` on every rank; if it raised on any rank, raise AssertionError on every rank
+    with each failing rank's error, so all ranks fail (and shrink) the same examples."""
+    try:
+        body()
+        error = None
+    except Exception as exc:  # any failure, reported collectively below
+        error = f"rank {RANK}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"
+    errors = [e for e in COMM.allgather(error) if e]
+    if errors:
+        raise AssertionError(f"{len(errors)} of {WORLD} ranks failed:\n" + "\n".join(errors))

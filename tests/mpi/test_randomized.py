@@ -20,13 +20,12 @@ Run by ``tests/jobs/test_multirank.py`` under ``mpirun -n 1..4`` with ``--with-m
 """
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import pytest
-from helpers.collective import to_device
+from helpers.collective import fail_together, to_device
 from helpers.options import current
 from helpers.oracle import COMM, RANK, WORLD, World, bits, expected_compact_combine, expected_expand_combine
 from hypothesis import HealthCheck, given, settings
@@ -221,20 +220,6 @@ def check_case(case: Case, world: World, results: List[Received], bias: List[np.
         np.testing.assert_array_equal(results[1].dispatch.meta, results[0].dispatch.meta)
         replayed = replace(world, x=[doubled(x) for x in world.x])
         check_received(case, replayed, results[1], bias, 2)
-
-
-# ---------------------------------------------------------------- collective failure
-def fail_together(body: Callable[[], None]) -> None:
-    """Run ``body`` on every rank; if it raised on any rank, raise AssertionError on every rank
-    with each failing rank's error, so all ranks fail (and shrink) the same examples."""
-    try:
-        body()
-        error = None
-    except Exception as exc:  # any failure, reported collectively below
-        error = f"rank {RANK}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"
-    errors = [e for e in COMM.allgather(error) if e]
-    if errors:
-        raise AssertionError(f"{len(errors)} of {WORLD} ranks failed:\n" + "\n".join(errors))
 
 
 def agree_on(case: Case) -> None:
