@@ -90,3 +90,11 @@ def fail_together(body: Callable[[], None]) -> None:
     errors = [e for e in COMM.allgather(error) if e]
     if errors:
         raise AssertionError(f"{len(errors)} of {WORLD} ranks failed:\n" + "\n".join(errors))
+
+
+def agree_on(drawn: Any) -> None:
+    """Every rank must have drawn the same example ``drawn`` (compared by ``repr``): a divergence fails at once on
+    every rank instead of hanging in a collective."""
+    examples = COMM.allgather(repr(drawn))
+    if len(set(examples)) != 1:
+        raise AssertionError("hypothesis drew different examples on different ranks:\n" + "\n".join(examples))

@@ -264,8 +264,8 @@ def _span(a, ptr: int) -> tuple:
 def _words(args, spans) -> tuple:
     """What a replay on a GPU keeps of a launch's arguments, in order: scalars as they are; an array as its shape,
     strides and dtype and either ``("root", index, offset)`` or ``("held", pointer)`` (an empty one: no pointer, none
-    of its elements is read); tuples item by item. An array not
-    on its elements' size fails at once: a GPU kernel reading it faults."""
+    of its elements is read); tuples item by item. An array not on its elements' size fails at once: a GPU kernel
+    reading it faults."""
     words = []
     for a in args:
         if isinstance(a, (bool, int, float, np.generic)):

@@ -1,10 +1,10 @@
 """The nvshmem backend's kernels compiled once per rank before the first test of a collective session.
 
-Numba compiles a kernel at its first launch in each process, and the kernels that call NVSHMEM device functions
-cannot be cached on disk, so every rank of every ``--with-mpi`` session compiles them again. On the GPU machines
-of session 11 a first dispatch and combine compiled for over two minutes per rank (three jobs under one MPS daemon):
-inside the first test, that time ran past its hang guard (``pytest.mark.timeout``) while nothing hung. Compiled
-here, at session start and outside every test's timeout, the first test of a file measures what it means to.
+Numba compiles (or loads from its disk cache, ``ep_comm/kernels/jit.py``) a kernel at its first launch in each
+process. On a fresh GPU machine nothing is cached yet: on those of session 11 a first dispatch and combine compiled
+for about 100 s per rank alone, and for over two minutes with three jobs under one MPS daemon. Inside the first test
+that time ran past its hang guard (``pytest.mark.timeout``) while nothing hung. Done here, at session start and
+outside every test's timeout, the first test of a file measures what it means to.
 
 What is compiled: per payload dtype of the suites (float32, float16, bfloat16) a dispatch of a new routing and a
 replay of its handle, compact and expand, ``cpu_sync`` True and False, with weights, and the combines of their

@@ -25,8 +25,8 @@ def defined_rows(out, handle):
     rows = int(handle.num_expanded_tokens if handle.expand else handle.num_recv_tokens)
     defined = to_host(out.recv_x)[:rows]
     if handle.expand and not handle.zero_padding:
-        gap = to_host(out.recv_topk_idx)[:rows] < 0
-        defined = np.where(gap.reshape(rows, *([1] * (defined.ndim - 1))), np.zeros((), defined.dtype), defined)
+        defined = defined.copy()
+        defined[to_host(out.recv_topk_idx)[:rows] < 0] = 0
     return defined
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 from helpers.call_sequences import run_sequence, sequences
-from helpers.collective import fail_together, make_buffer, to_device
-from helpers.oracle import COMM, RANK, make_world
+from helpers.collective import agree_on, fail_together, make_buffer, to_device
+from helpers.oracle import RANK, make_world
 from helpers.same_outputs import assert_same_outputs
 from hypothesis import HealthCheck, given, settings
 
@@ -21,8 +21,7 @@ pytestmark = pytest.mark.mpi
 @settings(derandomize=True, suppress_health_check=list(HealthCheck), print_blob=False)  # examples: the profile's
 @given(sequence=sequences)
 def test_a_random_sequence_of_calls_gives_the_bytes_of_its_plain_layouts(sequence):
-    drawn = COMM.allgather(repr(sequence))
-    assert len(set(drawn)) == 1, "hypothesis drew different sequences on different ranks"
+    agree_on(sequence)
     world = make_world("uniform", hidden=12, num_topk=3, max_tokens=3, dtype="float32")
 
     def body() -> None:

@@ -25,9 +25,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 import pytest
-from helpers.collective import fail_together, to_device
+from helpers.collective import agree_on, fail_together, to_device
 from helpers.options import current
-from helpers.oracle import COMM, RANK, WORLD, World, bits, expected_compact_combine, expected_expand_combine
+from helpers.oracle import RANK, WORLD, World, bits, expected_compact_combine, expected_expand_combine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -220,13 +220,6 @@ def check_case(case: Case, world: World, results: List[Received], bias: List[np.
         np.testing.assert_array_equal(results[1].dispatch.meta, results[0].dispatch.meta)
         replayed = replace(world, x=[doubled(x) for x in world.x])
         check_received(case, replayed, results[1], bias, 2)
-
-
-def agree_on(case: Case) -> None:
-    """Every rank must have drawn the same case: a divergence fails at once instead of hanging."""
-    drawn = COMM.allgather(repr(case))
-    if len(set(drawn)) != 1:
-        raise AssertionError("hypothesis drew different examples on different ranks:\n" + "\n".join(drawn))
 
 
 @settings(derandomize=True, suppress_health_check=list(HealthCheck), print_blob=False)  # examples: the profile's

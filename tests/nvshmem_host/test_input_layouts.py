@@ -46,7 +46,6 @@ def test_negative_ids_of_any_value(dtype, expand):
     assert_same_outputs(*runs)
 
 
-
 @pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
 def test_a_bias_pair_of_one_array_and_then_of_two_combines_each_pair(expand):
     """``bias=(b, b)``, one array twice, then pairs of two arrays (``helpers.layouts.bias_pair_sequence``): each
