@@ -24,6 +24,7 @@ from ep_comm.transport.wait_stats import WAIT_WORDS
 
 SMALL_GEO = Geometry(1, 6, 12, 3, 9, payload_dtype("float32"))  # one rank, 6 experts, hidden 12, top-3, 9 tokens
 SMALL_IDX = np.array([[0, 1, -1], [2, -1, -1], [4, 5, 3]], np.int64)  # 3 tokens of SMALL_GEO: [T, K] int64
+_LAYOUT_NUMBERS: dict = {}  # HostDevice.recarving: per distinct layout, its number (its launch_key)
 
 
 class LoopbackTransport:
@@ -163,7 +164,8 @@ class HostDevice:
             self._block = (block.shape, block.dtype)
             self._views = tuple((v.shape, v.dtype, v.__array_interface__["data"][0] - base, v.strides) for v in views)
             self._whole = len(views) == 1 and views[0] is block
-            self.launch_key = (self._block, self._views, self._whole)
+            # one small int per distinct layout, as production's: the key word hashes and compares at once
+            self.launch_key = _LAYOUT_NUMBERS.setdefault((self._block, self._views, self._whole), len(_LAYOUT_NUMBERS))
 
         def new(self):
             block = np.empty(*self._block)

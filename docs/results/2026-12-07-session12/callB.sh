@@ -31,13 +31,13 @@ hp() { # hp TREE TAG
   echo "== hostprof $2 rc=$? at $(el)s: $(grep -a p50 -m1 /tmp/r/hostprof-$2.log; tail -1 /tmp/r/hostprof-$2.log)" >> $S
 }
 for round in 1 2 3; do
-  [ $(el) -lt 470 ] || break
+  [ $(el) -lt 390 ] || break
   if [ $round = 2 ]; then hp $ROOT/.gpu/old old$round; hp $ROOT new$round; else hp $ROOT new$round; hp $ROOT/.gpu/old old$round; fi
 done
 bench() { # bench TREE TAG
   mp 60 $1 1 python3 -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --config deepseek_v3_decode \
     --iters 50 --json /tmp/r/decode-1r-$2.json > /tmp/r/bench_$2.log 2>&1; echo "== bench $2 rc=$? at $(el)s" >> $S
 }
-[ $(el) -lt 480 ] && bench $ROOT new1 && bench $ROOT/.gpu/old old1
+[ $(el) -lt 420 ] && bench $ROOT new1 && bench $ROOT/.gpu/old old1
 tar -czf $OUT/r.tgz -C /tmp r
 cat $S
