@@ -10,7 +10,7 @@
 # the NVSHMEM/NCCL/Numba/CUDA variables with -x (Open MPI does not forward the environment; CUDA_*
 # includes launch/with_mps.sh's CUDA_MPS_* variables) and binds each rank to its GPU with
 # launch/bind_gpu.sh. MPIRUN (default: mpirun) must be Open MPI's, the MPI that mpi4py is built
-# against on the GPU machines; PYTHON defaults to python3; BIND_TO (default none) is passed to --bind-to.
+# against on the GPU machines; PYTHON (default python3) is run by its absolute path; BIND_TO (default none) is passed to --bind-to.
 #
 # --ranks-per-gpu K (a positive integer; exported as EP_COMM_RANKS_PER_GPU=K, which bind_gpu.sh reads)
 # opts in to K ranks per GPU: local ranks 0..K-1 share the first GPU, K..2K-1 the second, ... Without
@@ -63,8 +63,16 @@ if [ "$(id -u)" -eq 0 ]; then
     root=(--allow-run-as-root)
 fi
 
+# The interpreter as an absolute path: an mpirun given by its absolute path (MPIRUN=/usr/bin/mpirun) acts as
+# --prefix and puts its own bin/ first on the ranks' PATH, where another python3 may be found (on the GPU machines,
+# /usr/bin/python3, which has no NumPy, instead of the image's).
+if ! python=$(command -v "${PYTHON:-python3}"); then
+    echo "$0: PYTHON='${PYTHON:-python3}' is not on PATH: set PYTHON to the interpreter the ranks should run" >&2
+    exit 2
+fi
+
 # Open MPI binds each rank to one core when np <= 2: the Python thread, the NVSHMEM proxy and
 # Open MPI's own progress then share that core, and the host-bound launch path stalls for whole
 # scheduler slices (ms). Unbound by default; BIND_TO=core (or socket, numa) restores a binding.
 exec "$mpirun_bin" "${root[@]}" -np "$nranks" --bind-to "${BIND_TO:-none}" "${forward[@]}" \
-    "$launch/bind_gpu.sh" "${PYTHON:-python3}" -m "$module" "$@"
+    "$launch/bind_gpu.sh" "$python" -m "$module" "$@"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -121,6 +122,12 @@ def test_mpirun_gpu_rejects_bad_arguments(args, message):
     assert done.returncode == 2 and message in done.stderr
 
 
+def test_mpirun_gpu_refuses_a_python_not_on_path(tmp_path):
+    done = run_script("mpirun_gpu.sh", ["2", "ep_comm.bench"], {"MPIRUN": str(fake_open_mpi(tmp_path)),
+                                                                "PYTHON": "no-such-python"})
+    assert done.returncode == 2 and "PYTHON='no-such-python' is not on PATH" in done.stderr
+
+
 def fake_open_mpi(tmp_path: Path) -> Path:
     """A fake Open MPI ``mpirun`` that prints its arguments and the EP_COMM/CUDA_MPS variables it got."""
     fake = tmp_path / "mpirun"
@@ -140,6 +147,7 @@ def test_mpirun_gpu_exports_the_opt_in_and_forwards_the_mps_variables(tmp_path):
     for name in ("EP_COMM_RANKS_PER_GPU", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
         assert args[args.index(name) - 1] == "-x", f"{name} is not forwarded: {args}"
     assert args[-4:] == ["-m", "ep_comm.bench", "--iters", "3"] and args[args.index("-np") + 1] == "2"
+    assert args[-5] == shutil.which("python3", path=SYSTEM_PATH), "the ranks run the interpreter by its absolute path"
     plain = run_script("mpirun_gpu.sh", ["2", "ep_comm.bench"], {"MPIRUN": env["MPIRUN"]})
     assert plain.returncode == 0 and "EP_COMM_RANKS_PER_GPU" not in plain.stdout, "no opt-in unless asked"
 
