@@ -7,13 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.eager_counts import LaunchCounter
-from helpers.fake_gpu import simulated_backend
-from mpi4py import MPI
+from helpers.fake_gpu import simulated_buffer
 
-import ep_comm.buffer as buffer_module
-from ep_comm.backends.sm_grid import grid_shape
-from ep_comm.contract.choices import payload_dtype
-from ep_comm.contract.geometry import Geometry
 from ep_comm.testing.routing import uniform_routing
 
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "host_calls.py"
@@ -21,7 +16,6 @@ _spec = importlib.util.spec_from_file_location("host_calls", _PATH)
 host_calls = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(host_calls)
 
-GEO = Geometry(1, 16, 64, 4, 8, payload_dtype("bfloat16"))  # one rank, 16 experts, hidden 64, top-4, 8 tokens
 ROUNDS = 3
 
 
@@ -42,16 +36,15 @@ class Spy:
 
 @pytest.fixture
 def spied(monkeypatch):
-    """``(spy, x, idx, weights)``: a Buffer over the fake GPU under a LaunchCounter, one warm-up round per order."""
+    """``(spy, x, idx, weights)``: a Buffer of ``SMALL_GEO`` over the fake GPU (``simulated_buffer``) under a
+    LaunchCounter, one warm-up round per order."""
     monkeypatch.setattr(host_calls, "WARMUP", 1)
-    backend = simulated_backend(GEO, False, False, launch=grid_shape(132))
-    monkeypatch.setattr(buffer_module, "make_backend", lambda *args: backend)
-    buf = buffer_module.Buffer(MPI.COMM_SELF, num_experts=GEO.num_experts, hidden=GEO.hidden, num_topk=GEO.num_topk,
-                               num_max_tokens_per_rank=GEO.max_tokens, backend="mpi")
-    idx = uniform_routing(GEO.max_tokens, GEO.num_experts, GEO.num_topk, seed=2).topk_idx
-    x = np.ones((GEO.max_tokens, GEO.hidden), GEO.dtype)
-    weights = np.full((GEO.max_tokens, GEO.num_topk), 0.5, np.float32)
-    with LaunchCounter(backend):
+    buf = simulated_buffer()
+    geo = buf.geometry
+    idx = uniform_routing(geo.max_tokens, geo.num_experts, geo.num_topk, seed=2).topk_idx
+    x = np.ones((geo.max_tokens, geo.hidden), geo.dtype)
+    weights = np.full((geo.max_tokens, geo.num_topk), 0.5, np.float32)
+    with LaunchCounter(buf._backend):
         yield Spy(buf), x, idx, weights
     buf.close()
 
