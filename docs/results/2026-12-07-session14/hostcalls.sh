@@ -1,5 +1,6 @@
 #!/bin/bash
-# session 14: session 13's callD2.sh with its old-tree warm-up fixed (mp 200 $OLD). call D2: host time of single eager calls, old (29005de) and new tree
+# session 14: session 13's callD2.sh with its old-tree warm-up fixed (mp 200 $OLD), then the decode bench bf16 and
+# --fp8 (FP8 eager calls on the prepared path) old and new alternating. call D2: host time of single eager calls, old (29005de) and new tree
 # alternating (tools/host_calls.py, both orders), the cProfile of tools/eager_profile.py in each tree, and
 # launch/mpirun_gpu.sh (ca478ff) as the new tree's warm-up.
 mkdir -p /tmp/r; source .device-kit/setup.sh > /tmp/r/setup.log 2>&1
@@ -33,6 +34,17 @@ for t in new old; do
   mp 45 $(tree $t) python3 $ROOT/tools/eager_profile.py --calls 400 --top 40 > /tmp/r/prof-$t.log 2>&1
   echo "== eager_profile $t rc=$? at $(el)s" >> $S
   tar -czf $OUT/r.tgz -C /tmp r
+done
+bench() { # bench new|old TAG [extra]: the 1-rank decode bench (eager and graph figures, FP8 with --fp8)
+  local t=$1 tag=$2; shift 2
+  mp 60 $(tree $t) python3 -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --config deepseek_v3_decode \
+    --iters 30 --json /tmp/r/bench-$tag.json "$@" > /tmp/r/bench-$tag.log 2>&1
+  echo "== bench $tag rc=$? at $(el)s" >> $S; tar -czf $OUT/r.tgz -C /tmp r
+}
+for step in "new fp8-n1 --fp8" "old fp8-o1 --fp8" "new bf16-n1" "old bf16-o1" "new fp8p-n1 --fp8 --config deepseek_v3_prefill" \
+    "old fp8p-o1 --fp8 --config deepseek_v3_prefill" "old fp8-o2 --fp8" "new fp8-n2 --fp8"; do
+  [ $(el) -lt 380 ] || break
+  bench $step
 done
 cat $S; cat /tmp/r/gpu.txt
 for f in /tmp/r/hc-*.log; do echo "--- $f"; tail -3 $f; done
