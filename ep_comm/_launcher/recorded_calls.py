@@ -4,8 +4,9 @@ An eager call of a Buffer launches the same kernels with the same shapes, scalar
 one shape (token count, mode, options); only the data pointers of its per-call arrays change (the caller's
 ``x`` and ``topk_idx``, the call's outputs and scratch). A call is given as a function and its arguments
 (:meth:`RecordedCalls.run`); :func:`call_key` reads from those arguments, in one pass, both its lookup key and its
-*roots* (the arrays among them). A :class:`RecordedCall` is built from the first call of a key
-(:func:`ep_comm._launcher.prebound.recording`): per launch the compiled function, the launch configuration and a
+*roots* (the arrays among them; arguments that are the same objects for the life of their holder, such as a handle's
+arrays, may come as one :class:`FixedArguments`, read once). A :class:`RecordedCall` is built from the first call of a
+key (:func:`ep_comm._launcher.prebound.recording`): per launch the compiled function, the launch configuration and a
 parameter block with every slot filled; for each array parameter that lies inside one of the roots the root's
 index and the byte offset. A replay writes ``root pointer + offset`` into those slots and launches, one driver call
 per kernel (:func:`ep_comm._launcher.raw.launch`): no argument typing, no views, no allocation.
@@ -16,6 +17,7 @@ long-lived; a call that allocates anything outside its roots is not recorded (``
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,7 +26,8 @@ from ep_comm._launcher import raw
 from ep_comm._launcher.param_blocks import ParamBlock, _array, _ArraySlot, _TupleSlot, array_fields
 from ep_comm._launcher.prebound import Recorded, recording
 
-__all__ = ["RecordedCall", "RecordedCalls", "call_key", "record_call", "spans_overlap"]
+__all__ = ["FixedArguments", "RecordedCall", "RecordedCalls", "arguments", "call_key", "record_call",
+           "refuse_made_per_call", "spans_overlap"]
 
 _DATA = 4  # the data pointer's index among an array parameter's words (param_blocks: meminfo, parent, nitems, itemsize)
 
@@ -149,8 +152,41 @@ def record_call(records: Sequence[Recorded], roots: Sequence[Any]) -> Optional[R
 _UNRECORDABLE = object()  # a key whose calls cannot be recorded: they always run their path
 _SHARED_ROOTS = object()  # a call whose roots share bytes: it ran its path, and its key's next call records
 _WORDS = frozenset((type(None), bool, int, float, str))  # scalar arguments, kept in the key as (type, value)
+_NONE_WORD = (type(None), None)  # None's word, made once (an absent array: the commonest scalar)
+_EMPTY_WORD = (tuple, 0)  # an empty tuple's word, made once
 Pointers = Mapping[type, Callable[[Any], int]]  # per array type, its data pointer (no Python call: attrgetter)
 _scalars: Dict[type, bool] = {}  # per argument type seen, whether it is a scalar's (types are few and long-lived)
+# FixedArguments.word: per distinct words read (the arguments' key words), its number (a key word that hashes and
+# compares at once; a number drawn from a counter, never from the table's size: two threads may add words at once)
+_FIXED_NUMBERS: Dict[Tuple[Any, ...], int] = {}
+_NEXT_FIXED = itertools.count()
+
+
+class FixedArguments:
+    """Arguments of recorded calls that are the same objects for the life of their holder (a handle's arrays and
+    options: immutable, held by the handle, so their shapes, strides and data pointers cannot change), read once by
+    :func:`call_key` itself: ``word``, one key word standing for every word of ``args`` (the number of those words
+    among those seen), and ``roots`` and ``pointers``, the arrays among ``args`` and their data pointers. A recorded
+    call given one appends these in one step, as if ``args`` were walked there; its path reads ``args``.
+
+    Args:
+        args: the arguments (arrays, scalars, tuples of those, objects with a ``launch_key``, other
+            ``FixedArguments``), each the very object the path's launches take, none a per-call array.
+        pointers: per array type, its data pointer (as :func:`call_key` takes them).
+    """
+
+    __slots__ = ("args", "word", "roots", "pointers")
+
+    def __init__(self, args: Tuple[Any, ...], pointers: Pointers):
+        key, roots, at = call_key(FixedArguments, args, pointers)
+        self.args = args
+        self.word = (FixedArguments, _FIXED_NUMBERS.setdefault(key, next(_NEXT_FIXED)))
+        self.roots, self.pointers = tuple(roots), tuple(at)
+
+
+def arguments(given: Any) -> Any:
+    """What a path reads of an argument that may come as a :class:`FixedArguments` (its ``args``) or as it is."""
+    return given.args if type(given) is FixedArguments else given
 
 
 def _learn_scalar(kind: type) -> bool:
@@ -160,15 +196,26 @@ def _learn_scalar(kind: type) -> bool:
     return scalar
 
 
-def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers) -> Tuple[tuple, List[Any], List[int]]:
+def refuse_made_per_call(path: Callable[..., None]) -> None:
+    """TypeError where ``path`` is a partial, a lambda or a nested function: one made per call, whose key
+    (:func:`call_key`) would never be found again (:meth:`RecordedCalls.run` asks at a key's first call: such a
+    path's every call is one)."""
+    if "<locals>" in getattr(path, "__qualname__", "<locals>"):
+        raise TypeError(f"recorded call {path!r}: a partial, lambda or nested function is new at every call (its key "
+                        "would never be found again): give a function or bound method and its arguments")
+
+
+def call_key(path: Callable[..., Any], args: Sequence[Any], pointers: Pointers) -> Tuple[tuple, List[Any], List[int]]:
     """``(key, roots, root pointers)`` of the call ``path(stream, *args)``, read in one pass over ``args``
     (``docs/design.md``, "Recorded calls", states the rule): the key is ``path`` and, per argument in order, an
     array's shape, byte strides, dtype and data pointer modulo 16 (the array is a root); a scalar (None, bool, int,
     float, str, NumPy scalar or dtype) with its type; a tuple's type and length, its items following; an object's
     ``launch_key`` (a hashable value holding every word its launches take from it, no per-call array; a tuple subclass
-    with one, such as a NamedTuple of options, is such an object: one word, its items not walked). Anything else
-    raises TypeError: its words would not be in the key; so does a ``path`` made per call (a partial, a lambda, a
-    nested function), whose key would never be found again.
+    with one, such as a NamedTuple of options, is such an object: one word, its items not walked); a
+    :class:`FixedArguments`' ``word``, its roots and their pointers as it read them (one step for every item of its
+    ``args``). Anything else raises TypeError: its words would not be in the key. A ``path`` made per call (a partial,
+    a lambda, a nested function), whose key would never be found again, is refused by :meth:`RecordedCalls.run` at its
+    key's first call (:func:`refuse_made_per_call`), not here: a key found was made by a path that passed.
 
     Args:
         path: the call's launches (through ``Kernels``), a function or a bound method whose owner's state its
@@ -177,37 +224,50 @@ def call_key(path: Callable[..., None], args: Sequence[Any], pointers: Pointers)
         pointers: per array type the calls take, its data pointer (``CupyDevice.array_pointers``); any other array
             is read through ``param_blocks.array_fields`` (CuPy-like or ``__cuda_array_interface__``).
     """
-    if "<locals>" in getattr(path, "__qualname__", "<locals>"):
-        raise TypeError(f"recorded call {path!r}: a partial, lambda or nested function is new at every call (its key "
-                        "would never be found again): give a function or bound method and its arguments")
     words: List[Any] = [path]
     roots: List[Any] = []
     at: List[int] = []
-    pending = list(args)
+    pending = [*args]
     for a in pending:  # one loop, no frame per argument: a tuple's items are appended to it, and read in turn
+        if a is None:
+            words.append(_NONE_WORD)
+            continue
         kind = type(a)
+        if kind is FixedArguments:
+            words.append(a.word)
+            roots += a.roots
+            at += a.pointers
+            continue
         pointer = pointers.get(kind)
         if pointer is not None:
             ptr = pointer(a)
             words.append((a.shape, a.strides, a.dtype, ptr & 15))
+        elif kind is tuple:
+            if a:
+                words.append((kind, len(a)))
+                pending += a
+            else:
+                words.append(_EMPTY_WORD)  # no bias terms, say
+            continue
         else:
             scalar = _scalars.get(kind)
             if scalar or (scalar is None and _learn_scalar(kind)):
                 words.append((kind, a))
                 continue
-            value = None if kind is tuple else getattr(a, "launch_key", None)  # a NamedTuple may be one key word
+            value = getattr(a, "launch_key", None)  # a NamedTuple may be one key word
             if value is not None:
                 words.append((kind, value))
                 continue
             if isinstance(a, tuple):
                 words.append((kind, len(a)))
-                pending.extend(a)
+                pending += a
                 continue
             described = _array(a)
             if described is None:
                 raise TypeError(f"recorded call {getattr(path, '__qualname__', path)}: argument {a!r} of type "
                                 f"{kind.__name__} gives no launch words: a recorded call takes arrays, scalars, "
-                                "tuples of those and objects with a launch_key (docs/design.md, 'Recorded calls')")
+                                "tuples of those, objects with a launch_key and FixedArguments (docs/design.md, "
+                                "'Recorded calls')")
             ptr, shape, strides, _ = described[0]
             words.append((shape, strides, a.dtype, ptr & 15))
         roots.append(a)
@@ -244,17 +304,20 @@ class RecordedCalls:
         Args:
             on: the driver handle of ``stream``.
             path: the call's launches; every array they take is an argument (a root), a view of one, or long-lived
-                (held by the recorded call).
+                (held by the recorded call). One made per call (a partial, lambda or nested function) raises
+                TypeError (:func:`refuse_made_per_call`).
             stream: the stream ``path`` launches on (not in the key).
             args: ``path``'s arguments after the stream: arrays, scalars, tuples of those, objects with a
-                ``launch_key``.
+                ``launch_key``, :class:`FixedArguments`.
         """
         if not self.enabled:
+            refuse_made_per_call(path)
             path(stream, *args)
             return
         key, roots, pointers = call_key(path, args, self._pointers)
         recorded = self._calls.get(key)
         if recorded is None:
+            refuse_made_per_call(path)
             recorded = self._record(roots, path, (stream, *args))
             if recorded is not _SHARED_ROOTS:
                 self._calls[key] = recorded

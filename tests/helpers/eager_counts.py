@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import numpy as np
 
 from ep_comm._launcher import prebound
-from ep_comm._launcher.recorded_calls import call_key
+from ep_comm._launcher.recorded_calls import call_key, refuse_made_per_call
 from ep_comm.backends.nvshmem import backend as nvshmem_backend
 from ep_comm.contract import arrays as host
 from helpers.fake_gpu import HostDevice
@@ -60,7 +60,8 @@ class Counts:
 class ReplayedCalls:
     """``_launcher.recorded_calls.RecordedCalls`` as the GPU runs it: each call reads its key, roots and their data
     pointers from its arguments by the production lookup (``recorded_calls.call_key``); the first call of a key runs
-    its path (noting its launches), every later call replays them, one ``LaunchCounter.launch`` per kernel."""
+    its path (noting its launches; a path made per call refused, as ``RecordedCalls.run`` refuses it), every later
+    call replays them, one ``LaunchCounter.launch`` per kernel."""
 
     enabled = True
 
@@ -73,6 +74,7 @@ class ReplayedCalls:
         key, _, _ = call_key(path, args, HostDevice.array_pointers)
         kernels = self._plans.get(key)
         if kernels is None:
+            refuse_made_per_call(path)
             with self._counter.noting() as noted:
                 path(stream, *args)
             self._plans[key] = tuple(noted)

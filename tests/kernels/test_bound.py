@@ -26,7 +26,7 @@ from ep_comm._launcher import prebound as bound_module
 from ep_comm._launcher import raw as raw_module
 from ep_comm._launcher.param_blocks import ParamBlock, arg_kind, array_fields, c_strides, param_slot
 from ep_comm._launcher.prebound import PreboundKernel
-from ep_comm._launcher.recorded_calls import RecordedCalls, call_key
+from ep_comm._launcher.recorded_calls import FixedArguments, RecordedCalls, arguments, call_key
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 
@@ -477,7 +477,7 @@ class _Carving:
 def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
     """``call_key``: an array's shape, strides, dtype and 16-byte misalignment, a scalar's type and value, a tuple's
     items, an object's ``launch_key``, and the function; the arrays are the roots, in order. A function made per call
-    is refused."""
+    is refused by the recorded calls (recording or not)."""
     def key(*args, path=_two_launches):
         return call_key(path, args, {})
 
@@ -496,8 +496,34 @@ def test_a_call_key_holds_every_word_of_the_arguments_but_the_arrays_pointers():
     with pytest.raises(TypeError, match="argument .*object.* gives no launch words"):
         key(object())
     for made_per_call in (functools.partial(_two_launches, None), lambda stream: None):
-        with pytest.raises(TypeError, match="new at every call"):
-            key(path=made_per_call)
+        for calls in (RecordedCalls(enabled=True), RecordedCalls(enabled=False)):
+            with pytest.raises(TypeError, match="new at every call"):
+                calls.run(0x5, made_per_call, None, *base)
+
+
+def test_fixed_arguments_are_one_word_and_their_roots_in_place():
+    """A ``FixedArguments`` (arguments read once: a handle's arrays) gives ``call_key`` one word, the same for arguments
+    of the same words whatever their pointers, another wherever a word differs; its roots and their pointers come at
+    its place among the call's, as the arguments' would."""
+    def key(*args):
+        return call_key(_two_launches, args, {})
+
+    def fixed(*args):
+        return FixedArguments(args, {})
+
+    rows, meta, psum = (FakeCupyArray(p, (4, 6), np.int32) for p in (0x1000, 0x2000, 0x3000))
+    held = fixed(meta, psum, True)
+    words, roots, pointers = key(rows, held, None)
+    assert len(words) == 4 and words[2] == held.word  # the function, rows, the fixed arguments, None
+    assert (roots, pointers) == ([rows, meta, psum], [0x1000, 0x2000, 0x3000])
+    elsewhere = (FakeCupyArray(0x9000, (4, 6), np.int32), FakeCupyArray(0x4000, (4, 6), np.int32))
+    assert fixed(*elsewhere, True).word == held.word
+    others = [fixed(FakeCupyArray(0x2008, (4, 6), np.int32), psum, True), fixed(meta, psum, False),
+              fixed(FakeCupyArray(0x2000, (6, 4), np.int32), psum, True), fixed(meta, (psum,), True),
+              fixed(psum, True), fixed(meta, psum, 1)]
+    assert len({other.word for other in others} | {held.word}) == len(others) + 1
+    assert key(rows, fixed(meta), None)[0] != key(rows, meta, None)[0]  # read once or walked: two keys
+    assert arguments(held) == (meta, psum, True) and arguments((meta,)) == (meta,)
 
 
 class _Pair(NamedTuple):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, HostDevice, combine, dispatch, simulated_backend, simulated_buffer
 
-from ep_comm._launcher.recorded_calls import call_key
-from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT
+from ep_comm._launcher.recorded_calls import FixedArguments, call_key
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, handle_roots
 from ep_comm.kernels.numba_internals import ENABLE_CUDASIM as SIMULATED
 
 pytestmark = pytest.mark.skipif(not SIMULATED, reason="runs the kernels in the Numba CUDA simulator")
@@ -122,3 +122,111 @@ def test_a_handle_copied_with_other_routing_arrays_is_replayed_and_combined_from
 
 ROUTING_FIELDS = ("topk_idx", "is_token_in_rank", "dst_buffer_slot_idx", "psum_num_recv_tokens_per_rank",
                   "psum_num_recv_tokens_per_expert")
+
+
+def _copied(h, names):
+    """A copy of handle ``h`` (``dataclasses.replace``: the same ``derived`` dict) given copies of arrays ``names``."""
+    return dataclasses.replace(h, **{name: getattr(h, name).copy() for name in names})
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+@pytest.mark.parametrize("fields", [("recv_src_metadata",), ("dst_buffer_slot_idx",), ROUTING_FIELDS,
+                                    ("recv_src_metadata",) + ROUTING_FIELDS],
+                         ids=["metadata", "slots", "routing", "all"])
+def test_a_copied_handle_with_other_arrays_does_not_take_the_arrays_read_for_the_first(prepared, expand, fields):
+    """A handle used again has its arrays read once (``routing_roots.handle_roots``: ``FixedArguments`` kept in
+    ``h.derived``); a copy of it given other arrays (``fields``) shares that dict (``dataclasses.replace``) and must
+    not take them. Combines along the handle and along such a copy, in turns, each give the first handle's result and,
+    in check mode (``RootCheckingCalls``), make the launches of their key's first call; each one's arrays read are its
+    own. Then, the first handle's read last, its copied arrays are overwritten: the copy still combines as before."""
+    buf = simulated_buffer(prepared)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
+    out = buf.dispatch(x, SMALL_IDX, rng.random((3, SMALL_GEO.num_topk)).astype(np.float32), expand=expand)
+    h = out.handle
+
+    def combined(handle):  # with the weights: launches in the send at one rank in compact mode too
+        back = buf.combine(out.recv_x, handle, topk_weights=out.recv_topk_weights)
+        return np.concatenate([back.x.ravel(), back.topk_weights.ravel()])
+
+    want = combined(h)
+    copied = _copied(h, fields)
+    for handle in (h, h, copied, copied, h, h, copied, copied, h, copied):  # read at each one's second use in turn
+        np.testing.assert_array_equal(combined(handle), want)
+    (_, block), *_ = h.derived[COUNT_ROOT]
+    for handle in (copied, h):
+        handle_roots(handle, HostDevice.array_pointers)
+        routing, send = handle_roots(handle, HostDevice.array_pointers)  # its second use in a row: read
+        assert type(send) is FixedArguments and type(routing) is FixedArguments
+        assert _same(send.roots, [handle.recv_src_metadata, handle.psum_num_recv_tokens_per_rank])
+        copied_routing = handle is copied and fields[-1] in ROUTING_FIELDS  # then the five arrays, not the block
+        assert _same(routing.roots, [getattr(copied, name) for name in ROUTING_FIELDS] if copied_routing else [block])
+    assert handle_roots(h, HostDevice.array_pointers)[1] is handle_roots(h, HostDevice.array_pointers)[1]  # kept
+    for name in fields:  # the first handle's arrays that the copy has its own of: gone
+        garbage = getattr(h, name)
+        garbage[...] = ~garbage if garbage.dtype == np.bool_ else -7
+    for _ in range(2):
+        np.testing.assert_array_equal(combined(copied), want)
+    recorded = buf._backend.runner.recorded
+    assert recorded.compared["NvshmemCombine.send"] and recorded.compared["NvshmemCombine.reduce"], recorded.compared
+    assert not recorded.shared, recorded.shared
+
+
+def _same(arrays, others) -> bool:
+    """Whether ``arrays`` are the very objects ``others``, in order."""
+    return len(arrays) == len(others) and all(a is b for a, b in zip(arrays, others))
+
+
+def _walked(buf, call) -> dict:
+    """Per recorded piece of ``call()``, the argument items ``call_key`` read for it: the words of its key after the
+    function (an array, a scalar, a tuple, an object with a ``launch_key`` or a ``FixedArguments``: one word each;
+    a tuple's items follow its word)."""
+    recorded, walked = buf._backend.runner.recorded, {}
+    run = recorded.run
+
+    def counting(on, path, stream, *args):
+        walked[path.__qualname__] = len(call_key(path, args, HostDevice.array_pointers)[0]) - 1
+        run(on, path, stream, *args)
+
+    recorded.run = counting
+    try:
+        call()
+    finally:
+        recorded.run = run
+    return walked
+
+
+# per piece, the argument items call_key reads at a handle's third use, weights or none (before the handle's arrays
+# were read once: the combine's send 5, its reduce 7, a replay's scatter 7 and its receive copy 7)
+WALKED = {"NvshmemCombine.send": 3, "NvshmemCombine.reduce": 5, "NvshmemDispatch.replay_scatter": 5,
+          "NvshmemDispatch.carved_receive_copy": 5}
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["general", "prepared"])
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+@pytest.mark.parametrize("sync", [False, True], ids=["device-counts", "cpu_sync"])
+def test_a_handle_used_again_is_read_in_few_items(prepared, expand, sync):
+    """The items ``call_key`` walks per recorded piece of a combine and of a replay along a handle used twice already:
+    the handle's arrays come as one item per piece (``routing_roots.handle_roots``), and so does the routing of a
+    replay's output handle at its first combine. A change that walks them again (or walks more) fails here."""
+    buf = simulated_buffer(prepared)
+    x = np.random.default_rng(6).standard_normal((3, SMALL_GEO.hidden)).astype(np.float32)
+    weights = np.full((3, SMALL_GEO.num_topk), 0.5, np.float32)
+    out = buf.dispatch(x, SMALL_IDX, weights, expand=expand, cpu_sync=sync)
+    for _ in range(2):
+        buf.combine(out.recv_x, out.handle)
+    combined = _walked(buf, lambda: buf.combine(out.recv_x, out.handle))
+    weighted = _walked(buf, lambda: buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights))
+    made = []
+    replayed = _walked(buf, lambda: made.append(buf.dispatch(x, handle=out.handle, cpu_sync=sync)))
+    pieces = ("NvshmemCombine.send", "NvshmemCombine.reduce")
+    assert combined == weighted == {piece: WALKED[piece] for piece in pieces}, (combined, weighted)
+    assert sum(combined.values()) == 8  # 12 before
+    for piece in ("NvshmemDispatch.replay_scatter", "NvshmemDispatch.carved_receive_copy"):
+        assert replayed.get(piece, WALKED[piece]) == WALKED[piece], replayed
+    assert "NvshmemDispatch.replay_scatter" in replayed, replayed
+    # the replay's output handle, at its first use: its routing (the replayed handle's arrays) read already, its
+    # metadata walked (the send's three arrays and scalars as a tuple: 6 items, 5 before)
+    fresh = _walked(buf, lambda: buf.combine(made[0].recv_x, made[0].handle))
+    assert fresh == {"NvshmemCombine.send": 6, "NvshmemCombine.reduce": WALKED["NvshmemCombine.reduce"]}, fresh

@@ -13,9 +13,10 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ep_comm._launcher.recorded_calls import FixedArguments
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, Sent
-from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, handle_routing, routing_arrays
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, HANDLE_ROOTS, handle_roots, routing_arrays
 from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
@@ -42,6 +43,7 @@ class NvshmemDispatch:
         self._puts_phase = functools.partial(self.profile.phase, "dispatch", "puts")  # made only where puts run
         self._puts = bool(ctx.transport.puts_to)  # a rank reached through puts: a send flushes its staged rows
         self._count_carvings: Dict[tuple, tuple] = {}  # count_carvings' by argument
+        self._pointers = ctx.device.array_pointers  # the recorded calls' (a handle's arrays are read once with them)
 
     def pack_fp8(self, x: Any) -> Fp8Rows:
         """The payload of an FP8 dispatch of ``x``, the pair ``(x_fp8 [T, H], scales [T, H / 128])`` or ``x [T, H]``
@@ -290,7 +292,7 @@ class NvshmemDispatch:
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, counts[2],
                     h.num_unaligned_recv_tokens_per_expert, counts[0], counts[1])
         out = self.output(options, arrays, received, h.routing, request.topk_weights, request.cpu_sync,
-                          h.derived.get(COUNT_ROOT))
+                          h.derived.get(COUNT_ROOT), h.derived.get(HANDLE_ROOTS))
         self.route.keep_ids(out.handle, out.recv_topk_idx)
         return out
 
@@ -311,10 +313,10 @@ class NvshmemDispatch:
         Returns:
             What :meth:`replay_receive` takes as ``made``: the outputs' arrays ``(recv_x, recv_topk_idx,
             recv_topk_weights, recv_src_metadata)`` where made (expand), else None; and the handle's routing
-            (``routing_roots.handle_routing``).
+            (``routing_roots.handle_roots``' ``routing``).
         """
         carving, block, scratch = outputs
-        arrays, routing = None, handle_routing(h)
+        arrays, routing = None, handle_roots(h, self._pointers)[0]
         if h.expand:
             arrays = arranged_outputs(carving.views(block), weighted, scratch)
             metadata, recorded = arrays[3], h.recv_src_metadata  # the recorded rows that fit (worst-case outputs)
@@ -341,9 +343,9 @@ class NvshmemDispatch:
     def replay_scatter(self, stream: Any, x: Any, weights: Optional[Array], routing: Any, carving: Any,
                        block: Optional[Array]) -> None:
         """A replay's scatter (:meth:`scatter` of ``x`` and ``weights`` at the recorded slots of ``routing``,
-        :func:`handle_routing`'s answer for the handle); compact (``carving`` not None), this rank's own rows straight
-        into ``recv_x``, ``carving``'s first view of ``block``. The arrays are made here: a recorded call's later
-        calls launch it on their roots' pointers alone."""
+        ``routing_roots.handle_roots``' ``routing`` for the handle); compact (``carving`` not None), this rank's own
+        rows straight into ``recv_x``, ``carving``'s first view of ``block``. The arrays are made here: a recorded
+        call's later calls launch it on their roots' pointers alone."""
         ids, in_rank, slots, rank_psum, _ = routing_arrays(routing)
         local = None if carving is None else (carving.views(block)[0], rank_psum)
         self.scatter(stream, x, ids, weights, slots, in_rank, kernel_launches.SLOT_CACHED, local)
@@ -353,9 +355,9 @@ class NvshmemDispatch:
         """:meth:`receive_copy` into ``carving``'s views of ``block`` (and ``scratch`` weights where none are carved),
         made here: a recorded call's later calls launch it on their roots' pointers alone. ``source``: the count
         block of a new routing (its receive count's psums; also counted in the copy where ``options.counted``), or
-        :func:`handle_routing`'s answer for the handle a replay replays (its psums)."""
+        ``routing_roots.handle_roots``' ``routing`` for the handle a replay replays (its psums)."""
         arrays = arranged_outputs(carving.views(block), options.weighted, scratch)
-        if type(source) is tuple:  # a replay: handle_routing's answer
+        if type(source) is tuple or type(source) is FixedArguments:  # a replay: the handle's routing
             _, _, _, rank_psum, expert_psum = routing_arrays(source)
             self.receive_copy(stream, rank_psum, expert_psum, arrays, options)
             return
@@ -365,18 +367,23 @@ class NvshmemDispatch:
                           recv_block if options.counted else None)
 
     def output(self, options: CopyOptions, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
-               cpu_sync: bool, counted: Optional[tuple]) -> DispatchOutput:
+               cpu_sync: bool, counted: Optional[tuple], replayed: Optional[tuple] = None) -> DispatchOutput:
         """The ``DispatchOutput`` of ``arrays`` and its handle (``handle.make_handle``): ``options`` as
         :meth:`receive_copy` takes them, ``received`` ``(rank psum, expert psum, aligned counts, unaligned counts,
         received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx, is_token_in_rank,
-        dst_buffer_slot_idx)``; ``counted``: the count block these arrays are views of (:func:`handle_routing`),
-        kept with the handle, or None."""
+        dst_buffer_slot_idx)``; ``counted``: the count block these arrays are views of (``routing_roots.COUNT_ROOT``),
+        kept with the handle, or None; ``replayed``: a replay's, the replayed handle's ``routing_roots.HANDLE_ROOTS``
+        (its routing, where read already, is the new handle's too: the same arrays), or None."""
         expand, alignment, zero_padding = options[:3]
         fields = received[:4] + (arrays[3],) + received[4:] + (arrays[0].shape[0],)  # in Received's order
         handle = make_handle(routing, fields, weights, geometry=self.geo, expand=expand, expert_alignment=alignment,
                              zero_padding=zero_padding, deterministic=self.deterministic, cpu_sync=cpu_sync)
         if counted is not None:
             handle.derived[COUNT_ROOT] = counted
+        if replayed is not None and type(replayed[7]) is FixedArguments:
+            # the replayed handle's routing, read already (HANDLE_ROOTS: its fields, then routing and send), is this
+            # handle's too while their routing arrays are the same objects (handle_roots checks); its send: None
+            handle.derived[HANDLE_ROOTS] = replayed[:5] + (handle.recv_src_metadata, replayed[6], replayed[7], None)
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     def output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:

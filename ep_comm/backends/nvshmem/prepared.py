@@ -29,7 +29,7 @@ import numpy as np
 from ep_comm.backends.collective_steps import STEP_KINDS
 from ep_comm.backends.nvshmem.combine import NvshmemCombine
 from ep_comm.backends.nvshmem.dispatch import CopyOptions, NvshmemDispatch, RoutingPlan, host_counts
-from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, HANDLE_ROOTS
 from ep_comm.backends.nvshmem.steps import NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, as_float32
 from ep_comm.handle import CombineOutput, DispatchOutput, EPHandle, HandleChecks
@@ -301,7 +301,8 @@ class PreparedCalls:
         received = (h.psum_num_recv_tokens_per_rank, h.psum_num_recv_tokens_per_expert, aligned,
                     h.num_unaligned_recv_tokens_per_expert, num_recv, num_expanded)
         routing = (h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx)
-        return dispatcher.output(entry.options, arrays, received, routing, weights, cpu_sync, h.derived.get(COUNT_ROOT))
+        return dispatcher.output(entry.options, arrays, received, routing, weights, cpu_sync, h.derived.get(COUNT_ROOT),
+                                 h.derived.get(HANDLE_ROOTS))
 
     # ------------------------------------------------------------------ combine
     def combine(self, checked: HandleChecks, y: Any, handle: Any, weights: Any) -> Union[CombineOutput, Unprepared]:
@@ -347,7 +348,8 @@ class PreparedCalls:
         combiner = self._combiner
         stream, on = self._ctx.device.launch_streams()  # the caller's, for the launches and for the recorded calls
         launch = functools.partial(self._runner.recorded.run, on)
-        combiner.send_steps(launch, stream, h, y, weights)
+        routing = combiner.send_steps(launch, stream, h, y, weights)
         self._ctx.transport.exchange(stream, _COMBINE, self._runner.timeout_s, None)
         _, outputs = entry.outputs.new()
-        return combiner.receive_steps(launch, stream, h, y, outputs[0], outputs[1] if entry.weighted else None, ())
+        return combiner.receive_steps(launch, stream, h, routing, y, outputs[0],
+                                      outputs[1] if entry.weighted else None, ())
