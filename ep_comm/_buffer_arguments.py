@@ -4,7 +4,6 @@ or ``use_fp8`` as the backend's FP8 payload) and the FP8 pair of its output, wei
 once per Buffer."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Optional, Tuple
 
@@ -38,7 +37,7 @@ def check_constructor_arguments(num_ranks: int, num_experts: Any, hidden: Any, n
 def fp8_output(out: DispatchOutput, hidden: int) -> DispatchOutput:
     """``out`` with its packed FP8 ``recv_x`` (``[rows, P / itemsize]``) as the pair ``(recv_x_fp8 [rows, H],
     recv_scales [rows, H / 128] float32)``, views of it (``ep_comm.contract.fp8.unpack``)."""
-    return dataclasses.replace(out, recv_x=fp8.unpack(out.recv_x, hidden))
+    return DispatchOutput(fp8.unpack(out.recv_x, hidden), out.recv_topk_idx, out.recv_topk_weights, out.handle)
 
 
 def topk_idx_array(be: Backend, geo: Geometry, topk_idx: Any, doing: str) -> Any:

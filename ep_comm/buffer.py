@@ -11,6 +11,7 @@ from mpi4py import MPI
 from ep_comm._buffer_arguments import (
     check_constructor_arguments,
     dispatch_request,
+    fp8_output,
     topk_idx_array,
 )
 from ep_comm.backends import make_backend, resolve_backend
@@ -210,14 +211,13 @@ class Buffer:
             TypeError: an argument of the wrong type, on this rank before anything is sent.
         """
         prepared = self._prepared
-        if (prepared is not None and self._pending is None and stats is None and use_fp8 is False
-                and return_recv_hook is False):
+        if prepared is not None and self._pending is None and stats is None and return_recv_hook is False:
             out = prepared.dispatch(self._checked_handles, x, topk_idx, topk_weights, handle, expand, expert_alignment,
-                                    zero_padding, cpu_sync)
-            if type(out) is DispatchOutput:
-                return out
+                                    zero_padding, cpu_sync, use_fp8)
+            if type(out) is DispatchOutput:  # FP8 (the pair, or use_fp8): the packed rows, unpacked as the general path
+                return fp8_output(out, self.geometry.hidden) if use_fp8 is True or type(x) is tuple else out
             general = self._dispatch(x, topk_idx, topk_weights, handle, expand, expert_alignment, zero_padding,
-                                     cpu_sync, None, False, False)
+                                     cpu_sync, None, use_fp8, False)
             prepared.learn_dispatch(out, general)
             return general
         return self._dispatch(x, topk_idx, topk_weights, handle, expand, expert_alignment, zero_padding, cpu_sync,

@@ -302,17 +302,17 @@ def simulated_backend(geo, deterministic: bool, use_puts: bool, profile: bool = 
     return be
 
 
-def simulated_buffer(prepared: bool = True, use_puts: bool = False, profile: bool = False):
-    """A ``Buffer`` of ``SMALL_GEO`` over the simulated nvshmem backend (:func:`simulated_backend`, deterministic);
-    ``prepared=False``: the general path only."""
+def simulated_buffer(prepared: bool = True, use_puts: bool = False, profile: bool = False, geo: Geometry = SMALL_GEO):
+    """A ``Buffer`` of ``geo`` (one rank; ``SMALL_GEO`` unless given) over the simulated nvshmem backend
+    (:func:`simulated_backend`, deterministic); ``prepared=False``: the general path only."""
     import ep_comm.buffer as buffer_module
 
-    backend = simulated_backend(SMALL_GEO, True, use_puts, profile=profile)
+    backend = simulated_backend(geo, True, use_puts, profile=profile)
     saved, buffer_module.make_backend = buffer_module.make_backend, lambda *args: backend
     try:
-        buf = buffer_module.Buffer(MPI.COMM_SELF, num_experts=SMALL_GEO.num_experts, hidden=SMALL_GEO.hidden,
-                                   num_topk=SMALL_GEO.num_topk, num_max_tokens_per_rank=SMALL_GEO.max_tokens,
-                                   dtype="float32", deterministic=True, backend="mpi", profile=profile)
+        buf = buffer_module.Buffer(MPI.COMM_SELF, num_experts=geo.num_experts, hidden=geo.hidden,
+                                   num_topk=geo.num_topk, num_max_tokens_per_rank=geo.max_tokens,
+                                   dtype=geo.dtype.name, deterministic=True, backend="mpi", profile=profile)
     finally:
         buffer_module.make_backend = saved
     if not prepared:

@@ -1,14 +1,22 @@
 """The prepared path (``ep_comm.backends.nvshmem.prepared``) against the general path, through ``Buffer`` over the
 fake GPU with the kernels in the CUDA simulator: the same calls give the same bytes, and the calls it must not take
 (a refusal, a deferred routing verdict, profiling, a new identity) behave as on the general path."""
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers.fake_gpu import SMALL_GEO, SMALL_IDX, launch_log, simulated_buffer
-from helpers.same_outputs import assert_same_dispatch, assert_same_outputs
+from helpers.same_outputs import assert_same, assert_same_dispatch, assert_same_outputs
 
 import ep_comm.backends.nvshmem.prepared as prepared_module
 import ep_comm.buffer as buffer_module
+from ep_comm.contract import fp8
+from ep_comm.contract.choices import payload_dtype
+from ep_comm.contract.geometry import Geometry
 from ep_comm.errors import RoutingError
+
+# SMALL_GEO's routing with a hidden size an FP8 dispatch takes (a multiple of 128), bfloat16 payload
+FP8_GEO = Geometry(1, 6, 256, 3, 9, payload_dtype("bfloat16"))
 
 
 def _buffer(prepared: bool, use_puts: bool = False, profile: bool = False) -> buffer_module.Buffer:
@@ -216,3 +224,45 @@ def test_a_cpu_sync_replay_waits_for_nothing_and_the_next_call_raises_its_timeou
     np.testing.assert_array_equal(replay.handle.num_recv_tokens_per_expert, out.handle.num_recv_tokens_per_expert)
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
         buf.combine(replay.recv_x, replay.handle)
+
+
+def _fp8_calls(buf, pair: bool, expand: bool) -> list:
+    """FP8 dispatches (the pair, or ``x`` with ``use_fp8=True``): per ``cpu_sync`` a new routing twice (the second
+    prepared), then two replays of its handle (the second prepared); ``x`` differs from call to call."""
+    rng = np.random.default_rng(11)
+    xs = [(rng.standard_normal((3, FP8_GEO.hidden)) * 8).astype(FP8_GEO.dtype) for _ in range(4)]
+
+    def payload(x):
+        if pair:
+            q, scales = fp8.quantize(x)
+            return dict(x=(q.view(np.uint8), scales), use_fp8=False)
+        return dict(x=x, use_fp8=True)
+
+    outs = []
+    for sync in (False, True):
+        for x in xs[:2]:
+            outs.append(buf.dispatch(**payload(x), topk_idx=SMALL_IDX, cpu_sync=sync, expand=expand,
+                                     expert_alignment=2, zero_padding=True))
+        handle = outs[-1].handle
+        outs += [buf.dispatch(**payload(x), handle=handle, cpu_sync=sync) for x in xs[2:]]
+    return outs
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["compact", "expand"])
+@pytest.mark.parametrize("pair", [True, False], ids=["pair", "use_fp8"])
+def test_an_fp8_dispatch_is_prepared_and_gives_the_bytes_of_the_general_path(pair, expand):
+    """The FP8 pair and ``use_fp8=True`` take the prepared path from a shape's second call (the scatter reads the same
+    arrays), and ``recv_x`` comes back as the general path's pair: the same FP8 bits and scales of every defined
+    row, the same ids, weights and handle."""
+    general = simulated_buffer(False, geo=FP8_GEO)
+    prepared = simulated_buffer(True, geo=FP8_GEO)
+    want, got = _fp8_calls(general, pair, expand), _fp8_calls(prepared, pair, expand)
+    for i, (a, b) in enumerate(zip(want, got)):
+        (bits_a, scales_a), (bits_b, scales_b) = a.recv_x, b.recv_x
+        rows = int(a.handle.num_expanded_tokens if expand else a.handle.num_recv_tokens)
+        assert bits_b.dtype == bits_a.dtype and scales_b.dtype == scales_a.dtype == np.float32, i
+        assert_same(f"call {i} scales", scales_a[:rows], scales_b[:rows])
+        assert_same_dispatch(f"call {i}", dataclasses.replace(a, recv_x=bits_a), dataclasses.replace(b, recv_x=bits_b))
+    # per cpu_sync: the second new routing and the second replay
+    assert prepared._backend.prepared.replayed == 4 and general._backend.prepared.replayed == 0
+    assert prepared._backend.runner.steps.seq == general._backend.runner.steps.seq

@@ -61,6 +61,11 @@ def identity(a: Any, placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
     return type(a), a.shape, a.dtype, a.strides, ptr % 16, gpu
 
 
+def pair_identity(x: Tuple[Any, Any], placement: Callable[[Any], Tuple[int, Any]]) -> Identity:
+    """:func:`identity` of a dispatch's payload given as the FP8 pair ``x``: ``(x_fp8's, scales')``."""
+    return identity(x[0], placement), identity(x[1], placement)
+
+
 class Unprepared:
     """The prepared path's answer to a call it does not take: ``Buffer`` runs its general path, then hands the output
     and this answer to ``PreparedCalls.learn_dispatch`` (``learn_combine``). ``key``: the call shape to learn (None:
@@ -114,17 +119,20 @@ class PreparedCalls:
 
     # ----------------------------------------------------------------- dispatch
     def dispatch(self, checked: HandleChecks, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, expand: Any,
-                 alignment: Any, zero_padding: Any, cpu_sync: Any) -> Union[DispatchOutput, Unprepared]:
-        """``Buffer.dispatch`` without ``stats``, FP8 or a hook: prepared when its shape was seen with inputs of the
-        same identity, else :class:`Unprepared`."""
-        key = self._dispatch_key(x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync)
+                 alignment: Any, zero_padding: Any, cpu_sync: Any, use_fp8: Any) -> Union[DispatchOutput, Unprepared]:
+        """``Buffer.dispatch`` without ``stats`` or a hook: prepared when its shape was seen with inputs of the same
+        identity, else :class:`Unprepared`. ``x``: ``[T, H]`` (quantized by the scatter where ``use_fp8`` is True) or
+        the FP8 pair ``(x_fp8, scales)`` as a tuple; an FP8 call's ``recv_x`` is the packed rows (``Buffer`` unpacks
+        them, as its general path does)."""
+        key = self._dispatch_key(x, topk_idx, topk_weights, handle, expand, alignment, zero_padding, cpu_sync,
+                                 use_fp8)
         entry = None if key is None else self._entries.get(key)
         if entry is None:
-            return NOT_PREPARED if key is None else Unprepared(key, (x, topk_idx, topk_weights))
+            return NOT_PREPARED if key is None else Unprepared(key, (x, topk_idx, topk_weights, use_fp8))
         if handle is not None:
             checked.check(handle, "an earlier dispatch")
         place = self._placement
-        if (identity(x, place) != entry.inputs[0]
+        if ((identity(x, place) if type(x) is not tuple else pair_identity(x, place)) != entry.inputs[0]
                 or (handle is None and identity(topk_idx, place) != entry.inputs[1])
                 or (topk_weights is not None and identity(topk_weights, place) != entry.inputs[2])
                 or not self._enter("dispatch", cpu_sync)):
@@ -132,6 +140,8 @@ class PreparedCalls:
         if topk_weights is not None:  # the handle's own copy (C-contiguous: learnt so, then the same strides)
             topk_weights = (self._ctx.device.copy(topk_weights) if topk_weights.dtype is _FLOAT32
                             else as_float32(self._ctx.xp, topk_weights, copy=True))
+        if use_fp8 or type(x) is tuple:  # the arrays the scatter reads, as they are (learnt so: no copy is made)
+            x = self._dispatcher.pack_fp8(x)
         body = self._dispatch_new if handle is None else self._dispatch_cached
         out = self._runner.steps.run("dispatch", False, body, entry, x, topk_idx, topk_weights, handle, cpu_sync)
         checked.note(out.handle)
@@ -139,31 +149,40 @@ class PreparedCalls:
         return out
 
     def _dispatch_key(self, x: Any, idx: Any, weights: Any, handle: Any, expand: Any, alignment: Any,
-                      zero_padding: Any, cpu_sync: Any) -> Optional[tuple]:
+                      zero_padding: Any, cpu_sync: Any, use_fp8: Any) -> Optional[tuple]:
         """The shape key of a dispatch the prepared path may take (read from attributes only after the types were
         seen), or None."""
         nd = self._ndarray
-        if type(x) is not nd or type(cpu_sync) is not bool or (weights is not None and type(weights) is not nd):
+        if type(cpu_sync) is not bool or type(use_fp8) is not bool or (weights is not None
+                                                                       and type(weights) is not nd):
+            return None
+        if type(x) is nd:
+            payload: Any = x.shape
+        elif type(x) is tuple and len(x) == 2 and type(x[0]) is nd and type(x[1]) is nd and not use_fp8:
+            payload = (x[0].shape, x[1].shape)  # the FP8 pair
+        else:
             return None
         weights_shape = None if weights is None else weights.shape
         if handle is None:
             if (type(idx) is not nd or type(expand) is not bool or type(zero_padding) is not bool
                     or type(alignment) is not int):
                 return None
-            return "new", idx.shape, x.shape, weights_shape, expand, alignment, zero_padding, cpu_sync
+            return "new", idx.shape, payload, use_fp8, weights_shape, expand, alignment, zero_padding, cpu_sync
         # a cpu_sync=True replay of a cpu_sync=False handle reads its counts from the device: the general path's
         if idx is not None or type(handle) is not EPHandle or (cpu_sync and not handle.cpu_sync):
             return None
-        return ("cached", x.shape, weights_shape, handle.topk_weights is None, handle.num_tokens, handle.expand,
-                handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype, cpu_sync)
+        return ("cached", payload, use_fp8, weights_shape, handle.topk_weights is None, handle.num_tokens,
+                handle.expand, handle.expert_alignment, handle.zero_padding, handle.topk_idx.dtype, cpu_sync)
 
     def learn_dispatch(self, answer: Unprepared, out: DispatchOutput) -> None:
         """After the general path's dispatch gave ``out`` for a call this path ``answer``-ed, keep its entry where its
         shape may be prepared."""
         if answer.key is not None:
-            x, idx, weights = answer.inputs
-            if self._may_learn(x, (idx, weights), idx):
-                self._learn_dispatch(answer.key, x, idx, weights, out)
+            x, idx, weights, use_fp8 = answer.inputs
+            fp8 = use_fp8 or type(x) is tuple
+            rows, more = (x[0], (x[1],)) if type(x) is tuple else (x, ())
+            if self._may_learn(rows, (idx, weights) + more, idx):
+                self._learn_dispatch(answer.key, x, self._dispatcher.pack_fp8(x) if fp8 else x, idx, weights, out)
 
     def _may_learn(self, rows: Any, inputs: Tuple[Any, ...], ids: Any) -> bool:
         """Whether the call just made may be prepared: no profiling, no capture, payload ``rows`` that the kernels
@@ -177,17 +196,18 @@ class PreparedCalls:
         return (self._ctx.kernel_rows(rows) and all(a is None or a.flags.c_contiguous for a in inputs)
                 and (ids is None or ids.dtype.kind == "i"))
 
-    def _learn_dispatch(self, key: tuple, x: Array, idx: Optional[Array], weights: Optional[Array],
+    def _learn_dispatch(self, key: tuple, x: Any, payload: Any, idx: Optional[Array], weights: Optional[Array],
                         out: DispatchOutput) -> None:
-        """Keep the entry of a dispatch's shape after its general call gave ``out``."""
+        """Keep the entry of a dispatch's shape after its general call of ``x`` (``payload``: what its scatter read,
+        ``x`` or its ``Fp8Rows``) gave ``out``."""
         dispatcher, h = self._dispatcher, out.handle
         place = self._placement
-        inputs = (identity(x, place), None if idx is None else identity(idx, place),
+        inputs = (pair_identity(x, place) if type(x) is tuple else identity(x, place), None if idx is None else identity(idx, place),
                   None if weights is None else identity(weights, place))
         weighted = h.topk_weights is not None
         new = idx is not None
         outputs, scratch = None, None
-        shapes = dispatcher.output_shapes(x.shape[1], h.expand, h.expert_alignment, weighted, None)
+        shapes = dispatcher.output_shapes(payload.shape[1], h.expand, h.expert_alignment, weighted, None)
         if not h.cpu_sync or (new and not h.expand and _bytes(shapes) <= _VIEWS_MAX_BYTES):
             arrays, block = dispatcher.carve_outputs(shapes)  # worst-case outputs
             outputs = dispatcher.output_carving(block, arrays, weighted)
@@ -256,7 +276,7 @@ class PreparedCalls:
             self._exact_copies.add(shape)
         return True
 
-    def _dispatch_new(self, seq: int, entry: _Entry, x: Array, idx: Array, weights: Optional[Array], handle: None,
+    def _dispatch_new(self, seq: int, entry: _Entry, x: Any, idx: Array, weights: Optional[Array], handle: None,
                       cpu_sync: bool) -> DispatchOutput:
         """A dispatch of a new routing, the steps of ``NvshmemDispatch.new_send`` and ``new_receive`` around one signal
         and wait. Before the first launch one allocation and one view (the count block and its count words: every
@@ -274,7 +294,7 @@ class PreparedCalls:
         return dispatcher.new_receive(launch, stream, block, entry.plan, weights, cpu_sync, worst,
                                       functools.partial(self._exact_outputs, entry, x.shape[1], on))
 
-    def _dispatch_cached(self, seq: int, entry: _Entry, x: Array, idx: None, weights: Optional[Array], h: EPHandle,
+    def _dispatch_cached(self, seq: int, entry: _Entry, x: Any, idx: None, weights: Optional[Array], h: EPHandle,
                          cpu_sync: bool) -> DispatchOutput:
         """A replay of handle ``h``, the steps of ``NvshmemDispatch.replay_send`` and ``replay_receive`` around one
         signal and wait, into the entry's output block (worst-case shapes; ``cpu_sync``: the exact shapes the handle
