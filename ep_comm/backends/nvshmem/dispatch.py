@@ -16,7 +16,7 @@ import numpy as np
 from ep_comm._launcher.recorded_calls import FixedArguments
 from ep_comm.backends.interface import DispatchRequest, ReceiveHalf
 from ep_comm.backends.nvshmem.forwarding import Arrive, FlatRoute, Sent
-from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, HANDLE_ROOTS, handle_roots, routing_arrays
+from ep_comm.backends.nvshmem.routing_roots import COUNT_ROOT, HANDLE_ROOTS, HeldRoots, handle_roots, routing_arrays
 from ep_comm.backends.nvshmem.steps import Launch, NvshmemContext, launch_now
 from ep_comm.contract.arrays import Array, to_host
 from ep_comm.contract.symmetric import record_counts
@@ -367,7 +367,7 @@ class NvshmemDispatch:
                           recv_block if options.counted else None)
 
     def output(self, options: CopyOptions, arrays: tuple, received: tuple, routing: tuple, weights: Optional[Array],
-               cpu_sync: bool, counted: Optional[tuple], replayed: Optional[tuple] = None) -> DispatchOutput:
+               cpu_sync: bool, counted: Optional[tuple], replayed: Optional[HeldRoots] = None) -> DispatchOutput:
         """The ``DispatchOutput`` of ``arrays`` and its handle (``handle.make_handle``): ``options`` as
         :meth:`receive_copy` takes them, ``received`` ``(rank psum, expert psum, aligned counts, unaligned counts,
         received rows, expanded rows)``, ``routing`` the handle's ``(topk_idx, is_token_in_rank,
@@ -380,10 +380,11 @@ class NvshmemDispatch:
                              zero_padding=zero_padding, deterministic=self.deterministic, cpu_sync=cpu_sync)
         if counted is not None:
             handle.derived[COUNT_ROOT] = counted
-        if replayed is not None and type(replayed[7]) is FixedArguments:
-            # the replayed handle's routing, read already (HANDLE_ROOTS: its fields, then routing and send), is this
-            # handle's too while their routing arrays are the same objects (handle_roots checks); its send: None
-            handle.derived[HANDLE_ROOTS] = replayed[:5] + (handle.recv_src_metadata, replayed[6], replayed[7], None)
+        if replayed is not None and type(replayed.routing) is FixedArguments:
+            # the replayed handle's routing, read already, is this handle's too while their routing arrays are the
+            # same objects (handle_roots checks); its send is not read yet
+            handle.derived[HANDLE_ROOTS] = tuple.__new__(HeldRoots, replayed[:5] + (
+                handle.recv_src_metadata, replayed.expand, replayed.routing, None))
         return DispatchOutput(arrays[0], arrays[1], arrays[2] if weights is not None else None, handle)
 
     def output_carving(self, block: Array, arrays: tuple, weighted: bool) -> Any:

@@ -13,21 +13,36 @@ once) is read once either way, and reading it into a ``FixedArguments`` would co
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, NamedTuple, Tuple
 
 from ep_comm._launcher.recorded_calls import FixedArguments, Pointers, arguments
 from ep_comm.handle import EPHandle
 
-__all__ = ["COUNT_ROOT", "HANDLE_ROOTS", "handle_roots", "routing_arrays"]
+__all__ = ["COUNT_ROOT", "HANDLE_ROOTS", "HeldRoots", "handle_roots", "routing_arrays"]
 
 # EPHandle.derived: ((views, block), topk_idx, is_token_in_rank, dst_buffer_slot_idx, rank psum, expert psum) of the
 # new routing that made the handle: the recarving of the handle's views of its count block, the block, those views
 COUNT_ROOT = "count_root"
-# EPHandle.derived: (topk_idx, is_token_in_rank, dst_buffer_slot_idx, rank psum, expert psum, recv_src_metadata,
-# expand, routing, send) of handle_roots' last answer: the fields it was made from, then the answer; send None: the
-# handle not used yet, its routing read already (a replay's output handle takes the replayed handle's routing,
-# NvshmemDispatch.output)
+# EPHandle.derived: the HeldRoots of handle_roots' last answer
 HANDLE_ROOTS = "handle_roots"
+
+
+class HeldRoots(NamedTuple):
+    """What :func:`handle_roots` keeps in ``EPHandle.derived[HANDLE_ROOTS]``: the handle's fields its answer was made
+    from (checked by identity on every use), then the answer, ``routing`` and ``send``; ``send`` None: the handle not
+    used yet, its routing read already (a replay's output handle takes the replayed handle's routing,
+    ``NvshmemDispatch.output``). Made with ``tuple.__new__(HeldRoots, values)`` on the eager path: the same record
+    without the Python frame of the generated ``__new__`` (the eager budgets count Python calls)."""
+
+    topk_idx: Any
+    is_token_in_rank: Any
+    dst_buffer_slot_idx: Any
+    rank_psum: Any
+    expert_psum: Any
+    recv_src_metadata: Any
+    expand: bool
+    routing: Any
+    send: Any
 
 
 def handle_roots(h: EPHandle, pointers: Pointers) -> Tuple[Any, Any]:
@@ -62,7 +77,8 @@ def handle_roots(h: EPHandle, pointers: Pointers) -> Tuple[Any, Any]:
                 if type(routing) is not FixedArguments:
                     routing = FixedArguments(routing, pointers)
                 send = FixedArguments(send, pointers)
-            derived[HANDLE_ROOTS] = held[:7] + (routing, send)
+            derived[HANDLE_ROOTS] = tuple.__new__(HeldRoots, (ids, in_rank, slots, rank_psum, expert_psum, metadata,
+                                                              expand, routing, send))
             return routing, send
     # the handle's first use (all that a handle used once pays: no call made, no FixedArguments read)
     ids, in_rank, slots = h.topk_idx, h.is_token_in_rank, h.dst_buffer_slot_idx
@@ -75,7 +91,7 @@ def handle_roots(h: EPHandle, pointers: Pointers) -> Tuple[Any, Any]:
     else:
         routing = (None, fields)
     send = (h.recv_src_metadata, rank_psum, h.expand)
-    derived[HANDLE_ROOTS] = fields + (h.recv_src_metadata, h.expand, routing, send)
+    derived[HANDLE_ROOTS] = tuple.__new__(HeldRoots, fields + (h.recv_src_metadata, h.expand, routing, send))
     return routing, send
 
 
