@@ -30,7 +30,9 @@ bench() { local t=$1 tag=$2; shift 2
   mp 45 $(tree $t) python3 -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --config deepseek_v3_decode \
     --iters 30 --json /tmp/r/bench-$tag.json "$@" > /tmp/r/bench-$tag.log 2>&1
   echo "== bench $tag rc=$? at $(el)s" >> $S; tar -czf $OUT/r.tgz -C /tmp r; }
-for step in "new n1" "old o1" "old o2" "new n2"; do [ $(el) -lt 330 ] || break; hc $step; done
+# HC_STEPS: the host-time runs in order, "new TAG" or "old TAG" each (default: this session's four)
+IFS=, read -ra HC <<< "${HC_STEPS:-new n1,old o1,old o2,new n2}"
+for step in "${HC[@]}"; do [ $(el) -lt 330 ] || break; hc $step; done
 for step in "new fp8-n1 --fp8" "old fp8-o1 --fp8" "new bf16-n1" "old bf16-o1"; do [ $(el) -lt 400 ] || break; bench $step; done
 cat $S; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for f in /tmp/r/hc-[no][0-9].log; do echo "--- $f"; tail -14 $f; done
