@@ -202,8 +202,8 @@ class PreparedCalls:
         ``x`` or its ``Fp8Rows``) gave ``out``."""
         dispatcher, h = self._dispatcher, out.handle
         place = self._placement
-        inputs = (pair_identity(x, place) if type(x) is tuple else identity(x, place), None if idx is None else identity(idx, place),
-                  None if weights is None else identity(weights, place))
+        inputs = (pair_identity(x, place) if type(x) is tuple else identity(x, place),
+                  None if idx is None else identity(idx, place), None if weights is None else identity(weights, place))
         weighted = h.topk_weights is not None
         new = idx is not None
         outputs, scratch = None, None
