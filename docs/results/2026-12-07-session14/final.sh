@@ -1,7 +1,7 @@
 #!/bin/bash
-# session 14, the last device call (what verify.sh's limits cut, and issue 51's host time): tests/gpu at 2 ranks under
-# MPS, then hostcalls.sh's host-time and bench comparisons old (29005de) against new, without its cProfile stage,
-# every stage bounded so that the call ends inside the session's device time left.
+# session 14, the last device call (what verify.sh's limits cut, and issue 51's host time): tests/gpu at 2 ranks
+# under MPS, then the host-time and bench comparisons old (29005de) against new (session 13's callD2.sh without its
+# cProfile stage), every stage bounded so that the call ends inside the session's device time left.
 mkdir -p /tmp/r; source .device-kit/setup.sh > /tmp/r/setup.log 2>&1
 ROOT=$PWD KIT=/tmp/site
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/nbcache NVSHMEM_REMOTE_TRANSPORT=none
