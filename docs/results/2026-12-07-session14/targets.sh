@@ -1,5 +1,6 @@
 #!/bin/bash
 # session 14 (session 13's next/targets46-47.sh, its results packed after each stage; the one copy kept). call E:
+# issues 46/47's target figures on one GPU, one call: DeepEP v1.2.1 at 2 ranks under MPS (24 SMs) beside
 # ep_comm.bench at 2 ranks (24 SMs), decode and prefill; 1 rank decode and prefill (bf16 and FP8); ncu profiles.
 mkdir -p /tmp/r; source .device-kit/setup.sh > /tmp/r/setup.log 2>&1
 ROOT=$PWD
