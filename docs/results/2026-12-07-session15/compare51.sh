@@ -1,0 +1,33 @@
+#!/bin/bash
+# session 15, issue 51's last point: the eager decode figures of the old tree (29005de, in .gpu/old) against the new,
+# one rank, alternating ABBA on one machine: tools/host_calls.py (HC_STEPS, default n1,o1,o2,n2,n3,o3), then the
+# decode bench (BENCH_STEPS, default n1,o1,o2,n2). Every stage is bounded; logs under /tmp/r, packed into $OUT/r.tgz
+# after each run.
+mkdir -p /tmp/r; source .device-kit/setup.sh > /tmp/r/setup.log 2>&1
+ROOT=$PWD KIT=/tmp/site OLD=$PWD/.gpu/old
+export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/nbcache NVSHMEM_REMOTE_TRANSPORT=none
+t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
+S=/tmp/r/summary.txt
+pack() { tar -czf $OUT/r.tgz -C /tmp r; }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > /tmp/r/env.txt 2>&1
+FWD="-x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_ENABLE_NRT -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x NUMBA_CACHE_DIR -x NVSHMEM_REMOTE_TRANSPORT"
+mp() { local lim=$1 tree=$2; shift 2
+  (cd $tree && PYTHONPATH=$tree:$KIT timeout -k 5 $lim mpirun --oversubscribe --bind-to none -np 1 $FWD "$@"); }
+tree() { [ $1 = new ] && echo $ROOT || echo $OLD; }
+# both trees' kernels compiled side by side first; the timed runs start after both
+for t in old new; do
+  ( mp 200 $(tree $t) python3 $ROOT/tools/host_calls.py --calls 20 --json /tmp/r/hc-${t}warm.json \
+      > /tmp/r/hc-${t}warm.log 2>&1; echo "== $t warm rc=$? at $(el)s" >> $S ) &
+done
+wait; pack
+hc() { mp 40 $(tree $1) python3 $ROOT/tools/host_calls.py --calls 1000 --json /tmp/r/hc-$2.json > /tmp/r/hc-$2.log 2>&1
+  echo "== host_calls $2 rc=$? at $(el)s" >> $S; pack; }
+bench() { mp 45 $(tree $1) python3 -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check \
+    --config deepseek_v3_decode --iters 50 --json /tmp/r/bench-$2.json > /tmp/r/bench-$2.log 2>&1
+  echo "== bench $2 rc=$? at $(el)s" >> $S; pack; }
+IFS=, read -ra HC <<< "${HC_STEPS:-new n1,old o1,old o2,new n2,new n3,old o3}"
+for step in "${HC[@]}"; do [ $(el) -lt 330 ] || break; hc $step; done
+IFS=, read -ra BENCH <<< "${BENCH_STEPS:-new n1,old o1,old o2,new n2}"
+for step in "${BENCH[@]}"; do [ $(el) -lt 490 ] || break; bench $step; done
+cat $S /tmp/r/env.txt
+for f in /tmp/r/hc-[no][0-9].log; do echo "--- $f"; tail -14 $f; done
