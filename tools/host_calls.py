@@ -1,7 +1,8 @@
-"""Host time of single eager calls on one rank, in two orders: each call alone on an idle device, and the bench's
+"""Host time of single eager calls per rank, in two orders: each call alone on an idle device, and the bench's
 decode round. A developer's measurement, never a test (the budgets are counts: ``tests/nvshmem_host/test_eager_budget.py``)::
 
     launch/mpirun_gpu.sh 1 tools.host_calls --json OUT.json [--calls 1000] [--tokens 128]
+    launch/with_mps.sh --ranks-per-gpu 2 -- launch/mpirun_gpu.sh 2 tools.host_calls --json OUT.json  # OUT.rank{r}.json
     PYTHONPATH=OTHER_TREE:$PYTHONPATH mpirun -np 1 python3 tools/host_calls.py --json OUT.json   # another tree's ep_comm
 
 It uses the public ``Buffer`` API only, so one copy times any tree: run it once per tree, the trees alternating in
@@ -20,13 +21,16 @@ Orders (hidden 7168 in the Buffer's dtype, top-8 of 256 experts, ``--tokens`` to
   (``cached``), the combine of its output (``combine``: a new handle, the dispatch still running on the device),
   then the routing as new (``new``, ``cpu_sync=False``).
 
-Writes ``{order: {call: {"p50", "p99", "mean"}}}`` (us) to ``--json`` and prints the p50/p99 table.
+Writes ``{order: {call: {"p50", "p99", "mean"}}}`` (us) to ``--json`` and prints the p50/p99 table; with several
+ranks (every call is collective: the ranks make them together) each rank writes ``OUT.rank{r}.json`` and prints its
+table under its rank.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import numpy as np
@@ -143,8 +147,10 @@ def main(argv: Sequence[str] = ()) -> None:
     sync = cupy.cuda.Device().synchronize
     results = {"alone": summary(time_alone(alone_order(buf, x, idx, weights, sync), args.calls, sync)),
                "round": summary(time_round(buf, x, idx, weights, args.calls, sync))}
-    print("\n".join(table(results)))
-    with open(args.json, "w") as f:
+    comm = MPI.COMM_WORLD
+    path = args.json if comm.size == 1 else str(Path(args.json).with_suffix(f".rank{comm.rank}.json"))
+    print("\n".join(table(results) if comm.size == 1 else (f"rank {comm.rank} {line}" for line in table(results))))
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
     buf.close()
 
