@@ -1,8 +1,8 @@
 #!/bin/bash
 # session 15, issue 51's last point: the eager decode figures of the old tree (29005de, in .gpu/old) against the new,
-# one rank, alternating ABBA on one machine: tools/host_calls.py (HC_STEPS, default n1,o1,o2,n2,n3,o3), then the
-# decode bench (BENCH_STEPS, default n1,o1,o2,n2). Every stage is bounded; logs under /tmp/r, packed into $OUT/r.tgz
-# after each run.
+# one rank, alternating on one machine: the decode bench and tools/host_calls.py, in the order of STEPS (default:
+# bench n1, o1, host_calls n1, o1, o2, n2, bench o2, n2, host_calls n3, o3: the first runs already compare, should the
+# call be cut short). No step starts after 520 s. Logs under /tmp/r, packed into $OUT/r.tgz after each run.
 mkdir -p /tmp/r; source .device-kit/setup.sh > /tmp/r/setup.log 2>&1
 ROOT=$PWD KIT=/tmp/site OLD=$PWD/.gpu/old
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/nbcache NVSHMEM_REMOTE_TRANSPORT=none
@@ -25,9 +25,8 @@ hc() { mp 40 $(tree $1) python3 $ROOT/tools/host_calls.py --calls 1000 --json /t
 bench() { mp 45 $(tree $1) python3 -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check \
     --config deepseek_v3_decode --iters 50 --json /tmp/r/bench-$2.json > /tmp/r/bench-$2.log 2>&1
   echo "== bench $2 rc=$? at $(el)s" >> $S; pack; }
-IFS=, read -ra HC <<< "${HC_STEPS:-new n1,old o1,old o2,new n2,new n3,old o3}"
-for step in "${HC[@]}"; do [ $(el) -lt 330 ] || break; hc $step; done
-IFS=, read -ra BENCH <<< "${BENCH_STEPS:-new n1,old o1,old o2,new n2}"
-for step in "${BENCH[@]}"; do [ $(el) -lt 490 ] || break; bench $step; done
+DEFAULT="bench new n1,bench old o1,hc new n1,hc old o1,hc old o2,hc new n2,bench old o2,bench new n2,hc new n3,hc old o3"
+IFS=, read -ra STEP <<< "${STEPS:-$DEFAULT}"
+for step in "${STEP[@]}"; do [ $(el) -lt 520 ] || break; $step; done
 cat $S /tmp/r/env.txt
 for f in /tmp/r/hc-[no][0-9].log; do echo "--- $f"; tail -14 $f; done
