@@ -31,7 +31,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -126,6 +126,14 @@ def table(results: Mapping[str, Mapping[str, Mapping[str, float]]]) -> List[str]
     return lines
 
 
+def rank_output(path: str, lines: List[str], rank: int, size: int) -> Tuple[str, List[str]]:
+    """``(JSON path, printed lines)`` of rank ``rank`` of ``size``: ``path`` and ``lines`` as they are on one rank;
+    with several, ``OUT.rank{r}.json`` and each line led by ``rank {r}``."""
+    if size == 1:
+        return path, lines
+    return str(Path(path).with_suffix(f".rank{rank}.json")), [f"rank {rank} {line}" for line in lines]
+
+
 def main(argv: Sequence[str] = ()) -> None:
     import cupy
     from mpi4py import MPI
@@ -148,8 +156,8 @@ def main(argv: Sequence[str] = ()) -> None:
     results = {"alone": summary(time_alone(alone_order(buf, x, idx, weights, sync), args.calls, sync)),
                "round": summary(time_round(buf, x, idx, weights, args.calls, sync))}
     comm = MPI.COMM_WORLD
-    path = args.json if comm.size == 1 else str(Path(args.json).with_suffix(f".rank{comm.rank}.json"))
-    print("\n".join(table(results) if comm.size == 1 else (f"rank {comm.rank} {line}" for line in table(results))))
+    path, lines = rank_output(args.json, table(results), comm.rank, comm.size)
+    print("\n".join(lines))
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     buf.close()

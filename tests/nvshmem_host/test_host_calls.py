@@ -105,3 +105,11 @@ def test_the_summary_and_its_table():
     assert result["cached"]["p50"] == pytest.approx(20) and result["cached"]["mean"] == pytest.approx(20)
     assert result["cached"]["p99"] == pytest.approx(29.8) and result["combine"]["p50"] == pytest.approx(5)
     assert host_calls.table({"round": result}) == ["round: cached 20.0/29.8, combine 5.0/5.0"]
+
+
+def test_one_rank_writes_the_given_path_and_several_ranks_one_file_each_with_their_lines_marked():
+    lines = ["alone: cached 1.0/2.0", "round: combine 3.0/4.0"]
+    assert host_calls.rank_output("out/hc.json", lines, 0, 1) == ("out/hc.json", lines)
+    path, marked = host_calls.rank_output("out/hc.json", lines, 1, 2)
+    assert path == "out/hc.rank1.json"
+    assert marked == ["rank 1 alone: cached 1.0/2.0", "rank 1 round: combine 3.0/4.0"]
