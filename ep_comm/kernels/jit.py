@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from numba import cuda
 
-from ep_comm.kernels.numba_internals import ENABLE_CUDASIM, set_source_stamp
+from ep_comm.kernels.numba_internals import ENABLE_CUDASIM, compile_without_runtime, set_source_stamp
 from ep_comm.kernels.switches import CACHE_SUFFIX, LINEINFO, PDL
 
 PACKAGE_DIR = Path(__file__).parent
@@ -48,7 +48,9 @@ def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None
     """``cuda.jit(cache=True)(fn)``, its cache entries keyed on :data:`CACHE_STAMP` (:data:`SOURCES_DIGEST`, plus
     the ``ep_comm.kernels.switches`` set, if any). ``@kernel(max_registers=N)``: registers per thread capped at
     ``N`` (None: no cap), so that more blocks fit on an SM (ignored by the simulator). Every such kernel starts
-    with :func:`ep_comm.kernels.pdl.pdl_enter` (``programmatic_launch`` on the dispatcher tells the launcher).
+    with :func:`ep_comm.kernels.pdl.pdl_enter` (``programmatic_launch`` on the dispatcher tells the launcher), and
+    compiles without Numba's runtime calls whatever ``NUMBA_CUDA_ENABLE_NRT`` says
+    (:func:`~ep_comm.kernels.numba_internals.runtime_off`: no kernel here allocates on the device).
 
     ``fn`` must be defined in this package: the digest does not cover other files. The simulator
     has no cache; a Numba without the (private) stamp falls back to its own keying.
@@ -65,6 +67,8 @@ def kernel(fn: Optional[Callable] = None, *, max_registers: Optional[int] = None
         options["lineinfo"] = True
     dispatcher = cuda.jit(cache=True, **options)(fn)
     set_source_stamp(dispatcher, CACHE_STAMP)
+    if not ENABLE_CUDASIM:
+        compile_without_runtime(dispatcher)
     # every kernel here starts with pdl_enter (kernels/pdl.py): with EP_COMM_KERNEL_PDL=1 its pre-bound launches
     # may use programmatic dependent launch (ep_comm/_launcher/raw.py)
     dispatcher.programmatic_launch = PDL

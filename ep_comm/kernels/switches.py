@@ -26,8 +26,7 @@ at 64, where the copy kernels spill).
 
 ``EP_COMM_KERNEL_LINEINFO=1`` (debug, off by default) compiles every ``@kernel`` with line information (numba-cuda's
 ``lineinfo``), so that Nsight Compute's source page maps each SASS instruction and its stall samples to a Python
-line; the CUDA C signal and wait kernels too (NVRTC's ``-lineinfo``, ``ep_comm.transport.signals.MODULE_OPTIONS``). Set ``NUMBA_CUDA_ENABLE_NRT=0`` with it: Numba's runtime library does not link into a module with line
-information.
+line; the CUDA C signal and wait kernels too (NVRTC's ``-lineinfo``, ``ep_comm.transport.signals.MODULE_OPTIONS``).
 
 ``EP_COMM_KERNEL_PDL=1`` (debug, off by default) compiles programmatic dependent launch into every kernel and
 launches them with it (``ep_comm/kernels/pdl.py``, ``ep_comm/_launcher/raw.py``).

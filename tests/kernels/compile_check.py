@@ -4,7 +4,8 @@ Run as ``python tests/kernels/compile_check.py OUT_DIR`` outside the simulator: 
 are called with NumPy arrays and a launcher that records instead of launching; each recorded
 launch is compiled to PTX, written to ``OUT_DIR/<kernel>.ptx``. This type-checks the real kernels
 (the simulator runs them as Python) and lets tests inspect the generated code. Every kernel must
-also be disk-cached under the package's sources digest (``ep_comm/kernels/jit.py``).
+also be disk-cached under the package's sources digest (``ep_comm/kernels/jit.py``) and compile without Numba's
+runtime calls, as its dispatcher does (``ep_comm.kernels.numba_internals.runtime_off``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from numba import cuda, typeof
 from ep_comm.contract.forward_inbox import ForwardInbox, inbox_views
 from ep_comm.contract.symmetric import SymmetricLayout, symmetric_views, word_dtype
 from ep_comm.kernels.jit import CACHE_STAMP
-from ep_comm.kernels.numba_internals import source_stamp
+from ep_comm.kernels.numba_internals import compiles_without_runtime, runtime_off, source_stamp
 from ep_comm.launching.fp8 import Fp8Rows
 from ep_comm.launching.kernel_launches import PLACE_STABLE, SLOT_ATOMIC, SLOT_STABLE, Kernels
 
@@ -108,7 +109,9 @@ def main(out_dir: str) -> None:
     for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         for kernel, args in record_all(dtype):
             assert source_stamp(kernel) == CACHE_STAMP, f"{kernel} is not cached by sources"
-            ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
+            assert compiles_without_runtime(kernel), f"{kernel} compiles with Numba's runtime calls"
+            with runtime_off():  # as the dispatcher's own compile
+                ptx, _ = cuda.compile_ptx(kernel.py_func, tuple(typeof(a) for a in args), cc=CC)
             name = kernel.py_func.__name__
             if name.startswith("scatter"):  # the form of its row source (its first argument, ep_comm.kernels.payload)
                 name += FORMS[len(args[0])]

@@ -25,6 +25,7 @@ def ptx_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ptx")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    env["NUMBA_CUDA_ENABLE_NRT"] = "1"  # as launch/nvshmem.env sets it: the kernels must compile without it anyway
     run = subprocess.run([sys.executable, str(HERE / "compile_check.py"), str(out)], env=env, capture_output=True,
                          text=True, timeout=600)
     if run.returncode != 0:
@@ -45,6 +46,14 @@ def test_every_kernel_compiles(ptx_dir):
                      "scatter_kernel-fp8cast", "scatter_rows_kernel-fp8pair", "scatter_rows_kernel-fp8cast",
                      "inbox_send_kernel", "combine_meta_kernel", "relay_kernel",
                      "node_reduce_kernel", "dispatch_rows_kernel", "combine_rows_kernel"}
+
+
+def test_no_kernel_calls_numbas_runtime(ptx_dir):
+    """With ``NUMBA_CUDA_ENABLE_NRT=1`` in the environment, no kernel calls Numba's runtime (a reference count call
+    per array sliced or passed on: dozens of calls and tens of registers per kernel): they allocate nothing."""
+    for path in ptx_dir.glob("*.ptx"):
+        ptx = path.read_text()
+        assert "NRT_" not in ptx, path.name
 
 
 def test_fp8_cast_in_the_scatter_divides_exactly_and_converts_in_pairs(ptx_dir):
