@@ -2,7 +2,7 @@
 # session 16: issue 51's last point and the kernels without Numba's runtime calls (4aa984b), old tree (29005de, in
 # .gpu/old, its kernels with the calls: NUMBA_CUDA_ENABLE_NRT=1 as the kit sets it) against new, one rank,
 # alternating on one machine: the 1-rank bench (eager calls, host per call, graph replays) at decode and prefill and
-# tools/host_calls.py, in the order of STEPS. No step starts after 520 s. Logs under /tmp/r, packed into $OUT/r.tgz
+# tools/host_calls.py, in the order of STEPS. No step starts after LAST_START s (default 520). Logs under /tmp/r, packed into $OUT/r.tgz
 # after each run.
 mkdir -p /tmp/r; source .device-kit/setup.sh > /tmp/r/setup.log 2>&1
 ROOT=$PWD KIT=/tmp/site OLD=$PWD/.gpu/old
@@ -28,7 +28,7 @@ bench() { local cfg=${3:-decode} it=50; [ $cfg = prefill ] && it=30
   echo "== bench $cfg $2 rc=$? at $(el)s" >> $S; pack; }
 DEFAULT="bench new n1,bench old o1,hc new n1,hc old o1,bench old o1 prefill,bench new n1 prefill,hc old o2,hc new n2,bench old o2,bench new n2,bench new n2 prefill,bench old o2 prefill"
 IFS=, read -ra STEP <<< "${STEPS:-$DEFAULT}"
-for step in "${STEP[@]}"; do [ $(el) -lt 520 ] || break; $step; done
+for step in "${STEP[@]}"; do [ $(el) -lt ${LAST_START:-520} ] || break; $step; done
 cat $S /tmp/r/env.txt
 for f in /tmp/r/bench-*.log; do echo "--- $f"; grep -aiE "graph|eager|host|replay" $f | head -14; done
 for f in /tmp/r/hc-[no][0-9].log; do echo "--- $f"; tail -14 $f; done
