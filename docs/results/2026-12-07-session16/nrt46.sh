@@ -1,5 +1,6 @@
 #!/bin/bash
-# session 16, issue 46: do Numba's runtime calls cost the kernels time? With NUMBA_CUDA_ENABLE_NRT=1 (what
+# session 16, issue 46: do Numba's runtime calls cost the kernels time? (Run on a tree before 4aa984b: from it on the
+# setting no longer reaches ep_comm's kernels.) With NUMBA_CUDA_ENABLE_NRT=1 (what
 # launch/nvshmem.env and the device kit set) every array a kernel slices or passes on gets NRT_incref/NRT_decref
 # calls (78 call sites in count_kernel's PTX, none with it 0); ep_comm's kernels allocate nothing on the device,
 # so they need no runtime. Variants nrt1 (=1) and nrt0 (=0), each in its own Numba cache (the cache key does not hold
