@@ -2,7 +2,7 @@
 # session 16, the GPU checks after the runtime-free kernels (4aa984b): the nvshmem contract suite (tests/mpi) at 1 and 2 ranks,
 # stores and puts, under one MPS daemon (session 12's callA.sh), then tests/gpu at 2 ranks, the repro at 2 and 1
 # ranks and tests/kernels, results packed under $OUT after each stage. KERNELS=0 leaves tests/kernels out, GPUTESTS=0
-# tests/gpu.
+# tests/gpu; SUITES picks among the suites s2 p2 s1 p1 (default: all four).
 mkdir -p /tmp/v; source .device-kit/setup.sh > /tmp/v/setup.log 2>&1
 ROOT=$PWD KIT=/tmp/site
 export PYTHONPATH=$ROOT:$PYTHONPATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/nbcache NVSHMEM_REMOTE_TRANSPORT=none
@@ -24,10 +24,10 @@ suite warm 1 stores 200 tests/mpi/test_agreement.py; pack
 [ "${KERNELS:-1}" = 0 ] || ( timeout -k 5 420 python3 -m pytest -q -p no:cacheprovider -x tests/kernels > /tmp/v/kernels.log 2>&1
   echo "== tests/kernels rc=$? at $(el)s: $(tail -1 /tmp/v/kernels.log)" >> $S ) &
 suites=()
-suite s2 2 stores 230 & suites+=($!)
-suite p2 2 puts 230 & suites+=($!)
-suite s1 1 stores 230 & suites+=($!)
-suite p1 1 puts 230 & suites+=($!)
+for name in ${SUITES:-s2 p2 s1 p1}; do  # s: stores, p: puts; the digit: ranks
+  tr=stores; [ ${name:0:1} = p ] && tr=puts
+  suite $name ${name:1} $tr 230 & suites+=($!)
+done
 wait "${suites[@]}"; pack
 FWD="-x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_ENABLE_NRT -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x NUMBA_CACHE_DIR -x EP_COMM_RANKS_PER_GPU -x NVSHMEM_REMOTE_TRANSPORT"
 [ "${GPUTESTS:-1}" = 0 ] || ( EP_COMM_RANKS_PER_GPU=2 timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/gpu --ranks 2 \
