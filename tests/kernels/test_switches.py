@@ -26,3 +26,9 @@ def test_row_kernels_are_capped_at_128_registers_by_default():
     if switches.LEGACY or switches._REGISTERS:
         pytest.skip("switches set in the environment")
     assert switches.ROW_MAX_REGISTERS == switches.DEFAULT_ROW_MAX_REGISTERS == 128
+
+
+def test_bf16_combine_reduce_is_capped_at_64_registers_by_default():
+    if switches.LEGACY or switches._REGISTERS or switches._REDUCE_REGISTERS:
+        pytest.skip("switches set in the environment")
+    assert switches.REDUCE_MAX_REGISTERS == switches.DEFAULT_REDUCE_MAX_REGISTERS == 64
