@@ -192,10 +192,10 @@ class _Recorder:
         record(end.ptr, handle)
         self.launches.append([name.replace("kernel ", ""), host, driver, begin, end])
 
-    def _timed_poll(self, marker: Any, what: str) -> None:
+    def _timed_poll(self, *args: Any, **kwargs: Any) -> None:  # StepRunner._poll's arguments, whatever they are
         begin = time.perf_counter()
         try:
-            self._poll(marker, what)
+            self._poll(*args, **kwargs)
         finally:
             self.poll = [begin, time.perf_counter()]
 

@@ -2,6 +2,7 @@
 rows of a call's record, their medians and the text tables, and one timed call through its recorder with a stand-in
 for CuPy's events and the driver's launch (no GPU)."""
 import importlib.util
+import inspect
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,21 +89,29 @@ def _fake_cupy(events):
     return SimpleNamespace(cuda=cuda)
 
 
+def _stand_in_poll(polled):
+    """A runner's ``_poll`` with ``StepRunner._poll``'s parameters (held to them below), noting its calls."""
+    def poll(marker, what, tag=-1):
+        polled.append((marker, what, tag))
+    return poll
+
+
 def test_one_timed_call_through_the_recorder_notes_launches_and_the_poll_and_restores_them():
     events, launched = [], []
     raw = SimpleNamespace(launch=lambda *args: launched.append(args[-1]))
-    runner = SimpleNamespace()
-    runner._poll = original_poll = lambda marker, what: None
+    runner, polled = SimpleNamespace(), []
+    runner._poll = original_poll = _stand_in_poll(polled)
     original_launch = raw.launch
     recorder = timeline._Recorder(_fake_cupy(events), runner, raw, pool=4)
 
     def op():
         raw.launch("f", 1, 32, 0, 7, 0, "kernel count_kernel")
-        runner._poll("marker", "dispatch")
+        runner._poll("marker", "dispatch", 5)
         raw.launch("f", 1, 32, 0, 7, 0, "kernel receive_compact_kernel")
 
     record = timeline._timed_call(_fake_cupy(events), recorder, op)
     assert launched == ["kernel count_kernel", "kernel receive_compact_kernel"]
+    assert polled == [("marker", "dispatch", 5)]
     assert [launch["name"] for launch in record["launches"]] == ["count_kernel", "receive_compact_kernel"]
     assert record["poll"] is not None and record["start"] <= record["poll"][0] <= record["poll"][1] <= record["end"]
     first = record["launches"][0]
@@ -112,6 +121,13 @@ def test_one_timed_call_through_the_recorder_notes_launches_and_the_poll_and_res
     assert set(phases) == {"call", "enqueue", "poll", "after_poll", "gpu_done"}
     recorder.restore()
     assert raw.launch is original_launch and runner._poll is original_poll
+
+
+def test_the_stand_in_poll_has_the_backends_poll_parameters():
+    from ep_comm.backends.nvshmem.steps import StepRunner
+
+    real = list(inspect.signature(StepRunner._poll).parameters)[1:]  # without self
+    assert list(inspect.signature(_stand_in_poll([])).parameters) == real
 
 
 def test_the_command_line_refuses_an_unknown_op(capsys):
