@@ -37,14 +37,14 @@ wait; pack
 STEPS=${STEPS:-"hc new 2 c2a,hc new 9 c9a,hc new 2 c2b,hc new 9 c9b,hc new 14 c14a,hc new 14 c14b,hc new - u1,hc new - u2,hc new - u3,hc new - u4,bench new 2 n1,bench old 2 o1,bench old 2 o2,bench new 2 n2,bench new 2 n3,bench old 2 o3"}
 IFS=, read -ra STEP <<< "$STEPS"
 for step in "${STEP[@]}"; do [ $(el) -lt ${LAST_START:-420} ] || break; $step; done
-mkdir -p /tmp/mpsp /tmp/mpslogp
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mpsp CUDA_MPS_LOG_DIRECTORY=/tmp/mpslogp EP_COMM_RANKS_PER_GPU=2
 tl() { local n=$1 tag=$2; shift 2; [ $(el) -lt ${LAST_START:-420} ] || return
   timeout -k 5 90 mpirun --oversubscribe --bind-to none -np $n $FWD launch/bind_gpu.sh python3 tools/eager_timeline.py \
     --out /tmp/p/$tag --tokens 128 --iters 30 "$@" > /tmp/p/$tag.log 2>&1
   echo "== timeline $tag rc=$? at $(el)s" >> $S; pack; }
 export PYTHONPATH=$ROOT:$KIT
-tl 1 tl1
+tl 1 tl1  # no MPS
+mkdir -p /tmp/mpsp /tmp/mpslogp
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mpsp CUDA_MPS_LOG_DIRECTORY=/tmp/mpslogp EP_COMM_RANKS_PER_GPU=2
 nvidia-cuda-mps-control -d; tl 2 tl2 --num-sms 24; echo quit | nvidia-cuda-mps-control
 cat $S; grep -aE "^(alone|round)" /tmp/p/hc-*.log | head -40
 for f in /tmp/p/bench-*.log; do echo "--- $f"; grep -aE "host time|CUDA graph replay, GPU|eager cached" $f; done
