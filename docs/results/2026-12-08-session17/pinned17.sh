@@ -18,17 +18,20 @@ pack() { tar -czf $OUT/p.tgz -C /tmp p; }
   cat /proc/cpuinfo | grep MHz; } > /tmp/p/machine.txt 2>&1
 FWD="-x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_ENABLE_NRT -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x NUMBA_CACHE_DIR -x NVSHMEM_REMOTE_TRANSPORT -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x EP_COMM_RANKS_PER_GPU"
 tree() { [ $1 = new ] && echo $ROOT || echo $OLD; }
-# run LIMIT TREE CPU(or -) CMD...: one rank of TREE's ep_comm, pinned to CPU unless '-'; its main thread's CPU noted at 5 s
+# run LIMIT TREE CPU(or -) CMD...: one rank of TREE's ep_comm, pinned to CPU unless '-'; its main thread's CPU and the busiest threads (top -H) noted at 5 s
 run() { local lim=$1 t=$(tree $2) cpu=$3; shift 3; local pin=""; [ "$cpu" = - ] || pin="taskset -c $cpu"
   (cd $t && PYTHONPATH=$t:$KIT timeout -k 5 $lim mpirun --oversubscribe --bind-to none -np 1 $FWD $pin "$@") &
-  local job=$!; sleep 5; ps -eLo psr,comm,pid,tid | awk '$2 ~ /^python3/ && $3 == $4' > /tmp/p/psr.tmp; wait $job; }
+  local job=$!; sleep 5; ps -eLo psr,comm,pid,tid | awk '$2 ~ /^python3/ && $3 == $4' > /tmp/p/psr.tmp
+  top -H -b -n 1 -w 200 | head -30 > /tmp/p/top.tmp; wait $job; }
 hc() { local t=$1 cpu=$2 tag=$3
   run 60 $t $cpu python3 $ROOT/tools/host_calls.py --calls 1000 --json /tmp/p/hc-$tag.json > /tmp/p/hc-$tag.log 2>&1
-  echo "== hc $tag ($t, cpu $cpu) rc=$? at $(el)s: ran on $(awk '{print $1}' /tmp/p/psr.tmp | sort -u | tr '\n' ' ')" >> $S; pack; }
+  echo "== hc $tag ($t, cpu $cpu) rc=$? at $(el)s: ran on $(awk '{print $1}' /tmp/p/psr.tmp | sort -u | tr '\n' ' ')" >> $S
+  mv /tmp/p/top.tmp /tmp/p/top-$tag.txt; pack; }
 bench() { local t=$1 cpu=$2 tag=$3
   run 60 $t $cpu python3 -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --config deepseek_v3_decode \
     --iters 50 --json /tmp/p/bench-$tag.json > /tmp/p/bench-$tag.log 2>&1
-  echo "== bench $tag ($t, cpu $cpu) rc=$? at $(el)s" >> $S; pack; }
+  echo "== bench $tag ($t, cpu $cpu) rc=$? at $(el)s: ran on $(awk '{print $1}' /tmp/p/psr.tmp | sort -u | tr '\n' ' ')" >> $S
+  mv /tmp/p/top.tmp /tmp/p/top-$tag.txt; pack; }
 for t in old new; do  # both trees' kernels compiled first, side by side
   ( run 200 $t - python3 $ROOT/tools/host_calls.py --calls 20 --json /tmp/p/warm-$t.json > /tmp/p/warm-$t.log 2>&1
     echo "== warm $t rc=$? at $(el)s" >> $S ) &
