@@ -15,7 +15,8 @@
 #                 (slots_in_rows: one launch, not two) and "receive_counted (compact)" against "receive_count + copy
 #                 (compact)" (count_in_copy: the backend's choice between the two, both timed in every variant)
 #   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
-#   reduce64      every change in, the bf16 combine reduce alone capped at 64 registers (four blocks per SM)
+#   reduce128     every change in, the bf16 combine reduce at 128 registers (two blocks per SM; its default is 64
+#                 since session 17, four blocks per SM)
 #   count1024     every change in, the count one unit per warp at prefill too (EP_COMM_COUNT_MIN_WARPS=1024; host
 #                 side only: it shares new's cache)
 #   count16x1     every change in, the count at decode on one block of 16 warps, two warp steps each, no
@@ -34,7 +35,7 @@
 set -euo pipefail
 OUT=${1:-results/kernels46}
 ALL=count_cut,one_fence,warp_fold,recv_loads,bounds,slots_in_rows,count_in_copy
-VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds no_slots_in_rows no_count_in_copy regs80 regs64 reduce64 count1024 count16x1"}
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds no_slots_in_rows no_count_in_copy regs80 regs64 reduce128 count1024 count16x1"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
 CHAIN_CMD=${CHAIN_CMD:-"${PYTHON:-python3} -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}
@@ -47,7 +48,7 @@ mkdir -p "$OUT"
 legacy_of() {
   case "$1" in
     old) echo "$ALL" ;;
-    new|regs80|regs64|reduce64|count1024|count16x1|pdl) echo "" ;;
+    new|regs80|regs64|reduce128|count1024|count16x1|pdl) echo "" ;;
     no_*) echo "${1#no_}" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
@@ -65,7 +66,7 @@ count_block_warps_of() {
   case "$1" in count16x1) echo 16 ;; *) echo "" ;; esac
 }
 reduce_registers_of() {
-  case "$1" in reduce64) echo 64 ;; *) echo "" ;; esac
+  case "$1" in reduce128) echo 128 ;; *) echo "" ;; esac
 }
 pdl_of() {
   case "$1" in pdl) echo 1 ;; *) echo "" ;; esac
