@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List
 
 ORDER = ("old", "new", "no_count_cut", "no_one_fence", "no_warp_fold", "no_recv_loads", "no_bounds", "no_slots_in_rows",
-         "no_count_in_copy", "regs80", "regs64", "reduce128", "count1024", "count16x1", "pdl")
+         "no_count_in_copy", "no_count_apart", "regs80", "regs64", "reduce128", "count1024", "count16x1", "pdl")
 
 
 def _rank(variant: str) -> int:

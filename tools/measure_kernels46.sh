@@ -10,10 +10,11 @@
 #   old           every change switched back (the kernels of c0b50a8)
 #   new           every change in
 #   no_<change>   every change in but <change> (count_cut, one_fence, warp_fold, recv_loads, bounds, slots_in_rows,
-#                 count_in_copy): its share. The last two change the decode chain (host side: which launches a new
-#                 routing makes), so they show in the chain stage and in the time stage's "count + scatter (stable)"
-#                 (slots_in_rows: one launch, not two) and "receive_counted (compact)" against "receive_count + copy
-#                 (compact)" (count_in_copy: the backend's choice between the two, both timed in every variant)
+#                 count_in_copy, count_apart): its share. slots_in_rows and count_in_copy change the decode chain
+#                 (host side: which launches a new routing makes), so they show in the chain stage and in the time
+#                 stage's "count + scatter (stable)" (slots_in_rows: one launch, not two) and "receive_counted
+#                 (compact)" against "receive_count + copy (compact)" (count_in_copy: the backend's choice between
+#                 the two, both timed in every variant); count_apart shows in "receive_counted (compact)"
 #   regs80/regs64 every change in, the row kernels capped at 80 / 64 registers instead of 128
 #   reduce128     every change in, the bf16 combine reduce at 128 registers (two blocks per SM; its default is 64
 #                 since session 17, four blocks per SM)
@@ -34,8 +35,8 @@
 # Then tools/compare_kernels46.py prints one table per shape (kernel x variant, p50 us) and the profiles side by side.
 set -euo pipefail
 OUT=${1:-results/kernels46}
-ALL=count_cut,one_fence,warp_fold,recv_loads,bounds,slots_in_rows,count_in_copy
-VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds no_slots_in_rows no_count_in_copy regs80 regs64 reduce128 count1024 count16x1"}
+ALL=count_cut,one_fence,warp_fold,recv_loads,bounds,slots_in_rows,count_in_copy,count_apart
+VARIANTS=${VARIANTS:-"old new no_count_cut no_one_fence no_warp_fold no_recv_loads no_bounds no_slots_in_rows no_count_in_copy no_count_apart regs80 regs64 reduce128 count1024 count16x1"}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"old new"}
 CHAIN_VARIANTS=${CHAIN_VARIANTS:-"old new pdl"}
 CHAIN_CMD=${CHAIN_CMD:-"${PYTHON:-python3} -m ep_comm.bench --backend nvshmem --no-baselines --no-busy-check --iters 50"}

@@ -7,8 +7,8 @@ piece of a row (ids, weights and metadata with the row's first piece), then mark
 A cached compact dispatch has put the payload of this rank's rows to itself in ``recv_x`` already
 (``scatter.py``, ``direct``): the kernel copies only the other sources' payload rows then. A new routing's compact
 receive into outputs allocated before its counts are known (``cpu_sync=False``) counts in the same launch
-(``receive_counted_compact_kernel``: each block scans the sources' rows from the count words itself, block 0 also
-writes the receive count's results and record), one dependent launch fewer.
+(``receive_counted_compact_kernel``: each block scans the sources' rows from the count words itself; block 0 writes
+the receive count's results and record while the other blocks copy the rows), one dependent launch fewer.
 
 Expand mode takes two launches. ``receive_place_kernel`` gives every (row, local expert) entry its
 expert-major row and writes ids, weights and metadata, marking padding and unused tail entries;
@@ -26,13 +26,14 @@ from ep_comm.kernels.jit import kernel
 from ep_comm.kernels.pdl import pdl_enter
 from ep_comm.kernels.receive_count import align_up, any_bad_source, count_words, lane_local_expert, rows_psum
 from ep_comm.kernels.step_counter import step_parity
-from ep_comm.kernels.switches import ROW_MAX_REGISTERS
+from ep_comm.kernels.switches import ROW_MAX_REGISTERS, legacy
 from ep_comm.kernels.units import lane_place, row_piece, source_of_row, unit_range, units_for_device
 from ep_comm.kernels.warp import WARP, copy_row, global_warp, lane_id, stable_bucket_slots
 
 PLACE_ATOMIC = 0
 PLACE_STABLE = 1
 PLACE_CACHED = 2
+COUNT_APART = not legacy("count_apart")  # a compile-time constant of the kernels
 
 
 @cuda.jit(device=True)
@@ -224,17 +225,20 @@ def store_row_entries(recv_topk_idx, recv_weight_bits, recv_src_metadata, row, s
 
 @cuda.jit(device=True)
 def copy_compact(rank_psum, rows, meta, recv_topk_idx, recv_weight_bits, recv_src_metadata, recv_x, wide, span,
-                 skip_source):
-    """The compact receive of the rows and meta rows of one parity (``rows``, ``meta``) by every warp of the grid
-    (:func:`receive_compact_kernel`), ``rank_psum [R]`` the inclusive rows per source (global or shared)."""
+                 skip_source, first_block):
+    """The compact receive of the rows and meta rows of one parity (``rows``, ``meta``) by every warp of the grid's
+    blocks from ``first_block`` on (:func:`receive_compact_kernel`), ``rank_psum [R]`` the inclusive rows per source
+    (global or shared); then the grid, every block, marks the tail."""
     max_tokens = meta.shape[1]
     num_rows = rank_psum[rank_psum.shape[0] - 1]
     words = recv_x.shape[1]
     pieces = quotient32(words + span - 1, span)
     lane = lane_id()
     item, num_warps = global_warp()
-    item = np.int32(item)
-    while item < num_rows * pieces:
+    skipped = first_block * (cuda.blockDim.x // WARP)  # the warps of the blocks before first_block copy nothing
+    item = np.int32(item - skipped)
+    num_warps = np.int32(num_warps - skipped)
+    while item >= 0 and item < num_rows * pieces:
         row, begin, end = row_piece(item, pieces, span, words)
         src, slot = source_of_row(rank_psum, row)
         first = begin == 0
@@ -262,7 +266,7 @@ def receive_compact_kernel(rank_psum, rows_by_parity, meta_by_parity, step, recv
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, 0)
     copy_compact(rank_psum, rows_by_parity[parity], meta_by_parity[parity], recv_topk_idx, recv_weight_bits,
-                 recv_src_metadata, recv_x, wide, span, skip_source)
+                 recv_src_metadata, recv_x, wide, span, skip_source, 0)
 
 
 @kernel(max_registers=ROW_MAX_REGISTERS)
@@ -273,9 +277,11 @@ def receive_counted_compact_kernel(counts_by_parity, step, alignment, rank_psum,
     :func:`ep_comm.launching.kernel_launches.Kernels.receive_counted`); dynamic shared memory: int32 ``[R + L]``.
 
     Every block scans the sources' rows in the count words (zero when any verdict is bad) into shared memory, the
-    psum :func:`copy_compact` walks; block 0 first writes what
+    psum :func:`copy_compact` walks; block 0 writes what
     :func:`~ep_comm.kernels.receive_count.receive_count_words_kernel` writes (:func:`count_words`, the record
-    last), while the other blocks copy already.
+    last) while the other blocks copy the rows (:data:`COUNT_APART`: the launch has one block more than the copy's
+    shape for it; a grid of one block, or ``EP_COMM_KERNEL_LEGACY=count_apart``, has block 0 copy its share after
+    counting). Every block marks its share of the tail.
     """
     pdl_enter()  # nothing unless EP_COMM_KERNEL_PDL=1
     parity = step_parity(step, 0)
@@ -290,5 +296,6 @@ def receive_counted_compact_kernel(counts_by_parity, step, alignment, rank_psum,
     if cuda.blockIdx.x == 0:  # the same in every thread of the block: count_words syncs it
         count_words(words, step, alignment, rank_psum, unaligned, aligned, expert_psum, totals, record,
                     smem[num_ranks:num_ranks + unaligned.shape[0]])
+    first_block = 1 if COUNT_APART and cuda.gridDim.x > 1 else 0
     copy_compact(psum, rows_by_parity[parity], meta_by_parity[parity], recv_topk_idx, recv_weight_bits,
-                 recv_src_metadata, recv_x, wide, span, -1)
+                 recv_src_metadata, recv_x, wide, span, -1, first_block)

@@ -16,7 +16,9 @@ change before and after (``tools/measure_kernels46.sh``).
   its own before the rows' launch, and a new routing's dispatch without ``deterministic`` counts for atomic slots,
   instead of the rows' launch taking each entry's stable slot itself (one launch, one dependent step fewer);
 - ``count_in_copy`` (host side): a new routing's compact receive into worst-case outputs (``cpu_sync=False``) counts
-  in a launch of its own before the copy, instead of in the copy's launch (``receive_counted_compact_kernel``).
+  in a launch of its own before the copy, instead of in the copy's launch (``receive_counted_compact_kernel``);
+- ``count_apart``: in that copy's launch, block 0 writes the receive count and then copies its share of the rows,
+  instead of a block of its own (one more in the grid) counting while the others copy every row.
 
 ``EP_COMM_KERNEL_MAX_REGISTERS=N`` (debug) sets that cap (:data:`ROW_MAX_REGISTERS`, default 128: two blocks of
 256 threads per SM) to ``N`` registers per thread: 80 gives three such blocks, 64 four.
@@ -41,7 +43,7 @@ from __future__ import annotations
 import os
 
 CHANGES = ("count_cut", "one_fence", "warp_fold", "recv_loads", "bounds", "slots_in_rows",
-           "count_in_copy")
+           "count_in_copy", "count_apart")
 ENV = "EP_COMM_KERNEL_LEGACY"
 
 

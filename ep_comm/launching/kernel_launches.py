@@ -307,9 +307,11 @@ class Kernels(LaunchShapes):
                         stream: Any, block: Optional[Array] = None, record: Optional[Array] = None) -> ReceiveCounts:
         """A new routing's compact :meth:`receive_count` and :meth:`receive_copy` in one launch: the same results,
         record and outputs (worst-case shapes: ``N`` is not known on the host before), the rows' placement read from
-        the count words instead of a ``rank_psum`` written before."""
+        the count words instead of a ``rank_psum`` written before. The grid is the copy's and, unless
+        ``EP_COMM_KERNEL_LEGACY=count_apart``, one block more that counts while the others copy."""
         record, out = self._receive_outputs(block, record)
         recv_words, wide, span, blocks = self._copy_shape(recv_x, rows, recv_src_metadata.shape[0])
+        blocks += 0 if legacy("count_apart") else 1
         self._launch(receive_counted_compact_kernel, stream, 4 * (self.num_ranks + self.num_local), blocks)(
             src_counts, step, alignment, out.rank_psum, out.num_unaligned_per_expert, out.num_aligned_per_expert,
             out.expert_psum, out.totals, record, rows, meta, recv_topk_idx, recv_topk_weights.view(np.int32),

@@ -206,6 +206,32 @@ def test_a_compact_receive_counts_in_its_copy(xp, monkeypatch, ranks, experts, t
         assert (int(to_host(got.totals)[0]) == 0) == (bad is not None or not sum(tokens))
 
 
+@pytest.mark.parametrize("apart", [True, False], ids=["count-apart", "legacy"])
+def test_the_counted_receive_gives_the_count_a_block_of_its_own(xp, monkeypatch, apart):
+    """``Kernels.receive_counted`` launches the compact copy's grid and one block more, whose block 0 counts while the
+    others copy (its bytes: the test above); with ``EP_COMM_KERNEL_LEGACY=count_apart`` the copy's grid alone."""
+    from ep_comm.kernels import switches
+    from ep_comm.kernels.receive import receive_compact_kernel, receive_counted_compact_kernel
+
+    monkeypatch.setattr(switches, "LEGACY", frozenset() if apart else frozenset({"count_apart"}))
+    world = kernel_world(xp, seed=34, ranks=2, experts=8, topk=2, tokens=(12, 5), max_tokens=40)
+    world.send(1, deterministic=True)
+    k, step, view = world.kernels, world.step(1), world.views[0]
+    grids = {}
+    launch = Kernels._launch
+
+    def spy(self, kernel, stream, shared_bytes=0, blocks=0, warps_per_block=0):
+        grids[kernel] = blocks
+        return launch(self, kernel, stream, shared_bytes, blocks, warps_per_block)
+
+    monkeypatch.setattr(Kernels, "_launch", spy)
+    outputs = world.outputs(expand=False, alignment=1, worst_case=True, num_rows=0, num_expanded=0)
+    counts = k.receive_counted(view.counts, view.rows, view.meta, step, *outputs, alignment=1, stream=0)
+    k.receive_copy(counts.rank_psum, view.rows, view.meta, step, *outputs, expand=False, mode=PLACE_STABLE,
+                   expert_psum=counts.expert_psum, alignment=1, zero_padding=False, stream=0)
+    assert grids[receive_counted_compact_kernel] == grids[receive_compact_kernel] + (1 if apart else 0)
+
+
 @pytest.mark.parametrize("expand", [False, True])
 def test_cached_dispatch_replays_the_routing(xp, expand):
     world = kernel_world(xp, seed=5, hot_expert=1)
